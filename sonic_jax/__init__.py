@@ -1,0 +1,15 @@
+"""sonic_jax: fast fine-grained Mixture-of-Experts layers for JAX (SonicMoE's algorithm)."""
+
+from sonic_jax.activations import ACTIVATIONS, GATE_UP_LAYOUTS
+from sonic_jax.backends import BACKENDS
+from sonic_jax.experts import expert_mixture
+from sonic_jax.layout import GroupedLayout, build_grouped_layout
+from sonic_jax.ops import MoEAux, moe
+from sonic_jax.routing import ROUTINGS, route, router_logits
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ACTIVATIONS", "BACKENDS", "GATE_UP_LAYOUTS", "ROUTINGS", "GroupedLayout", "MoEAux",
+    "build_grouped_layout", "expert_mixture", "moe", "route", "router_logits",
+]

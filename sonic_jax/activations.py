@@ -1,0 +1,141 @@
+"""Expert activations and their hand-written derivatives.
+
+Every backend evaluates activations through these functions, in float32: the forward epilogue
+(H -> A), and the backward epilogue that recomputes A from the stored pre-activation H and forms dH
+from dA (SonicMoE stores neither A nor Y). The derivatives are written out rather than taken with
+`jax.vjp` so that kernels can call the same elementwise code inside an epilogue.
+
+GLU activations split H (2n wide) into a gate and an up half: A = act(gate) * up. Where the halves
+sit is the gate/up layout: "concat" (gate = H[:, :n], up = H[:, n:], Hugging Face order) or
+"interleaved" (gate = H[:, 0::2], up = H[:, 1::2], SonicMoE's order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+_INV_SQRT2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _silu(g):
+  return g * jax.nn.sigmoid(g)
+
+
+def _silu_grad(g):
+  sig = jax.nn.sigmoid(g)
+  return sig * (1.0 + g * (1.0 - sig))
+
+
+def _gelu(g):  # exact (erf) form
+  return 0.5 * g * (1.0 + jax.lax.erf(g * _INV_SQRT2))
+
+
+def _gelu_grad(g):
+  cdf = 0.5 * (1.0 + jax.lax.erf(g * _INV_SQRT2))
+  pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * g * g)
+  return cdf + g * pdf
+
+
+def _relu(g):
+  return jnp.maximum(g, 0.0)
+
+
+def _relu_grad(g):
+  return (g > 0).astype(g.dtype)
+
+
+def _relu_sq(g):
+  r = jnp.maximum(g, 0.0)
+  return r * r
+
+
+def _relu_sq_grad(g):
+  return 2.0 * jnp.maximum(g, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+  """An expert activation: the elementwise function `fn`, its derivative `grad`, GLU or not."""
+
+  name: str
+  fn: Callable[[Array], Array]
+  grad: Callable[[Array], Array]
+  is_glu: bool
+
+  def width_multiplier(self) -> int:
+    """Columns of H (and w1) per column of A: 2 for GLU activations, else 1."""
+    return 2 if self.is_glu else 1
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "swiglu": Activation("swiglu", _silu, _silu_grad, is_glu=True),
+    "geglu": Activation("geglu", _gelu, _gelu_grad, is_glu=True),
+    "reglu": Activation("reglu", _relu, _relu_grad, is_glu=True),
+    "gelu": Activation("gelu", _gelu, _gelu_grad, is_glu=False),
+    "relu": Activation("relu", _relu, _relu_grad, is_glu=False),
+    "relu_sq": Activation("relu_sq", _relu_sq, _relu_sq_grad, is_glu=False),
+    "silu": Activation("silu", _silu, _silu_grad, is_glu=False),
+}
+
+
+def get_activation(name: str) -> Activation:
+  if not isinstance(name, str) or name not in ACTIVATIONS:
+    raise ValueError(
+        f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+  return ACTIVATIONS[name]
+
+
+def split_gate_up(h: Array, layout: str) -> tuple[Array, Array]:
+  """Splits a GLU pre-activation (..., 2n) into (gate, up), each (..., n)."""
+  if layout == "concat":
+    n = h.shape[-1] // 2
+    return h[..., :n], h[..., n:]
+  if layout == "interleaved":
+    return h[..., 0::2], h[..., 1::2]
+  raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
+
+
+def merge_gate_up(gate: Array, up: Array, layout: str) -> Array:
+  """Inverse of `split_gate_up`."""
+  if layout == "concat":
+    return jnp.concatenate([gate, up], axis=-1)
+  if layout == "interleaved":
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+  raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
+
+
+def compute_dtype(dtype):
+  """Epilogue arithmetic dtype: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def apply_activation(h: Array, act: Activation, layout: str) -> Array:
+  """A = act(H) in float32 (H: (..., 2n) for GLU, (..., n) otherwise)."""
+  h = h.astype(compute_dtype(h.dtype))
+  if act.is_glu:
+    gate, up = split_gate_up(h, layout)
+    return act.fn(gate) * up
+  return act.fn(h)
+
+
+def activation_backward(h: Array, d_a: Array, act: Activation, layout: str) -> tuple[Array, Array]:
+  """Recomputes A from H and returns (A, dH) for the cotangent dA, all float32."""
+  h = h.astype(compute_dtype(h.dtype))
+  d_a = d_a.astype(h.dtype)
+  if act.is_glu:
+    gate, up = split_gate_up(h, layout)
+    act_gate = act.fn(gate)
+    d_gate = d_a * up * act.grad(gate)
+    d_up = d_a * act_gate
+    return act_gate * up, merge_gate_up(d_gate, d_up, layout)
+  return act.fn(h), d_a * act.grad(h)

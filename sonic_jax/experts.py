@@ -1,0 +1,68 @@
+"""The expert mixture with SonicMoE's low-activation backward, as one `jax.custom_vjp`.
+
+Forward: H = gather(x) @ w1 (+b1) and A = act(H) (up-projection), Y = A @ w2 (+b2) (down-projection),
+y_t = sum_k s_tk * Y[row(t, k)] (gather-sum aggregation). Saved for backward: x, H, the scores and
+the integer grouped layout; not A, not Y, not a gathered copy of x. The backward recomputes A from H
+inside the dH role and gets the score gradient there too, dS = <dO W2^T, A>, so Y is never needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sonic_jax import activations as acts
+from sonic_jax.backends import Backend
+from sonic_jax.layout import GroupedLayout
+
+Array = jax.Array
+
+
+def _row_scores(scores: Array, layout: GroupedLayout) -> Array:
+  flat = scores.reshape(-1)
+  return jnp.where(layout.row_valid(), flat[jnp.maximum(layout.row_pair, 0)], 0.0)
+
+
+def _pair_values(row_values: Array, layout: GroupedLayout) -> Array:
+  """Row-indexed (R,) values back to pair order (T, S); 0 for pairs routed nowhere."""
+  rows = jnp.minimum(layout.pair_row, row_values.shape[0] - 1)
+  return jnp.where(layout.pair_valid(), row_values[rows], 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2: Array,
+                   b1: Array | None, b2: Array | None,
+                   activation: acts.Activation, gate_up_layout: str, backend: Backend) -> Array:
+  """y (T, d) = sum over each token's routed experts of score * expert(x_t).
+
+  `scores` (T, S) float32 weights the pairs of `layout` (built from the (T, S) expert ids with the
+  backend's `row_tile`). Differentiable in x, scores, w1, w2, b1, b2.
+  """
+  y, _ = _forward(x, scores, layout, w1, w2, b1, b2, activation, gate_up_layout, backend)
+  return y
+
+
+def _forward(x, scores, layout, w1, w2, b1, b2, activation, gate_up_layout, backend):
+  h, a = backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
+  y_rows = backend.down_projection(a, w2, b2, layout)
+  y = backend.gather_sum(y_rows, layout, scores, x.dtype)
+  return y, (x, h, scores, layout, w1, w2, b1, b2)
+
+
+def _backward(activation, gate_up_layout, backend, residuals, d_y):
+  x, h, scores, layout, w1, w2, b1, b2 = residuals
+  row_scores = _row_scores(scores, layout)
+  d_h, a_s, d_s_rows = backend.dh_projection(d_y, h, row_scores, w2, b2, layout, activation,
+                                             gate_up_layout)
+  dw1, dw2, db1, db2 = backend.weight_grads(x, d_y, d_h, a_s, row_scores, layout,
+                                            b1 is not None, b2 is not None)
+  dx_rows = backend.dx_projection(d_h, w1, layout)
+  d_x = backend.gather_sum(dx_rows, layout, None, x.dtype)
+  d_scores = _pair_values(d_s_rows, layout).astype(scores.dtype)
+  cast = lambda g, p: None if p is None else g.astype(p.dtype)
+  return (d_x, d_scores, None, cast(dw1, w1), cast(dw2, w2), cast(db1, b1), cast(db2, b2))
+
+
+expert_mixture.defvjp(_forward, _backward)

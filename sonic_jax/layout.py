@@ -1,0 +1,116 @@
+"""Routing metadata: the tile-aligned grouped layout shared by every backend and kernel.
+
+The P = T*S (token, slot) pairs are grouped by expert (a stable argsort of the expert ids, so tokens
+stay ascending inside an expert). Expert e's rows start at a multiple of `row_tile` and are padded up
+to the next multiple, so every `row_tile` rows of the grouped buffer belong to exactly one expert: a
+grouped GEMM tile never straddles two experts and needs no masking. Padding rows carry token 0 (a
+valid gather index) and are marked invalid; they contribute nothing to outputs or gradients.
+
+Shapes are static: the buffer has R = round_up(P + min(E, P) * (row_tile - 1), row_tile) rows, the
+worst case over all routings, and the number of rows in use is carried as data, so there is no host
+synchronisation and no recompilation when the routing changes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _round_up(a, b):
+  return (a + b - 1) // b * b
+
+
+def grouped_rows(num_pairs: int, num_experts: int, row_tile: int) -> int:
+  """Static row count R of the grouped buffer (worst case over routings)."""
+  return _round_up(num_pairs + min(num_experts, num_pairs) * (row_tile - 1), row_tile)
+
+
+class GroupedLayout(NamedTuple):
+  """Where every (token, slot) pair sits in the expert-grouped buffer.
+
+  Row-indexed arrays have R entries (R = `grouped_rows(...)`), pair-indexed arrays have the routing's
+  (T, S) shape, tile-indexed arrays R // row_tile entries.
+  """
+
+  row_token: Array  # (R,) int32: token whose x row feeds this grouped row (0 for padding)
+  row_pair: Array  # (R,) int32: flat pair index t*S+s of this row, -1 for padding
+  row_expert: Array  # (R,) int32: expert of this row's tile (E for tiles past the used rows)
+  pair_row: Array  # (T, S) int32: grouped row of each pair, R for pairs routed nowhere
+  group_sizes: Array  # (E,) int32: rows per expert including padding (multiples of row_tile)
+  expert_counts: Array  # (E,) int32: real pairs per expert
+  tile_expert: Array  # (R // row_tile,) int32: expert of each tile, E past the used tiles
+  num_tiles: Array  # () int32: tiles in use, sum(group_sizes) // row_tile
+
+  @property
+  def num_rows(self) -> int:
+    return self.row_token.shape[0]
+
+  @property
+  def num_experts(self) -> int:
+    return self.group_sizes.shape[0]
+
+  @property
+  def row_tile(self) -> int:
+    return self.num_rows // self.tile_expert.shape[0]
+
+  def row_valid(self) -> Array:
+    """(R,) bool: the row holds a real (token, expert) pair."""
+    return self.row_pair >= 0
+
+  def pair_valid(self) -> Array:
+    """(T, S) bool: the pair was routed to an expert."""
+    return self.pair_row < self.num_rows
+
+
+def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int) -> GroupedLayout:
+  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'."""
+  if expert_ids.ndim != 2:
+    raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
+  if row_tile < 1:
+    raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+  num_tokens, slots = expert_ids.shape
+  num_pairs = num_tokens * slots
+  e_count = num_experts
+  rows = grouped_rows(num_pairs, e_count, row_tile)
+
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
+  sorted_expert = flat[order]
+
+  counts_all = jnp.zeros((e_count + 1,), jnp.int32).at[flat].add(1)
+  counts = counts_all[:e_count]
+  group_sizes = _round_up(counts, row_tile)
+  starts = jnp.cumsum(counts) - counts  # first sorted position of each expert
+  row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
+
+  position = jnp.arange(num_pairs, dtype=jnp.int32)
+  safe_expert = jnp.minimum(sorted_expert, e_count - 1)
+  row_of_sorted = row_starts[safe_expert] + (position - starts[safe_expert])
+  row_of_sorted = jnp.where(sorted_expert < e_count, row_of_sorted, rows)
+
+  pair_row = jnp.full((num_pairs,), rows, jnp.int32).at[order].set(row_of_sorted)
+  row_pair = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
+  row_token = jnp.where(row_pair >= 0, row_pair // slots, 0).astype(jnp.int32)
+
+  num_tiles = jnp.sum(group_sizes) // row_tile
+  tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e
+  tiles = jnp.arange(rows // row_tile, dtype=jnp.int32)
+  tile_expert = jnp.searchsorted(tile_ends, tiles, side="right").astype(jnp.int32)
+  row_expert = jnp.repeat(tile_expert, row_tile, total_repeat_length=rows)
+
+  return GroupedLayout(
+      row_token=row_token,
+      row_pair=row_pair,
+      row_expert=row_expert,
+      pair_row=pair_row.reshape(num_tokens, slots),
+      group_sizes=group_sizes.astype(jnp.int32),
+      expert_counts=counts,
+      tile_expert=tile_expert,
+      num_tiles=num_tiles.astype(jnp.int32),
+  )

@@ -1,0 +1,142 @@
+"""`sonic_jax.moe`: the functional Mixture-of-Experts layer."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sonic_jax import activations as acts
+from sonic_jax import routing as routing_lib
+from sonic_jax.backends import resolve_backend
+from sonic_jax.experts import expert_mixture
+from sonic_jax.layout import build_grouped_layout
+
+Array = jax.Array
+
+
+class MoEAux(NamedTuple):
+  """What `moe` returns beside the output: routing results and the router's auxiliary losses."""
+
+  expert_counts: Array  # (E,) int32: (token, expert) pairs routed to each expert
+  expert_ids: Array  # (T, K) int32
+  scores: Array  # (T, K) float32
+  router_logits: Array  # (T, E) float32
+  load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
+  z_loss: Array  # () float32: mean logsumexp(logits)^2
+
+
+def _check_float(name, a):
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
+
+
+def _check_rank(name, a, rank, shape_doc):
+  if a.ndim != rank:
+    raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(a.shape)}")
+
+
+def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout):
+  for name, a in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    _check_float(name, a)
+  act = acts.get_activation(activation)
+  if gate_up_layout not in acts.GATE_UP_LAYOUTS:
+    raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
+  _check_rank("x", x, 2, "(T, d)")
+  t_count, d = x.shape
+  _check_rank("router_weight", router_weight, 2, f"(d, E) = ({d}, E)")
+  if router_weight.shape[0] != d:
+    raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
+                     f"got {tuple(router_weight.shape)}")
+  e_count = router_weight.shape[1]
+  mult = act.width_multiplier()
+  _check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = ({e_count}, {d}, ...)")
+  if w1.shape[0] != e_count or w1.shape[1] != d:
+    raise ValueError(f"w1 must have shape (E, d, {'2n' if act.is_glu else 'n'}) with E = {e_count}, "
+                     f"d = {d}, got {tuple(w1.shape)}")
+  if w1.shape[2] % mult or w1.shape[2] == 0:
+    raise ValueError(f"w1's last dim must be 2n (even and > 0) for the GLU activation "
+                     f"{activation!r}, got {w1.shape[2]}")
+  n = w1.shape[2] // mult
+  _check_rank("w2", w2, 3, f"(E, n, d) = ({e_count}, {n}, {d})")
+  if tuple(w2.shape) != (e_count, n, d):
+    hint = ""
+    if w2.shape[1] == w1.shape[2] and act.is_glu:
+      hint = " (w1 is 2n wide for a GLU activation, so n is half of w1's last dim)"
+    elif w2.shape[1] * 2 == w1.shape[2] and not act.is_glu:
+      hint = f" (w1 looks 2n wide: is {activation!r} meant to be a GLU activation?)"
+    raise ValueError(f"w2 must have shape (E, n, d) = ({e_count}, {n}, {d}), got "
+                     f"{tuple(w2.shape)}{hint}")
+  for name, a in (("w1", w1), ("w2", w2)):
+    if a.dtype != x.dtype:
+      raise TypeError(f"{name} must have x's dtype {x.dtype}, got {a.dtype} (cast the expert "
+                      "weights to the compute dtype; the Flax layer does this for you)")
+  for name, b, shape in (("b1", b1, (e_count, w1.shape[2])), ("b2", b2, (e_count, d))):
+    if b is None:
+      continue
+    if not hasattr(b, "shape"):
+      raise TypeError(f"{name} must be an array or None, got {type(b).__name__}")
+    _check_float(name, b)
+    if tuple(b.shape) != shape:
+      raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
+    if b.dtype != x.dtype:
+      raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
+  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+    raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
+  if not 1 <= top_k <= e_count:
+    raise ValueError(f"top_k must be in [1, E] = [1, {e_count}], got {top_k}")
+  return act
+
+
+def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
+        activation: str = "swiglu", routing: str = "softmax_topk", gate_up_layout: str = "concat",
+        b1: Array | None = None, b2: Array | None = None,
+        backend: str = "auto") -> tuple[Array, MoEAux]:
+  """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward.
+
+  Args:
+    x: (T, d) tokens.
+    router_weight: (d, E); logits = x @ router_weight with float32 accumulation.
+    w1: (E, d, 2n) for GLU activations ("swiglu", "geglu", "reglu"), (E, d, n) otherwise.
+    w2: (E, n, d).
+    top_k: K, the experts per token, 1 <= K <= E.
+    activation: "swiglu", "geglu", "reglu" (act(gate) * up) or "gelu" (exact erf form), "relu",
+      "relu_sq", "silu".
+    routing: "softmax_topk", "topk_softmax", "topk_softmax_raw" or "sigmoid_topk"
+      (see `sonic_jax.routing.route`).
+    gate_up_layout: for GLU activations, "concat" (w1[..., :n] is the gate, w1[..., n:] the up
+      projection) or "interleaved" (gate and up alternate column by column).
+    b1: optional (E, 2n) or (E, n) up-projection bias. b2: optional (E, d) down-projection bias.
+    backend: "auto", "xla" or "mosaic_gpu".
+
+  Returns:
+    (y, aux): y has x's shape and dtype; aux is a `MoEAux`.
+
+  Gradients flow to x (through the experts and the router), router_weight, w1, w2, b1 and b2. The
+  backward keeps only x, the pre-activation H, the scores and integer routing metadata.
+  """
+  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout)
+  x, router_weight, w1, w2 = map(jnp.asarray, (x, router_weight, w1, w2))
+  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
+  if routing not in routing_lib.ROUTINGS:
+    raise ValueError(f"routing must be one of {routing_lib.ROUTINGS}, got {routing!r}")
+  impl = resolve_backend(backend)
+  e_count = router_weight.shape[1]
+
+  logits = routing_lib.router_logits(x, router_weight)
+  routed = routing_lib.route(logits, top_k, routing)
+  layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile)
+  y = expert_mixture(x, routed.scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+  aux = MoEAux(
+      expert_counts=layout.expert_counts,
+      expert_ids=routed.expert_ids,
+      scores=routed.scores,
+      router_logits=logits,
+      load_balance_loss=routing_lib.load_balance_loss(routed.probs, layout.expert_counts),
+      z_loss=routing_lib.z_loss(logits),
+  )
+  return y, aux

@@ -1,0 +1,149 @@
+"""The `xla` backend: SonicMoE's algorithm in plain JAX.
+
+It is the CPU path and the reference that the Hopper kernels are tested against: the same roles on
+the same grouped layout, the same stored dtypes (H, A, Y, dH, A_s in the compute dtype, float32
+accumulation), the same residuals. Gathers are explicit here (XLA materialises them); the kernels
+fuse them into their operand loads. Grouped GEMMs are a scan over the layout's row tiles, one small
+GEMM per tile: exact FLOPs, differentiable to any order and batchable, but not a fast GPU path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sonic_jax import activations as acts
+from sonic_jax.layout import GroupedLayout
+
+Array = jax.Array
+_acc = acts.compute_dtype  # float32 accumulation (float64 for float64 inputs)
+
+def _tiles(rows: Array, layout: GroupedLayout) -> Array:
+  return rows.reshape(-1, layout.row_tile, *rows.shape[1:])
+
+
+def _tile_weights(layout: GroupedLayout) -> tuple[Array, Array]:
+  """Per tile: the expert index to read weights from (clamped) and whether the tile is in use."""
+  used = layout.tile_expert < layout.num_experts
+  return jnp.minimum(layout.tile_expert, layout.num_experts - 1), used
+
+
+def grouped_matmul(rows: Array, weights: Array, layout: GroupedLayout) -> Array:
+  """Varlen-M grouped GEMM: out[r] = rows[r] @ weights[expert(r)], (R, m), float32 accumulation.
+
+  A scan over row tiles, each one small GEMM against its expert's weights: the true FLOPs (plus the
+  layout's padding), unlike `jax.lax.ragged_dot`, which XLA expands to an E-times-larger dense GEMM;
+  and differentiable to any order and batchable, which ragged_dot's varlen-K form is not.
+  """
+  expert, used = _tile_weights(layout)
+  acc = _acc(rows.dtype)
+
+  def tile(_, xs):
+    rows_tile, e, in_use = xs
+    out = jnp.dot(rows_tile, weights[e], preferred_element_type=acc)
+    return None, jnp.where(in_use, out, 0.0)
+
+  _, out = jax.lax.scan(tile, None, (_tiles(rows, layout), expert, used))
+  return out.reshape(rows.shape[0], weights.shape[-1])
+
+
+def grouped_matmul_t(rows: Array, weights: Array, layout: GroupedLayout) -> Array:
+  """Varlen-M against transposed weights: out[r] = rows[r] @ weights[expert(r)].T."""
+  return grouped_matmul(rows, jnp.swapaxes(weights, 1, 2), layout)
+
+
+def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout) -> Array:
+  """Varlen-K grouped GEMM: out[e] = sum over e's rows of lhs_rows[r]^T rhs_rows[r], (E, k, m).
+
+  Experts without rows get exact zeros.
+  """
+  expert, used = _tile_weights(layout)
+  acc = _acc(lhs_rows.dtype)
+  init = jnp.zeros((layout.num_experts, lhs_rows.shape[1], rhs_rows.shape[1]), acc)
+
+  def tile(total, xs):
+    lhs_tile, rhs_tile, e, in_use = xs
+    part = jnp.dot(lhs_tile.T, rhs_tile, preferred_element_type=acc)
+    return total.at[e].add(jnp.where(in_use, part, 0.0)), None
+
+  total, _ = jax.lax.scan(tile, init, (_tiles(lhs_rows, layout), _tiles(rhs_rows, layout),
+                                       expert, used))
+  return total
+
+
+def _row_bias(bias: Array, layout: GroupedLayout) -> Array:
+  padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
+  return padded[layout.row_expert].astype(_acc(bias.dtype))  # row_expert == E past the used rows
+
+
+def up_projection(x, w1, b1, layout: GroupedLayout, activation: acts.Activation, gate_up_layout: str):
+  """H = gather(x) @ w1_e (+ b1_e); A = act(H). Returns (H, A) in x's dtype, each (R, .)."""
+  h = grouped_matmul(x[layout.row_token], w1, layout)
+  if b1 is not None:
+    h = h + _row_bias(b1, layout)
+  h = h.astype(x.dtype)
+  # Like the kernel epilogue, A is computed from the float32 accumulator before H is rounded;
+  # here from the rounded H so that the backward's recomputation of A gives the same values.
+  a = acts.apply_activation(h, activation, gate_up_layout)
+  return h, a.astype(x.dtype)
+
+
+def down_projection(a, w2, b2, layout: GroupedLayout):
+  """Y = A @ w2_e (+ b2_e), (R, d), unscaled by the router scores."""
+  y = grouped_matmul(a, w2, layout)
+  if b2 is not None:
+    y = y + _row_bias(b2, layout)
+  return y.astype(a.dtype)
+
+
+def gather_sum(rows: Array, layout: GroupedLayout, pair_weights: Array | None, out_dtype) -> Array:
+  """out[t] = sum_s w[t, s] * rows[pair_row[t, s]] with float32 accumulation (no scatter)."""
+  valid = layout.pair_valid()
+  acc = _acc(rows.dtype)
+  gathered = rows[jnp.minimum(layout.pair_row, rows.shape[0] - 1)].astype(acc)  # (T, S, d)
+  w = valid.astype(acc) if pair_weights is None else jnp.where(valid, pair_weights.astype(acc), 0.0)
+  # where() rather than a multiply alone so that padding garbage can never leak through 0 * inf.
+  gathered = jnp.where(valid[..., None], gathered, 0.0)
+  return jnp.einsum("tsd,ts->td", gathered, w).astype(out_dtype)
+
+
+def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
+                  activation: acts.Activation, gate_up_layout: str):
+  """The dH role: dA' = gather(dO) @ w2_e^T, then from H: dH = s*act'(H, dA'), A_s = s*A, dS.
+
+  dS_r = <dA'_r, A_r> (+ <dO_t, b2_e>) equals <dO_t, Y_r> without Y having been stored.
+  Returns dH (R, .), A_s (R, n) in H's dtype and dS (R,) float32.
+  """
+  valid = layout.row_valid()[:, None]
+  d_out_rows = d_out[layout.row_token]
+  d_a = grouped_matmul_t(d_out_rows, w2, layout)
+  a, d_h = acts.activation_backward(h, d_a, activation, gate_up_layout)
+  d_s = jnp.sum(d_a * a, axis=-1)
+  if b2 is not None:
+    d_s = d_s + jnp.sum(d_out_rows.astype(d_a.dtype) * _row_bias(b2, layout), axis=-1)
+  s = row_scores[:, None]
+  d_h = jnp.where(valid, s * d_h, 0.0).astype(h.dtype)
+  a_s = jnp.where(valid, s * a, 0.0).astype(h.dtype)
+  d_s = jnp.where(layout.row_valid(), d_s, 0.0)
+  return d_h, a_s, d_s
+
+
+def weight_grads(x, d_out, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
+  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used."""
+  x_rows = x[layout.row_token]
+  d_out_rows = d_out[layout.row_token]
+  dw1 = grouped_weight_grad(x_rows, d_h, layout)
+  dw2 = grouped_weight_grad(a_s, d_out_rows, layout)
+  e_count = layout.num_experts
+  db1 = db2 = None
+  if with_b1:
+    db1 = jax.ops.segment_sum(d_h.astype(_acc(d_h.dtype)), layout.row_expert, num_segments=e_count)
+  if with_b2:
+    scaled = jnp.where(layout.row_valid(), row_scores, 0.0)[:, None] * d_out_rows.astype(_acc(d_out_rows.dtype))
+    db2 = jax.ops.segment_sum(scaled, layout.row_expert, num_segments=e_count)
+  return dw1, dw2, db1, db2
+
+
+def dx_projection(d_h, w1, layout: GroupedLayout):
+  """dX rows = dH @ w1_e^T, (R, d) in dH's dtype; `gather_sum` then reduces them per token."""
+  return grouped_matmul_t(d_h, w1, layout).astype(d_h.dtype)

@@ -1,0 +1,35 @@
+"""Random MoE problems at unit scale, for tests and the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+
+GLU = {"swiglu", "geglu", "reglu"}
+
+
+def make_problem(rng, T=48, d=32, n=16, E=8, K=2, activation="swiglu", bias=False, skew=False):
+  """Inputs as float64 NumPy arrays, scaled so x, H, A, Y and y are all of order one.
+
+  With skew=True most of the routing goes to expert 0 and experts 5, 6, 7 receive no token.
+  """
+  width = 2 * n if activation in GLU else n
+  x = rng.standard_normal((T, d))
+  router_weight = rng.standard_normal((d, E)) / np.sqrt(d) * 2.0
+  if skew:
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    x = x - np.outer(x @ u, u) + 3.0 * u  # every token leans the same way
+    push = np.zeros(E)
+    push[0] = 4.0
+    push[5:] = -10.0
+    router_weight = router_weight + np.outer(u, push)
+  p = {
+      "x": x,
+      "router_weight": router_weight,
+      "w1": rng.standard_normal((E, d, width)) / np.sqrt(d),
+      "w2": rng.standard_normal((E, n, d)) / np.sqrt(n),
+      "b1": rng.standard_normal((E, width)) * 0.5 if bias else None,
+      "b2": rng.standard_normal((E, d)) * 0.5 if bias else None,
+  }
+  d_y = rng.standard_normal((T, d))
+  return p, d_y

@@ -1,0 +1,100 @@
+"""An independent float64 oracle: the MoE layer written from the math, one expert at a time.
+
+Nothing here imports sonic_jax. Routing picks the top-K logits (softmax and sigmoid are monotone,
+so every routing selects the same experts) with NumPy, and the expert path runs every token through
+every expert densely, weighting by the token's score for that expert (zero when not routed there).
+Gradients are JAX autodiff of this plain function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ACT_FNS = {
+    "swiglu": (jax.nn.silu, True),
+    "geglu": (lambda g: jax.nn.gelu(g, approximate=False), True),
+    "reglu": (jax.nn.relu, True),
+    "gelu": (lambda g: jax.nn.gelu(g, approximate=False), False),
+    "relu": (jax.nn.relu, False),
+    "relu_sq": (lambda g: jnp.square(jax.nn.relu(g)), False),
+    "silu": (jax.nn.silu, False),
+}
+
+
+def select_experts(x, router_weight, top_k):
+  logits = np.asarray(x, np.float64) @ np.asarray(router_weight, np.float64)
+  return np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
+
+
+def routing_scores(logits, ids, routing):
+  if routing == "softmax_topk":
+    return jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+  if routing in ("topk_softmax", "topk_softmax_raw"):
+    top = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=-1)
+    return top / jnp.sum(top, -1, keepdims=True) if routing == "topk_softmax" else top
+  if routing == "sigmoid_topk":
+    top = jnp.take_along_axis(jax.nn.sigmoid(logits), ids, axis=-1)
+    return top / jnp.sum(top, -1, keepdims=True)
+  raise ValueError(routing)
+
+
+def expert_forward(x_e, w1_e, b1_e, w2_e, b2_e, activation, gate_up_layout):
+  """One expert on a batch of rows: returns (H, Y)."""
+  fn, glu = ACT_FNS[activation]
+  h = x_e @ w1_e + b1_e
+  if glu:
+    n = h.shape[-1] // 2
+    if gate_up_layout == "concat":
+      gate, up = h[:, :n], h[:, n:]
+    else:
+      gate, up = h[:, 0::2], h[:, 1::2]
+    a = fn(gate) * up
+  else:
+    a = fn(h)
+  return h, a @ w2_e + b2_e
+
+
+def moe_reference(x, router_weight, w1, w2, b1, b2, ids, *, routing, activation, gate_up_layout):
+  """y (T, d) in float64; ids (T, K) fixed (from `select_experts`)."""
+  e_count = w1.shape[0]
+  b1 = jnp.zeros(w1.shape[::2], w1.dtype) if b1 is None else b1
+  b2 = jnp.zeros((e_count, w2.shape[2]), w2.dtype) if b2 is None else b2
+  logits = x @ router_weight
+  scores = routing_scores(logits, jnp.asarray(ids), routing)
+  y = jnp.zeros_like(x)
+  for e in range(e_count):
+    weight = jnp.sum(jnp.where(jnp.asarray(ids) == e, scores, 0.0), axis=-1)  # (T,)
+    _, y_e = expert_forward(x, w1[e], b1[e], w2[e], b2[e], activation, gate_up_layout)
+    y = y + weight[:, None] * y_e
+  return y
+
+
+def reference_values_and_grads(inputs, d_y, ids, **kw):
+  """Float64 output and gradients w.r.t. every array in `inputs` (a dict; None entries skipped)."""
+  names = [k for k, v in inputs.items() if v is not None]
+  with jax.enable_x64(True):
+    args64 = {k: (None if v is None else jnp.asarray(np.asarray(v, np.float64)))
+              for k, v in inputs.items()}
+    d_y64 = jnp.asarray(np.asarray(d_y, np.float64))
+
+    def loss(*flat):
+      a = dict(args64)
+      a.update(zip(names, flat))
+      y = moe_reference(a["x"], a["router_weight"], a["w1"], a["w2"], a.get("b1"), a.get("b2"),
+                        ids, **kw)
+      return jnp.vdot(y, d_y64), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
+        *[args64[k] for k in names])
+    return np.asarray(y), {k: np.asarray(g) for k, g in zip(names, grads)}
+
+
+def rel_err(got, want):
+  got = np.asarray(got, np.float64)
+  want = np.asarray(want, np.float64)
+  if not np.all(np.isfinite(got)):
+    return np.inf
+  denom = np.linalg.norm(want)
+  return float(np.linalg.norm(got - want) / (denom if denom > 0 else 1.0))

@@ -1,0 +1,83 @@
+"""The grouped layout's invariants and the hand-written activation derivatives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sonic_jax import activations as acts
+from sonic_jax.layout import build_grouped_layout, grouped_rows
+
+
+@pytest.mark.parametrize("row_tile", [1, 4, 32, 128])
+@pytest.mark.parametrize("kind", ["random", "skewed", "with_unrouted"])
+def test_grouped_layout_invariants(rng, row_tile, kind):
+  T, S, E = 37, 3, 6
+  ids = rng.integers(0, E, size=(T, S))
+  if kind == "skewed":
+    ids[:, 0] = 2
+    ids[ids == 4] = 1  # expert 4 gets nothing
+  if kind == "with_unrouted":
+    ids[rng.random((T, S)) < 0.3] = -1  # 'no expert'
+  lay = jax.jit(build_grouped_layout, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), E, row_tile)
+  lay = jax.tree.map(np.asarray, lay)
+  R = grouped_rows(T * S, E, row_tile)
+  assert lay.row_token.shape == (R,) and R % row_tile == 0
+
+  counts = np.array([(ids == e).sum() for e in range(E)])
+  np.testing.assert_array_equal(lay.expert_counts, counts)
+  np.testing.assert_array_equal(lay.group_sizes, -(-counts // row_tile) * row_tile)
+  assert lay.num_tiles == lay.group_sizes.sum() // row_tile
+
+  starts = np.concatenate([[0], np.cumsum(lay.group_sizes)[:-1]])
+  for e in range(E):
+    rows = np.arange(starts[e], starts[e] + lay.group_sizes[e])
+    real = rows[: counts[e]]
+    pairs = lay.row_pair[real]
+    # Expert e's real rows hold exactly its pairs, tokens ascending; the rest of its rows pad.
+    np.testing.assert_array_equal(np.sort(pairs), np.flatnonzero(ids.reshape(-1) == e))
+    assert np.all(np.diff(pairs) > 0)
+    np.testing.assert_array_equal(lay.row_token[real], pairs // S)
+    assert np.all(lay.row_pair[rows[counts[e]:]] == -1)
+    assert np.all(lay.row_expert[rows] == e)
+  # Every tile belongs to one expert; tiles past the used ones are marked E.
+  np.testing.assert_array_equal(lay.row_expert.reshape(-1, row_tile), lay.tile_expert[:, None]
+                                .repeat(row_tile, 1))
+  assert np.all(lay.tile_expert[lay.num_tiles:] == E)
+  assert np.all(lay.row_pair[lay.num_tiles * row_tile:] == -1)
+  # pair_row and row_pair are inverse; unrouted pairs point past the buffer.
+  flat_rows = lay.pair_row.reshape(-1)
+  routed = (ids.reshape(-1) >= 0)
+  np.testing.assert_array_equal(lay.row_pair[flat_rows[routed]], np.flatnonzero(routed))
+  assert np.all(flat_rows[~routed] == R)
+  assert np.all((lay.row_token >= 0) & (lay.row_token < T))
+
+
+@pytest.mark.parametrize("name", sorted(acts.ACTIVATIONS))
+@pytest.mark.parametrize("layout", acts.GATE_UP_LAYOUTS)
+def test_activation_backward_matches_autodiff(rng, name, layout):
+  act = acts.ACTIVATIONS[name]
+  h = jnp.asarray(rng.standard_normal((16, 24)) * 2, jnp.float32)
+  d_a = jnp.asarray(rng.standard_normal((16, 24 // act.width_multiplier())), jnp.float32)
+  a, vjp = jax.vjp(lambda h: acts.apply_activation(h, act, layout), h)
+  a2, d_h = acts.activation_backward(h, d_a, act, layout)
+  np.testing.assert_allclose(a2, a, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(d_h, vjp(d_a)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_gate_up_split_and_merge_are_inverse(rng):
+  h = jnp.asarray(rng.standard_normal((3, 10)))
+  for layout in acts.GATE_UP_LAYOUTS:
+    np.testing.assert_array_equal(acts.merge_gate_up(*acts.split_gate_up(h, layout), layout), h)
+  g, u = acts.split_gate_up(jnp.arange(6.0)[None], "interleaved")
+  np.testing.assert_array_equal(g, [[0, 2, 4]])
+  np.testing.assert_array_equal(u, [[1, 3, 5]])
+
+
+def test_unknown_activation_and_layout():
+  with pytest.raises(ValueError, match="activation"):
+    acts.get_activation("tanh")
+  with pytest.raises(ValueError, match="gate_up_layout"):
+    acts.split_gate_up(jnp.zeros((2, 4)), "blocked")

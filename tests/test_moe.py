@@ -1,0 +1,268 @@
+"""sonic_jax.moe (xla backend) against the float64 oracle, under JAX transformations, bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonic_jax
+from cases import GLU, make_problem
+from oracle import reference_values_and_grads, rel_err, select_experts
+
+ACTS = ["swiglu", "geglu", "reglu", "gelu", "relu", "relu_sq", "silu"]
+ROUTINGS = list(sonic_jax.ROUTINGS)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+ARG_NAMES = ("x", "router_weight", "w1", "w2", "b1", "b2")
+
+
+def run_moe(p, d_y, dtype, **kw):
+  """Output and gradients of sonic_jax.moe for the float64 problem p, computed at `dtype`."""
+  cast = {k: None if v is None else jnp.asarray(v, dtype) for k, v in p.items()}
+  names = [k for k in ARG_NAMES if cast[k] is not None]
+
+  @jax.jit
+  def f(*flat):
+    a = dict(cast)
+    a.update(zip(names, flat))
+    y, aux = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], b1=a["b1"], b2=a["b2"],
+                           **kw)
+    return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), (y, aux)
+
+  (_, (y, aux)), grads = jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True)(
+      *[cast[k] for k in names])
+  return y, aux, dict(zip(names, grads)), cast
+
+
+def check_against_oracle(p, d_y, dtype, *, top_k, activation, routing, gate_up_layout):
+  y, aux, grads, cast = run_moe(p, d_y, dtype, top_k=top_k, activation=activation,
+                                routing=routing, gate_up_layout=gate_up_layout, backend="xla")
+  # The oracle sees exactly the values the op saw (rounded to `dtype`).
+  seen = {k: None if v is None else np.asarray(v.astype(jnp.float32), np.float64)
+          for k, v in cast.items()}
+  ids = select_experts(seen["x"], seen["router_weight"], top_k)
+  np.testing.assert_array_equal(np.sort(np.asarray(aux.expert_ids), -1), np.sort(ids, -1))
+  y_ref, g_ref = reference_values_and_grads(seen, d_y, ids, routing=routing, activation=activation,
+                                            gate_up_layout=gate_up_layout)
+  assert y.dtype == dtype and y.shape == p["x"].shape
+  errs = {"y": rel_err(y, y_ref)}
+  errs.update({f"d{k}": rel_err(grads[k], g_ref[k]) for k in grads})
+  for k in grads:
+    assert grads[k].dtype == cast[k].dtype, k
+  tol = TOL[dtype]
+  bad = {k: v for k, v in errs.items() if not v <= tol}
+  assert not bad, f"errors over {tol}: {bad} (all: {errs})"
+  counts = np.bincount(ids.reshape(-1), minlength=p["w1"].shape[0])
+  np.testing.assert_array_equal(np.asarray(aux.expert_counts), counts)
+  return errs
+
+
+def _activation_cases():
+  cases = []
+  i = 0
+  for act in ACTS:
+    for layout in (["concat", "interleaved"] if act in GLU else ["concat"]):
+      for dtype in (jnp.float32, jnp.bfloat16):
+        cases.append(pytest.param(act, layout, ROUTINGS[i % 4], bool(i % 2), dtype,
+                                  id=f"{act}-{layout}-{ROUTINGS[i % 4]}-bias{i % 2}-{dtype.__name__}"))
+        i += 1
+  return cases
+
+
+@pytest.mark.parametrize("activation,gate_up_layout,routing,bias,dtype", _activation_cases())
+def test_activations_layouts_against_oracle(rng, activation, gate_up_layout, routing, bias, dtype):
+  p, d_y = make_problem(rng, activation=activation, bias=bias)
+  check_against_oracle(p, d_y, dtype, top_k=2, activation=activation, routing=routing,
+                       gate_up_layout=gate_up_layout)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_routings_against_oracle(rng, routing, bias):
+  p, d_y = make_problem(rng, E=6, K=3, bias=bias)
+  check_against_oracle(p, d_y, jnp.float32, top_k=3, activation="swiglu", routing=routing,
+                       gate_up_layout="interleaved")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu_sq"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_skewed_routing_and_empty_experts(rng, activation, dtype):
+  p, d_y = make_problem(rng, T=40, activation=activation, skew=True, bias=True)
+  ids = select_experts(p["x"], p["router_weight"], 2)
+  counts = np.bincount(ids.reshape(-1), minlength=8)
+  assert counts[0] == 40 and np.all(counts[5:] == 0), counts  # the case we meant to build
+  check_against_oracle(p, d_y, dtype, top_k=2, activation=activation, routing="topk_softmax",
+                       gate_up_layout="concat")
+  # Experts that received no token get exactly zero weight gradients.
+  _, _, grads, _ = run_moe(p, d_y, dtype, top_k=2, activation=activation, routing="topk_softmax")
+  for k in ("w1", "w2", "b1", "b2"):
+    assert np.all(np.asarray(grads[k][5:], np.float32) == 0.0), k
+
+
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_top_k_extremes(rng, top_k):
+  # K=1 with renormalised scores has a zero router gradient; the raw form (Switch) has one.
+  p, d_y = make_problem(rng, K=top_k)
+  check_against_oracle(p, d_y, jnp.float32, top_k=top_k, activation="geglu",
+                       routing="topk_softmax_raw", gate_up_layout="concat")
+
+
+def _small_f64_problem(rng, bias):
+  p, _ = make_problem(rng, T=12, d=8, n=4, E=4, activation="swiglu", bias=bias)
+  return {k: None if v is None else jnp.asarray(v, jnp.float64) for k, v in p.items()}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_check_grads_float64(rng, bias):
+  from jax.test_util import check_grads
+  with jax.enable_x64(True):
+    a = _small_f64_problem(rng, bias)
+    names = [k for k in ARG_NAMES if a[k] is not None]
+
+    def f(*flat):
+      kw = dict(zip(names, flat))
+      y, aux = sonic_jax.moe(kw["x"], kw["router_weight"], kw["w1"], kw["w2"], b1=kw.get("b1"),
+                             b2=kw.get("b2"), top_k=2, routing="topk_softmax",
+                             gate_up_layout="interleaved", backend="xla")
+      return jnp.sum(jnp.sin(y)) + aux.load_balance_loss + 0.1 * aux.z_loss
+
+    # Second order too: the custom_vjp's backward is itself differentiable JAX.
+    check_grads(f, [a[k] for k in names], order=2, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+def _layer_params(rng, L, T=32, d=16, n=8, E=4):
+  p = [make_problem(rng, T=T, d=d, n=n, E=E)[0] for _ in range(L)]
+  stack = lambda k: jnp.asarray(np.stack([q[k] for q in p]), jnp.float32)
+  return jnp.asarray(p[0]["x"], jnp.float32), stack("router_weight"), stack("w1"), stack("w2")
+
+
+def test_scan_checkpoint_and_jit_agree_with_a_python_loop(rng):
+  x, rw, w1, w2 = _layer_params(rng, L=3)
+  layer = lambda h, w: h + sonic_jax.moe(h, *w, top_k=2, backend="xla")[0]
+
+  def loop(x, rw, w1, w2):
+    h = x
+    for i in range(3):
+      h = layer(h, (rw[i], w1[i], w2[i]))
+    return jnp.sum(h * h)
+
+  def scanned(x, rw, w1, w2):
+    body = jax.checkpoint(lambda h, w: (layer(h, w), None))
+    h, _ = jax.lax.scan(body, x, (rw, w1, w2))
+    return jnp.sum(h * h)
+
+  want = jax.value_and_grad(loop, argnums=(0, 1, 2, 3))(x, rw, w1, w2)
+  got = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1, 2, 3)))(x, rw, w1, w2)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    assert rel_err(g, w) < 1e-5
+
+
+def test_vmap_over_a_leading_batch(rng):
+  p, d_y = make_problem(rng, T=16)
+  xs = jnp.asarray(np.stack([p["x"], -p["x"], 2 * p["x"]]), jnp.float32)
+  w = [jnp.asarray(p[k], jnp.float32) for k in ("router_weight", "w1", "w2")]
+  f = lambda x: sonic_jax.moe(x, *w, top_k=2, backend="xla")[0]
+  batched = jax.vmap(f)(xs)
+  for i in range(3):
+    assert rel_err(batched[i], f(xs[i])) < 1e-6
+  gb = jax.grad(lambda xs: jnp.sum(jax.vmap(f)(xs) ** 2))(xs)
+  for i in range(3):
+    assert rel_err(gb[i], jax.grad(lambda x: jnp.sum(f(x) ** 2))(xs[i])) < 1e-5
+
+
+def _residuals(f, *args):
+  from jax._src.ad_checkpoint import saved_residuals
+  return [(aval, why) for aval, why in saved_residuals(f, *args) if "from the argument" not in why]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_backward_saves_only_x_h_scores_and_metadata(rng, activation):
+  T, d, n, E, K = 64, 48, 24, 8, 4  # all distinct products, so shapes identify tensors
+  p, d_y = make_problem(rng, T=T, d=d, n=n, E=E, K=K, activation=activation)
+  a = [jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")]
+  dy = jnp.asarray(d_y, jnp.float32)
+  f = lambda *a: jnp.vdot(sonic_jax.moe(*a, top_k=K, activation=activation, backend="xla")[0], dy)
+  res = _residuals(f, *a)
+  width = 2 * n if activation in GLU else n
+  floats = [(tuple(v.shape), why) for v, why in res if jnp.issubdtype(v.dtype, jnp.floating)]
+  big = [s for s, _ in floats if np.prod(s) >= T * K * n]
+  # Exactly one large float residual: H (rows, width). Not A, not Y, no gathered x.
+  assert len(big) == 1 and big[0][1] == width and big[0][0] >= T * K, floats
+  assert all(np.prod(s) < T * K * d or s[-1] == width for s, _ in floats), floats
+  # Everything else is O(T*K) or O(T*E), or the loss's own copy of dy (T*d).
+  for s, why in floats:
+    if s != big[0]:
+      assert np.prod(s) <= T * max(K, E) or ("test_moe.py" in why and np.prod(s) == T * d), (s, why)
+
+
+def test_nan_in_x_propagates_to_its_token_only(rng):
+  p, _ = make_problem(rng, T=16)
+  x = np.array(p["x"])
+  x[3, 5] = np.nan
+  y, _ = sonic_jax.moe(jnp.asarray(x, jnp.float32), *[jnp.asarray(p[k], jnp.float32)
+                       for k in ("router_weight", "w1", "w2")], top_k=2, backend="xla")
+  y = np.asarray(y)
+  assert np.all(np.isnan(y[3]))
+  assert np.all(np.isfinite(np.delete(y, 3, axis=0)))
+
+
+def test_aux_losses(rng):
+  p, _ = make_problem(rng, T=64, E=8)
+  a = [jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")]
+  _, aux = sonic_jax.moe(*a, top_k=2, routing="topk_softmax", backend="xla")
+  logits = np.asarray(p["x"] @ p["router_weight"])
+  np.testing.assert_allclose(aux.router_logits, logits, rtol=1e-4, atol=1e-4)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  counts = np.asarray(aux.expert_counts)
+  assert counts.sum() == 64 * 2
+  want_lb = 8 * np.sum(counts / counts.sum() * probs.mean(0))
+  np.testing.assert_allclose(aux.load_balance_loss, want_lb, rtol=1e-5)
+  lse = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(aux.z_loss, np.mean(lse**2), rtol=1e-5)
+  # Uniform probabilities and counts give a balance loss of exactly one.
+  from sonic_jax.routing import load_balance_loss
+  assert float(load_balance_loss(jnp.full((10, 4), 0.25), jnp.array([5, 5, 5, 5]))) == 1.0
+
+
+def _valid_args(rng):
+  p, _ = make_problem(rng, T=8, d=16, n=8, E=4)
+  return {k: jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")}
+
+
+BAD = [
+    ("x rank", dict(x=jnp.zeros((2, 8, 16))), ValueError, "x must have shape"),
+    ("router d", dict(router_weight=jnp.zeros((15, 4))), ValueError, "router_weight"),
+    ("w1 E", dict(w1=jnp.zeros((3, 16, 16))), ValueError, "w1"),
+    ("w1 d", dict(w1=jnp.zeros((4, 12, 16))), ValueError, "w1"),
+    ("w1 odd for glu", dict(w1=jnp.zeros((4, 16, 15))), ValueError, "w1"),
+    ("w2 n", dict(w2=jnp.zeros((4, 16, 16))), ValueError, "w2"),
+    ("w2 rank", dict(w2=jnp.zeros((4, 8))), ValueError, "w2"),
+    ("w2 d", dict(w2=jnp.zeros((4, 8, 12))), ValueError, "w2"),
+    ("int x", dict(x=jnp.zeros((8, 16), jnp.int32)), TypeError, "x must have a floating dtype"),
+    ("int w1", dict(w1=jnp.zeros((4, 16, 16), jnp.int32)), TypeError, "w1"),
+    ("mixed dtypes", dict(w2=jnp.zeros((4, 8, 16), jnp.bfloat16)), TypeError, "w2"),
+    ("b1 shape", dict(b1=jnp.zeros((4, 8))), ValueError, "b1"),
+    ("b2 shape", dict(b2=jnp.zeros((4, 8))), ValueError, "b2"),
+    ("b2 dtype", dict(b2=jnp.zeros((4, 16), jnp.int32)), TypeError, "b2"),
+    ("top_k 0", dict(top_k=0), ValueError, "top_k"),
+    ("top_k > E", dict(top_k=5), ValueError, "top_k"),
+    ("top_k float", dict(top_k=2.0), TypeError, "top_k"),
+    ("activation", dict(activation="tanh"), ValueError, "activation"),
+    ("routing", dict(routing="expert_choice"), ValueError, "routing"),
+    ("layout", dict(gate_up_layout="split"), ValueError, "gate_up_layout"),
+    ("backend", dict(backend="cuda"), ValueError, "backend"),
+    ("non-glu width", dict(activation="gelu"), ValueError, "GLU"),
+]
+
+
+@pytest.mark.parametrize("name,change,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_naming_the_argument(rng, name, change, exc, match):
+  kw = dict(_valid_args(rng), top_k=2)
+  kw.update(change)
+  with pytest.raises(exc, match=match):
+    sonic_jax.moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w1"), kw.pop("w2"), **kw)
