@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
+
 from sonic_jax import xla_backend
 
 BACKENDS = ("auto", "xla", "mosaic_gpu")
@@ -30,7 +32,7 @@ class Backend:
 
 XLA = Backend(
     name="xla",
-    row_tile=32,  # rows per scan step of its grouped GEMMs
+    row_tile=32,  # rows per scan step of its grouped GEMMs (128 on GPUs and TPUs)
     up_projection=xla_backend.up_projection,
     down_projection=xla_backend.down_projection,
     gather_sum=xla_backend.gather_sum,
@@ -40,12 +42,19 @@ XLA = Backend(
 )
 
 
+def _xla_for_platform() -> Backend:
+  # On accelerators a 32-row scan step is mostly loop overhead; 128-row steps run 4x fewer.
+  if jax.default_backend() == "cpu":
+    return XLA
+  return dataclasses.replace(XLA, row_tile=128)
+
+
 def resolve_backend(name: str) -> Backend:
   """Maps a backend name to its functions; "auto" picks the fastest one available here."""
   if name == "auto":
-    return XLA  # the Hopper kernels are not part of this version yet
+    return _xla_for_platform()  # the Hopper kernels are not part of this version yet
   if name == "xla":
-    return XLA
+    return _xla_for_platform()
   if name == "mosaic_gpu":
     raise NotImplementedError(
         "backend='mosaic_gpu' (Hopper wgmma kernels) is not available in this version of "

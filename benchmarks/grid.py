@@ -1,0 +1,36 @@
+"""The benchmark grid of the SonicMoE paper and its published / measured H100 figures."""
+
+from __future__ import annotations
+
+import json
+import os
+
+# (T, d, n, E, K): tokens, hidden, expert width, experts, experts per token.
+PAPER_GRID = [
+    (40960, 768, 256, 128, 8), (40960, 768, 512, 64, 4), (40960, 768, 1024, 32, 2),
+    (24576, 1536, 256, 128, 8), (24576, 1536, 512, 64, 4), (24576, 1536, 1024, 32, 2),
+    (32768, 4096, 256, 256, 16), (32768, 4096, 512, 128, 8), (32768, 4096, 1024, 64, 4),
+    (32768, 4096, 512, 256, 16), (32768, 4096, 1024, 128, 8), (32768, 4096, 2048, 64, 4),
+]
+# Small enough for a CPU smoke run of the harness.
+TINY_GRID = [(256, 64, 32, 8, 2), (512, 128, 64, 16, 4)]
+
+_ANCHORS = os.path.join(os.path.dirname(__file__), "data", "sonicmoe_h100.json")
+
+
+def config_name(cfg):
+  t, d, n, e, k = cfg
+  return f"T{t}_d{d}_n{n}_E{e}_K{k}"
+
+
+def load_anchors():
+  """{config tuple: entry} from data/sonicmoe_h100.json (its '_source' says where each came from)."""
+  with open(_ANCHORS) as f:
+    data = json.load(f)
+  return {tuple(c[k] for k in "TdnEK"): c for c in data["configs"]}, data["_source"]
+
+
+def forward_flops(cfg, glu=True):
+  """The paper's count: 6*T*K*d*n for GLU activations (4*TKdn otherwise); backward is twice it."""
+  t, d, n, _, k = cfg
+  return (6 if glu else 4) * t * k * d * n

@@ -1,0 +1,215 @@
+"""Turns a benchmark results.json into Markdown tables, PNG plots and BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from benchmarks import grid
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _f(v, fmt="{:.0f}"):
+  return "–" if v is None else fmt.format(v)
+
+
+def _tf(v):
+  return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
+
+
+def row_summary(row):
+  if "error" in row:
+    return f"{row['name']:<22} {row['error']}"
+  return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5}  bwd {_tf(row['bwd_tflops']):>5}  "
+          f"fwd+bwd {_tf(row['fwdbwd_tflops']):>5} TFLOP/s  ({row['fwd_ms']:.3f} / {row['fwdbwd_ms']:.3f} ms)"
+          f"  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
+
+
+def _sonic_best(anchor, key):
+  vals = [anchor.get(src, {}).get(key) for src in ("sonicmoe_published", "sonicmoe_measured")]
+  vals = [v for v in vals if v is not None]
+  return max(vals) if vals else None
+
+
+def results_table(results):
+  anchors, _ = grid.load_anchors()
+  lines = [
+      "| config (T,d,n,E,K) | row | fwd TF/s | bwd TF/s | fwd+bwd TF/s | fwd ms | fwd+bwd ms | "
+      "residuals MiB | step temp GiB | fwd / SonicMoE best | bwd / SonicMoE best |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for res in results["configs"]:
+    cfg = tuple(res["config"])
+    anchor = anchors.get(cfg, {})
+    best_fwd, best_bwd = _sonic_best(anchor, "fwd"), _sonic_best(anchor, "bwd")
+    for row in res["rows"]:
+      if "error" in row:
+        lines.append(f"| {','.join(map(str, cfg))} | {row['name']} | {row['error'][:80]} |"
+                     + " |" * 8)
+        continue
+      sonic = row["name"].startswith("sonic_jax")
+      ratio = lambda v, b: f"{v / b:.2f}" if (sonic and b) else ""
+      res_mib = row.get("residual_bytes")
+      lines.append(
+          f"| {','.join(map(str, cfg))} | {row['name']} | {_tf(row['fwd_tflops'])} | "
+          f"{_tf(row['bwd_tflops'])} | {_tf(row['fwdbwd_tflops'])} | {row['fwd_ms']:.3f} | "
+          f"{row['fwdbwd_ms']:.3f} | {_f(None if res_mib is None else res_mib / 2**20, '{:.0f}')} | "
+          f"{_f(None if row.get('temp_bytes') is None else row['temp_bytes'] / 2**30, '{:.2f}')} | "
+          f"{ratio(row['fwd_tflops'], best_fwd)} | {ratio(row['bwd_tflops'], best_bwd)} |")
+  return "\n".join(lines)
+
+
+def anchors_table(results):
+  anchors, _ = grid.load_anchors()
+  lines = ["| config (T,d,n,E,K) | SonicMoE published fwd/bwd | SonicMoE on an H100 fwd/bwd, "
+           "saved GiB | tokamax layer (earlier H100 run) fwd / fwd+bwd | expert load min/mean/max |",
+           "|---|---|---|---|---|"]
+  for res in results["configs"]:
+    cfg = tuple(res["config"])
+    a = anchors.get(cfg)
+    c = res["expert_counts"]
+    load = f"{c['min']}/{c['mean']:.0f}/{c['max']}"
+    if a is None:
+      lines.append(f"| {','.join(map(str, cfg))} | – | – | – | {load} |")
+      continue
+    p, m, t = a["sonicmoe_published"], a["sonicmoe_measured"], a["tokamax_moe_measured"]
+    lines.append(f"| {','.join(map(str, cfg))} | {p['fwd']}/{p['bwd']} | {m['fwd']:.0f}/{m['bwd']:.0f}, "
+                 f"{m['fwd_saved_GiB']:.2f} | {t['fwd']:.0f} / {t['fwdbwd']:.0f} | {load} |")
+  return "\n".join(lines)
+
+
+def kernels_section(results, top=6):
+  out = []
+  for res in results["configs"]:
+    for row in res["rows"]:
+      ks = row.get("kernels_fwdbwd_us")
+      if not ks:
+        continue
+      body = "; ".join(f"`{name[:48]}` {us:.0f} µs" for name, us in ks[:top])
+      out.append(f"- {res['name']} {row['name']}: {body}")
+  return "\n".join(out) if out else "(no device kernels traced on this platform)"
+
+
+def plot(results, out_dir):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  anchors, _ = grid.load_anchors()
+  configs = results["configs"]
+  names = sorted({r["name"] for c in configs for r in c["rows"]})
+  labels = [",".join(map(str, c["config"][1:])) for c in configs]
+  x = np.arange(len(configs))
+  paths = []
+  for metric, title in (("fwd_tflops", "forward"), ("fwdbwd_tflops", "forward+backward")):
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(configs)), 4.5))
+    series = [(n, [next((r.get(metric) for r in c["rows"] if r["name"] == n), None) or 0
+                   for c in configs]) for n in names]
+    key = "fwd" if metric == "fwd_tflops" else "fwdbwd"
+    pub = [anchors.get(tuple(c["config"]), {}).get("sonicmoe_published", {}).get(key) or 0
+           for c in configs]
+    if any(pub):
+      series.append(("SonicMoE (paper, H100)", pub))
+    width = 0.8 / len(series)
+    for i, (n, vals) in enumerate(series):
+      ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=n)
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xlabel("d, n, E, K")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"MoE layer {title}, {results['environment']['device']}, "
+                 f"{results['environment']['dtype']} {results['environment']['activation']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(out_dir, f"tflops_{key}.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+  fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(configs)), 4.5))
+  mem_rows = [n for n in names if any(r.get("residual_bytes") for c in configs for r in c["rows"]
+                                      if r["name"] == n)]
+  series = [(n, [next((r.get("residual_bytes") or 0 for r in c["rows"] if r["name"] == n), 0) / 2**30
+                 for c in configs]) for n in mem_rows]
+  meas = [anchors.get(tuple(c["config"]), {}).get("sonicmoe_measured", {}).get("fwd_saved_GiB") or 0
+          for c in configs]
+  if any(meas):
+    series.append(("SonicMoE (measured, H100)", meas))
+  width = 0.8 / max(1, len(series))
+  for i, (n, vals) in enumerate(series):
+    ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, label=n)
+  ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+  ax.set_ylabel("GiB kept for backward (excluding inputs)")
+  ax.set_title("Activation memory per layer")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  p = os.path.join(out_dir, "activation_memory.png")
+  fig.savefig(p, dpi=110)
+  plt.close(fig)
+  paths.append(p)
+  return paths
+
+
+def markdown(results):
+  return (results_table(results) + "\n\nReference figures for the same configurations "
+          "(`benchmarks/data/sonicmoe_h100.json`):\n\n" + anchors_table(results) + "\n")
+
+
+def write_all(results, out_dir, benchmarks_md=False):
+  with open(os.path.join(out_dir, "results.md"), "w") as f:
+    f.write(markdown(results))
+  pngs = plot(results, out_dir)
+  if benchmarks_md:
+    write_benchmarks_md(results, out_dir, pngs)
+
+
+def write_benchmarks_md(results, out_dir, pngs):
+  import shutil
+  env = results["environment"]
+  fig_dir = os.path.join(_ROOT, "benchmarks", "figures")
+  os.makedirs(fig_dir, exist_ok=True)
+  rel = []
+  for p in pngs:
+    shutil.copy(p, os.path.join(fig_dir, os.path.basename(p)))
+    rel.append(f"benchmarks/figures/{os.path.basename(p)}")
+  _, sources = grid.load_anchors()
+  text = f"""# Benchmarks
+
+Generated by `benchmarks/report.py` from a run of the harness; do not edit by hand.
+
+- Device: {env['device']} ({env['platform']}); jax {env['jax']}; sonic_jax {env['sonic_jax']}; Python {env['python']}
+- Date: {env['date']}
+- Command: `{env['command']}`
+- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d), x ~ N(0, 1).
+- Method: compile excluded (reported in results.json); warm-up; median of repeated samples, each a batch of
+  back-to-back calls ended by one device synchronisation, rotating 3 input sets; backward = (forward+backward) −
+  forward; TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).
+  "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
+  own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
+- The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
+
+{results_table(results)}
+
+Reference figures (`benchmarks/data/sonicmoe_h100.json`; {sources['sonicmoe_published'][:60]}…;
+SonicMoE on an H100: {sources['sonicmoe_measured'][:80]}…):
+
+{anchors_table(results)}
+
+""" + "\n".join(f"![{os.path.basename(r)}]({r})" for r in rel) + f"""
+
+## Slowest kernels per configuration (forward+backward, µs per step)
+
+{kernels_section(results)}
+"""
+  with open(os.path.join(_ROOT, "BENCHMARKS.md"), "w") as f:
+    f.write(text)
+
+
+if __name__ == "__main__":
+  # python -m benchmarks.report results.json out_dir [--benchmarks_md]
+  with open(sys.argv[1]) as f:
+    res = json.load(f)
+  out = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(sys.argv[1])
+  write_all(res, out, benchmarks_md="--benchmarks_md" in sys.argv)

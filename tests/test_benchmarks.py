@@ -1,0 +1,30 @@
+"""CPU smoke run of the benchmark harness on one tiny configuration."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_harness_smoke_run(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.moe_bench", "--thiek=128,32,16,4,2", "--repeats=2",
+         "--input_sets=2", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.load(open(tmp_path / "results.json"))
+  (cfg,) = res["configs"]
+  rows = {r["name"]: r for r in cfg["rows"]}
+  assert set(rows) == {"sonic_jax[xla]", "uniform_upper_bound"}, rows
+  for row in rows.values():
+    assert "error" not in row, row
+    assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > row["fwd_ms"] * 0.5
+    expected = 6 * 128 * 2 * 32 * 16 / (row["fwd_ms"] * 1e-3) / 1e12
+    assert abs(row["fwd_tflops"] - expected) < 1e-6 * max(1.0, expected)
+  ours = rows["sonic_jax[xla]"]
+  # Residuals: H is the only activation-sized tensor kept (rows x 2n bf16), plus O(T*K) metadata.
+  assert 0 < ours["residual_bytes"] < 128 * 2 * 2 * 16 * 2 * 3 + 64 * 1024, ours["residuals"]
+  assert cfg["expert_counts"]["mean"] == 128 * 2 / 4
+  for f in ("results.md", "tflops_fwd.png", "tflops_fwdbwd.png", "activation_memory.png"):
+    assert (tmp_path / f).stat().st_size > 0, f
