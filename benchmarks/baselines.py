@@ -44,8 +44,8 @@ def tokamax_moe(x, router_weight, w1, w2, *, top_k, implementation="mosaic"):
 
 def uniform_upper_bound(x_per_expert, w1, w2):
   """Batched-GEMM SwiGLU experts: x_per_expert (E, T*K/E, d) -> (E, T*K/E, d)."""
+  # bf16 GEMM outputs (float32 accumulation inside), so the backward's GEMMs are bf16 too.
   n = w2.shape[1]
-  h = jnp.einsum("ecd,edf->ecf", x_per_expert, w1, preferred_element_type=jnp.float32)
+  h = jnp.einsum("ecd,edf->ecf", x_per_expert, w1).astype(jnp.float32)
   a = (jax.nn.silu(h[..., :n]) * h[..., n:]).astype(x_per_expert.dtype)
-  return jnp.einsum("ecn,end->ecd", a, w2, preferred_element_type=jnp.float32).astype(
-      x_per_expert.dtype)
+  return jnp.einsum("ecn,end->ecd", a, w2)

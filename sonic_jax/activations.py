@@ -139,3 +139,22 @@ def activation_backward(h: Array, d_a: Array, act: Activation, layout: str) -> t
     d_up = d_a * act_gate
     return act_gate * up, merge_gate_up(d_gate, d_up, layout)
   return act.fn(h), d_a * act.grad(h)
+
+
+def _erf_kernel(x):
+  # Abramowitz & Stegun 7.1.26, |error| < 1.5e-7: Mosaic GPU kernels have no erf instruction.
+  ax = jnp.abs(x)
+  t = 1.0 / (1.0 + 0.3275911 * ax)
+  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                          + t * 1.061405429))))
+  y = 1.0 - poly * jnp.exp(-ax * ax)
+  return jnp.where(x < 0, -y, y)
+
+
+def _gelu_kernel(g):
+  return 0.5 * g * (1.0 + _erf_kernel(g * _INV_SQRT2))
+
+
+def kernel_fn(act: Activation) -> Callable[[Array], Array]:
+  """`act.fn` written with the operations a Mosaic GPU epilogue can lower (float32)."""
+  return _gelu_kernel if act.fn is _gelu else act.fn

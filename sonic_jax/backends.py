@@ -49,14 +49,37 @@ def _xla_for_platform() -> Backend:
   return dataclasses.replace(XLA, row_tile=128)
 
 
+def _device_is_hopper() -> bool:
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
+
+
+def _interpreting() -> bool:
+  from jax._src import config as jax_config  # set by plgpu.force_gpu_interpret_mode
+  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def _mosaic_gpu() -> Backend:
+  from sonic_jax.mosaic_gpu.backend import make_backend  # imports Pallas only when asked for
+  return make_backend(XLA)
+
+
 def resolve_backend(name: str) -> Backend:
-  """Maps a backend name to its functions; "auto" picks the fastest one available here."""
+  """Maps a backend name to its functions; "auto" picks the fastest one available here.
+
+  "mosaic_gpu" needs an sm90 GPU (H100/H200), or Mosaic GPU interpret mode
+  (`plgpu.force_gpu_interpret_mode`) on a CPU; "auto" chooses it on sm90 and "xla" elsewhere.
+  """
   if name == "auto":
-    return _xla_for_platform()  # the Hopper kernels are not part of this version yet
+    return _mosaic_gpu() if _device_is_hopper() else _xla_for_platform()
   if name == "xla":
     return _xla_for_platform()
   if name == "mosaic_gpu":
-    raise NotImplementedError(
-        "backend='mosaic_gpu' (Hopper wgmma kernels) is not available in this version of "
-        "sonic_jax; use backend='xla' or 'auto'.")
+    if _device_is_hopper() or (_interpreting() and jax.default_backend() == "cpu"):
+      return _mosaic_gpu()
+    dev = jax.devices()[0]
+    raise ValueError(
+        "backend='mosaic_gpu' needs an sm90 (Hopper) GPU or Mosaic GPU interpret mode on CPU; "
+        f"this device is {dev.device_kind} ({dev.platform}, compute capability "
+        f"{getattr(dev, 'compute_capability', 'n/a')}). Use backend='auto' or 'xla'.")
   raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")

@@ -1,0 +1,128 @@
+r"""Per-kernel forward timings on the paper's grid, against rooflines measured on the same GPU.
+
+  python -m benchmarks.kernel_bench [--thiek=T,d,n,E,K ...] [--out=dir]
+
+For each configuration: the routing and layout, the up-projection with the fused gather, the same
+kernel on a pre-gathered contiguous input (the cost of the gather), the XLA gather that the
+pre-gathered input needs, the down-projection and the aggregation. Each kernel's roofline time is
+max(FLOPs / measured dense bf16 GEMM rate, bytes / measured device copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sonic_jax
+from benchmarks import grid, timing
+from sonic_jax import activations as acts
+from sonic_jax import routing, xla_backend
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import down_projection as down
+from sonic_jax.mosaic_gpu import up_projection as up
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+FLAGS = flags.FLAGS
+
+
+def _time(fn, *args):
+  compiled, _ = timing.compile_fn(fn, *args)
+  t, _ = timing.time_compiled(compiled, [args], repeats=FLAGS.repeats)
+  return t
+
+
+def ceilings():
+  """(dense bf16 GEMM FLOP/s, device copy bytes/s) measured here."""
+  k = jax.random.split(jax.random.key(0), 2)
+  a = jax.random.normal(k[0], (8192, 8192), jnp.bfloat16)
+  b = jax.random.normal(k[1], (8192, 8192), jnp.bfloat16)
+  t_mm = _time(lambda a, b: a @ b, a, b)
+  big = jax.random.normal(k[0], (1 << 30,), jnp.bfloat16)  # 2 GiB
+  t_cp = _time(lambda v: v * 2, big)
+  return 2 * 8192**3 / t_mm, 2 * big.size * 2 / t_cp
+
+
+def run_config(cfg, flops_rate, bw):
+  t_count, d, n, e, k = cfg
+  act = acts.get_activation("swiglu")
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
+  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
+  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+
+  def route(x, rw):
+    r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
+    return r.scores, build_grouped_layout(r.expert_ids, e, 128)
+
+  scores, layout = jax.jit(route)(x, rw)
+  rows = int(layout.num_tiles) * 128
+  x_rows = x[layout.row_token]
+  h, a = jax.jit(lambda x, w1: up.up_projection(x, w1, None, layout, act, "concat"))(x, w1)
+  y_rows = jax.jit(lambda a, w2: down.down_projection(a, w2, None, layout))(a, w2)
+
+  pairs = t_count * k
+  res = {"config": list(cfg), "rows_used": rows, "pairs": pairs}
+  b16 = 2
+  kernels = {
+      "route+layout": (lambda x, rw: route(x, rw), (x, rw), 0,
+                       t_count * d * b16 + pairs * 4 * 6),
+      "up (fused gather)": (lambda x, w1: up.up_projection(x, w1, None, layout, act, "concat"),
+                            (x, w1), 2 * rows * d * 2 * n,
+                            (t_count * d + e * d * 2 * n + rows * 3 * n) * b16),
+      "up (contiguous input)": (
+          lambda xr, w1: up.up_projection(xr, w1, None, layout, act, "concat", gather=False),
+          (x_rows, w1), 2 * rows * d * 2 * n, (rows * d + e * d * 2 * n + rows * 3 * n) * b16),
+      "xla gather x[rows]": (lambda x: x[layout.row_token], (x,), 0, 2 * rows * d * b16),
+      "down": (lambda a, w2: down.down_projection(a, w2, None, layout), (a, w2), 2 * rows * n * d,
+               (rows * n + e * n * d + rows * d) * b16),
+      "aggregate (xla)": (lambda y, s: xla_backend.gather_sum(y, layout, s, jnp.bfloat16),
+                          (y_rows, scores), 0, (pairs * d + t_count * d) * b16),
+  }
+  res["kernels"] = {}
+  for name, (fn, args, flops, nbytes) in kernels.items():
+    t = _time(fn, *args)
+    roof = max(flops / flops_rate, nbytes / bw)
+    res["kernels"][name] = {"ms": t * 1e3, "roofline_ms": roof * 1e3,
+                            "tflops": flops / t / 1e12 if flops else None,
+                            "gbps": nbytes / t / 1e9}
+  fwd_flops = 6 * t_count * k * d * n
+  t_fwd = sum(res["kernels"][n]["ms"] for n in ("route+layout", "up (fused gather)", "down",
+                                                 "aggregate (xla)"))
+  res["forward_sum_ms"] = t_fwd
+  res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12
+  g, c = res["kernels"]["up (fused gather)"]["ms"], res["kernels"]["up (contiguous input)"]["ms"]
+  res["gather_cost"] = g / c - 1
+  return res
+
+
+def main(_):
+  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
+             else grid.PAPER_GRID)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  flops_rate, bw = ceilings()
+  out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "dense_bf16_tflops": flops_rate / 1e12, "copy_gbps": bw / 1e9, "configs": []}
+  print(f"{out['device']}: dense bf16 GEMM {flops_rate / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s",
+        flush=True)
+  for cfg in configs:
+    res = run_config(cfg, flops_rate, bw)
+    out["configs"].append(res)
+    print(grid.config_name(cfg), f"fwd(sum) {res['forward_sum_tflops']:.0f} TFLOP/s, "
+          f"gather cost {100 * res['gather_cost']:+.1f}%", flush=True)
+    for name, r in res["kernels"].items():
+      tf = f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else f"{r['gbps']:.0f} GB/s"
+      print(f"   {name:<24}{r['ms']:8.3f} ms  (roofline {r['roofline_ms']:.3f} ms)  {tf}", flush=True)
+    with open(os.path.join(FLAGS.out, "kernels.json"), "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

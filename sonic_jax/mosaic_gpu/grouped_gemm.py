@@ -1,0 +1,272 @@
+"""The grouped GEMM core shared by every GEMM role: persistent, warp-specialised, varlen-M.
+
+One kernel shape serves the up-projection, the down-projection and (later) the backward roles; a
+role supplies only how its B operand is read and what its epilogue does (`GemmRole`).
+
+Work: the grouped layout (`sonic_jax.layout`) cuts the rows into tiles of `tile_m` rows that each
+belong to one expert; a tile's expert is `tile_expert[tile]` and only the first `num_tiles` tiles
+are in use (a number known on the device only: the loops skip the rest, nothing syncs with the
+host). The output columns are cut into blocks of 2 * `acc_n` (one `acc_n` half per compute
+warpgroup). A persistent grid of one CTA per SM walks the (tile, column block) space.
+
+Warp specialisation, per CTA: two compute warpgroups issue wgmma into their own accumulators and run
+the role's epilogue; a memory warpgroup streams operands into a `num_stages`-deep ring of shared
+memory stages. A stage holds one A tile (tile_m x tile_k), shared by both compute warpgroups, and
+one B block per compute warpgroup. `full[s]` completes when the stage's copies landed, `empty[s]`
+when both compute warpgroups finished the wgmma that read it.
+
+The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
+row r of the tile is row `row_token[tile * tile_m + r]` of the source, one TMA copy per row. No
+gathered copy of the source is ever written to HBM. Gathered rows land in a (1, 64)-tiled view of
+the stage; wgmma reads an (8, 64)-tiled view of the same bytes (`RefUnion`): with 128-byte rows and
+the 128-byte swizzle, both tilings put row r at byte r * 128 and the swizzle is a function of the
+address, so the two views are byte-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_SWIZZLE = 128  # bytes: one 64-element bf16 row
+_NUM_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+  """Tile configuration of the grouped GEMM core.
+
+  tile_m: rows per tile; must equal the grouped layout's row tile.
+  tile_k: reduction step; 64 for 16-bit operands (one 128-byte swizzled row).
+  num_stages: depth of the shared-memory operand ring.
+  grid_tile_width: column blocks per band of the snake-ordered tile walk (L2 reuse of A rows).
+  """
+
+  tile_m: int = 128
+  tile_k: int = 64
+  num_stages: int = 4
+  grid_tile_width: int = 4
+
+  def __post_init__(self):
+    if self.tile_m % 64:
+      raise ValueError(f"tile_m must be a multiple of 64, got {self.tile_m}")
+    if self.tile_k != 64:
+      raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpilogueContext:
+  """What a role's epilogue sees for one (tile, column block, warpgroup)."""
+
+  tile: jax.Array  # tile index; its rows are [tile * tile_m, (tile + 1) * tile_m)
+  expert: jax.Array
+  column_block: jax.Array
+  wg: jax.Array  # compute warpgroup, 0 or 1
+  inputs: Sequence[Any]  # the role's extra GMEM inputs
+  outputs: Sequence[Any]  # the role's GMEM outputs
+  scratch: Any  # this warpgroup's epilogue SMEM scratch
+  tile_m: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRole:
+  """A GEMM role: its B operand and its epilogue.
+
+  rhs_copies(rhs_ref, expert, k_slice, column_block, wg) -> [(GMEM view, column slice)]: the TMA
+  copies that fill this warpgroup's B block (tile_k, acc_n), each into the given 64-aligned column
+  slice of it (a GLU role fills the gate and the up halves from two places of w1).
+  epilogue(acc, ctx) consumes the float32 accumulator (tile_m, acc_n) and stores the outputs.
+  """
+
+  acc_n: int
+  num_column_blocks: int
+  rhs_copies: Callable
+  rhs_copies_per_wg: int
+  epilogue: Callable
+  epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (pytree of plgpu.SMEM)
+  out_types: Sequence[jax.ShapeDtypeStruct]
+
+
+def tiled(dtype, cols_elems=None):
+  """The (8, 64) tiling + 128-byte swizzle that wgmma operands and TMA copies use."""
+  del cols_elems
+  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def num_sms() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
+    return mesh.abstract_device.num_cores
+  dev = jax.devices()[0]
+  return getattr(dev, "core_count", None) or 132
+
+
+def _interpreting() -> bool:
+  from jax._src import config as jax_config
+  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
+                 extra_inputs: Sequence[jax.Array], config: GroupedGemmConfig):
+  """Runs `role` over the grouped layout. lhs: (rows, k) source of A; rhs: the role's weights.
+
+  row_token: (R,) int32 gather indices into lhs, or None when lhs is the (R, k) grouped buffer.
+  Returns the role's outputs.
+  """
+  tm, tk, stages = config.tile_m, config.tile_k, config.num_stages
+  rows_total = tile_expert.shape[0] * tm
+  k = lhs.shape[1]
+  if k % tk:
+    raise ValueError(f"the contraction dim ({k}) must be a multiple of tile_k={tk}")
+  k_iters = k // tk
+  dtype = lhs.dtype
+  gather = row_token is not None
+  m_tiles = tile_expert.shape[0]
+  grid = (m_tiles * role.num_column_blocks,)
+  a_bytes = tm * tk * jnp.dtype(dtype).itemsize
+  interpreting = _interpreting()
+
+  def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
+    n_in = len(extra_inputs)
+    inputs, outputs = refs[:n_in], refs[n_in:]
+
+    def scoped(a_union, b_smem, full, empty, epi_scratch):
+      a_rows, a_tiles = a_union
+      if interpreting:
+        a_tiles = a_rows  # the interpreter keeps RefUnion members apart; on a GPU they alias
+      wg = lax.axis_index("wg")
+      n_tiles_used = num_tiles_ref[0]
+
+      def tile_coords(lin):
+        mi, nb = plgpu.planar_snake(lin, (m_tiles, role.num_column_blocks), 1,
+                                    config.grid_tile_width)
+        return mi, nb
+
+      @pl.when(wg == _NUM_COMPUTE_WGS)
+      def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+
+        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+          step = carry
+          mi, nb = tile_coords(info.index[0])
+          active = mi < n_tiles_used
+
+          @pl.when(active)
+          def _():
+            expert = tile_expert_ref[mi]
+
+            @pl.loop(0, k_iters)
+            def _k(ki):
+              s = step + ki
+              slot = lax.rem(s, stages)
+
+              @pl.when(s >= stages)
+              def _():
+                plgpu.barrier_wait(empty.at[slot])
+
+              k_slice = pl.ds(ki * tk, tk)
+              if gather:
+                base = mi * tm
+
+                @pl.loop(0, tm)
+                def _row(r):
+                  tok = row_token_ref[base + r]
+                  plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
+                                          a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
+              else:
+                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
+                                        a_tiles.at[slot], full.at[slot])
+              for w in range(_NUM_COMPUTE_WGS):
+                for src, cols in role.rhs_copies(rhs_ref, expert, k_slice, nb, w):
+                  plgpu.copy_gmem_to_smem(src, b_smem.at[slot, w, :, cols], full.at[slot])
+
+          return step + jnp.where(active, k_iters, 0)
+
+        # Observe the compute warpgroups' last releases before the barriers go away.
+        total = _tiles
+        for j in range(stages):
+          s = total - stages + j
+
+          @pl.when(s >= 0)
+          def _():
+            plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
+
+      @pl.when(wg < _NUM_COMPUTE_WGS)
+      def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+
+        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+          step = carry
+          mi, nb = tile_coords(info.index[0])
+          active = mi < n_tiles_used
+
+          @pl.when(active)
+          def _():
+            expert = tile_expert_ref[mi]
+
+            def acc_scope(acc_ref):
+              @pl.loop(0, k_iters)
+              def _k(ki):
+                slot = lax.rem(step + ki, stages)
+                plgpu.barrier_wait(full.at[slot])
+                plgpu.wgmma(acc_ref, a_tiles.at[slot], b_smem.at[slot, wg])
+                plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
+
+                @pl.when(ki > 0)
+                def _():
+                  plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
+
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
+              return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, role.acc_n), jnp.float32))
+            role.epilogue(acc, EpilogueContext(
+                tile=mi, expert=expert, column_block=nb, wg=wg, inputs=inputs, outputs=outputs,
+                scratch=jax.tree.map(lambda r: r.at[wg], epi_scratch), tile_m=tm))
+
+          return step + jnp.where(active, k_iters, 0)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    copies_per_stage = (tm if gather else 1) + _NUM_COMPUTE_WGS * role.rhs_copies_per_wg
+    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+    a_union = plgpu.RefUnion(
+        plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
+                                                         plgpu.SwizzleTransform(_SWIZZLE))),
+        plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
+    )
+    b_smem = plgpu.SMEM((stages, _NUM_COMPUTE_WGS, tk, role.acc_n), dtype, transforms=tiled(dtype))
+    epi = jax.tree.map(
+        lambda s: plgpu.SMEM((_NUM_COMPUTE_WGS,) + s.shape, s.dtype, transforms=s.transforms),
+        role.epilogue_scratch)
+    pl.run_scoped(
+        scoped, a_union, b_smem,
+        plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
+        epi, collective_axes="wg")
+
+  del a_bytes
+  if row_token is None:
+    row_token = jnp.zeros((1,), jnp.int32)
+  kernel = plgpu.kernel(
+      body,
+      out_type=tuple(role.out_types),
+      grid=(num_sms(),),
+      grid_names=("sm",),
+      num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+  )
+  del rows_total
+  return kernel(tile_expert, num_tiles.reshape(1), row_token, lhs, rhs, *extra_inputs)
