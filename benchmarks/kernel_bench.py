@@ -64,9 +64,11 @@ def run_config(cfg, flops_rate, bw):
 
   scores, layout = jax.jit(route)(x, rw)
   rows = int(layout.num_tiles) * 128
-  x_rows = x[layout.row_token]
-  h, a = jax.jit(lambda x, w1: up.up_projection(x, w1, None, layout, act, "concat"))(x, w1)
-  y_rows = jax.jit(lambda a, w2: down.down_projection(a, w2, None, layout))(a, w2)
+  x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)
+  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat")
+  down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay)
+  h, a = jax.jit(up_fn)(x, w1, layout)
+  y_rows = jax.jit(down_fn)(a, w2, layout)
 
   pairs = t_count * k
   res = {"config": list(cfg), "rows_used": rows, "pairs": pairs}
@@ -74,17 +76,16 @@ def run_config(cfg, flops_rate, bw):
   kernels = {
       "route+layout": (lambda x, rw: route(x, rw), (x, rw), 0,
                        t_count * d * b16 + pairs * 4 * 6),
-      "up (fused gather)": (lambda x, w1: up.up_projection(x, w1, None, layout, act, "concat"),
-                            (x, w1), 2 * rows * d * 2 * n,
+      "up (fused gather)": (up_fn, (x, w1, layout), 2 * rows * d * 2 * n,
                             (t_count * d + e * d * 2 * n + rows * 3 * n) * b16),
       "up (contiguous input)": (
-          lambda xr, w1: up.up_projection(xr, w1, None, layout, act, "concat", gather=False),
-          (x_rows, w1), 2 * rows * d * 2 * n, (rows * d + e * d * 2 * n + rows * 3 * n) * b16),
-      "xla gather x[rows]": (lambda x: x[layout.row_token], (x,), 0, 2 * rows * d * b16),
-      "down": (lambda a, w2: down.down_projection(a, w2, None, layout), (a, w2), 2 * rows * n * d,
+          lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", gather=False),
+          (x_rows, w1, layout), 2 * rows * d * 2 * n, (rows * d + e * d * 2 * n + rows * 3 * n) * b16),
+      "xla gather x[rows]": (lambda x, lay: x[lay.row_token], (x, layout), 0, 2 * rows * d * b16),
+      "down": (down_fn, (a, w2, layout), 2 * rows * n * d,
                (rows * n + e * n * d + rows * d) * b16),
-      "aggregate (xla)": (lambda y, s: xla_backend.gather_sum(y, layout, s, jnp.bfloat16),
-                          (y_rows, scores), 0, (pairs * d + t_count * d) * b16),
+      "aggregate (xla)": (lambda y, s, lay: xla_backend.gather_sum(y, lay, s, jnp.bfloat16),
+                          (y_rows, scores, layout), 0, (pairs * d + t_count * d) * b16),
   }
   res["kernels"] = {}
   for name, (fn, args, flops, nbytes) in kernels.items():
@@ -94,7 +95,7 @@ def run_config(cfg, flops_rate, bw):
                             "tflops": flops / t / 1e12 if flops else None,
                             "gbps": nbytes / t / 1e9}
   fwd_flops = 6 * t_count * k * d * n
-  t_fwd = sum(res["kernels"][n]["ms"] for n in ("route+layout", "up (fused gather)", "down",
+  t_fwd = sum(res["kernels"][kname]["ms"] for kname in ("route+layout", "up (fused gather)", "down",
                                                  "aggregate (xla)"))
   res["forward_sum_ms"] = t_fwd
   res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm, plain_rhs
 
 COLS_PER_WG = 128
 
@@ -43,10 +43,6 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   dtype = a.dtype
   bias = b2 if b2 is not None else jnp.zeros((e_count, d), dtype)
 
-  def rhs_copies(rhs_ref, expert, k_slice, nb, w):
-    return [(rhs_ref.at[expert, k_slice, pl.ds((nb * 2 + w) * COLS_PER_WG, COLS_PER_WG)],
-             slice(None))]
-
   def epilogue(acc, ctx):
     (y_ref,) = ctx.outputs
     (b_ref,) = ctx.inputs
@@ -56,8 +52,8 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
                     ctx.scratch)
 
   role = GemmRole(
-      acc_n=COLS_PER_WG, num_column_blocks=d // (2 * COLS_PER_WG), rhs_copies=rhs_copies,
-      rhs_copies_per_wg=1, epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm, dtype),
+      acc_n=COLS_PER_WG, num_column_blocks=d // (2 * COLS_PER_WG),
+      **plain_rhs(COLS_PER_WG, tk, dtype), epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role, (bias,), config.gemm)
   return y

@@ -20,7 +20,7 @@ def staging_buffers(tile_m, dtype):
 
 def column_vector(ref, like):
   """Loads a (cols,) GMEM row (a bias slice) and broadcasts it over the rows of `like`."""
-  v = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+  v = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 

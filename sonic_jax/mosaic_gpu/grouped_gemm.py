@@ -78,24 +78,25 @@ class EpilogueContext:
 class GemmRole:
   """A GEMM role: its B operand and its epilogue.
 
-  rhs_copies(rhs_ref, expert, k_slice, column_block, wg) -> [(GMEM view, column slice)]: the TMA
-  copies that fill this warpgroup's B block (tile_k, acc_n), each into the given 64-aligned column
-  slice of it (a GLU role fills the gate and the up halves from two places of w1).
+  rhs_smem: the SMEM block (shape, transforms) of one warpgroup's B operand;
+  rhs_copies(rhs_ref, expert, k_slice, column_block, wg, block_ref) -> [(GMEM view, SMEM view)]:
+  the TMA copies that fill it; rhs_operand(block_ref) -> the (tile_k, acc_n) wgmma B operand.
   epilogue(acc, ctx) consumes the float32 accumulator (tile_m, acc_n) and stores the outputs.
   """
 
   acc_n: int
   num_column_blocks: int
+  rhs_smem: tuple[tuple[int, ...], tuple]
   rhs_copies: Callable
   rhs_copies_per_wg: int
+  rhs_operand: Callable
   epilogue: Callable
   epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (pytree of plgpu.SMEM)
   out_types: Sequence[jax.ShapeDtypeStruct]
 
 
-def tiled(dtype, cols_elems=None):
+def tiled(dtype):
   """The (8, 64) tiling + 128-byte swizzle that wgmma operands and TMA copies use."""
-  del cols_elems
   elems = _SWIZZLE // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
 
@@ -108,7 +109,8 @@ def num_sms() -> int:
   return getattr(dev, "core_count", None) or 132
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+  """Whether kernels are being traced for Mosaic GPU interpret mode (on a CPU)."""
   from jax._src import config as jax_config
   return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
@@ -131,7 +133,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   m_tiles = tile_expert.shape[0]
   grid = (m_tiles * role.num_column_blocks,)
   a_bytes = tm * tk * jnp.dtype(dtype).itemsize
-  interpreting = _interpreting()
+  interpret_mode = interpreting()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
     n_in = len(extra_inputs)
@@ -139,7 +141,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
     def scoped(a_union, b_smem, full, empty, epi_scratch):
       a_rows, a_tiles = a_union
-      if interpreting:
+      if interpret_mode:
         a_tiles = a_rows  # the interpreter keeps RefUnion members apart; on a GPU they alias
       wg = lax.axis_index("wg")
       n_tiles_used = num_tiles_ref[0]
@@ -185,8 +187,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
                                         a_tiles.at[slot], full.at[slot])
               for w in range(_NUM_COMPUTE_WGS):
-                for src, cols in role.rhs_copies(rhs_ref, expert, k_slice, nb, w):
-                  plgpu.copy_gmem_to_smem(src, b_smem.at[slot, w, :, cols], full.at[slot])
+                for src, dst in role.rhs_copies(rhs_ref, expert, k_slice, nb, w, b_smem.at[slot, w]):
+                  plgpu.copy_gmem_to_smem(src, dst, full.at[slot])
 
           return step + jnp.where(active, k_iters, 0)
 
@@ -218,7 +220,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               def _k(ki):
                 slot = lax.rem(step + ki, stages)
                 plgpu.barrier_wait(full.at[slot])
-                plgpu.wgmma(acc_ref, a_tiles.at[slot], b_smem.at[slot, wg])
+                plgpu.wgmma(acc_ref, a_tiles.at[slot], role.rhs_operand(b_smem.at[slot, wg]))
                 plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
 
                 @pl.when(ki > 0)
@@ -245,7 +247,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                                                          plgpu.SwizzleTransform(_SWIZZLE))),
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
     )
-    b_smem = plgpu.SMEM((stages, _NUM_COMPUTE_WGS, tk, role.acc_n), dtype, transforms=tiled(dtype))
+    b_shape, b_transforms = role.rhs_smem
+    b_smem = plgpu.SMEM((stages, _NUM_COMPUTE_WGS) + b_shape, dtype, transforms=b_transforms)
     epi = jax.tree.map(
         lambda s: plgpu.SMEM((_NUM_COMPUTE_WGS,) + s.shape, s.dtype, transforms=s.transforms),
         role.epilogue_scratch)
@@ -270,3 +273,11 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   )
   del rows_total
   return kernel(tile_expert, num_tiles.reshape(1), row_token, lhs, rhs, *extra_inputs)
+
+
+def plain_rhs(cols, tile_k, dtype):
+  """GemmRole fields for a B block read as one contiguous (tile_k, cols) box of w[e]."""
+  def copies(rhs_ref, expert, k_slice, nb, w, block):
+    return [(rhs_ref.at[expert, k_slice, pl.ds((nb * _NUM_COMPUTE_WGS + w) * cols, cols)], block)]
+  return dict(rhs_smem=((tile_k, cols), tiled(dtype)), rhs_copies=copies, rhs_copies_per_wg=1,
+              rhs_operand=lambda block: block)

@@ -4,9 +4,9 @@ The rows of x are gathered by token index as the A operand is loaded (no gathere
 HBM); the epilogue adds the bias, applies the activation in float32 and stores both the
 pre-activation H (kept for the backward) and A (read by the down-projection).
 
-GLU activations use the "concat" gate/up layout natively: each warpgroup's B block is filled by two
-copies, the gate columns of its 64 hidden units and their up columns, so one wgmma produces both
-halves of act(gate) * up in one accumulator.
+GLU activations use the "concat" gate/up layout natively: each warpgroup's B block holds the gate
+columns of its 64 hidden units and their up columns, so one wgmma (N = 128) produces both halves of
+act(gate) * up in one accumulator.
 Reference: `sonic_jax.xla_backend.up_projection`.
 """
 
@@ -17,10 +17,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, grouped_gemm,
+                                                interpreting, plain_rhs, tiled)
 
 # Hidden units per compute warpgroup: a GLU accumulator is (tile_m, 2 * 64), a plain one (tile_m, 128).
 GLU_UNITS_PER_WG = 64
@@ -30,6 +32,31 @@ PLAIN_COLS_PER_WG = 128
 @dataclasses.dataclass(frozen=True)
 class UpProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=3)
+
+
+def _glu_rhs(n, units, tile_k, dtype):
+  """B block = [gate columns u0..u0+units | up columns n+u0..] of w1[e] (concat layout).
+
+  On the GPU: w1 viewed as (E, d, 2, n) (a free reshape), one TMA of a (tile_k, 2, units) box into
+  a (8, 1, 64)-tiled block that wgmma reads reshaped to (tile_k, 2 * units). The interpreter does
+  not model reshaped refs, so there the block is (tile_k, 2 * units) and filled by two copies (a
+  TMA into half of a tiled block would not be contiguous on the GPU).
+  """
+  if interpreting():
+    def copies(rhs_ref, expert, k_slice, nb, w, block):
+      u0 = (nb * 2 + w) * units
+      return [(rhs_ref.at[expert, k_slice, pl.ds(u0, units)], block.at[:, :units]),
+              (rhs_ref.at[expert, k_slice, pl.ds(n + u0, units)], block.at[:, units:])]
+    return dict(rhs_smem=((tile_k, 2 * units), tiled(dtype)), rhs_copies=copies,
+                rhs_copies_per_wg=2, rhs_operand=lambda block: block)
+
+  def copies(rhs_ref, expert, k_slice, nb, w, block):  # rhs_ref: w1 viewed as (E, d, 2, n)
+    return [(rhs_ref.at[expert, k_slice, :, pl.ds((nb * 2 + w) * units, units)], block)]
+  elems = 128 // jnp.dtype(dtype).itemsize
+  return dict(rhs_smem=((tile_k, 2, units), (plgpu.TilingTransform((8, 1, elems)),
+                                             plgpu.SwizzleTransform(128))),
+              rhs_copies=copies, rhs_copies_per_wg=1,
+              rhs_operand=lambda block: block.reshape(tile_k, 2 * units))
 
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
@@ -69,20 +96,12 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
 
   if glu:
     units = GLU_UNITS_PER_WG
-
-    def rhs_copies(rhs_ref, expert, k_slice, nb, w):
-      u0 = (nb * 2 + w) * units  # gate columns u0.., up columns n + u0..
-      return [(rhs_ref.at[expert, k_slice, pl.ds(u0, units)], slice(0, units)),
-              (rhs_ref.at[expert, k_slice, pl.ds(n + u0, units)], slice(units, 2 * units))]
-
-    copies, acc_n, blocks = 2, 2 * units, n // (2 * units)
+    rhs_fields = _glu_rhs(n, units, tk, dtype)
+    acc_n, blocks = 2 * units, n // (2 * units)
   else:
     units = PLAIN_COLS_PER_WG
-
-    def rhs_copies(rhs_ref, expert, k_slice, nb, w):
-      return [(rhs_ref.at[expert, k_slice, pl.ds((nb * 2 + w) * units, units)], slice(None))]
-
-    copies, acc_n, blocks = 1, units, n // (2 * units)
+    rhs_fields = plain_rhs(units, tk, dtype)
+    acc_n, blocks = units, n // (2 * units)
 
   def epilogue(acc, ctx):
     h_ref, a_ref = ctx.outputs
@@ -105,12 +124,12 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
     epi.store_tiles(stores, ctx.scratch)
 
   role = GemmRole(
-      acc_n=acc_n, num_column_blocks=blocks, rhs_copies=rhs_copies, rhs_copies_per_wg=copies,
-      epilogue=epilogue,
+      acc_n=acc_n, num_column_blocks=blocks, **rhs_fields, epilogue=epilogue,
       epilogue_scratch=epi.staging_buffers(tm, dtype),
       out_types=(jax.ShapeDtypeStruct((rows, width), dtype),
                  jax.ShapeDtypeStruct((rows, n), dtype)))
-  h, a = grouped_gemm(x, w1, layout.tile_expert, layout.num_tiles,
+  rhs = w1.reshape(e_count, d, 2, n) if glu and not interpreting() else w1
+  h, a = grouped_gemm(x, rhs, layout.tile_expert, layout.num_tiles,
                       layout.row_token if gather else None, role,
                       (bias,), config.gemm)
   return h, a
