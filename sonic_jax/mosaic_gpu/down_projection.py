@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm, plain_rhs
+from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
 
-COLS_PER_WG = 128
+BLOCK_N = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,35 +25,40 @@ class DownProjectionConfig:
 
 def supports(a, w2) -> str | None:
   n, d = w2.shape[1], w2.shape[2]
-  if a.dtype not in (jnp.bfloat16, jnp.float16):
+  if a.dtype not in (jnp.bfloat16, jnp.float16) or w2.dtype != a.dtype:
     return f"dtype {a.dtype} (the kernel takes bfloat16 or float16)"
   if n % 64:
     return f"n={n} is not a multiple of 64"
-  if d % (2 * COLS_PER_WG):
-    return f"d={d} is not a multiple of {2 * COLS_PER_WG}"
+  if d % BLOCK_N:
+    return f"d={d} is not a multiple of {BLOCK_N}"
   return None
 
 
 def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjectionConfig()):
   """Y (R, d) in a's dtype."""
   e_count, n, d = w2.shape
-  tm, tk = config.gemm.tile_m, config.gemm.tile_k
+  tm = config.gemm.tile_m
   if layout.row_tile != tm:
     raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tm}")
   dtype = a.dtype
   bias = b2 if b2 is not None else jnp.zeros((e_count, d), dtype)
 
-  def epilogue(acc, ctx):
+  def rhs_copy(w2_ref, expert, k_slice, nb, j):
+    del j
+    return w2_ref.at[expert, k_slice, pl.ds(nb * BLOCK_N, BLOCK_N)]
+
+  def epilogue(accs, ctx):
     (y_ref,) = ctx.outputs
     (b_ref,) = ctx.inputs
-    c0 = (ctx.column_block * 2 + ctx.wg) * COLS_PER_WG
-    y = acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, COLS_PER_WG)], acc)
-    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.tile * tm, tm), pl.ds(c0, COLS_PER_WG)])],
+    (acc,) = accs
+    c0 = ctx.column_block * BLOCK_N
+    y = acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], acc)
+    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
                     ctx.scratch)
 
   role = GemmRole(
-      acc_n=COLS_PER_WG, num_column_blocks=d // (2 * COLS_PER_WG),
-      **plain_rhs(COLS_PER_WG, tk, dtype), epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm, dtype),
+      block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
+      epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role, (bias,), config.gemm)
   return y

@@ -13,9 +13,9 @@ STORE_COLS = 64  # columns per staged store: one 128-byte swizzled row of 16-bit
 NUM_STAGING = 2
 
 
-def staging_buffers(tile_m, dtype):
-  """Per-warpgroup SMEM for the epilogue: NUM_STAGING (tile_m, 64) tiles, double buffered."""
-  return plgpu.SMEM((NUM_STAGING, tile_m, STORE_COLS), dtype, transforms=tiled(dtype))
+def staging_buffers(rows, dtype):
+  """Per-warpgroup SMEM for the epilogue: NUM_STAGING (rows, 64) tiles, double buffered."""
+  return plgpu.SMEM((NUM_STAGING, rows, STORE_COLS), dtype, transforms=tiled(dtype))
 
 
 def column_vector(ref, like):
@@ -25,7 +25,7 @@ def column_vector(ref, like):
 
 
 def store_tiles(stores, staging):
-  """Stores [(value (tile_m, c), GMEM ref view (tile_m, c)), ...] through the staging buffers.
+  """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
   Each value is cut into 64-column pieces; a buffer is reused only after the TMA store that read it
   has finished reading, so stores overlap with the next piece's register-to-SMEM copy.

@@ -6,14 +6,17 @@ role supplies only how its B operand is read and what its epilogue does (`GemmRo
 Work: the grouped layout (`sonic_jax.layout`) cuts the rows into tiles of `tile_m` rows that each
 belong to one expert; a tile's expert is `tile_expert[tile]` and only the first `num_tiles` tiles
 are in use (a number known on the device only: the loops skip the rest, nothing syncs with the
-host). The output columns are cut into blocks of 2 * `acc_n` (one `acc_n` half per compute
-warpgroup). A persistent grid of one CTA per SM walks the (tile, column block) space.
+host). The output columns are cut into column blocks; a role reads `num_rhs_blocks` B blocks of
+`block_n` columns per column block (a GLU up-projection reads the gate and the up block). A
+persistent grid of one CTA per SM walks the (tile, column block) space.
 
-Warp specialisation, per CTA: two compute warpgroups issue wgmma into their own accumulators and run
-the role's epilogue; a memory warpgroup streams operands into a `num_stages`-deep ring of shared
-memory stages. A stage holds one A tile (tile_m x tile_k), shared by both compute warpgroups, and
-one B block per compute warpgroup. `full[s]` completes when the stage's copies landed, `empty[s]`
-when both compute warpgroups finished the wgmma that read it.
+Warp specialisation, per CTA: two compute warpgroups, each owning half of the tile's rows, issue
+wgmma into their own accumulators (one per B block) and run the role's epilogue; a memory
+warpgroup streams operands into a `num_stages`-deep ring of shared-memory stages. A stage holds the
+A tile (tile_m x tile_k) and the B blocks, both read by both compute warpgroups (splitting rows
+rather than columns lets the warpgroups share B and keeps each wgmma N = block_n wide). `full[s]`
+completes when the stage's copies landed, `empty[s]` when both compute warpgroups finished the
+wgmma that read it.
 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source, one TMA copy per row. No
@@ -64,34 +67,31 @@ class GroupedGemmConfig:
 class EpilogueContext:
   """What a role's epilogue sees for one (tile, column block, warpgroup)."""
 
-  tile: jax.Array  # tile index; its rows are [tile * tile_m, (tile + 1) * tile_m)
+  row0: jax.Array  # first grouped row of this warpgroup's rows
+  rows: int  # rows per warpgroup (tile_m // 2)
   expert: jax.Array
   column_block: jax.Array
-  wg: jax.Array  # compute warpgroup, 0 or 1
   inputs: Sequence[Any]  # the role's extra GMEM inputs
   outputs: Sequence[Any]  # the role's GMEM outputs
   scratch: Any  # this warpgroup's epilogue SMEM scratch
-  tile_m: int
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmRole:
   """A GEMM role: its B operand and its epilogue.
 
-  rhs_smem: the SMEM block (shape, transforms) of one warpgroup's B operand;
-  rhs_copies(rhs_ref, expert, k_slice, column_block, wg, block_ref) -> [(GMEM view, SMEM view)]:
-  the TMA copies that fill it; rhs_operand(block_ref) -> the (tile_k, acc_n) wgmma B operand.
-  epilogue(acc, ctx) consumes the float32 accumulator (tile_m, acc_n) and stores the outputs.
+  rhs_copy(rhs_ref, expert, k_slice, column_block, j) -> the GMEM view (tile_k, block_n) that B
+  block j of the stage is copied from (one dense TMA box).
+  epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
+  of one warpgroup and stores the outputs.
   """
 
-  acc_n: int
+  block_n: int
+  num_rhs_blocks: int
   num_column_blocks: int
-  rhs_smem: tuple[tuple[int, ...], tuple]
-  rhs_copies: Callable
-  rhs_copies_per_wg: int
-  rhs_operand: Callable
+  rhs_copy: Callable
   epilogue: Callable
-  epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (pytree of plgpu.SMEM)
+  epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (a plgpu.SMEM)
   out_types: Sequence[jax.ShapeDtypeStruct]
 
 
@@ -186,9 +186,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               else:
                 plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
                                         a_tiles.at[slot], full.at[slot])
-              for w in range(_NUM_COMPUTE_WGS):
-                for src, dst in role.rhs_copies(rhs_ref, expert, k_slice, nb, w, b_smem.at[slot, w]):
-                  plgpu.copy_gmem_to_smem(src, dst, full.at[slot])
+              for j in range(role.num_rhs_blocks):
+                plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
+                                        b_smem.at[slot, j], full.at[slot])
 
           return step + jnp.where(active, k_iters, 0)
 
@@ -215,13 +215,18 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
           def _():
             expert = tile_expert_ref[mi]
 
-            def acc_scope(acc_ref):
+            rows = tm // _NUM_COMPUTE_WGS
+            blocks = role.num_rhs_blocks
+
+            def acc_scope(*acc_refs):
               @pl.loop(0, k_iters)
               def _k(ki):
                 slot = lax.rem(step + ki, stages)
                 plgpu.barrier_wait(full.at[slot])
-                plgpu.wgmma(acc_ref, a_tiles.at[slot], role.rhs_operand(b_smem.at[slot, wg]))
-                plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
+                a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
+                for j in range(blocks):
+                  plgpu.wgmma(acc_refs[j], a_half, b_smem.at[slot, j])
+                plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
 
                 @pl.when(ki > 0)
                 def _():
@@ -229,29 +234,29 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
-              return acc_ref[...]
+              return [r[...] for r in acc_refs]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((tm, role.acc_n), jnp.float32))
-            role.epilogue(acc, EpilogueContext(
-                tile=mi, expert=expert, column_block=nb, wg=wg, inputs=inputs, outputs=outputs,
-                scratch=jax.tree.map(lambda r: r.at[wg], epi_scratch), tile_m=tm))
+            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
+                                              for _ in range(blocks)])
+            role.epilogue(accs, EpilogueContext(
+                row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
+                inputs=inputs, outputs=outputs, scratch=epi_scratch.at[wg]))
 
           return step + jnp.where(active, k_iters, 0)
 
         plgpu.wait_smem_to_gmem(0)
 
-    copies_per_stage = (tm if gather else 1) + _NUM_COMPUTE_WGS * role.rhs_copies_per_wg
+    copies_per_stage = (tm if gather else 1) + role.num_rhs_blocks
     elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(
         plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
                                                          plgpu.SwizzleTransform(_SWIZZLE))),
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
     )
-    b_shape, b_transforms = role.rhs_smem
-    b_smem = plgpu.SMEM((stages, _NUM_COMPUTE_WGS) + b_shape, dtype, transforms=b_transforms)
-    epi = jax.tree.map(
-        lambda s: plgpu.SMEM((_NUM_COMPUTE_WGS,) + s.shape, s.dtype, transforms=s.transforms),
-        role.epilogue_scratch)
+    b_smem = plgpu.SMEM((stages, role.num_rhs_blocks, tk, role.block_n), dtype,
+                        transforms=tiled(dtype))
+    es = role.epilogue_scratch
+    epi = plgpu.SMEM((_NUM_COMPUTE_WGS,) + es.shape, es.dtype, transforms=es.transforms)
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
@@ -274,10 +279,3 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   del rows_total
   return kernel(tile_expert, num_tiles.reshape(1), row_token, lhs, rhs, *extra_inputs)
 
-
-def plain_rhs(cols, tile_k, dtype):
-  """GemmRole fields for a B block read as one contiguous (tile_k, cols) box of w[e]."""
-  def copies(rhs_ref, expert, k_slice, nb, w, block):
-    return [(rhs_ref.at[expert, k_slice, pl.ds((nb * _NUM_COMPUTE_WGS + w) * cols, cols)], block)]
-  return dict(rhs_smem=((tile_k, cols), tiled(dtype)), rhs_copies=copies, rhs_copies_per_wg=1,
-              rhs_operand=lambda block: block)
