@@ -19,11 +19,11 @@ completes when the stage's copies landed, `empty[s]` when both compute warpgroup
 wgmma that read it.
 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
-row r of the tile is row `row_token[tile * tile_m + r]` of the source, one TMA copy per row. No
-gathered copy of the source is ever written to HBM. Gathered rows land in a (1, 64)-tiled view of
-the stage; wgmma reads an (8, 64)-tiled view of the same bytes (`RefUnion`): with 128-byte rows and
-the 128-byte swizzle, both tilings put row r at byte r * 128 and the swizzle is a function of the
-address, so the two views are byte-identical.
+row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
+memory warpgroup, or one TMA per row). No gathered copy of the source is ever written to HBM.
+Gathered rows are written through other views of the stage than the (8, 64)-tiled one wgmma reads
+(`RefUnion`): with 128-byte rows and the 128-byte swizzle, the (8, 64) and (1, 64) tilings both put
+row r at byte r * 128 and the swizzle is a function of the address, so the views are byte-identical.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from sonic_jax.mosaic_gpu import gather
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
 _NUM_COMPUTE_WGS = 2
@@ -55,12 +57,17 @@ class GroupedGemmConfig:
   tile_k: int = 64
   num_stages: int = 4
   grid_tile_width: int = 4
+  gather_impl: str = "cp_async"  # or "row_tma"; see sonic_jax.mosaic_gpu.gather
 
   def __post_init__(self):
     if self.tile_m % 64:
       raise ValueError(f"tile_m must be a multiple of 64, got {self.tile_m}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
+    if self.gather_impl not in ("cp_async", "row_tma"):
+      raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
+    if self.gather_impl == "cp_async" and self.tile_m != 128:
+      raise ValueError("the cp_async gather gives each of 128 threads one row: tile_m must be 128")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,16 +130,17 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   Returns the role's outputs.
   """
   tm, tk, stages = config.tile_m, config.tile_k, config.num_stages
-  rows_total = tile_expert.shape[0] * tm
   k = lhs.shape[1]
   if k % tk:
     raise ValueError(f"the contraction dim ({k}) must be a multiple of tile_k={tk}")
   k_iters = k // tk
   dtype = lhs.dtype
-  gather = row_token is not None
+  gather_impl = None
+  if row_token is not None:
+    gather_impl = "row_tma" if interpreting() else config.gather_impl
+  lag = stages - 1  # cp.async: stages whose copies may still be in flight
   m_tiles = tile_expert.shape[0]
   grid = (m_tiles * role.num_column_blocks,)
-  a_bytes = tm * tk * jnp.dtype(dtype).itemsize
   interpret_mode = interpreting()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
@@ -140,7 +148,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     inputs, outputs = refs[:n_in], refs[n_in:]
 
     def scoped(a_union, b_smem, full, empty, epi_scratch):
-      a_rows, a_tiles = a_union
+      a_rows, a_tiles, a_raw = a_union
       if interpret_mode:
         a_tiles = a_rows  # the interpreter keeps RefUnion members apart; on a GPU they alias
       wg = lax.axis_index("wg")
@@ -175,7 +183,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 plgpu.barrier_wait(empty.at[slot])
 
               k_slice = pl.ds(ki * tk, tk)
-              if gather:
+              if gather_impl == "cp_async":
+                gather.cp_async_rows(lhs_ref.at[:, k_slice], row_token_ref.at[pl.ds(mi * tm, tm)],
+                                     a_raw.at[slot], row_elems=tk, source_row_stride=k)
+              elif gather_impl == "row_tma":
                 base = mi * tm
 
                 @pl.loop(0, tm)
@@ -189,11 +200,27 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               for j in range(role.num_rhs_blocks):
                 plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
                                         b_smem.at[slot, j], full.at[slot])
+              if gather_impl == "cp_async":  # stage s - lag has landed: publish it
+                @pl.when(s >= lag)
+                def _():
+                  gather.cp_async_wait(lag)
+                  plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
+                  plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
 
           return step + jnp.where(active, k_iters, 0)
 
-        # Observe the compute warpgroups' last releases before the barriers go away.
         total = _tiles
+        if gather_impl == "cp_async":  # publish the last stages
+          gather.cp_async_wait(0)
+          plgpu.commit_smem()
+          for j in range(lag):
+            s_last = total - lag + j
+
+            @pl.when(s_last >= 0)
+            def _():
+              plgpu.barrier_arrive(full.at[lax.rem(s_last, stages)])
+
+        # Observe the compute warpgroups' last releases before the barriers go away.
         for j in range(stages):
           s = total - stages + j
 
@@ -246,12 +273,13 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
         plgpu.wait_smem_to_gmem(0)
 
-    copies_per_stage = (tm if gather else 1) + role.num_rhs_blocks
+    copies_per_stage = (tm if gather_impl == "row_tma" else 1) + role.num_rhs_blocks
     elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(
         plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
                                                          plgpu.SwizzleTransform(_SWIZZLE))),
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
+        plgpu.SMEM((stages, tm, tk), dtype),  # raw bytes, for the cp.async gather's addressing
     )
     b_smem = plgpu.SMEM((stages, role.num_rhs_blocks, tk, role.block_n), dtype,
                         transforms=tiled(dtype))
@@ -263,7 +291,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
         epi, collective_axes="wg")
 
-  del a_bytes
   if row_token is None:
     row_token = jnp.zeros((1,), jnp.int32)
   kernel = plgpu.kernel(
@@ -276,6 +303,5 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
   )
-  del rows_total
   return kernel(tile_expert, num_tiles.reshape(1), row_token, lhs, rhs, *extra_inputs)
 
