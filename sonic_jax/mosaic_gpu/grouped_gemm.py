@@ -139,6 +139,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   if row_token is not None:
     gather_impl = "row_tma" if interpreting() else config.gather_impl
   lag = stages - 1  # cp.async: stages whose copies may still be in flight
+  # Registers per thread (2 * compute + memory <= 512): the cp.async gather computes addresses.
+  memory_regs = 80 if gather_impl == "cp_async" else 40
+  compute_regs = (512 - memory_regs) // 2 // 8 * 8
   m_tiles = tile_expert.shape[0]
   grid = (m_tiles * role.num_column_blocks,)
   interpret_mode = interpreting()
@@ -161,7 +164,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(memory_regs, action="decrease")
 
         @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
@@ -230,7 +233,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_regs, action="increase")
 
         @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
