@@ -181,6 +181,16 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               s = step + ki
               slot = lax.rem(s, stages)
 
+              if gather_impl == "cp_async":
+                # Publish stage s - lag, whose copies are now the oldest in flight. This must come
+                # before waiting for the slot below: the compute warpgroups free that slot only
+                # after consuming stage s - lag.
+                @pl.when(s >= lag)
+                def _():
+                  gather.cp_async_wait(lag - 1)
+                  plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
+                  plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
+
               @pl.when(s >= stages)
               def _():
                 plgpu.barrier_wait(empty.at[slot])
@@ -203,12 +213,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               for j in range(role.num_rhs_blocks):
                 plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
                                         b_smem.at[slot, j], full.at[slot])
-              if gather_impl == "cp_async":  # stage s - lag has landed: publish it
-                @pl.when(s >= lag)
-                def _():
-                  gather.cp_async_wait(lag)
-                  plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
-                  plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
 
           return step + jnp.where(active, k_iters, 0)
 
