@@ -41,6 +41,8 @@ flags.DEFINE_enum("routing", "softmax_topk", list(sonic_jax.ROUTINGS), "routing"
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
 flags.DEFINE_integer("input_sets", 3, "input sets rotated between calls")
 flags.DEFINE_integer("xla_max_pairs", 1 << 30, "skip the xla backend when T*K exceeds this")
+flags.DEFINE_list("forward_only", [], "sonic_jax backends measured forward only (e.g. one whose "
+                  "backward still runs the slow xla reference path)")
 flags.DEFINE_bool("kernel_trace", True, "per-kernel device times from a profiler trace")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_bool("benchmarks_md", False, "regenerate BENCHMARKS.md from this run")
@@ -67,23 +69,27 @@ def _weights(cfg, dtype, glu):
 
 
 def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
-  """Times fwd and fwd+bwd and collects memory figures; errors are recorded, not raised."""
+  """Times fwd and fwd+bwd (fwdbwd=None: forward only) and collects memory figures; errors are
+  recorded, not raised."""
   row = {"name": name}
   try:
     c_fwd, row["compile_fwd_s"] = timing.compile_fn(fwd, *fwd_sets[0])
-    c_fb, row["compile_fwdbwd_s"] = timing.compile_fn(fwdbwd, *fwdbwd_sets[0])
     t_fwd, _ = timing.time_compiled(c_fwd, fwd_sets, repeats=FLAGS.repeats)
-    t_fb, _ = timing.time_compiled(c_fb, fwdbwd_sets, repeats=FLAGS.repeats)
-    t_bwd = max(t_fb - t_fwd, 1e-9)
-    row.update(fwd_ms=t_fwd * 1e3, fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3,
-               fwd_tflops=flops / t_fwd / 1e12, bwd_tflops=2 * flops / t_bwd / 1e12,
-               fwdbwd_tflops=3 * flops / t_fb / 1e12, temp_bytes=timing.temp_bytes(c_fb))
+    row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12)
+    c_fb = c_fwd
+    if fwdbwd is not None:
+      c_fb, row["compile_fwdbwd_s"] = timing.compile_fn(fwdbwd, *fwdbwd_sets[0])
+      t_fb, _ = timing.time_compiled(c_fb, fwdbwd_sets, repeats=FLAGS.repeats)
+      t_bwd = max(t_fb - t_fwd, 1e-9)
+      row.update(fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3, bwd_tflops=2 * flops / t_bwd / 1e12,
+                 fwdbwd_tflops=3 * flops / t_fb / 1e12, temp_bytes=timing.temp_bytes(c_fb))
     if residual_fn is not None:
       own, args_kept, listing = timing.residual_bytes(residual_fn, *fwd_sets[0])
       row.update(residual_bytes=own, residual_arg_bytes=args_kept,
                  residuals=[list(map(str, r)) for r in listing])
     if FLAGS.kernel_trace:
-      row["kernels_fwdbwd_us"] = timing.kernel_times(c_fb, fwdbwd_sets[0])
+      row["kernels_fwdbwd_us" if fwdbwd is not None else "kernels_fwd_us"] = timing.kernel_times(
+          c_fb, fwdbwd_sets[0] if fwdbwd is not None else fwd_sets[0])
   except Exception as e:  # out of memory, unsupported shape: record and go on
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     traceback.print_exc()
@@ -113,7 +119,8 @@ def _sonic_rows(cfg, dtype, glu, sets, weights):
 
     fwd_sets = [(x, router_weight, w1, w2) for x, _ in sets]
     fb_sets = [(x, router_weight, w1, w2, d_y) for x, d_y in sets]
-    rows.append(_measure(f"sonic_jax[{resolved}]", fwd, fwdbwd, fwd_sets, fb_sets,
+    only_fwd = b in FLAGS.forward_only or resolved in FLAGS.forward_only
+    rows.append(_measure(f"sonic_jax[{resolved}]", fwd, None if only_fwd else fwdbwd, fwd_sets, fb_sets,
                          grid.forward_flops(cfg, glu), residual_fn=fwd))
   return rows
 

@@ -22,6 +22,9 @@ def _tf(v):
 def row_summary(row):
   if "error" in row:
     return f"{row['name']:<22} {row['error']}"
+  if "fwdbwd_ms" not in row:
+    return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5} TFLOP/s ({row['fwd_ms']:.3f} ms, "
+            f"forward only)  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
   return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5}  bwd {_tf(row['bwd_tflops']):>5}  "
           f"fwd+bwd {_tf(row['fwdbwd_tflops']):>5} TFLOP/s  ({row['fwd_ms']:.3f} / {row['fwdbwd_ms']:.3f} ms)"
           f"  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
@@ -50,14 +53,16 @@ def results_table(results):
                      + " |" * 8)
         continue
       sonic = row["name"].startswith("sonic_jax")
-      ratio = lambda v, b: f"{v / b:.2f}" if (sonic and b) else ""
+      ratio = lambda v, b: f"{v / b:.2f}" if (sonic and b and v is not None) else ""
       res_mib = row.get("residual_bytes")
+      opt = lambda k, fmt: "–" if row.get(k) is None else fmt(row[k])
       lines.append(
           f"| {','.join(map(str, cfg))} | {row['name']} | {_tf(row['fwd_tflops'])} | "
-          f"{_tf(row['bwd_tflops'])} | {_tf(row['fwdbwd_tflops'])} | {row['fwd_ms']:.3f} | "
-          f"{row['fwdbwd_ms']:.3f} | {_f(None if res_mib is None else res_mib / 2**20, '{:.0f}')} | "
+          f"{opt('bwd_tflops', _tf)} | {opt('fwdbwd_tflops', _tf)} | {row['fwd_ms']:.3f} | "
+          f"{opt('fwdbwd_ms', '{:.3f}'.format)} | "
+          f"{_f(None if res_mib is None else res_mib / 2**20, '{:.0f}')} | "
           f"{_f(None if row.get('temp_bytes') is None else row['temp_bytes'] / 2**30, '{:.2f}')} | "
-          f"{ratio(row['fwd_tflops'], best_fwd)} | {ratio(row['bwd_tflops'], best_bwd)} |")
+          f"{ratio(row['fwd_tflops'], best_fwd)} | {ratio(row.get('bwd_tflops'), best_bwd)} |")
   return "\n".join(lines)
 
 
@@ -84,7 +89,7 @@ def kernels_section(results, top=6):
   out = []
   for res in results["configs"]:
     for row in res["rows"]:
-      ks = row.get("kernels_fwdbwd_us")
+      ks = row.get("kernels_fwdbwd_us") or row.get("kernels_fwd_us")
       if not ks:
         continue
       body = "; ".join(f"`{name[:48]}` {us:.0f} µs" for name, us in ks[:top])
@@ -108,6 +113,7 @@ def plot(results, out_dir):
     fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(configs)), 4.5))
     series = [(n, [next((r.get(metric) for r in c["rows"] if r["name"] == n), None) or 0
                    for c in configs]) for n in names]
+    series = [(n, v) for n, v in series if any(v)]
     key = "fwd" if metric == "fwd_tflops" else "fwdbwd"
     pub = [anchors.get(tuple(c["config"]), {}).get("sonicmoe_published", {}).get(key) or 0
            for c in configs]

@@ -80,23 +80,13 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int) -> 
 
   flat = expert_ids.reshape(-1).astype(jnp.int32)
   flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
-  pair_bits = max(1, (num_pairs - 1).bit_length())
-  if pair_bits + (e_count + 1).bit_length() <= 31:
-    # One int32 key per pair, (expert, pair): a single-operand sort (a radix sort on GPUs) is
-    # stable by construction and several times faster than an argsort.
-    keys = jnp.sort((flat << pair_bits) | jnp.arange(num_pairs, dtype=jnp.int32))
-    order = keys & ((1 << pair_bits) - 1)
-    sorted_expert = keys >> pair_bits
-  else:
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
-    sorted_expert = flat[order]
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
+  sorted_expert = flat[order]
 
-  # Counts from the sorted ids (no scatter-add, which contends on a GPU when E is small).
-  bounds = jnp.searchsorted(sorted_expert, jnp.arange(e_count + 1, dtype=jnp.int32),
-                            side="left").astype(jnp.int32)
-  counts = bounds[1:] - bounds[:-1]
+  counts_all = jnp.zeros((e_count + 1,), jnp.int32).at[flat].add(1)
+  counts = counts_all[:e_count]
   group_sizes = _round_up(counts, row_tile)
-  starts = bounds[:-1]  # first sorted position of each expert
+  starts = jnp.cumsum(counts) - counts  # first sorted position of each expert
   row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
 
   position = jnp.arange(num_pairs, dtype=jnp.int32)
