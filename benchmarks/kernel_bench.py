@@ -30,7 +30,7 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
-flags.DEFINE_enum("gather_impl", "cp_async", ["cp_async", "row_tma", "none"],
+flags.DEFINE_enum("gather_impl", "none", ["cp_async", "row_tma", "none"],
                   "fused gather of the up-projection to time ('none': only the contiguous kernel)")
 FLAGS = flags.FLAGS
 
@@ -70,7 +70,7 @@ def run_config(cfg, flops_rate, bw):
   x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)
   gather = FLAGS.gather_impl != "none"
   cfg_up = up.UpProjectionConfig(GroupedGemmConfig(
-      num_stages=4, gather_impl=FLAGS.gather_impl if gather else "cp_async"))
+      num_stages=4, gather_impl=FLAGS.gather_impl if gather else "row_tma"))
   up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat", config=cfg_up)
   up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", gather=False)
   down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay)

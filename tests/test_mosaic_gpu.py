@@ -158,3 +158,31 @@ def test_mosaic_backend_refuses_a_non_hopper_device():
     sonic_jax.moe(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 4)),
                   jnp.zeros((4, 64, 256), jnp.bfloat16), jnp.zeros((4, 128, 64), jnp.bfloat16),
                   top_k=2, backend="mosaic_gpu")
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("activation,layout,dtype", [
+    ("swiglu", "interleaved", jnp.bfloat16),  # up-projection falls back to the xla role
+    ("gelu", "concat", jnp.float32),  # float32: both projections fall back
+])
+def test_moe_layer_fallbacks_stay_correct(rng, compiled, activation, layout, dtype):
+  from sonic_jax.mosaic_gpu import down_projection as down
+  from sonic_jax.mosaic_gpu import up_projection as up
+  glu = sonic_jax.ACTIVATIONS[activation].is_glu
+  T, d, n = 64, 256, 128 if glu else 256
+  p, d_y = make_problem(rng, T=T, d=d, n=n, E=4, K=2, activation=activation)
+  cast = {k: None if v is None else jnp.asarray(v, dtype) for k, v in p.items()}
+  act = acts.get_activation(activation)
+  assert up.supports(cast["x"], cast["w1"], act, layout) is not None  # the case is a fallback
+  if dtype == jnp.float32:
+    assert down.supports(cast["x"], cast["w2"]) is not None
+  with kernel_mode(compiled):
+    y, _ = jax.jit(lambda x, rw, w1, w2: sonic_jax.moe(
+        x, rw, w1, w2, top_k=2, activation=activation, gate_up_layout=layout,
+        backend="mosaic_gpu"))(cast["x"], cast["router_weight"], cast["w1"], cast["w2"])
+  seen = {k: None if v is None else np.asarray(v.astype(jnp.float32), np.float64)
+          for k, v in cast.items()}
+  ids = select_experts(seen["x"], seen["router_weight"], 2)
+  y_ref, _ = reference_values_and_grads(seen, d_y, ids, routing="softmax_topk",
+                                        activation=activation, gate_up_layout=layout)
+  assert rel_err(y, y_ref) < (2e-2 if dtype == jnp.bfloat16 else 1e-4)

@@ -19,8 +19,8 @@ ROW_TILE = 128
 
 # Where the up-projection's A rows come from. "xla": XLA gathers x[row_token] into a contiguous
 # buffer that the kernel streams with TMA (the fastest measured so far: see BENCHMARKS.md).
-# "cp_async" / "row_tma": the gather fused into the kernel's operand load (gather.py); row_tma is
-# correct but issue-bound, cp_async does not yet complete on the GPU.
+# "row_tma" / "cp_async": the gather fused into the kernel's operand load (gather.py); row_tma is
+# exact but issue-bound (about 7x slower), cp_async does not yet complete on the GPU.
 GATHER = "xla"
 
 

@@ -6,8 +6,11 @@ as SonicMoE does: its 128 threads take one row each and copy it as 16-byte piece
 stage's group is complete the writers fence their writes into the async proxy (wgmma's) and the
 stage's barrier receives one arrival.
 
-The interpreter cannot run inline Mosaic GPU code; there (and as `row_tma`, a slower alternative
-kept for measurement) each row is one TMA copy of a (1, 64) box.
+Status (H200, jax 0.11.2): the cp.async path compiles but the kernel does not complete (a hang,
+not yet diagnosed: `benchmarks/gather_check.py` reproduces it with a time limit), so it is not the
+default. `row_tma` (one TMA copy of a (1, 64) box per row) is exact on the GPU but issue-bound:
+about 7x slower than the same kernel on a pre-gathered input. The interpreter cannot run inline
+Mosaic GPU code and always uses `row_tma`.
 """
 
 from __future__ import annotations

@@ -57,7 +57,9 @@ class GroupedGemmConfig:
   tile_k: int = 64
   num_stages: int = 4
   grid_tile_width: int = 4
-  gather_impl: str = "cp_async"  # or "row_tma"; see sonic_jax.mosaic_gpu.gather
+  # How a gathered A operand is loaded (sonic_jax.mosaic_gpu.gather): "row_tma" (one TMA per row;
+  # correct on the GPU, issue-bound) or "cp_async" (experimental: does not complete on the GPU yet).
+  gather_impl: str = "row_tma"
 
   def __post_init__(self):
     if self.tile_m % 64:
@@ -157,66 +159,63 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       wg = lax.axis_index("wg")
       n_tiles_used = num_tiles_ref[0]
 
-      def tile_coords(lin):
-        mi, nb = plgpu.planar_snake(lin, (m_tiles, role.num_column_blocks), 1,
-                                    config.grid_tile_width)
-        return mi, nb
+      def walk_tiles(per_tile):
+        """Runs per_tile(tile, column_block, expert, first_step) over this CTA's tiles in use, in
+        the same order in every warpgroup; returns the number of k-steps taken (stages used)."""
+        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+        def _tiles(info, carry):
+          step = carry
+          mi, nb = plgpu.planar_snake(info.index[0], (m_tiles, role.num_column_blocks), 1,
+                                      config.grid_tile_width)
+          active = mi < n_tiles_used
+          pl.when(active)(lambda: per_tile(mi, nb, tile_expert_ref[mi], step))
+          return step + jnp.where(active, k_iters, 0)
+        return _tiles
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
         plgpu.set_max_registers(memory_regs, action="decrease")
 
-        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-        def _tiles(info, carry):
-          step = carry
-          mi, nb = tile_coords(info.index[0])
-          active = mi < n_tiles_used
+        def load_tile(mi, nb, expert, step):
+          @pl.loop(0, k_iters)
+          def _k(ki):
+            s = step + ki
+            slot = lax.rem(s, stages)
 
-          @pl.when(active)
-          def _():
-            expert = tile_expert_ref[mi]
-
-            @pl.loop(0, k_iters)
-            def _k(ki):
-              s = step + ki
-              slot = lax.rem(s, stages)
-
-              if gather_impl == "cp_async":
-                # Publish stage s - lag, whose copies are now the oldest in flight. This must come
-                # before waiting for the slot below: the compute warpgroups free that slot only
-                # after consuming stage s - lag.
-                @pl.when(s >= lag)
-                def _():
-                  gather.cp_async_wait(lag - 1)
-                  plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
-                  plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
-
-              @pl.when(s >= stages)
+            if gather_impl == "cp_async":
+              # Publish stage s - lag, whose copies are now the oldest in flight. This must come
+              # before waiting for the slot below: the compute warpgroups free that slot only
+              # after consuming stage s - lag.
+              @pl.when(s >= lag)
               def _():
-                plgpu.barrier_wait(empty.at[slot])
+                gather.cp_async_wait(lag - 1)
+                plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
+                plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
 
-              k_slice = pl.ds(ki * tk, tk)
-              if gather_impl == "cp_async":
-                gather.cp_async_rows(lhs_ref.at[:, k_slice], row_token_ref.at[pl.ds(mi * tm, tm)],
-                                     a_raw.at[slot], row_elems=tk, source_row_stride=k)
-              elif gather_impl == "row_tma":
-                base = mi * tm
+            @pl.when(s >= stages)
+            def _():
+              plgpu.barrier_wait(empty.at[slot])
 
-                @pl.loop(0, tm)
-                def _row(r):
-                  tok = row_token_ref[base + r]
-                  plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
-                                          a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
-              else:
-                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
-                                        a_tiles.at[slot], full.at[slot])
-              for j in range(role.num_rhs_blocks):
-                plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
-                                        b_smem.at[slot, j], full.at[slot])
+            k_slice = pl.ds(ki * tk, tk)
+            if gather_impl == "cp_async":
+              gather.cp_async_rows(lhs_ref.at[:, k_slice], row_token_ref.at[pl.ds(mi * tm, tm)],
+                                   a_raw.at[slot], row_elems=tk, source_row_stride=k)
+            elif gather_impl == "row_tma":
+              base = mi * tm
 
-          return step + jnp.where(active, k_iters, 0)
+              @pl.loop(0, tm)
+              def _row(r):
+                tok = row_token_ref[base + r]
+                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
+                                        a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
+            else:
+              plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
+                                      a_tiles.at[slot], full.at[slot])
+            for j in range(role.num_rhs_blocks):
+              plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
+                                      b_smem.at[slot, j], full.at[slot])
 
-        total = _tiles
+        total = walk_tiles(load_tile)
         if gather_impl == "cp_async":  # publish the last stages
           gather.cp_async_wait(0)
           plgpu.commit_smem()
@@ -239,45 +238,35 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       def _compute_wg():
         plgpu.set_max_registers(compute_regs, action="increase")
 
-        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
-        def _tiles(info, carry):
-          step = carry
-          mi, nb = tile_coords(info.index[0])
-          active = mi < n_tiles_used
+        def compute_tile(mi, nb, expert, step):
+          rows = tm // _NUM_COMPUTE_WGS
+          blocks = role.num_rhs_blocks
 
-          @pl.when(active)
-          def _():
-            expert = tile_expert_ref[mi]
+          def acc_scope(*acc_refs):
+            @pl.loop(0, k_iters)
+            def _k(ki):
+              slot = lax.rem(step + ki, stages)
+              plgpu.barrier_wait(full.at[slot])
+              a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
+              for j in range(blocks):
+                plgpu.wgmma(acc_refs[j], a_half, b_smem.at[slot, j])
+              plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
 
-            rows = tm // _NUM_COMPUTE_WGS
-            blocks = role.num_rhs_blocks
+              @pl.when(ki > 0)
+              def _():
+                plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
 
-            def acc_scope(*acc_refs):
-              @pl.loop(0, k_iters)
-              def _k(ki):
-                slot = lax.rem(step + ki, stages)
-                plgpu.barrier_wait(full.at[slot])
-                a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
-                for j in range(blocks):
-                  plgpu.wgmma(acc_refs[j], a_half, b_smem.at[slot, j])
-                plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
+            return [r[...] for r in acc_refs]
 
-                @pl.when(ki > 0)
-                def _():
-                  plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
+          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
+                                            for _ in range(blocks)])
+          role.epilogue(accs, EpilogueContext(
+              row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
+              inputs=inputs, outputs=outputs, scratch=epi_scratch.at[wg]))
 
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
-              return [r[...] for r in acc_refs]
-
-            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
-                                              for _ in range(blocks)])
-            role.epilogue(accs, EpilogueContext(
-                row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
-                inputs=inputs, outputs=outputs, scratch=epi_scratch.at[wg]))
-
-          return step + jnp.where(active, k_iters, 0)
-
+        walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 
     copies_per_stage = (tm if gather_impl == "row_tma" else 1) + role.num_rhs_blocks
