@@ -94,7 +94,7 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
 
 def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
         activation: str = "swiglu", routing: str = "softmax_topk", gate_up_layout: str = "concat",
-        b1: Array | None = None, b2: Array | None = None,
+        b1: Array | None = None, b2: Array | None = None, selection_bias: Array | None = None,
         backend: str = "auto") -> tuple[Array, MoEAux]:
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward.
 
@@ -111,6 +111,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     gate_up_layout: for GLU activations, "concat" (w1[..., :n] is the gate, w1[..., n:] the up
       projection) or "interleaved" (gate and up alternate column by column).
     b1: optional (E, 2n) or (E, n) up-projection bias. b2: optional (E, d) down-projection bias.
+    selection_bias: optional (E,) bias that moves the expert selection but not the scores
+      (auxiliary-loss-free balancing; no gradient flows into it).
     backend: "auto", "xla" or "mosaic_gpu".
 
   Returns:
@@ -128,7 +130,12 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   e_count = router_weight.shape[1]
 
   logits = routing_lib.router_logits(x, router_weight)
-  routed = routing_lib.route(logits, top_k, routing)
+  if selection_bias is not None:
+    _check_float("selection_bias", selection_bias)
+    if tuple(selection_bias.shape) != (e_count,):
+      raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
+                       f"{tuple(selection_bias.shape)}")
+  routed = routing_lib.route(logits, top_k, routing, selection_bias)
   layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile)
   y = expert_mixture(x, routed.scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   aux = MoEAux(

@@ -29,8 +29,21 @@ def router_logits(x: Array, router_weight: Array) -> Array:
   return jnp.dot(x, router_weight, preferred_element_type=acc)
 
 
-def route(logits: Array, top_k: int, routing: str) -> RouterOutput:
+def _select(values: Array, top_k: int, selection_bias: Array | None):
+  """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids)."""
+  if selection_bias is None:
+    return jax.lax.top_k(values, top_k)
+  _, ids = jax.lax.top_k(values + jax.lax.stop_gradient(selection_bias).astype(values.dtype), top_k)
+  return jnp.take_along_axis(values, ids, axis=-1), ids
+
+
+def route(logits: Array, top_k: int, routing: str,
+          selection_bias: Array | None = None) -> RouterOutput:
   """Selects K experts per token and their scores.
+
+  selection_bias (E,), optional: added to the routing values (logits for "softmax_topk",
+  probabilities or sigmoid gates otherwise) for choosing the experts only; the scores come from the
+  unbiased values (DeepSeek-V3's auxiliary-loss-free balancing). It receives no gradient.
 
   - "softmax_topk": top-K of the logits, softmax over those K (SonicMoE's default; equal to a
     softmax over all E followed by top-K and renormalisation, gradients included).
@@ -40,17 +53,17 @@ def route(logits: Array, top_k: int, routing: str) -> RouterOutput:
   """
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   if routing == "softmax_topk":
-    top_logits, ids = jax.lax.top_k(logits, top_k)
+    top_logits, ids = _select(logits, top_k, selection_bias)
     return RouterOutput(jax.nn.softmax(top_logits, axis=-1), ids, jax.nn.softmax(logits, axis=-1))
   if routing in ("topk_softmax", "topk_softmax_raw"):
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, ids = jax.lax.top_k(probs, top_k)
+    top_probs, ids = _select(probs, top_k, selection_bias)
     if routing == "topk_softmax":
       top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     return RouterOutput(top_probs, ids, probs)
   if routing == "sigmoid_topk":
     gates = jax.nn.sigmoid(logits)
-    top_gates, ids = jax.lax.top_k(gates, top_k)
+    top_gates, ids = _select(gates, top_k, selection_bias)
     scores = top_gates / (jnp.sum(top_gates, axis=-1, keepdims=True) + 1e-20)
     # DeepSeek's sequence-wise balance loss normalises the sigmoid gates per token.
     probs = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)

@@ -266,3 +266,25 @@ def test_bad_input_raises_naming_the_argument(rng, name, change, exc, match):
   kw.update(change)
   with pytest.raises(exc, match=match):
     sonic_jax.moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w1"), kw.pop("w2"), **kw)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_selection_bias_moves_selection_not_scores(rng, routing):
+  p, _ = make_problem(rng, T=32, E=6, K=2)
+  a = [jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")]
+  bias = jnp.zeros((6,)).at[3].set(100.0)  # expert 3 is always selected
+  _, aux = sonic_jax.moe(*a, top_k=2, routing=routing, selection_bias=bias, backend="xla")
+  ids = np.asarray(aux.expert_ids)
+  assert np.all((ids == 3).any(-1))
+  # The scores are those of the unbiased routing for the selected experts.
+  r = sonic_jax.route(aux.router_logits, 6, routing)  # every expert, unbiased
+  full = np.zeros((32, 6))
+  np.put_along_axis(full, np.asarray(r.expert_ids), np.asarray(r.scores), -1)
+  if routing == "topk_softmax_raw":
+    np.testing.assert_allclose(aux.scores, np.take_along_axis(full, ids, -1), rtol=1e-5)
+  # No gradient reaches the bias.
+  g = jax.grad(lambda b: jnp.sum(sonic_jax.moe(*a, top_k=2, routing=routing, selection_bias=b,
+                                               backend="xla")[0]))(bias)
+  assert np.all(np.asarray(g) == 0)
+  with pytest.raises(ValueError, match="selection_bias"):
+    sonic_jax.moe(*a, top_k=2, selection_bias=jnp.zeros((5,)))

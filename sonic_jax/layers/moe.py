@@ -1,0 +1,120 @@
+"""`MoE`: a Flax NNX module that holds the parameters and calls `sonic_jax.moe`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from sonic_jax import activations as acts
+from sonic_jax.ops import MoEAux, moe
+
+Array = jax.Array
+
+
+class RouterBias(nnx.Variable):
+  """Per-expert selection bias of auxiliary-loss-free balancing: not an `nnx.Param`, so optimizers
+  (`nnx.Optimizer(..., wrt=nnx.Param)`) leave it alone; `MoE.update_router_bias` moves it."""
+
+
+class MoELayerAux(NamedTuple):
+  loss: Array  # () load_balance_coef * load_balance_loss + z_loss_coef * z_loss: add it to yours
+  stats: MoEAux  # routing results and the unweighted losses
+
+
+def _param(rngs, init, shape, dtype, names):
+  # Logical axis names as sharding metadata (`nnx.get_partition_spec`); no eager sharding, so the
+  # module builds without a mesh and users map the names with their own rules.
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class MoE(nnx.Module):
+  """A token-choice Mixture-of-Experts feed-forward layer (SonicMoE's algorithm).
+
+  Args:
+    d_model: d. num_experts: E. expert_dim: n (each expert's intermediate width). top_k: K.
+    activation, routing, gate_up_layout, backend: as `sonic_jax.moe`.
+    use_bias: per-expert biases b1, b2.
+    num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
+      num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
+    load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
+    bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `RouterBias` that moves the
+      selection, updated by `update_router_bias` outside the gradient.
+    init_std: std of the expert weights' normal init (router_init_std for the router, default the
+      same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
+    Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
+  """
+
+  def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
+               activation: str = "swiglu", routing: str = "softmax_topk",
+               gate_up_layout: str = "concat", use_bias: bool = False,
+               num_shared_experts: int = 0, shared_expert_dim: int | None = None,
+               load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
+               bias_update_rate: float = 0.0, init_std: float = 0.02,
+               router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
+               backend: str = "auto", expert_axis: str | None = "expert",
+               embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
+    act = acts.get_activation(activation)
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    self.top_k, self.activation, self.routing = top_k, activation, routing
+    self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
+    self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
+    self.bias_update_rate = bias_update_rate
+    width = act.width_multiplier() * expert_dim
+    normal = lambda std: jax.nn.initializers.normal(std)
+    self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
+                         param_dtype, (embed_axis, None))
+    self.w1 = _param(rngs, normal(init_std), (num_experts, d_model, width), param_dtype,
+                     (expert_axis, embed_axis, mlp_axis))
+    self.w2 = _param(rngs, normal(init_std), (num_experts, expert_dim, d_model), param_dtype,
+                     (expert_axis, mlp_axis, embed_axis))
+    zeros = jax.nn.initializers.zeros
+    # Optional parts are None when unused; nnx.data marks the attributes as state either way.
+    self.b1 = nnx.data(_param(rngs, zeros, (num_experts, width), param_dtype,
+                              (expert_axis, mlp_axis)) if use_bias else None)
+    self.b2 = nnx.data(_param(rngs, zeros, (num_experts, d_model), param_dtype,
+                              (expert_axis, embed_axis)) if use_bias else None)
+    self.router_bias = nnx.data(RouterBias(jnp.zeros((num_experts,), jnp.float32))
+                                if bias_update_rate > 0 else None)
+    shared_in = shared_out = None
+    if num_shared_experts:
+      s_dim = num_shared_experts * (shared_expert_dim or expert_dim)
+      shared_in = _param(rngs, normal(init_std), (d_model, act.width_multiplier() * s_dim),
+                         param_dtype, (embed_axis, mlp_axis))
+      shared_out = _param(rngs, normal(init_std), (s_dim, d_model), param_dtype,
+                          (mlp_axis, embed_axis))
+    self.shared_in, self.shared_out = nnx.data(shared_in), nnx.data(shared_out)
+
+  def __call__(self, x: Array) -> tuple[Array, MoELayerAux]:
+    """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens."""
+    dtype = self.dtype or x.dtype
+    lead = x.shape[:-1]
+    h = x.reshape(-1, x.shape[-1]).astype(dtype)
+    cast = lambda p: None if p is None else p[...].astype(dtype)
+    bias = None if self.router_bias is None else self.router_bias[...]
+    y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), top_k=self.top_k,
+                   activation=self.activation, routing=self.routing,
+                   gate_up_layout=self.gate_up_layout, b1=cast(self.b1), b2=cast(self.b2),
+                   selection_bias=bias, backend=self.backend)
+    if self.shared_in is not None:
+      act = acts.get_activation(self.activation)
+      u = jnp.dot(h, cast(self.shared_in), preferred_element_type=jnp.float32)
+      a = acts.apply_activation(u, act, self.gate_up_layout).astype(dtype)
+      y = y + jnp.dot(a, cast(self.shared_out), preferred_element_type=jnp.float32).astype(dtype)
+    loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
+    return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
+
+  def update_router_bias(self, expert_counts: Array) -> None:
+    """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
+
+    Call it after the optimizer step with the step's `aux.stats.expert_counts` (summed over layers'
+    micro-batches or devices as you see fit). A no-op when bias_update_rate is 0.
+    """
+    if self.router_bias is None:
+      return
+    counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
+    step = self.bias_update_rate * jnp.sign(jnp.mean(counts) - counts)
+    self.router_bias[...] = self.router_bias[...] + step

@@ -1,0 +1,116 @@
+"""sonic_jax.layers.MoE: parameters, equivalence with the functional op, training, bridge."""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sonic_jax
+from sonic_jax import activations as acts
+from sonic_jax.layers import MoE, RouterBias
+from oracle import rel_err
+
+
+def _layer(**kw):
+  args = dict(d_model=32, num_experts=4, expert_dim=16, top_k=2, init_std=0.2, backend="xla",
+              rngs=nnx.Rngs(0))
+  args.update(kw)
+  return MoE(**args)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_layer_equals_functional_op_with_biases_and_shared_experts(rng, activation):
+  m = _layer(activation=activation, use_bias=True, num_shared_experts=2)
+  m.b1[...] = jnp.asarray(rng.standard_normal(m.b1.shape), jnp.float32)
+  m.b2[...] = jnp.asarray(rng.standard_normal(m.b2.shape), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
+  y, aux = m(x)
+  assert y.shape == x.shape
+  flat = x.reshape(-1, 32)
+  want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2,
+                              activation=activation, b1=m.b1[...], b2=m.b2[...], backend="xla")
+  act = acts.get_activation(activation)
+  shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
+  assert rel_err(y.reshape(-1, 32), want + shared) < 1e-5
+  np.testing.assert_allclose(aux.loss, 0.01 * stats.load_balance_loss + 1e-3 * stats.z_loss,
+                             rtol=1e-6)
+
+
+def test_sharding_metadata_on_every_parameter():
+  m = _layer(use_bias=True, num_shared_experts=1)
+  specs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
+  names = {k: tuple(v.out_sharding) for k, v in specs.items()}
+  assert names["w1"] == ("expert", "embed", "mlp")
+  assert names["w2"] == ("expert", "mlp", "embed")
+  assert names["router"] == ("embed", None)
+  assert names["b1"] == ("expert", "mlp") and names["shared_in"] == ("embed", "mlp")
+
+
+def test_compute_dtype_and_param_dtype(rng):
+  m = _layer(dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+  y, _ = m(x)
+  assert y.dtype == jnp.bfloat16 and m.w1[...].dtype == jnp.float32
+  grads = nnx.grad(lambda m: jnp.sum(m(x)[0].astype(jnp.float32) ** 2))(m)
+  assert grads["w1"][...].dtype == jnp.float32
+  assert np.isfinite(np.asarray(grads["w1"][...])).all()
+
+
+def test_adamw_training_lowers_the_loss(rng):
+  """A student MoE learns a teacher MoE's function under nnx.jit with optax AdamW."""
+  teacher = _layer(rngs=nnx.Rngs(1), init_std=0.3)
+  student = _layer(rngs=nnx.Rngs(2), init_std=0.1, bias_update_rate=1e-3)
+  x = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
+  target, _ = teacher(x)
+  opt = nnx.Optimizer(student, optax.adamw(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, x, target):
+    def loss_fn(model):
+      y, aux = model(x)
+      return jnp.mean((y - target) ** 2) + aux.loss, aux
+    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    opt.update(model, grads)
+    model.update_router_bias(aux.stats.expert_counts)
+    return loss
+
+  losses = [float(step(student, opt, x, target)) for _ in range(60)]
+  assert losses[-1] < 0.5 * losses[0], losses[::10]
+  assert isinstance(student.router_bias, RouterBias)
+  assert np.any(np.asarray(student.router_bias[...]) != 0)  # moved by the update, not the optimizer
+  assert "router_bias" not in nnx.state(student, nnx.Param)
+
+
+def test_router_bias_update_moves_towards_balance():
+  m = _layer(bias_update_rate=0.1)
+  m.update_router_bias(jnp.array([10, 0, 5, 5]))
+  np.testing.assert_allclose(m.router_bias[...], [-0.1, 0.1, 0.0, 0.0])
+  plain = _layer()
+  plain.update_router_bias(jnp.array([10, 0, 5, 5]))  # no bias: a no-op
+  assert plain.router_bias is None
+
+
+def test_linen_bridge(rng):
+  layer = nnx.bridge.to_linen(MoE, 32, 4, 16, 2, backend="xla", init_std=0.2)
+  x = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
+  variables = layer.init(jax.random.key(0), x)
+  (y, aux) = layer.apply(variables, x)
+  from flax import linen as nn
+  p = nn.unbox(variables)["params"]  # the bridge boxes parameters with their sharding names
+  assert tuple(variables["params"]["w1"].metadata["out_sharding"]) == ("expert", "embed", "mlp")
+  want, _ = sonic_jax.moe(x.reshape(-1, 32), p["router"], p["w1"], p["w2"], top_k=2,
+                          backend="xla")
+  assert rel_err(y.reshape(-1, 32), want) < 1e-6
+  g = jax.grad(lambda v: jnp.sum(layer.apply(v, x)[0] ** 2))(variables)
+  assert float(jnp.linalg.norm(nn.unbox(g)["params"]["w1"])) > 0
+
+
+def test_bad_layer_arguments():
+  with pytest.raises(ValueError, match="top_k"):
+    _layer(top_k=5)
+  with pytest.raises(ValueError, match="activation"):
+    _layer(activation="tanh")
