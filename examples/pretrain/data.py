@@ -1,0 +1,69 @@
+"""Offline text: the Python standard library's own sources, as bytes (a byte-level tokenizer).
+
+The corpus is the first `max_bytes` of the stdlib's .py files in sorted path order: the same on
+every machine with the same Python, no download. The last `heldout_fraction` of it is held out.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+
+import numpy as np
+
+VOCAB_SIZE = 256  # bytes
+
+
+def load_corpus(max_bytes: int) -> np.ndarray:
+  root = sysconfig.get_paths()["stdlib"]
+  chunks, total = [], 0
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests",
+                                                           "__pycache__", "idlelib"))
+    for name in sorted(filenames):
+      if not name.endswith(".py"):
+        continue
+      with open(os.path.join(dirpath, name), "rb") as f:
+        data = f.read()
+      chunks.append(data)
+      total += len(data)
+      if total >= max_bytes:
+        return np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8)
+  return np.frombuffer(b"".join(chunks), np.uint8)
+
+
+def split(corpus: np.ndarray, heldout_fraction: float):
+  cut = int(len(corpus) * (1 - heldout_fraction))
+  return corpus[:cut], corpus[cut:]
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+  """Entropy of the byte frequencies, in nats: what a model that ignores context achieves."""
+  p = np.bincount(tokens, minlength=VOCAB_SIZE).astype(np.float64)
+  p = p[p > 0] / p.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+def batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int):
+  """(inputs, targets) int32 (batch, seq_len): random windows, deterministic in (seed, step)."""
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+  idx = starts[:, None] + np.arange(seq_len + 1)[None]
+  window = tokens[idx].astype(np.int32)
+  return window[:, :-1], window[:, 1:]
+
+
+def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int):
+  """Fixed evaluation windows spread over the held-out split."""
+  span = len(tokens) - seq_len - 1
+  starts = np.linspace(0, span, num_batches * batch_size).astype(np.int64)
+  for b in range(num_batches):
+    s = starts[b * batch_size:(b + 1) * batch_size]
+    idx = s[:, None] + np.arange(seq_len + 1)[None]
+    window = tokens[idx].astype(np.int32)
+    yield window[:, :-1], window[:, 1:]
+
+
+def nats_to_bits(x: float) -> float:
+  return x / math.log(2)

@@ -1,0 +1,120 @@
+"""A decoder-only transformer LM whose feed-forward layers are sonic_jax MoE layers (Flax NNX)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from sonic_jax.layers import MoE
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_experts: int = 8
+  expert_dim: int = 64
+  top_k: int = 2
+  activation: str = "swiglu"
+  num_shared_experts: int = 0
+  tie_embeddings: bool = True
+  rope_base: float = 10000.0
+  load_balance_coef: float = 0.01
+  z_loss_coef: float = 1e-3
+  bias_update_rate: float = 0.0
+  backend: str = "auto"
+  dtype: str = "float32"  # compute dtype; parameters are float32
+
+
+def rope(x, base):
+  """Rotary position embedding on (batch, seq, heads, head_dim)."""
+  _, seq, _, dim = x.shape
+  half = dim // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None]
+  cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, *, rngs):
+    del rngs
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * self.scale[...]
+    return y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    init = nnx.initializers.normal(cfg.d_model ** -0.5)
+    self.cfg = cfg
+    self.qkv = nnx.Param(init(rngs.params(), (cfg.d_model, 3 * cfg.d_model)))
+    self.out = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.d_model)) / (2 * cfg.num_layers) ** 0.5)
+
+  def __call__(self, x):
+    b, s, d = x.shape
+    h = self.cfg.num_heads
+    q, k, v = jnp.split(x @ self.qkv[...].astype(x.dtype), 3, axis=-1)
+    q, k, v = (t.reshape(b, s, h, d // h) for t in (q, k, v))
+    q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return o.reshape(b, s, d) @ self.out[...].astype(x.dtype)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs):
+    self.norm1, self.norm2 = RMSNorm(cfg.d_model, rngs=rngs), RMSNorm(cfg.d_model, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.moe = MoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
+                   activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,
+                   load_balance_coef=cfg.load_balance_coef, z_loss_coef=cfg.z_loss_coef,
+                   bias_update_rate=cfg.bias_update_rate, init_std=cfg.d_model ** -0.5,
+                   dtype=jnp.dtype(cfg.dtype), backend=cfg.backend, rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.norm1(x))
+    y, aux = self.moe(self.norm2(x))
+    return x + y, aux
+
+
+class TransformerLM(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model)))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.d_model, rngs=rngs)
+    self.unembed = nnx.data(None if cfg.tie_embeddings else nnx.Param(
+        nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size))))
+
+  def __call__(self, tokens):
+    """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, [expert counts])."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    x = self.embed[...][tokens].astype(dtype)
+    aux_loss, counts = 0.0, []
+    for block in self.blocks:
+      x, aux = block(x)
+      aux_loss = aux_loss + aux.loss
+      counts.append(aux.stats.expert_counts)
+    x = self.norm(x)
+    w = self.embed[...].T * self.cfg.d_model ** -0.5 if self.unembed is None else self.unembed[...]
+    logits = jnp.dot(x, w.astype(dtype), preferred_element_type=jnp.float32)
+    return logits, aux_loss, counts
+
+  def update_router_biases(self, counts):
+    for block, c in zip(self.blocks, counts):
+      block.moe.update_router_bias(c)
+
+
+def moe_flops_per_token(cfg: ModelConfig) -> float:
+  """Forward + backward FLOPs of the MoE layers per token (the paper's count: 3 x 6 K d n)."""
+  glu = cfg.activation in ("swiglu", "geglu", "reglu")
+  return 3 * (6 if glu else 4) * cfg.top_k * cfg.d_model * cfg.expert_dim * cfg.num_layers
