@@ -38,7 +38,10 @@ def _check_rank(name, a, rank, shape_doc):
     raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(a.shape)}")
 
 
-def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout):
+def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+              num_local_experts=None):
+  """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
+  `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
   for name, a in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(a).__name__}")
@@ -52,7 +55,8 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
   if router_weight.shape[0] != d:
     raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
                      f"got {tuple(router_weight.shape)}")
-  e_count = router_weight.shape[1]
+  e_router = router_weight.shape[1]
+  e_count = e_router if num_local_experts is None else num_local_experts
   mult = act.width_multiplier()
   _check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = ({e_count}, {d}, ...)")
   if w1.shape[0] != e_count or w1.shape[1] != d:
@@ -87,8 +91,8 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
       raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
   if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
     raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
-  if not 1 <= top_k <= e_count:
-    raise ValueError(f"top_k must be in [1, E] = [1, {e_count}], got {top_k}")
+  if not 1 <= top_k <= e_router:
+    raise ValueError(f"top_k must be in [1, E] = [1, {e_router}], got {top_k}")
   return act
 
 

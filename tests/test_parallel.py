@@ -1,0 +1,17 @@
+"""Expert parallelism (sonic_jax.parallel) on 8 CPU devices: equals the single-device op."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("routing", ["random", "skew"])
+def test_all_gather_expert_parallel_matches_single_device(routing):
+  # A fresh process: the CPU device count is fixed when JAX starts.
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "ep_check.py"), routing],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
