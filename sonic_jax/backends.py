@@ -54,7 +54,8 @@ def _device_is_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+  """Whether Pallas kernels are being traced for Mosaic GPU interpret mode (on a CPU)."""
   from jax._src import config as jax_config  # set by plgpu.force_gpu_interpret_mode
   return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
@@ -75,7 +76,7 @@ def resolve_backend(name: str) -> Backend:
   if name == "xla":
     return _xla_for_platform()
   if name == "mosaic_gpu":
-    if _device_is_hopper() or (_interpreting() and jax.default_backend() == "cpu"):
+    if _device_is_hopper() or (interpreting() and jax.default_backend() == "cpu"):
       return _mosaic_gpu()
     dev = jax.devices()[0]
     raise ValueError(

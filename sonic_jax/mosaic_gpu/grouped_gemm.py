@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sonic_jax.backends import interpreting
 from sonic_jax.mosaic_gpu import gather
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
@@ -116,12 +117,6 @@ def num_sms() -> int:
     return mesh.abstract_device.num_cores
   dev = jax.devices()[0]
   return getattr(dev, "core_count", None) or 132
-
-
-def interpreting() -> bool:
-  """Whether kernels are being traced for Mosaic GPU interpret mode (on a CPU)."""
-  from jax._src import config as jax_config
-  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
