@@ -63,8 +63,8 @@ class GroupedGemmConfig:
   gather_impl: str = "row_tma"
 
   def __post_init__(self):
-    if self.tile_m % 64:
-      raise ValueError(f"tile_m must be a multiple of 64, got {self.tile_m}")
+    if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
+      raise ValueError(f"tile_m must be a multiple of 128, got {self.tile_m}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
     if self.gather_impl not in ("cp_async", "row_tma"):
