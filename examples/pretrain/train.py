@@ -137,26 +137,30 @@ def main(_):
     writer.writerow(["step", "train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s",
                      "moe_tflops", "expert_load_max_over_mean", "unigram_entropy"])
   tokens_per_step = s["batch_size"] * s["seq_len"]
-  window_loss, window_t, window_steps = [], 0.0, 0
+  # Losses stay on the device and the loop never waits for a step: the host syncs only at
+  # evaluations, and a window's time runs from the end of its first step (which compiles after a
+  # start) to that sync.
+  window_loss, window_t0, window_steps = [], None, 0
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
-    t0 = time.perf_counter()
     ce, counts = train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets))
-    ce = float(ce)  # synchronises: the step is timed whole
-    if step > start:  # the first step compiles
-      window_t += time.perf_counter() - t0
-      window_steps += 1
     window_loss.append(ce)
+    if window_t0 is None:
+      jax.block_until_ready(ce)
+      window_t0 = time.perf_counter()
+    else:
+      window_steps += 1
     done = step + 1
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the evaluation lines only
       bar = "#" * int(30 * done / s["steps"])
-      print(f"\r[{bar:<30}] {done}/{s['steps']} loss {ce:.3f}", end="", flush=True)
+      print(f"\r[{bar:<30}] {done}/{s['steps']}", end="", flush=True)
     if done % s["eval_every"] == 0 or done == s["steps"]:
+      train_loss = float(jnp.mean(jnp.stack(window_loss)))  # the window's sync
+      step_s = (time.perf_counter() - window_t0) / max(window_steps, 1)
       heldout_loss = evaluate(model, heldout, s)
-      step_s = window_t / max(window_steps, 1)
       c = np.asarray(counts, np.float64)
       load = float((c.max(-1) / np.maximum(c.mean(-1), 1e-9)).max())
-      row = [done, float(np.mean(window_loss)), heldout_loss, float(np.exp(heldout_loss)),
+      row = [done, train_loss, heldout_loss, float(np.exp(heldout_loss)),
              tokens_per_step / step_s if window_steps else float("nan"),
              moe_flops_per_token(cfg) * tokens_per_step / step_s / 1e12 if window_steps else float("nan"),
              load, h_unigram]
@@ -166,7 +170,7 @@ def main(_):
             f"(ppl {row[3]:.2f}, unigram {h_unigram:.3f}), {row[4]:.0f} tokens/s, "
             f"MoE {row[5]:.3f} TFLOP/s, expert load max/mean {load:.2f}", flush=True)
       ckpt.save(done, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
-      window_loss, window_t, window_steps = [], 0.0, 0
+      window_loss, window_t0, window_steps = [], time.perf_counter(), 0
   ckpt.wait_until_finished()
   log.close()
   if FLAGS.plot:
