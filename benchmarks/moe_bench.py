@@ -43,6 +43,8 @@ flags.DEFINE_integer("input_sets", 3, "input sets rotated between calls")
 flags.DEFINE_integer("xla_max_pairs", 1 << 30, "skip the xla backend when T*K exceeds this")
 flags.DEFINE_list("forward_only", [], "sonic_jax backends measured forward only (e.g. one whose "
                   "backward still runs the slow xla reference path)")
+flags.DEFINE_list("token_rounding", [], "token-rounding modes (down, up, nearest) measured as "
+                  "extra rows of every sonic_jax backend; their FLOPs count the pairs after rounding")
 flags.DEFINE_bool("kernel_trace", True, "per-kernel device times from a profiler trace")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_bool("benchmarks_md", False, "regenerate BENCHMARKS.md from this run")
@@ -96,6 +98,17 @@ def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
   return row
 
 
+def _routing_stats(cfg, sets, weights, backend, token_rounding):
+  """Pairs after routing and padding rows of the grouped layout, for the first input set."""
+  router_weight, w1, w2 = weights
+  _, aux = jax.jit(lambda x, rw, w1, w2: sonic_jax.moe(
+      x, rw, w1, w2, top_k=cfg[4], routing=FLAGS.routing, token_rounding=token_rounding,
+      backend=backend))(sets[0][0], router_weight, w1, w2)
+  pairs = int(np.sum(np.asarray(aux.expert_counts)))
+  return {"pairs": pairs, "padded_rows": int(aux.padded_rows),
+          "padding_fraction": int(aux.padded_rows) / max(pairs, 1)}
+
+
 def _sonic_rows(cfg, dtype, glu, sets, weights):
   router_weight, w1, w2 = weights
   k = cfg[4]
@@ -108,20 +121,28 @@ def _sonic_rows(cfg, dtype, glu, sets, weights):
     if resolved == "xla" and cfg[0] * k > FLAGS.xla_max_pairs:
       rows.append({"name": f"sonic_jax[{resolved}]", "error": "skipped (--xla_max_pairs)"})
       continue
-    kw = dict(top_k=k, activation=FLAGS.activation, routing=FLAGS.routing, backend=resolved)
+    for rounding in [None] + FLAGS.token_rounding:
+      kw = dict(top_k=k, activation=FLAGS.activation, routing=FLAGS.routing, backend=resolved,
+                token_rounding=rounding)
 
-    def fwd(x, rw, w1, w2, kw=kw):
-      return sonic_jax.moe(x, rw, w1, w2, **kw)[0]
+      def fwd(x, rw, w1, w2, kw=kw):
+        return sonic_jax.moe(x, rw, w1, w2, **kw)[0]
 
-    def fwdbwd(x, rw, w1, w2, d_y, fwd=fwd):
-      _, vjp = jax.vjp(fwd, x, rw, w1, w2)
-      return vjp(d_y)
+      def fwdbwd(x, rw, w1, w2, d_y, fwd=fwd):
+        _, vjp = jax.vjp(fwd, x, rw, w1, w2)
+        return vjp(d_y)
 
-    fwd_sets = [(x, router_weight, w1, w2) for x, _ in sets]
-    fb_sets = [(x, router_weight, w1, w2, d_y) for x, d_y in sets]
-    only_fwd = b in FLAGS.forward_only or resolved in FLAGS.forward_only
-    rows.append(_measure(f"sonic_jax[{resolved}]", fwd, None if only_fwd else fwdbwd, fwd_sets, fb_sets,
-                         grid.forward_flops(cfg, glu), residual_fn=fwd))
+      fwd_sets = [(x, router_weight, w1, w2) for x, _ in sets]
+      fb_sets = [(x, router_weight, w1, w2, d_y) for x, d_y in sets]
+      only_fwd = b in FLAGS.forward_only or resolved in FLAGS.forward_only
+      stats = _routing_stats(cfg, sets, weights, resolved, rounding)
+      # FLOPs of the pairs actually computed (SonicMoE's token-rounding benchmark does the same).
+      flops = grid.forward_flops(cfg, glu) * stats["pairs"] / (cfg[0] * k)
+      name = f"sonic_jax[{resolved}]" + (f"+tr_{rounding}" if rounding else "")
+      row = _measure(name, fwd, None if only_fwd else fwdbwd, fwd_sets, fb_sets, flops,
+                     residual_fn=fwd)
+      row.update(stats)
+      rows.append(row)
   return rows
 
 

@@ -20,49 +20,57 @@ from sonic_jax.layout import GroupedLayout
 Array = jax.Array
 
 
-def _row_scores(scores: Array, layout: GroupedLayout) -> Array:
+def _row_scores(scores: Array, extra_scores: Array | None, layout: GroupedLayout) -> Array:
   flat = scores.reshape(-1)
+  if extra_scores is not None:
+    flat = jnp.concatenate([flat, extra_scores.astype(scores.dtype)])
   return jnp.where(layout.row_valid(), flat[jnp.maximum(layout.row_pair, 0)], 0.0)
 
 
-def _pair_values(row_values: Array, layout: GroupedLayout) -> Array:
-  """Row-indexed (R,) values back to pair order (T, S); 0 for pairs routed nowhere."""
-  rows = jnp.minimum(layout.pair_row, row_values.shape[0] - 1)
-  return jnp.where(layout.pair_valid(), row_values[rows], 0.0)
+def _pair_values(row_values: Array, layout: GroupedLayout) -> tuple[Array, Array]:
+  """Row-indexed (R,) values back to pair order: (T, S) and (X,); 0 for pairs routed nowhere."""
+  last = row_values.shape[0] - 1
+  slots = jnp.where(layout.pair_valid(), row_values[jnp.minimum(layout.pair_row, last)], 0.0)
+  extra = jnp.where(layout.extra_valid(), row_values[jnp.minimum(layout.extra_row, last)], 0.0)
+  return slots, extra
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2: Array,
-                   b1: Array | None, b2: Array | None,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout, w1: Array,
+                   w2: Array, b1: Array | None, b2: Array | None,
                    activation: acts.Activation, gate_up_layout: str, backend: Backend) -> Array:
   """y (T, d) = sum over each token's routed experts of score * expert(x_t).
 
-  `scores` (T, S) float32 weights the pairs of `layout` (built from the (T, S) expert ids with the
-  backend's `row_tile`). Differentiable in x, scores, w1, w2, b1, b2.
+  `scores` (T, S) float32 weights the slot pairs of `layout` (built from the (T, S) expert ids with
+  the backend's `row_tile`) and `extra_scores` (X,) its extra pairs (None when it has none).
+  Differentiable in x, scores, extra_scores, w1, w2, b1, b2.
   """
-  y, _ = _forward(x, scores, layout, w1, w2, b1, b2, activation, gate_up_layout, backend)
+  y, _ = _forward(x, scores, extra_scores, layout, w1, w2, b1, b2, activation, gate_up_layout,
+                  backend)
   return y
 
 
-def _forward(x, scores, layout, w1, w2, b1, b2, activation, gate_up_layout, backend):
+def _forward(x, scores, extra_scores, layout, w1, w2, b1, b2, activation, gate_up_layout, backend):
   h, a = backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   y_rows = backend.down_projection(a, w2, b2, layout)
-  y = backend.gather_sum(y_rows, layout, scores, x.dtype)
-  return y, (x, h, scores, layout, w1, w2, b1, b2)
+  y = backend.gather_sum(y_rows, layout, scores, x.dtype, extra_scores)
+  return y, (x, h, scores, extra_scores, layout, w1, w2, b1, b2)
 
 
 def _backward(activation, gate_up_layout, backend, residuals, d_y):
-  x, h, scores, layout, w1, w2, b1, b2 = residuals
-  row_scores = _row_scores(scores, layout)
+  x, h, scores, extra_scores, layout, w1, w2, b1, b2 = residuals
+  row_scores = _row_scores(scores, extra_scores, layout)
   d_h, a_s, d_s_rows = backend.dh_projection(d_y, h, row_scores, w2, b2, layout, activation,
                                              gate_up_layout)
   dw1, dw2, db1, db2 = backend.weight_grads(x, d_y, d_h, a_s, row_scores, layout,
                                             b1 is not None, b2 is not None)
   dx_rows = backend.dx_projection(d_h, w1, layout)
   d_x = backend.gather_sum(dx_rows, layout, None, x.dtype)
-  d_scores = _pair_values(d_s_rows, layout).astype(scores.dtype)
+  d_scores, d_extra = _pair_values(d_s_rows, layout)
   cast = lambda g, p: None if p is None else g.astype(p.dtype)
-  return (d_x, d_scores, None, cast(dw1, w1), cast(dw2, w2), cast(db1, b1), cast(db2, b2))
+  d_extra = None if extra_scores is None else d_extra.astype(extra_scores.dtype)
+  return (d_x, d_scores.astype(scores.dtype), d_extra, None,
+          cast(dw1, w1), cast(dw2, w2), cast(db1, b1), cast(db2, b2))
 
 
 expert_mixture.defvjp(_forward, _backward)

@@ -1,7 +1,8 @@
 """Routing metadata: the tile-aligned grouped layout shared by every backend and kernel.
 
-The P = T*S (token, slot) pairs are grouped by expert (a stable argsort of the expert ids, so tokens
-stay ascending inside an expert). Expert e's rows start at a multiple of `row_tile` and are padded up
+The P = T*S (token, slot) pairs, plus X optional *extra* pairs given as (token, expert) lists (token
+rounding adds them: an expert may take more tokens than the slots hold), are grouped by expert (a
+stable argsort of the expert ids, so slot pairs keep token order inside an expert, extras follow). Expert e's rows start at a multiple of `row_tile` and are padded up
 to the next multiple, so every `row_tile` rows of the grouped buffer belong to exactly one expert: a
 grouped GEMM tile never straddles two experts and needs no masking. Padding rows carry token 0 (a
 valid gather index) and are marked invalid; they contribute nothing to outputs or gradients.
@@ -45,6 +46,8 @@ class GroupedLayout(NamedTuple):
   expert_counts: Array  # (E,) int32: real pairs per expert
   tile_expert: Array  # (R // row_tile,) int32: expert of each tile, E past the used tiles
   num_tiles: Array  # () int32: tiles in use, sum(group_sizes) // row_tile
+  extra_row: Array  # (X,) int32: grouped row of each extra pair, R for unused entries
+  extra_token: Array  # (X,) int32: token of each extra pair, T for unused entries
 
   @property
   def num_rows(self) -> int:
@@ -66,19 +69,45 @@ class GroupedLayout(NamedTuple):
     """(T, S) bool: the pair was routed to an expert."""
     return self.pair_row < self.num_rows
 
+  @property
+  def num_extra(self) -> int:
+    return self.extra_row.shape[0]
 
-def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int) -> GroupedLayout:
-  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'."""
+  def extra_valid(self) -> Array:
+    """(X,) bool: the extra pair is in use."""
+    return self.extra_row < self.num_rows
+
+
+def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
+                         extra_tokens: Array | None = None,
+                         extra_experts: Array | None = None) -> GroupedLayout:
+  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
+
+  extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
+  expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
+  """
   if expert_ids.ndim != 2:
     raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
   if row_tile < 1:
     raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+  if (extra_tokens is None) != (extra_experts is None):
+    raise ValueError("extra_tokens and extra_experts must be given together")
   num_tokens, slots = expert_ids.shape
-  num_pairs = num_tokens * slots
+  if extra_tokens is None:
+    extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
+  if extra_tokens.ndim != 1 or extra_tokens.shape != extra_experts.shape:
+    raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
+                     f"{extra_tokens.shape} and {extra_experts.shape}")
+  num_slot_pairs = num_tokens * slots
+  num_pairs = num_slot_pairs + extra_tokens.shape[0]
   e_count = num_experts
   rows = grouped_rows(num_pairs, e_count, row_tile)
 
-  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  flat = jnp.concatenate([expert_ids.reshape(-1), extra_experts]).astype(jnp.int32)
+  extra_used = (extra_experts >= 0) & (extra_experts < e_count)
+  pair_token = jnp.concatenate([
+      jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
+      jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
   flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
   sorted_expert = flat[order]
@@ -96,7 +125,7 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int) -> 
 
   pair_row = jnp.full((num_pairs,), rows, jnp.int32).at[order].set(row_of_sorted)
   row_pair = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
-  row_token = jnp.where(row_pair >= 0, row_pair // slots, 0).astype(jnp.int32)
+  row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0).astype(jnp.int32)
 
   num_tiles = jnp.sum(group_sizes) // row_tile
   tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e
@@ -108,9 +137,11 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int) -> 
       row_token=row_token,
       row_pair=row_pair,
       row_expert=row_expert,
-      pair_row=pair_row.reshape(num_tokens, slots),
+      pair_row=pair_row[:num_slot_pairs].reshape(num_tokens, slots),
       group_sizes=group_sizes.astype(jnp.int32),
       expert_counts=counts,
       tile_expert=tile_expert,
       num_tiles=num_tiles.astype(jnp.int32),
+      extra_row=pair_row[num_slot_pairs:],
+      extra_token=jnp.where(extra_used, extra_tokens, num_tokens).astype(jnp.int32),
   )

@@ -26,6 +26,11 @@ class MoEAux(NamedTuple):
   router_logits: Array  # (T, E) float32
   load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
   z_loss: Array  # () float32: mean logsumexp(logits)^2
+  # Pairs that token rounding added beyond the K slots ((0,)-shaped without token rounding):
+  extra_tokens: Array | None = None  # (X,) int32, T for unused entries
+  extra_experts: Array | None = None  # (X,) int32, E for unused entries
+  extra_scores: Array | None = None  # (X,) float32
+  padded_rows: Array | None = None  # () int32: rows of the grouped GEMMs that hold no pair
 
 
 def _check_float(name, a):
@@ -99,7 +104,7 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
 def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
         activation: str = "swiglu", routing: str = "softmax_topk", gate_up_layout: str = "concat",
         b1: Array | None = None, b2: Array | None = None, selection_bias: Array | None = None,
-        backend: str = "auto") -> tuple[Array, MoEAux]:
+        token_rounding: str | None = None, backend: str = "auto") -> tuple[Array, MoEAux]:
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward.
 
   Args:
@@ -117,6 +122,11 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     b1: optional (E, 2n) or (E, n) up-projection bias. b2: optional (E, d) down-projection bias.
     selection_bias: optional (E,) bias that moves the expert selection but not the scores
       (auxiliary-loss-free balancing; no gradient flows into it).
+    token_rounding: None (plain top-K), or "down", "up", "nearest": SonicMoE's tile-aware token
+      rounding for training (`sonic_jax.routing.round_tokens`), which moves every expert's token
+      count to a multiple of the backend's row tile so that its grouped GEMMs compute no padding
+      rows. Needs a softmax routing ("softmax_topk", "topk_softmax", "topk_softmax_raw"). The
+      pairs it adds are in `aux.extra_*`; dropped slot pairs get expert id -1 and score 0.
     backend: "auto", "xla" or "mosaic_gpu".
 
   Returns:
@@ -140,8 +150,24 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
                        f"{tuple(selection_bias.shape)}")
   routed = routing_lib.route(logits, top_k, routing, selection_bias)
-  layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile)
-  y = expert_mixture(x, routed.scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+  if token_rounding is None:
+    empty = jnp.zeros((0,), jnp.int32)
+    routed = routing_lib.RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
+                                        jnp.zeros((0,), routed.scores.dtype), routed.probs)
+  else:
+    if token_rounding not in routing_lib.TOKEN_ROUNDINGS:
+      raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
+                       f"got {token_rounding!r}")
+    if routing not in routing_lib._ROUNDABLE:
+      raise ValueError(f"token_rounding needs a softmax routing {routing_lib._ROUNDABLE}, "
+                       f"got routing={routing!r}")
+    routed = routing_lib.round_tokens(routed, impl.row_tile, token_rounding)
+  layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
+                                routed.extra_experts)
+  # No extras: None, not a (0,) array (a zero-size differentiable input crashes XLA's CPU
+  # collectives under shard_map on jax 0.11.2).
+  extra = routed.extra_scores if routed.extra_scores.shape[0] else None
+  y = expert_mixture(x, routed.scores, extra, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   aux = MoEAux(
       expert_counts=layout.expert_counts,
       expert_ids=routed.expert_ids,
@@ -149,5 +175,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       router_logits=logits,
       load_balance_loss=routing_lib.load_balance_loss(routed.probs, layout.expert_counts),
       z_loss=routing_lib.z_loss(logits),
+      extra_tokens=routed.extra_tokens,
+      extra_experts=routed.extra_experts,
+      extra_scores=routed.extra_scores,
+      padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
   )
   return y, aux

@@ -51,8 +51,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   local = routed.expert_ids - first
   local = jnp.where((local >= 0) & (local < e_local), local, -1)  # -1: another device's expert
   layout = build_grouped_layout(local, e_local, impl.row_tile)
-  y_partial = expert_mixture(x_all, routed.scores, layout, w1, w2, b1, b2, act, gate_up_layout,
-                             impl)
+  y_partial = expert_mixture(x_all, routed.scores, None, layout, w1, w2, b1, b2, act,
+                             gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
   acc = acts.compute_dtype(x.dtype)
   y = jax.lax.psum_scatter(y_partial.astype(acc), axis_name, tiled=True).astype(x.dtype)
@@ -60,5 +60,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   aux = MoEAux(expert_counts=counts, expert_ids=routed.expert_ids, scores=routed.scores,
                router_logits=logits,
                load_balance_loss=routing_lib.load_balance_loss(routed.probs, counts),
-               z_loss=routing_lib.z_loss(logits))
+               z_loss=routing_lib.z_loss(logits), extra_tokens=jnp.zeros((0,), jnp.int32),
+               extra_experts=jnp.zeros((0,), jnp.int32),
+               extra_scores=jnp.zeros((0,), routed.scores.dtype),
+               padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts))
   return y, aux

@@ -95,3 +95,94 @@ def z_loss(logits: Array) -> Array:
   """Router z-loss: mean over tokens of logsumexp(logits)^2 (ST-MoE)."""
   lse = jax.nn.logsumexp(logits, axis=-1)
   return jnp.mean(lse * lse)
+
+
+# Token rounding (SonicMoE, DESIGN.md section 4): a training-time router that moves each expert's
+# number of tokens to a multiple of the grouped GEMM's row tile, so no tile is partly padding.
+TOKEN_ROUNDINGS = ("down", "up", "nearest")
+_ROUNDABLE = ("softmax_topk", "topk_softmax", "topk_softmax_raw")
+
+
+class RoundedRouting(NamedTuple):
+  """A routing after token rounding: the K slots of token choice, minus the pairs rounding dropped,
+  plus X extra (token, expert) pairs that rounding added (expert-major, at most `tile - 1` per
+  expert, sorted by token)."""
+
+  scores: Array  # (T, K) float32: kept pairs keep their token-choice score, dropped pairs 0
+  expert_ids: Array  # (T, K) int32: -1 where the pair was dropped
+  extra_tokens: Array  # (X,) int32: token of each added pair, T for unused entries
+  extra_experts: Array  # (X,) int32: expert of each added pair, E for unused entries
+  extra_scores: Array  # (X,) float32: the added pair's raw router probability, 0 when unused
+  probs: Array  # (T, E) router probabilities (softmax over all E)
+
+
+def extra_pairs_per_expert(mode: str, tile: int) -> int:
+  """Static bound on the pairs that rounding adds to one expert."""
+  return {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
+
+
+def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
+  """Token rounding of a softmax token-choice routing to multiples of `tile` rows per expert.
+
+  With f_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
+  round-half-to-even ("nearest") of f_e / tile, times tile, capped at T. Each expert ranks the
+  tokens as SonicMoE does: its token-choice (TC) tokens first, by their renormalised score, then the
+  other tokens by raw probability, and takes the first target-many. So rounding down drops an
+  expert's lowest-scored TC pairs and rounding up adds its most probable non-TC tokens; kept TC pairs
+  keep their score, added pairs get their raw softmax probability (both differentiable; the
+  selection is not). A token may end up with fewer or more than K experts, or none.
+  Static shapes: the added pairs live in an (E * extra_pairs_per_expert(mode, tile),) list.
+  """
+  if mode not in TOKEN_ROUNDINGS:
+    raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
+  if tile < 1:
+    raise ValueError(f"token rounding tile must be >= 1, got {tile}")
+  probs, ids = routed.probs, routed.expert_ids
+  t_count, k_count = ids.shape
+  e_count = probs.shape[1]
+  flat_ids = ids.reshape(-1)
+  counts = expert_counts(ids, e_count)
+  if mode == "down":
+    target = counts // tile * tile
+  elif mode == "up":
+    target = jnp.minimum((counts + tile - 1) // tile * tile, t_count)
+  else:
+    target = jnp.minimum(jnp.round(counts / tile).astype(jnp.int32) * tile, t_count)
+
+  # Rounding down: rank each expert's TC pairs by score (ties by pair order) and keep the first
+  # target_e of them.
+  keep = jnp.ones_like(flat_ids, dtype=bool)
+  if mode != "up":
+    key = jax.lax.stop_gradient(routed.scores).reshape(-1)
+    pair = jnp.arange(flat_ids.shape[0], dtype=jnp.int32)
+    order = jnp.lexsort((pair, -key, flat_ids)).astype(jnp.int32)  # expert-major, best first
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = pair - starts[flat_ids[order]]
+    rank = jnp.zeros_like(flat_ids).at[order].set(rank_sorted)
+    keep = rank < target[flat_ids]
+  keep = keep.reshape(t_count, k_count)
+  scores = jnp.where(keep, routed.scores, 0.0)
+  kept_ids = jnp.where(keep, ids, -1).astype(jnp.int32)
+
+  # Rounding up: each expert adds its most probable tokens that did not choose it.
+  per_expert = extra_pairs_per_expert(mode, tile)
+  if per_expert == 0:
+    empty = jnp.zeros((0,), jnp.int32)
+    return RoundedRouting(scores, kept_ids, empty, empty, jnp.zeros((0,), scores.dtype), probs)
+  per_expert = min(per_expert, t_count)
+  chose = jnp.zeros((t_count, e_count), bool).at[
+      jnp.arange(t_count)[:, None], ids].set(True)
+  candidates = jnp.where(chose, -jnp.inf, jax.lax.stop_gradient(probs)).T  # (E, T)
+  best, tokens = jax.lax.top_k(candidates, per_expert)  # (E, J)
+  need = jnp.maximum(target - counts, 0)
+  used = (jnp.arange(per_expert)[None, :] < need[:, None]) & (best > -jnp.inf)
+  experts = jnp.broadcast_to(jnp.arange(e_count, dtype=jnp.int32)[:, None], used.shape)
+  extra_tokens = jnp.where(used, tokens, t_count).reshape(-1).astype(jnp.int32)
+  extra_experts = jnp.where(used, experts, e_count).reshape(-1)
+  by_token = jnp.argsort(extra_tokens, stable=True)  # token order: locality in the aggregation
+  extra_tokens, extra_experts = extra_tokens[by_token], extra_experts[by_token]
+  ok = extra_tokens < t_count
+  extra_scores = jnp.where(
+      ok, probs[jnp.minimum(extra_tokens, t_count - 1), jnp.minimum(extra_experts, e_count - 1)],
+      0.0)
+  return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)

@@ -96,15 +96,28 @@ def down_projection(a, w2, b2, layout: GroupedLayout):
   return y.astype(a.dtype)
 
 
-def gather_sum(rows: Array, layout: GroupedLayout, pair_weights: Array | None, out_dtype) -> Array:
-  """out[t] = sum_s w[t, s] * rows[pair_row[t, s]] with float32 accumulation (no scatter)."""
+def gather_sum(rows: Array, layout: GroupedLayout, pair_weights: Array | None, out_dtype,
+               extra_weights: Array | None = None) -> Array:
+  """out[t] = sum_s w[t, s] * rows[pair_row[t, s]] with float32 accumulation (no scatter).
+
+  Extra pairs (token rounding), when the layout has any, add sum_x w_x * rows[extra_row[x]] to
+  their tokens through a segment sum over the X extra rows. Weights of None mean 1.
+  """
   valid = layout.pair_valid()
   acc = _acc(rows.dtype)
   gathered = rows[jnp.minimum(layout.pair_row, rows.shape[0] - 1)].astype(acc)  # (T, S, d)
   w = valid.astype(acc) if pair_weights is None else jnp.where(valid, pair_weights.astype(acc), 0.0)
   # where() rather than a multiply alone so that padding garbage can never leak through 0 * inf.
   gathered = jnp.where(valid[..., None], gathered, 0.0)
-  return jnp.einsum("tsd,ts->td", gathered, w).astype(out_dtype)
+  out = jnp.einsum("tsd,ts->td", gathered, w)
+  if layout.num_extra:  # extra_weights is then an (X,) array or None
+    ok = layout.extra_valid()
+    extra = rows[jnp.minimum(layout.extra_row, rows.shape[0] - 1)].astype(acc)  # (X, d)
+    w_x = ok.astype(acc) if extra_weights is None else jnp.where(ok, extra_weights.astype(acc), 0.0)
+    extra = jnp.where(ok[:, None], extra, 0.0) * w_x[:, None]
+    # Unused entries carry token T and fall outside the T segments.
+    out = out + jax.ops.segment_sum(extra, layout.extra_token, num_segments=out.shape[0])
+  return out.astype(out_dtype)
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,

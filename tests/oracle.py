@@ -71,8 +71,7 @@ def moe_reference(x, router_weight, w1, w2, b1, b2, ids, *, routing, activation,
   return y
 
 
-def reference_values_and_grads(inputs, d_y, ids, **kw):
-  """Float64 output and gradients w.r.t. every array in `inputs` (a dict; None entries skipped)."""
+def _values_and_grads(inputs, d_y, forward):
   names = [k for k, v in inputs.items() if v is not None]
   with jax.enable_x64(True):
     args64 = {k: (None if v is None else jnp.asarray(np.asarray(v, np.float64)))
@@ -82,13 +81,22 @@ def reference_values_and_grads(inputs, d_y, ids, **kw):
     def loss(*flat):
       a = dict(args64)
       a.update(zip(names, flat))
-      y = moe_reference(a["x"], a["router_weight"], a["w1"], a["w2"], a.get("b1"), a.get("b2"),
-                        ids, **kw)
+      y = forward(a["x"], a["router_weight"], a["w1"], a["w2"], a.get("b1"), a.get("b2"))
       return jnp.vdot(y, d_y64), y
 
     (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
         *[args64[k] for k in names])
     return np.asarray(y), {k: np.asarray(g) for k, g in zip(names, grads)}
+
+
+def reference_values_and_grads(inputs, d_y, ids, **kw):
+  """Float64 output and gradients w.r.t. every array in `inputs` (a dict; None entries skipped)."""
+  return _values_and_grads(inputs, d_y, lambda *a: moe_reference(*a, ids, **kw))
+
+
+def reference_values_and_grads_masks(inputs, d_y, tc, kept, added, **kw):
+  """The same for a general routing given as masks (`moe_reference_masks`)."""
+  return _values_and_grads(inputs, d_y, lambda *a: moe_reference_masks(*a, tc, kept, added, **kw))
 
 
 def rel_err(got, want):
@@ -98,3 +106,48 @@ def rel_err(got, want):
     return np.inf
   denom = np.linalg.norm(want)
   return float(np.linalg.norm(got - want) / (denom if denom > 0 else 1.0))
+
+
+
+def token_rounding_reference(probs, top_k, tile, mode):
+  """SonicMoE's token rounding written as its benchmark script does, in NumPy float64.
+
+  Returns (tc, kept, added), three (T, E) bool masks: the token-choice (top-K) pairs, the TC pairs
+  that stay and the pairs that rounding adds. Each expert ranks all tokens by C = its renormalised
+  TC score for its TC tokens, P - 1 for the others, and takes the first target-many.
+  """
+  probs = np.asarray(probs, np.float64)
+  t_count, e_count = probs.shape
+  ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+  tc = np.zeros_like(probs, bool)
+  np.put_along_axis(tc, ids, True, axis=-1)
+  top = np.take_along_axis(probs, ids, axis=-1)
+  renorm = np.zeros_like(probs)
+  np.put_along_axis(renorm, ids, top / top.sum(-1, keepdims=True), axis=-1)
+  c = np.where(tc, renorm, probs - 1.0)
+  counts = tc.sum(0)
+  rounder = {"down": np.floor, "up": np.ceil, "nearest": np.round}[mode]
+  target = np.minimum(rounder(counts / tile).astype(int) * tile, t_count)
+  chosen = np.zeros_like(tc)
+  for e in range(e_count):
+    order = np.argsort(-c[:, e], kind="stable")
+    chosen[order[:target[e]], e] = True
+  return tc, chosen & tc, chosen & ~tc
+
+
+def moe_reference_masks(x, router_weight, w1, w2, b1, b2, tc, kept, added, *, activation,
+                        gate_up_layout):
+  """y for a general routing given as (T, E) masks: token t's weight for expert e is its top-K
+  softmax score renormalised over the TC set `tc` where (t, e) is in `kept`, its raw softmax
+  probability where (t, e) is in `added`, else 0."""
+  e_count = w1.shape[0]
+  b1 = jnp.zeros(w1.shape[::2], w1.dtype) if b1 is None else b1
+  b2 = jnp.zeros((e_count, w2.shape[2]), w2.dtype) if b2 is None else b2
+  probs = jax.nn.softmax(x @ router_weight, axis=-1)
+  renorm = probs / jnp.sum(jnp.where(jnp.asarray(tc), probs, 0.0), -1, keepdims=True)
+  weights = jnp.where(jnp.asarray(kept), renorm, 0.0) + jnp.where(jnp.asarray(added), probs, 0.0)
+  y = jnp.zeros_like(x)
+  for e in range(e_count):
+    _, y_e = expert_forward(x, w1[e], b1[e], w2[e], b2[e], activation, gate_up_layout)
+    y = y + weights[:, e][:, None] * y_e
+  return y

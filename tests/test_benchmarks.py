@@ -28,3 +28,17 @@ def test_harness_smoke_run(tmp_path):
   assert cfg["expert_counts"]["mean"] == 128 * 2 / 4
   for f in ("results.md", "tflops_fwd.png", "tflops_fwdbwd.png", "activation_memory.png"):
     assert (tmp_path / f).stat().st_size > 0, f
+
+
+def test_token_rounding_bench_smoke_run(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2",
+         "--backend=xla", "--repeats=2", "--modes=up,down", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (cfg,) = json.load(open(tmp_path / "token_rounding.json"))["configs"]
+  plain, up, down = cfg["routings"]
+  assert plain["routing"] == "top-K" and plain["pairs"] == 512 * 2
+  assert plain["rows"] >= plain["pairs"] and up["rows"] == up["pairs"] and down["rows"] == down["pairs"]
+  assert down["pairs"] <= plain["pairs"] <= up["pairs"]
+  assert plain["gemm_speedup"] == 1.0 and all(r["gemm_ms"] > 0 for r in cfg["routings"])
+  assert "token rounding (up)" in (tmp_path / "token_rounding.md").read_text()

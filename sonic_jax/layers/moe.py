@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax import activations as acts
+from sonic_jax import routing as routing_lib
 from sonic_jax.ops import MoEAux, moe
 
 Array = jax.Array
@@ -42,6 +43,10 @@ class MoE(nnx.Module):
     load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
     bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `RouterBias` that moves the
       selection, updated by `update_router_bias` outside the gradient.
+    token_rounding: None, "down", "up" or "nearest": tile-aware token rounding while training
+      (`sonic_jax.moe`); evaluation (`deterministic=True`, e.g. after `model.eval()`) routes with
+      plain top-K.
+    deterministic: evaluation mode (NNX's `model.eval()` / `model.train()` set it).
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
@@ -52,7 +57,8 @@ class MoE(nnx.Module):
                gate_up_layout: str = "concat", use_bias: bool = False,
                num_shared_experts: int = 0, shared_expert_dim: int | None = None,
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
-               bias_update_rate: float = 0.0, init_std: float = 0.02,
+               bias_update_rate: float = 0.0, token_rounding: str | None = None,
+               deterministic: bool = False, init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
                backend: str = "auto", expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
@@ -63,6 +69,10 @@ class MoE(nnx.Module):
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
     self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
     self.bias_update_rate = bias_update_rate
+    if token_rounding is not None and token_rounding not in routing_lib.TOKEN_ROUNDINGS:
+      raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
+                       f"got {token_rounding!r}")
+    self.token_rounding, self.deterministic = token_rounding, deterministic
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
     self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
@@ -98,7 +108,9 @@ class MoE(nnx.Module):
     y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), top_k=self.top_k,
                    activation=self.activation, routing=self.routing,
                    gate_up_layout=self.gate_up_layout, b1=cast(self.b1), b2=cast(self.b2),
-                   selection_bias=bias, backend=self.backend)
+                   selection_bias=bias,
+                   token_rounding=None if self.deterministic else self.token_rounding,
+                   backend=self.backend)
     if self.shared_in is not None:
       act = acts.get_activation(self.activation)
       u = jnp.dot(h, cast(self.shared_in), preferred_element_type=jnp.float32)

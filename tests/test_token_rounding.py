@@ -1,0 +1,168 @@
+"""Token rounding: its invariants, the selection against a NumPy model of SonicMoE's algorithm, the
+layer's output and every gradient against the float64 oracle, router gradients against finite
+differences, and the Flax layer's train/eval switch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sonic_jax
+from sonic_jax import routing as routing_lib
+from sonic_jax.layers import MoE
+from cases import make_problem
+from oracle import reference_values_and_grads_masks, rel_err, token_rounding_reference
+from test_moe import ARG_NAMES, run_moe
+
+MODES = list(routing_lib.TOKEN_ROUNDINGS)
+TILE = sonic_jax.backends.resolve_backend("xla").row_tile  # 32 on the CPU
+
+
+def pair_masks(aux, t_count, e_count):
+  """(T, E) masks of the kept slot pairs and of the added pairs, from the op's aux."""
+  ids = np.asarray(aux.expert_ids)
+  kept = np.zeros((t_count, e_count), bool)
+  rows, slots = np.nonzero(ids >= 0)
+  kept[rows, ids[rows, slots]] = True
+  added = np.zeros_like(kept)
+  tok, exp = np.asarray(aux.extra_tokens), np.asarray(aux.extra_experts)
+  used = tok < t_count
+  assert np.all(used == (exp < e_count))
+  assert not np.any(kept[tok[used], exp[used]]), "a pair is both a slot and an extra"
+  np.add.at(added, (tok[used], exp[used]), True)
+  assert len(set(zip(tok[used], exp[used]))) == used.sum(), "an extra pair appears twice"
+  return kept, added
+
+
+@pytest.mark.parametrize("skew", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_token_rounding_invariants_and_selection(rng, mode, skew):
+  # Skewed with K = 1: most tokens pick expert 0, the others' small counts round down to zero.
+  T, E, K = 600, 8, (1 if skew else 2)
+  p, _ = make_problem(rng, T=T, d=32, n=16, E=E, K=K, skew=skew)
+  x, rw = (jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight"))
+  y, aux = jax.jit(lambda *a: sonic_jax.moe(*a, top_k=K, routing="topk_softmax",
+                                            token_rounding=mode, backend="xla"))(
+      x, rw, jnp.asarray(p["w1"], jnp.float32), jnp.asarray(p["w2"], jnp.float32))
+  probs = np.asarray(jax.nn.softmax(aux.router_logits, axis=-1), np.float64)
+  tc, kept_ref, added_ref = token_rounding_reference(probs, K, TILE, mode)
+  kept, added = pair_masks(aux, T, E)
+  # The same pairs as SonicMoE's algorithm.
+  np.testing.assert_array_equal(kept, kept_ref)
+  np.testing.assert_array_equal(added, added_ref)
+  # Every expert's count is a multiple of the tile, moved by less than one tile in the mode's
+  # direction; the layout has no padding rows left.
+  before, after = tc.sum(0), (kept | added).sum(0)
+  np.testing.assert_array_equal(np.asarray(aux.expert_counts), after)
+  assert np.all((after % TILE == 0) | (after == T)), after  # rounding up is capped at T
+  assert np.all(np.abs(after - before) < TILE)
+  if mode == "down":
+    assert np.all(after <= before) and not added.any()
+  if mode == "up":
+    assert np.all(after >= before) and np.all(kept == tc)
+  assert int(aux.padded_rows) == np.sum(-after % TILE)  # 0 unless capped at T
+  # Kept pairs keep their renormalised TC score, added pairs get their raw probability.
+  top = np.where(tc, probs, 0.0)
+  renorm = top / top.sum(-1, keepdims=True)
+  ids, scores = np.asarray(aux.expert_ids), np.asarray(aux.scores)
+  for t, s in zip(*np.nonzero(ids >= 0)):
+    np.testing.assert_allclose(scores[t, s], renorm[t, ids[t, s]], rtol=1e-5)
+  assert np.all(scores[ids < 0] == 0)
+  ok = np.asarray(aux.extra_tokens) < T
+  tok, exp = np.asarray(aux.extra_tokens)[ok], np.asarray(aux.extra_experts)[ok]
+  np.testing.assert_allclose(np.asarray(aux.extra_scores)[ok], probs[tok, exp], rtol=1e-5)
+  assert np.all(np.diff(np.asarray(aux.extra_tokens)) >= 0), "extras are sorted by token"
+  # Tokens left with no expert give exactly zero output.
+  nowhere = ~(kept | added).any(1)
+  if mode == "down" and skew:
+    assert nowhere.any(), "the skewed case should drop some token entirely"
+  assert np.all(np.asarray(y)[nowhere] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mode,activation,bias,skew", [
+    ("up", "swiglu", False, False),
+    ("nearest", "gelu", True, True),
+    ("down", "geglu", True, False),
+    ("up", "relu_sq", False, True),
+])
+def test_token_rounding_layer_against_oracle(rng, mode, activation, bias, skew, dtype):
+  T, E, K = 200, 8, 2
+  p, d_y = make_problem(rng, T=T, d=32, n=16, E=E, K=K, activation=activation, bias=bias,
+                        skew=skew)
+  y, aux, grads, cast = run_moe(p, d_y, dtype, top_k=K, activation=activation,
+                                routing="softmax_topk", token_rounding=mode, backend="xla")
+  seen = {k: None if v is None else np.asarray(v.astype(jnp.float32), np.float64)
+          for k, v in cast.items()}
+  probs = np.asarray(jax.nn.softmax(aux.router_logits, axis=-1), np.float64)
+  tc, kept, added = token_rounding_reference(probs, K, TILE, mode)
+  np.testing.assert_array_equal((kept, added), pair_masks(aux, T, E))
+  y_ref, g_ref = reference_values_and_grads_masks(seen, d_y, tc, kept, added,
+                                                  activation=activation, gate_up_layout="concat")
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  errs = {"y": rel_err(y, y_ref), **{k: rel_err(grads[k], g_ref[k]) for k in grads}}
+  assert all(v < tol for v in errs.values()), errs
+  assert set(errs) == {"y", *[k for k in ARG_NAMES if p[k] is not None]}
+
+
+def test_token_rounding_router_gradient_finite_differences(rng):
+  from jax.test_util import check_grads
+  T, E, K = 96, 4, 2
+  p, d_y = make_problem(rng, T=T, d=16, n=8, E=E, K=K)
+  with jax.enable_x64(True):
+    a = {k: jnp.asarray(v) for k, v in p.items() if v is not None}
+    dy = jnp.asarray(d_y)
+
+    def f(x, rw):
+      y, aux = sonic_jax.moe(x, rw, a["w1"], a["w2"], top_k=K, token_rounding="up",
+                             backend="xla")
+      assert aux.extra_tokens.shape[0] > 0
+      return jnp.vdot(y, dy)
+
+    # The selection is piecewise constant, so finite differences see only the scores' gradient.
+    check_grads(f, (a["x"], a["router_weight"]), order=1, modes=["rev"], eps=1e-6, atol=1e-6,
+                rtol=1e-6)
+
+
+def test_token_rounding_static_shapes_under_jit(rng):
+  T, E, K = 256, 8, 2
+  f = jax.jit(lambda *a: sonic_jax.moe(*a, top_k=K, token_rounding="nearest", backend="xla"))
+  shapes = set()
+  for _ in range(3):  # fresh routings, one compilation
+    p, _ = make_problem(rng, T=T, d=32, n=16, E=E, K=K)
+    _, aux = f(*(jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")))
+    shapes.add(aux.extra_tokens.shape)
+  assert f._cache_size() == 1
+  assert shapes == {(E * (TILE // 2),)}
+
+
+def test_token_rounding_bad_arguments():
+  x, rw = jnp.zeros((8, 16)), jnp.zeros((16, 4))
+  w1, w2 = jnp.zeros((4, 16, 16)), jnp.zeros((4, 8, 16))
+  with pytest.raises(ValueError, match="token_rounding must be"):
+    sonic_jax.moe(x, rw, w1, w2, top_k=2, token_rounding="sideways", backend="xla")
+  with pytest.raises(ValueError, match="softmax routing"):
+    sonic_jax.moe(x, rw, w1, w2, top_k=2, routing="sigmoid_topk", token_rounding="up",
+                  backend="xla")
+
+
+def test_layer_rounds_in_training_and_uses_top_k_in_eval(rng):
+  layer = MoE(32, 8, 16, 2, token_rounding="up", backend="xla",
+                               init_std=0.2, rngs=nnx.Rngs(0))
+  x = jnp.asarray(rng.standard_normal((4, 50, 32)), jnp.float32)
+  y_train, aux_train = layer(x)
+  assert aux_train.stats.extra_tokens.shape[0] > 0
+  assert np.all(np.asarray(aux_train.stats.expert_counts) % TILE == 0)
+  layer.eval()
+  y_eval, aux_eval = layer(x)
+  assert aux_eval.stats.extra_tokens.shape == (0,)
+  y_plain, _ = sonic_jax.moe(x.reshape(-1, 32), layer.router[...], layer.w1[...], layer.w2[...],
+                             top_k=2, backend="xla")
+  np.testing.assert_allclose(np.asarray(y_eval).reshape(-1, 32), np.asarray(y_plain), rtol=1e-6,
+                             atol=1e-6)
+  assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))
+  layer.train()
+  assert layer(x)[1].stats.extra_tokens.shape[0] > 0
