@@ -158,3 +158,13 @@ def _gelu_kernel(g):
 def kernel_fn(act: Activation) -> Callable[[Array], Array]:
   """`act.fn` written with the operations a Mosaic GPU epilogue can lower (float32)."""
   return _gelu_kernel if act.fn is _gelu else act.fn
+
+
+def _gelu_grad_kernel(g):
+  cdf = 0.5 * (1.0 + _erf_kernel(g * _INV_SQRT2))
+  return cdf + g * (_INV_SQRT_2PI * jnp.exp(-0.5 * g * g))
+
+
+def kernel_grad(act: Activation) -> Callable[[Array], Array]:
+  """`act.grad` written with the operations a Mosaic GPU epilogue can lower (float32)."""
+  return _gelu_grad_kernel if act.grad is _gelu_grad else act.grad

@@ -141,12 +141,10 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   return d_h, a_s, d_s
 
 
-def weight_grads(x, d_out, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
-  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used."""
-  x_rows = x[layout.row_token]
-  d_out_rows = d_out[layout.row_token]
-  dw1 = grouped_weight_grad(x_rows, d_h, layout)
-  dw2 = grouped_weight_grad(a_s, d_out_rows, layout)
+def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
+  """(db1, db2): per-expert sums of dH and of s * dO rows (None for a bias not in use).
+
+  Rows of tiles past the layout's used tiles are ignored (their row_expert is E)."""
   e_count = layout.num_experts
   db1 = db2 = None
   if with_b1:
@@ -154,6 +152,16 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout: GroupedLayout, with_b1:
   if with_b2:
     scaled = jnp.where(layout.row_valid(), row_scores, 0.0)[:, None] * d_out_rows.astype(_acc(d_out_rows.dtype))
     db2 = jax.ops.segment_sum(scaled, layout.row_expert, num_segments=e_count)
+  return db1, db2
+
+
+def weight_grads(x, d_out, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
+  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used."""
+  x_rows = x[layout.row_token]
+  d_out_rows = d_out[layout.row_token]
+  dw1 = grouped_weight_grad(x_rows, d_h, layout)
+  dw2 = grouped_weight_grad(a_s, d_out_rows, layout)
+  db1, db2 = bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)
   return dw1, dw2, db1, db2
 
 

@@ -1,18 +1,26 @@
-"""The `mosaic_gpu` backend: Hopper kernels for the forward roles, the xla path elsewhere.
+"""The `mosaic_gpu` backend: Hopper kernels for the GEMM roles, the xla path elsewhere.
 
 Forward: up-projection with the activation epilogue (its rows gathered as `GATHER` says),
-down-projection (this package). Aggregation and the backward roles run on the `xla` path for now, on the same layout
-and with the same residuals. A role whose shape or dtype its kernel does not take
-(`up_projection.supports`, `down_projection.supports`) falls back to the xla implementation.
+down-projection. Backward: the dH role (dA' = dO w2^T with the activation-gradient, A_s and dS
+epilogue), the varlen-K weight gradients (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role
+(dH w1^T). The aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla`
+path, on the same layout and with the same residuals; the backward's row gathers of x and dO are
+XLA gathers, like the forward's. A role whose shape or
+dtype its kernel does not take (each kernel module's `supports`) falls back to the xla role.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from sonic_jax import xla_backend
+from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import down_projection as down
+from sonic_jax.mosaic_gpu import dx_projection as dx
 from sonic_jax.mosaic_gpu import up_projection as up
+from sonic_jax.mosaic_gpu import weight_grad as wgrad
 
 ROW_TILE = 128
 
@@ -41,6 +49,38 @@ def down_projection(a, w2, b2, layout):
   return xla_backend.down_projection(a, w2, b2, layout)
 
 
+def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
+  if dh.supports(h, w2, activation, gate_up_layout) is not None:
+    return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
+                                     gate_up_layout)
+  d_out_rows = d_out[layout.row_token]
+  d_h, a_s, d_s_parts = dh.dh_projection(d_out_rows, h, row_scores, w2, layout, activation)
+  d_s = jnp.sum(d_s_parts, axis=0)
+  if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
+    d_s = d_s + jnp.sum(d_out_rows.astype(jnp.float32) * xla_backend._row_bias(b2, layout),
+                        axis=-1)
+  return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0)
+
+
+def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
+  x_rows, d_out_rows = x[layout.row_token], d_out[layout.row_token]
+  if wgrad.supports(x_rows, d_h) is not None or wgrad.supports(a_s, d_out_rows) is not None:
+    return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
+  # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
+  dw1 = wgrad.weight_grad(x_rows, d_h, layout)
+  dw2 = wgrad.weight_grad(a_s, d_out_rows, layout)
+  db1, db2 = xla_backend.bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)
+  return dw1, dw2, db1, db2
+
+
+def dx_projection(d_h, w1, layout):
+  if dx.supports(d_h, w1) is None:
+    return dx.dx_projection(d_h, w1, layout)
+  return xla_backend.dx_projection(d_h, w1, layout)
+
+
 def make_backend(base):
   return dataclasses.replace(base, name="mosaic_gpu", row_tile=ROW_TILE,
-                             up_projection=up_projection, down_projection=down_projection)
+                             up_projection=up_projection, down_projection=down_projection,
+                             dh_projection=dh_projection, weight_grads=weight_grads,
+                             dx_projection=dx_projection)

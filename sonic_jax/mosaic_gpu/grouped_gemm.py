@@ -91,9 +91,12 @@ class GemmRole:
   """A GEMM role: its B operand and its epilogue.
 
   rhs_copy(rhs_ref, expert, k_slice, column_block, j) -> the GMEM view (tile_k, block_n) that B
-  block j of the stage is copied from (one dense TMA box).
+  block j of the stage is copied from (one dense TMA box); (block_n, tile_k) when rhs_transposed,
+  for weights stored (N, K) per expert: wgmma reads the transposed 16-bit block for free, so the
+  backward's w^T products need no transposed copy of the weights.
   epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
   of one warpgroup and stores the outputs.
+  epilogue_scratch: one plgpu.SMEM, or a tuple of them, per warpgroup.
   """
 
   block_n: int
@@ -103,6 +106,7 @@ class GemmRole:
   epilogue: Callable
   epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (a plgpu.SMEM)
   out_types: Sequence[jax.ShapeDtypeStruct]
+  rhs_transposed: bool = False
 
 
 def tiled(dtype):
@@ -244,7 +248,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               plgpu.barrier_wait(full.at[slot])
               a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
               for j in range(blocks):
-                plgpu.wgmma(acc_refs[j], a_half, b_smem.at[slot, j])
+                b_block = b_smem.at[slot, j]
+                if role.rhs_transposed:
+                  b_block = b_block.transpose((1, 0))
+                plgpu.wgmma(acc_refs[j], a_half, b_block)
               plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
 
               @pl.when(ki > 0)
@@ -259,7 +266,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                                             for _ in range(blocks)])
           role.epilogue(accs, EpilogueContext(
               row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
-              inputs=inputs, outputs=outputs, scratch=epi_scratch.at[wg]))
+              inputs=inputs, outputs=outputs,
+              scratch=(tuple(e.at[wg] for e in epi_scratch) if isinstance(epi_scratch, tuple)
+                       else epi_scratch.at[wg])))
 
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
@@ -272,10 +281,12 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
         plgpu.SMEM((stages, tm, tk), dtype),  # raw bytes, for the cp.async gather's addressing
     )
-    b_smem = plgpu.SMEM((stages, role.num_rhs_blocks, tk, role.block_n), dtype,
-                        transforms=tiled(dtype))
+    b_block = (role.block_n, tk) if role.rhs_transposed else (tk, role.block_n)
+    b_smem = plgpu.SMEM((stages, role.num_rhs_blocks) + b_block, dtype, transforms=tiled(dtype))
+    per_wg = lambda es: plgpu.SMEM((_NUM_COMPUTE_WGS,) + es.shape, es.dtype,
+                                   transforms=es.transforms)
     es = role.epilogue_scratch
-    epi = plgpu.SMEM((_NUM_COMPUTE_WGS,) + es.shape, es.dtype, transforms=es.transforms)
+    epi = tuple(map(per_wg, es)) if isinstance(es, tuple) else per_wg(es)
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
