@@ -1,11 +1,13 @@
-r"""Per-kernel forward timings on the paper's grid, against rooflines measured on the same GPU.
+r"""Per-kernel timings on the paper's grid, against rooflines measured on the same GPU.
 
   python -m benchmarks.kernel_bench [--thiek=T,d,n,E,K ...] [--out=dir]
 
 For each configuration: the routing and layout, the up-projection with the fused gather, the same
 kernel on a pre-gathered contiguous input (the cost of the gather), the XLA gather that the
-pre-gathered input needs, the down-projection and the aggregation. Each kernel's roofline time is
-max(FLOPs / measured dense bf16 GEMM rate, bytes / measured device copy bandwidth).
+pre-gathered input needs, the down-projection and the aggregation; then the backward kernels: the
+dH role (with its activation-gradient, A_s and dS epilogue), the two varlen-K weight gradients and
+the dX role. Each kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes /
+measured device copy bandwidth).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from benchmarks import grid, timing
 from sonic_jax import activations as acts
 from sonic_jax import routing, xla_backend
 from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import down_projection as down
+from sonic_jax.mosaic_gpu import dx_projection as dx
 from sonic_jax.mosaic_gpu import up_projection as up
+from sonic_jax.mosaic_gpu import weight_grad as wgrad
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
@@ -91,6 +96,23 @@ def run_config(cfg, flops_rate, bw):
       "aggregate (xla)": (lambda y, s, lay: xla_backend.gather_sum(y, lay, s, jnp.bfloat16),
                           (y_rows, scores, layout), 0, (pairs * d + t_count * d) * b16),
   }
+  # Backward kernels on the same layout: dO rows (XLA-gathered like x), H and the row scores.
+  d_out_rows = jax.random.normal(keys[0], (layout.num_rows, d), jnp.bfloat16)
+  row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
+  d_h, a_s, _ = jax.jit(lambda *a: dh.dh_projection(*a, layout, act))(d_out_rows, h, row_scores, w2)
+  kernels.update({
+      "bwd dH (dO w2^T + epilogue)": (
+          lambda g, h, s, w, lay: dh.dh_projection(g, h, s, w, lay, act),
+          (d_out_rows, h, row_scores, w2, layout), 2 * rows * d * n,
+          (rows * d + e * n * d + 2 * rows * 2 * n + rows * n) * b16),
+      "bwd dw1 = x^T dH": (lambda a, b, lay: wgrad.weight_grad(a, b, lay), (x_rows, d_h, layout),
+                           2 * rows * d * 2 * n, (rows * d + rows * 2 * n + e * d * 2 * n) * b16),
+      "bwd dw2 = A_s^T dO": (lambda a, b, lay: wgrad.weight_grad(a, b, lay),
+                             (a_s, d_out_rows, layout), 2 * rows * n * d,
+                             (rows * n + rows * d + e * n * d) * b16),
+      "bwd dX rows (dH w1^T)": (lambda g, w, lay: dx.dx_projection(g, w, lay), (d_h, w1, layout),
+                                2 * rows * 2 * n * d, (rows * 2 * n + e * d * 2 * n + rows * d) * b16),
+  })
   if gather:
     kernels["up (fused gather)"] = (up_fn, (x, w1, layout), 2 * rows * d * 2 * n,
                                     (t_count * d + e * d * 2 * n + rows * 3 * n) * b16)
@@ -106,6 +128,8 @@ def run_config(cfg, flops_rate, bw):
   # The forward as the backend runs it: fused gather when timed, else XLA gather + contiguous.
   up_ms = ms["up (fused gather)"] if gather else ms["xla gather x[rows]"] + ms["up (contiguous input)"]
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]
+  res["backward_gemms_ms"] = sum(v for kname, v in ms.items() if kname.startswith("bwd"))
+  res["backward_gemms_tflops"] = 2 * fwd_flops / (res["backward_gemms_ms"] * 1e-3) / 1e12
   res["forward_sum_ms"] = t_fwd
   res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12
   res["gather_cost"] = (ms["up (fused gather)"] / ms["up (contiguous input)"] - 1) if gather else None
@@ -125,7 +149,8 @@ def main(_):
     res = run_config(cfg, flops_rate, bw)
     out["configs"].append(res)
     gc = "" if res["gather_cost"] is None else f", gather cost {100 * res['gather_cost']:+.1f}%"
-    print(grid.config_name(cfg), f"fwd(sum) {res['forward_sum_tflops']:.0f} TFLOP/s{gc}", flush=True)
+    print(grid.config_name(cfg), f"fwd(sum) {res['forward_sum_tflops']:.0f} TFLOP/s{gc}, "
+          f"backward GEMM kernels {res['backward_gemms_tflops']:.0f} TFLOP/s", flush=True)
     for name, r in res["kernels"].items():
       tf = f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else f"{r['gbps']:.0f} GB/s"
       print(f"   {name:<24}{r['ms']:8.3f} ms  (roofline {r['roofline_ms']:.3f} ms)  {tf}", flush=True)

@@ -192,8 +192,10 @@ def merge(runs):
 def kernels_table(kernels):
   """Per-kernel forward table from benchmarks/kernel_bench.py's kernels.json."""
   names = list(kernels["configs"][0]["kernels"])
-  lines = ["| config (T,d,n,E,K) | " + " | ".join(names) + " | forward (sum) TF/s |",
-           "|---|" + "---|" * (len(names) + 1)]
+  bwd = "backward_gemms_tflops" in kernels["configs"][0]
+  lines = ["| config (T,d,n,E,K) | " + " | ".join(names) + " | forward (sum) TF/s |"
+           + (" backward GEMMs (sum) TF/s |" if bwd else ""),
+           "|---|" + "---|" * (len(names) + 1 + bwd)]
   for res in kernels["configs"]:
     cells = []
     for n in names:
@@ -204,7 +206,8 @@ def kernels_table(kernels):
       rate = f"{k['tflops']:.0f} TF/s" if k["tflops"] else f"{k['gbps']:.0f} GB/s"
       cells.append(f"{k['ms']:.3f} ({k['roofline_ms']:.3f}) {rate}")
     lines.append(f"| {','.join(map(str, res['config']))} | " + " | ".join(cells)
-                 + f" | {res['forward_sum_tflops']:.0f} |")
+                 + f" | {res['forward_sum_tflops']:.0f} |"
+                 + (f" {res['backward_gemms_tflops']:.0f} |" if bwd else ""))
   return "\n".join(lines)
 
 

@@ -9,9 +9,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain", "train.py")
 
 
-def _run(workdir, steps):
+def _run(workdir, steps, *extra):
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={workdir}", f"--steps={steps}",
-         "--eval_every=60", "--backend=xla"]
+         "--eval_every=60", "--backend=xla", *extra]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
@@ -32,3 +32,10 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   assert "resumed from step 120" in out2
   with open(tmp_path / "metrics.csv") as f:
     assert [int(r["step"]) for r in csv.DictReader(f)] == [60, 120, 180]
+
+
+def test_token_rounding_training_runs(tmp_path):
+  _run(tmp_path, 60, "--token_rounding=nearest", "--plot=false")
+  with open(tmp_path / "metrics.csv") as f:
+    (row,) = list(csv.DictReader(f))
+  assert float(row["heldout_loss"]) < float(row["unigram_entropy"])

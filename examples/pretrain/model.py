@@ -27,6 +27,7 @@ class ModelConfig:
   load_balance_coef: float = 0.01
   z_loss_coef: float = 1e-3
   bias_update_rate: float = 0.0
+  token_rounding: str | None = None  # "down", "up", "nearest": in training only (model.train())
   backend: str = "auto"
   dtype: str = "float32"  # compute dtype; parameters are float32
 
@@ -77,7 +78,8 @@ class Block(nnx.Module):
     self.moe = MoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                    activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,
                    load_balance_coef=cfg.load_balance_coef, z_loss_coef=cfg.z_loss_coef,
-                   bias_update_rate=cfg.bias_update_rate, init_std=cfg.d_model ** -0.5,
+                   bias_update_rate=cfg.bias_update_rate, token_rounding=cfg.token_rounding,
+                   init_std=cfg.d_model ** -0.5,
                    dtype=jnp.dtype(cfg.dtype), backend=cfg.backend, rngs=rngs)
 
   def __call__(self, x):

@@ -58,6 +58,9 @@ flags.DEFINE_integer("eval_batches", 8, "held-out batches per evaluation")
 flags.DEFINE_string("backend", None, "sonic_jax backend: auto, xla, mosaic_gpu")
 flags.DEFINE_string("dtype", None, "compute dtype (float32 or bfloat16); parameters stay float32")
 flags.DEFINE_float("bias_update_rate", None, "auxiliary-loss-free balancing rate (0: off)")
+flags.DEFINE_enum("token_rounding", None, ["none", "down", "up", "nearest"],
+                  "tile-aware token rounding of the MoE routers while training (evaluation uses "
+                  "plain top-K)")
 flags.DEFINE_integer("seed", 0, "initialisation and data order")
 flags.DEFINE_bool("plot", True, "write loss.png at the end")
 FLAGS = flags.FLAGS
@@ -70,6 +73,8 @@ def settings():
       s[k] = getattr(FLAGS, k)
   overrides = {k: getattr(FLAGS, k) for k in ("backend", "dtype", "bias_update_rate")
                if getattr(FLAGS, k) is not None}
+  if FLAGS.token_rounding is not None:
+    overrides["token_rounding"] = None if FLAGS.token_rounding == "none" else FLAGS.token_rounding
   s["model"] = dataclasses.replace(s["model"], **overrides)
   return s
 
@@ -95,9 +100,11 @@ def eval_step(model, inputs, targets):
 
 
 def evaluate(model, heldout, s):
+  model.eval()  # plain top-K routing (token rounding is for training)
   losses = [float(eval_step(model, jnp.asarray(i), jnp.asarray(t)))
             for i, t in data.heldout_batches(heldout, s["batch_size"], s["seq_len"],
                                              FLAGS.eval_batches)]
+  model.train()
   return float(np.mean(losses))
 
 
