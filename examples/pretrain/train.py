@@ -118,6 +118,8 @@ def main(_):
   print(f"corpus {len(corpus) / 1e6:.1f} MB of stdlib source; unigram entropy "
         f"{h_unigram:.3f} nats/byte; {jax.devices()[0].device_kind}; {cfg}", flush=True)
 
+  if not 0 <= s["warmup"] < s["steps"]:
+    raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
   model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
