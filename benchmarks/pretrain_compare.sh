@@ -20,4 +20,7 @@ run() {  # name, time limit (s), flags...
 }
 run mosaic_gpu 200 --backend=mosaic_gpu --steps="$steps" --eval_every=100
 run mosaic_gpu_tr_nearest 200 --backend=mosaic_gpu --token_rounding=nearest --steps="$steps" --eval_every=100
-run xla 200 --backend=xla --steps="$xla_steps" --eval_every=50
+# The xla backend is about 8x slower: a short pair with its own warm-up, mosaic_gpu as its twin.
+short=(--steps="$xla_steps" --warmup=$((xla_steps / 5)) --eval_every=$((xla_steps / 2)))
+run xla_${xla_steps}steps 240 --backend=xla "${short[@]}"
+run mosaic_gpu_${xla_steps}steps 120 --backend=mosaic_gpu "${short[@]}"

@@ -211,8 +211,26 @@ def kernels_table(kernels):
   return "\n".join(lines)
 
 
+def pretrain_table(folder):
+  """Held-out loss and tokens/s per run from the example pretraining script's metrics CSVs."""
+  import csv
+  import glob
+  lines = ["| run (metrics CSV) | steps | tokens/s | held-out loss (nats/byte) by step |",
+           "|---|---|---|---|"]
+  for path in sorted(glob.glob(os.path.join(folder, "*.csv"))):
+    with open(path) as f:
+      rows = list(csv.DictReader(f))
+    if not rows:
+      continue
+    rates = [float(r["tokens_per_s"]) for r in rows]
+    losses = ", ".join(f"{r['step']}: {float(r['heldout_loss']):.3f}" for r in rows)
+    lines.append(f"| `{os.path.basename(path)}` | {rows[-1]['step']} | "
+                 f"{min(rates) / 1e3:.1f}k–{max(rates) / 1e3:.1f}k | {losses} |")
+  return "\n".join(lines)
+
+
 def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_rounding=None,
-                        command=None):
+                        command=None, pretrain=None):
   import shutil
   fig_dir = os.path.join(_ROOT, "benchmarks", "figures")
   os.makedirs(fig_dir, exist_ok=True)
@@ -252,6 +270,17 @@ the activation epilogue) plus down-projection on the routing's layout, the paper
 TFLOP/s count the pairs actually computed. Configurations not listed were not reached in the run's time limit.
 
 {tr_table(token_rounding)}
+"""
+  if pretrain is not None:
+    tr_part += f"""
+## Training end to end: the example pretraining script
+
+`bash benchmarks/pretrain_compare.sh` (runs of `examples/pretrain/train.py --config=h100`: d=1024, 8 layers,
+64 experts of width 256, K=8, 32 × 1024 byte tokens per step, bf16; same initialisation and data order),
+CSVs in `{os.path.relpath(pretrain, _ROOT)}`; details in `examples/pretrain/README.md`. The 400-step runs use
+the preset's schedule (warm-up 200), the `*_100steps` pair `--steps=100 --warmup=20 --eval_every=50`.
+
+{pretrain_table(pretrain)}
 """
   command = command or "python -m benchmarks.report ..."
   text = f"""# Benchmarks
@@ -301,6 +330,7 @@ def main(argv):
   ap.add_argument("--benchmarks_md", action="store_true", help="regenerate BENCHMARKS.md")
   ap.add_argument("--notes", default="", help="extra Markdown lines for BENCHMARKS.md")
   ap.add_argument("--token_rounding", help="token_rounding.json of a token_rounding_bench run")
+  ap.add_argument("--pretrain", help="folder of the pretraining script's metrics CSVs")
   args = ap.parse_args(argv)
   runs = []
   for path in args.results:
@@ -322,7 +352,8 @@ def main(argv):
         token_rounding = json.load(f)
     shown = [("'…'" if i and argv[i - 1] == "--notes" else a) for i, a in enumerate(argv)]
     command = "python -m benchmarks.report " + " ".join(shown)
-    write_benchmarks_md(results, args.out, pngs, kernels, args.notes, token_rounding, command)
+    write_benchmarks_md(results, args.out, pngs, kernels, args.notes, token_rounding, command,
+                        args.pretrain and os.path.abspath(args.pretrain))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                                grouped_gemm)
 
 BLOCK_N = 128
 
@@ -53,8 +54,7 @@ def dh_projection(d_out_rows, h, row_scores, w2, layout, activation: acts.Activa
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
-  if layout.row_tile != tm:
-    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tm}")
+  check_layout_tile(layout, tm)
   dtype = h.dtype
   glu = activation.is_glu
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)

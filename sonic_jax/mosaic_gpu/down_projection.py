@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                                grouped_gemm)
 
 BLOCK_N = 256
 
@@ -38,8 +39,7 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   """Y (R, d) in a's dtype."""
   e_count, n, d = w2.shape
   tm = config.gemm.tile_m
-  if layout.row_tile != tm:
-    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tm}")
+  check_layout_tile(layout, tm)
   dtype = a.dtype
   bias = b2 if b2 is not None else jnp.zeros((e_count, d), dtype)
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                                grouped_gemm)
 
 BLOCK_N = 256
 
@@ -38,8 +39,7 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
   """dX rows (R, d) in dH's dtype; rows of tiles past `layout.num_tiles` are left unwritten."""
   _, d, _ = w1.shape
   tm = config.gemm.tile_m
-  if layout.row_tile != tm:
-    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tm}")
+  check_layout_tile(layout, tm)
   dtype = d_h.dtype
 
   def rhs_copy(w1_ref, expert, k_slice, nb, j):

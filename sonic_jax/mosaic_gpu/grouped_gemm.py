@@ -115,6 +115,22 @@ def tiled(dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+def drain_ring(empty, total_steps, stages: int):
+  """Memory warpgroup, after its last copy: waits for the compute warpgroups' releases of the last
+  `stages` stages, so that every barrier phase is observed before the barriers go away."""
+  for j in range(stages):
+    s = total_steps - stages + j
+
+    @pl.when(s >= 0)
+    def _():
+      plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
+
+
+def check_layout_tile(layout, tile_m: int):
+  if layout.row_tile != tile_m:
+    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tile_m}")
+
+
 def num_sms() -> int:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
@@ -225,13 +241,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             def _():
               plgpu.barrier_arrive(full.at[lax.rem(s_last, stages)])
 
-        # Observe the compute warpgroups' last releases before the barriers go away.
-        for j in range(stages):
-          s = total - stages + j
-
-          @pl.when(s >= 0)
-          def _():
-            plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
+        drain_ring(empty, total, stages)
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():

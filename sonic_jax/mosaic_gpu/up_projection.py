@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                                grouped_gemm)
 
 GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 columns each)
 PLAIN_BLOCK_N = 256
@@ -59,8 +60,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   del gate_up_layout  # "concat" (see `supports`)
   e_count, d, width = w1.shape
   tm = config.gemm.tile_m
-  if layout.row_tile != tm:
-    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tm}")
+  check_layout_tile(layout, tm)
   dtype = x.dtype
   glu = activation.is_glu
   n = width // 2 if glu else width

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import num_sms, tiled
+from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, tiled
 
 _NUM_COMPUTE_WGS = 2
 
@@ -110,13 +110,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
                                     full.at[slot])
 
-        total = walk_items(load)
-        for j in range(stages):  # observe the last releases before the barriers go away
-          s = total - stages + j
-
-          @pl.when(s >= 0)
-          def _():
-            plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
+        drain_ring(empty, walk_items(load), stages)
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():
