@@ -28,13 +28,16 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    top_k: int, activation: str = "swiglu", routing: str = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, selection_bias: Array | None = None,
+                   token_rounding: str | None = None,
                    backend: str = "auto") -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
   b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
-  identical on every device of the axis).
+  identical on every device of the axis). token_rounding rounds the global routing (every device
+  computes the same one), so each expert's count is a multiple of the backend's row tile wherever
+  the expert lives.
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
@@ -47,21 +50,34 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   impl = resolve_backend(backend)
   logits = routing_lib.router_logits(x_all, router_weight)
   routed = routing_lib.route(logits, top_k, routing, selection_bias)
+  if token_rounding is not None:
+    if routing not in routing_lib._ROUNDABLE:
+      raise ValueError(f"token_rounding needs a softmax routing {routing_lib._ROUNDABLE}, "
+                       f"got routing={routing!r}")
+    rounded = routing_lib.round_tokens(routed, impl.row_tile, token_rounding)
+  else:
+    empty = jnp.zeros((0,), jnp.int32)
+    rounded = routing_lib.RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
+                                         jnp.zeros((0,), routed.scores.dtype), routed.probs)
   first = jax.lax.axis_index(axis_name) * e_local
-  local = routed.expert_ids - first
-  local = jnp.where((local >= 0) & (local < e_local), local, -1)  # -1: another device's expert
-  layout = build_grouped_layout(local, e_local, impl.row_tile)
-  y_partial = expert_mixture(x_all, routed.scores, None, layout, w1, w2, b1, b2, act,
+  localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
+                                         none)  # `none`: another device's expert or no expert
+  layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
+                                rounded.extra_tokens, localize(rounded.extra_experts, e_local))
+  # No extras: None, not a (0,) array (see sonic_jax.ops).
+  extra = rounded.extra_scores if rounded.extra_scores.shape[0] else None
+  y_partial = expert_mixture(x_all, rounded.scores, extra, layout, w1, w2, b1, b2, act,
                              gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
   acc = acts.compute_dtype(x.dtype)
   y = jax.lax.psum_scatter(y_partial.astype(acc), axis_name, tiled=True).astype(x.dtype)
-  counts = routing_lib.expert_counts(routed.expert_ids, e_local * p)
-  aux = MoEAux(expert_counts=counts, expert_ids=routed.expert_ids, scores=routed.scores,
+  counts = (routing_lib.expert_counts(rounded.expert_ids, e_local * p)
+            + routing_lib.expert_counts(rounded.extra_experts[:, None], e_local * p))
+  aux = MoEAux(expert_counts=counts, expert_ids=rounded.expert_ids, scores=rounded.scores,
                router_logits=logits,
                load_balance_loss=routing_lib.load_balance_loss(routed.probs, counts),
-               z_loss=routing_lib.z_loss(logits), extra_tokens=jnp.zeros((0,), jnp.int32),
-               extra_experts=jnp.zeros((0,), jnp.int32),
-               extra_scores=jnp.zeros((0,), routed.scores.dtype),
-               padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts))
+               z_loss=routing_lib.z_loss(logits), extra_tokens=rounded.extra_tokens,
+               extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
+               padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
+                                        axis_name))
   return y, aux

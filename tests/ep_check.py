@@ -23,6 +23,7 @@ def rel(a, b):
 
 def main():
   skew = sys.argv[1] == "skew"
+  rounding = sys.argv[2] if len(sys.argv) > 2 else None  # token rounding mode
   T, d, n, E, K = 64, 32, 16, 8, 2
   rng = np.random.default_rng(0)
   x = rng.standard_normal((T, d))
@@ -38,7 +39,10 @@ def main():
   dy = jnp.asarray(d_y, jnp.float64)
 
   def loss_single(x, rw, w1, w2, b1):
-    y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, backend="xla")
+    y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, token_rounding=rounding,
+                           backend="xla")
+    if rounding == "up":
+      assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss, y
 
   (_, y_ref), g_ref = jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
@@ -46,7 +50,8 @@ def main():
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
     def local(x, rw, w1, w2, b1):
-      y, aux = moe_all_gather(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, backend="xla")
+      y, aux = moe_all_gather(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
+                              token_rounding=rounding, backend="xla")
       return y, aux.load_balance_loss
 
     sharded = jax.shard_map(local, mesh=mesh,
