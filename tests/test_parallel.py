@@ -17,3 +17,9 @@ def test_all_gather_expert_parallel_matches_single_device(routing, rounding):
                         + ([rounding] if rounding else []),
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_flax_layer_with_expert_parallel_axis_matches_single_device():
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "ep_layer_check.py")],
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

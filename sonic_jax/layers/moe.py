@@ -47,6 +47,9 @@ class MoE(nnx.Module):
       (`sonic_jax.moe`); evaluation (`deterministic=True`, e.g. after `model.eval()`) routes with
       plain top-K.
     deterministic: evaluation mode (NNX's `model.eval()` / `model.train()` set it).
+    expert_parallel_axis: a mesh axis name: the layer then runs under `jax.shard_map` (or
+      `nnx.shard_map`) with its expert parameters (those with `expert_axis` first) sharded over that
+      axis and x's tokens sharded over it too, and calls `sonic_jax.parallel.moe_all_gather`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
@@ -58,7 +61,8 @@ class MoE(nnx.Module):
                num_shared_experts: int = 0, shared_expert_dim: int | None = None,
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
                bias_update_rate: float = 0.0, token_rounding: str | None = None,
-               deterministic: bool = False, init_std: float = 0.02,
+               deterministic: bool = False, expert_parallel_axis: str | None = None,
+               init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
                backend: str = "auto", expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
@@ -73,6 +77,7 @@ class MoE(nnx.Module):
       raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
                        f"got {token_rounding!r}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
+    self.expert_parallel_axis = expert_parallel_axis
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
     self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
@@ -105,17 +110,23 @@ class MoE(nnx.Module):
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
     bias = None if self.router_bias is None else self.router_bias[...]
-    y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), top_k=self.top_k,
-                   activation=self.activation, routing=self.routing,
-                   gate_up_layout=self.gate_up_layout, b1=cast(self.b1), b2=cast(self.b2),
-                   selection_bias=bias,
-                   token_rounding=None if self.deterministic else self.token_rounding,
-                   backend=self.backend)
+    kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
+              gate_up_layout=self.gate_up_layout, b1=cast(self.b1), b2=cast(self.b2),
+              selection_bias=bias,
+              token_rounding=None if self.deterministic else self.token_rounding,
+              backend=self.backend)
+    if self.expert_parallel_axis is None:
+      y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), **kw)
+    else:
+      from sonic_jax.parallel import moe_all_gather
+      y, stats = moe_all_gather(h, self.router[...], cast(self.w1), cast(self.w2),
+                                axis_name=self.expert_parallel_axis, **kw)
     if self.shared_in is not None:
       act = acts.get_activation(self.activation)
-      u = jnp.dot(h, cast(self.shared_in), preferred_element_type=jnp.float32)
+      acc = acts.compute_dtype(dtype)  # float32 accumulation (float64 for float64 compute)
+      u = jnp.dot(h, cast(self.shared_in), preferred_element_type=acc)
       a = acts.apply_activation(u, act, self.gate_up_layout).astype(dtype)
-      y = y + jnp.dot(a, cast(self.shared_out), preferred_element_type=jnp.float32).astype(dtype)
+      y = y + jnp.dot(a, cast(self.shared_out), preferred_element_type=acc).astype(dtype)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
 
