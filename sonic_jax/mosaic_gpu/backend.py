@@ -6,12 +6,15 @@ epilogue), the varlen-K weight gradients (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows
 (dH w1^T). The aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla`
 path, on the same layout and with the same residuals; the backward's row gathers of x and dO are
 XLA gathers, like the forward's. A role whose shape or
-dtype its kernel does not take (each kernel module's `supports`) falls back to the xla role.
+dtype its kernel does not take (each kernel module's `supports`) falls back to the xla role, with a
+`FallbackWarning` that names the role and the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import warnings
 
 import jax.numpy as jnp
 
@@ -32,8 +35,21 @@ ROW_TILE = 128
 GATHER = "xla"
 
 
+class FallbackWarning(UserWarning):
+  """A role of the mosaic_gpu backend runs its (slow) xla implementation for this problem."""
+
+
+def _falls_back(role: str, reason: str | None) -> bool:
+  """True (after a warning, shown once per role and reason) when the role's kernel cannot run."""
+  if reason is None:
+    return False
+  warnings.warn(f"sonic_jax mosaic_gpu: the {role} runs on the xla path (much slower on a GPU): "
+                f"{reason}", FallbackWarning, stacklevel=3)
+  return True
+
+
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
-  if up.supports(x, w1, activation, gate_up_layout) is not None:
+  if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   if GATHER == "xla":
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
@@ -44,13 +60,13 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
 
 
 def down_projection(a, w2, b2, layout):
-  if down.supports(a, w2) is None:
-    return down.down_projection(a, w2, b2, layout)
-  return xla_backend.down_projection(a, w2, b2, layout)
+  if _falls_back("down-projection", down.supports(a, w2)):
+    return xla_backend.down_projection(a, w2, b2, layout)
+  return down.down_projection(a, w2, b2, layout)
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
-  if dh.supports(h, w2, activation, gate_up_layout) is not None:
+  if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
   d_out_rows = d_out[layout.row_token]
@@ -64,7 +80,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
 
 def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   x_rows, d_out_rows = x[layout.row_token], d_out[layout.row_token]
-  if wgrad.supports(x_rows, d_h) is not None or wgrad.supports(a_s, d_out_rows) is not None:
+  if _falls_back("weight gradient", wgrad.supports(x_rows, d_h) or wgrad.supports(a_s, d_out_rows)):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   dw1 = wgrad.weight_grad(x_rows, d_h, layout)
@@ -74,9 +90,9 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
 
 
 def dx_projection(d_h, w1, layout):
-  if dx.supports(d_h, w1) is None:
-    return dx.dx_projection(d_h, w1, layout)
-  return xla_backend.dx_projection(d_h, w1, layout)
+  if _falls_back("dX role", dx.supports(d_h, w1)):
+    return xla_backend.dx_projection(d_h, w1, layout)
+  return dx.dx_projection(d_h, w1, layout)
 
 
 def make_backend(base):
