@@ -122,15 +122,17 @@ def test_down_projection_matches_reference(rng, compiled, bias):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu", False)])
-def test_moe_layer_against_oracle(rng, compiled, activation, bias):
+@pytest.mark.parametrize("activation,bias,dtype", [("swiglu", True, jnp.bfloat16),
+                                                  ("relu", False, jnp.bfloat16),
+                                                  ("geglu", False, jnp.float16)])
+def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype):
   """sonic_jax.moe(backend="mosaic_gpu"): output and every gradient against the float64 oracle."""
   T, d, n, E = (96, 64, 128, 4) if not compiled else (2048, 256, 256, 8)
   n = n if sonic_jax.ACTIVATIONS[activation].is_glu else 2 * n
-  if not sonic_jax.ACTIVATIONS[activation].is_glu:
-    d = 256  # the down-projection kernel takes d in multiples of 256
+  if not sonic_jax.ACTIVATIONS[activation].is_glu or dtype == jnp.float16:
+    d = 256  # the down-projection and dX kernels take d in multiples of 256: every kernel runs
   p, d_y = make_problem(rng, T=T, d=d, n=n, E=E, K=2, activation=activation, bias=bias)
-  cast = {k: None if v is None else jnp.asarray(v, jnp.bfloat16) for k, v in p.items()}
+  cast = {k: None if v is None else jnp.asarray(v, dtype) for k, v in p.items()}
   seen = {k: None if v is None else np.asarray(v.astype(jnp.float32), np.float64)
           for k, v in cast.items()}
   names = [k for k in ("x", "router_weight", "w1", "w2", "b1", "b2") if cast[k] is not None]
