@@ -42,3 +42,15 @@ def test_token_rounding_bench_smoke_run(tmp_path):
   assert down["pairs"] <= plain["pairs"] <= up["pairs"]
   assert plain["gemm_speedup"] == 1.0 and all(r["gemm_ms"] > 0 for r in cfg["routings"])
   assert "token rounding (up)" in (tmp_path / "token_rounding.md").read_text()
+
+
+def test_ep_bench_smoke_run(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  cmd = [sys.executable, "-m", "benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",
+         "--repeats=2", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (res,) = json.load(open(tmp_path / "ep.json"))["results"]
+  assert res["devices"] == 2 and res["sharded_fwdbwd_ms"] > 0 and res["single_fwdbwd_ms"] > 0
+  assert res["all_gather_gbps"] > 0 and res["reduce_scatter_gbps"] > 0
+  assert "| 128,32,16,4,2 | 2 |" in (tmp_path / "ep.md").read_text()
