@@ -5,11 +5,12 @@ from sonic_jax.backends import BACKENDS
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.ops import MoEAux, moe
-from sonic_jax.routing import ROUTINGS, route, router_logits
+from sonic_jax.routing import ROUTINGS, TOKEN_ROUNDINGS, round_tokens, route, router_logits
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ACTIVATIONS", "BACKENDS", "GATE_UP_LAYOUTS", "ROUTINGS", "GroupedLayout", "MoEAux",
-    "build_grouped_layout", "expert_mixture", "moe", "route", "router_logits",
+    "ACTIVATIONS", "BACKENDS", "GATE_UP_LAYOUTS", "ROUTINGS", "TOKEN_ROUNDINGS", "GroupedLayout",
+    "MoEAux", "build_grouped_layout", "expert_mixture", "moe", "round_tokens", "route",
+    "router_logits",
 ]
