@@ -139,9 +139,11 @@ def _layer_params(rng, L, T=32, d=16, n=8, E=4):
   return jnp.asarray(p[0]["x"], jnp.float32), stack("router_weight"), stack("w1"), stack("w2")
 
 
-def test_scan_checkpoint_and_jit_agree_with_a_python_loop(rng):
+@pytest.mark.parametrize("token_rounding", [None, "nearest"])
+def test_scan_checkpoint_and_jit_agree_with_a_python_loop(rng, token_rounding):
   x, rw, w1, w2 = _layer_params(rng, L=3)
-  layer = lambda h, w: h + sonic_jax.moe(h, *w, top_k=2, backend="xla")[0]
+  layer = lambda h, w: h + sonic_jax.moe(h, *w, top_k=2, token_rounding=token_rounding,
+                                         backend="xla")[0]
 
   def loop(x, rw, w1, w2):
     h = x
