@@ -41,13 +41,10 @@ FLAGS = flags.FLAGS
 
 
 def _time(fn, *args):
-  compiled, _ = timing.compile_fn(fn, *args)
   # On CPU devices, one call at a time: queued collective programs can starve XLA:CPU's small thread
   # pool (every participant of a rendezvous needs a thread) and deadlock.
   cpu = jax.devices()[0].platform == "cpu"
-  t, _ = timing.time_compiled(compiled, [args], repeats=FLAGS.repeats,
-                              max_inner=1 if cpu else 200)
-  return t
+  return timing.time_fn(fn, *args, repeats=FLAGS.repeats, max_inner=1 if cpu else 200)
 
 
 def _fwd_and_fwdbwd(layer, *args):

@@ -49,6 +49,13 @@ def time_compiled(compiled, arg_sets, *, repeats=10, min_sample_s=0.025, max_inn
   return statistics.median(samples), {"samples_s": samples, "inner": inner}
 
 
+def time_fn(fn, *args, repeats=10, max_inner=200):
+  """Compiles fn for args (not timed) and returns its median seconds per call (`time_compiled`)."""
+  compiled, _ = compile_fn(fn, *args)
+  t, _ = time_compiled(compiled, [args], repeats=repeats, max_inner=max_inner)
+  return t
+
+
 def residual_bytes(fn, *args):
   """Bytes that reverse-mode AD keeps from the forward of `fn` for its backward.
 

@@ -42,9 +42,7 @@ FLAGS = flags.FLAGS
 
 
 def _time(fn, *args):
-  compiled, _ = timing.compile_fn(fn, *args)
-  t, _ = timing.time_compiled(compiled, [args], repeats=FLAGS.repeats)
-  return t
+  return timing.time_fn(fn, *args, repeats=FLAGS.repeats)
 
 
 def run_config(cfg, impl):

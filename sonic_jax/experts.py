@@ -36,8 +36,8 @@ def _pair_values(row_values: Array, layout: GroupedLayout) -> tuple[Array, Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout, w1: Array,
-                   w2: Array, b1: Array | None, b2: Array | None,
+def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout,
+                   w1: Array, w2: Array, b1: Array | None, b2: Array | None,
                    activation: acts.Activation, gate_up_layout: str, backend: Backend) -> Array:
   """y (T, d) = sum over each token's routed experts of score * expert(x_t).
 

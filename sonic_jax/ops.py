@@ -149,25 +149,12 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     if tuple(selection_bias.shape) != (e_count,):
       raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
                        f"{tuple(selection_bias.shape)}")
-  routed = routing_lib.route(logits, top_k, routing, selection_bias)
-  if token_rounding is None:
-    empty = jnp.zeros((0,), jnp.int32)
-    routed = routing_lib.RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
-                                        jnp.zeros((0,), routed.scores.dtype), routed.probs)
-  else:
-    if token_rounding not in routing_lib.TOKEN_ROUNDINGS:
-      raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
-                       f"got {token_rounding!r}")
-    if routing not in routing_lib._ROUNDABLE:
-      raise ValueError(f"token_rounding needs a softmax routing {routing_lib._ROUNDABLE}, "
-                       f"got routing={routing!r}")
-    routed = routing_lib.round_tokens(routed, impl.row_tile, token_rounding)
+  routed, _ = routing_lib.route_tokens(logits, top_k, routing, selection_bias, token_rounding,
+                                       impl.row_tile)
   layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
                                 routed.extra_experts)
-  # No extras: None, not a (0,) array (a zero-size differentiable input crashes XLA's CPU
-  # collectives under shard_map on jax 0.11.2).
-  extra = routed.extra_scores if routed.extra_scores.shape[0] else None
-  y = expert_mixture(x, routed.scores, extra, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+  y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1, w2,
+                     b1, b2, act, gate_up_layout, impl)
   aux = MoEAux(
       expert_counts=layout.expert_counts,
       expert_ids=routed.expert_ids,

@@ -49,25 +49,15 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                   num_local_experts=e_local)
   impl = resolve_backend(backend)
   logits = routing_lib.router_logits(x_all, router_weight)
-  routed = routing_lib.route(logits, top_k, routing, selection_bias)
-  if token_rounding is not None:
-    if routing not in routing_lib._ROUNDABLE:
-      raise ValueError(f"token_rounding needs a softmax routing {routing_lib._ROUNDABLE}, "
-                       f"got routing={routing!r}")
-    rounded = routing_lib.round_tokens(routed, impl.row_tile, token_rounding)
-  else:
-    empty = jnp.zeros((0,), jnp.int32)
-    rounded = routing_lib.RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
-                                         jnp.zeros((0,), routed.scores.dtype), routed.probs)
+  rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias,
+                                             token_rounding, impl.row_tile)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
   layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
                                 rounded.extra_tokens, localize(rounded.extra_experts, e_local))
-  # No extras: None, not a (0,) array (see sonic_jax.ops).
-  extra = rounded.extra_scores if rounded.extra_scores.shape[0] else None
-  y_partial = expert_mixture(x_all, rounded.scores, extra, layout, w1, w2, b1, b2, act,
-                             gate_up_layout, impl)
+  y_partial = expert_mixture(x_all, rounded.scores, routing_lib.extra_scores_or_none(rounded),
+                             layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
   acc = acts.compute_dtype(x.dtype)
   y = jax.lax.psum_scatter(y_partial.astype(acc), axis_name, tiled=True).astype(x.dtype)

@@ -186,3 +186,26 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
       ok, probs[jnp.minimum(extra_tokens, t_count - 1), jnp.minimum(extra_experts, e_count - 1)],
       0.0)
   return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
+
+
+def route_tokens(logits: Array, top_k: int, routing: str, selection_bias: Array | None,
+                 token_rounding: str | None, tile: int) -> tuple[RoundedRouting, RouterOutput]:
+  """`route`, then `round_tokens` when token_rounding is not None (an empty extra-pair list
+  otherwise). Returns (the routing the experts see, the token-choice routing it started from)."""
+  routed = route(logits, top_k, routing, selection_bias)
+  if token_rounding is None:
+    empty = jnp.zeros((0,), jnp.int32)
+    return RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
+                          jnp.zeros((0,), routed.scores.dtype), routed.probs), routed
+  if token_rounding not in TOKEN_ROUNDINGS:
+    raise ValueError(f"token_rounding must be None or one of {TOKEN_ROUNDINGS}, "
+                     f"got {token_rounding!r}")
+  if routing not in _ROUNDABLE:
+    raise ValueError(f"token_rounding needs a softmax routing {_ROUNDABLE}, got routing={routing!r}")
+  return round_tokens(routed, tile, token_rounding), routed
+
+
+def extra_scores_or_none(rounded: RoundedRouting) -> Array | None:
+  """The extra pairs' scores for `expert_mixture`: None when there are none, since a zero-size
+  differentiable input crashes XLA:CPU's collectives under shard_map on jax 0.11.2."""
+  return rounded.extra_scores if rounded.extra_scores.shape[0] else None

@@ -150,7 +150,8 @@ def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool
   if with_b1:
     db1 = jax.ops.segment_sum(d_h.astype(_acc(d_h.dtype)), layout.row_expert, num_segments=e_count)
   if with_b2:
-    scaled = jnp.where(layout.row_valid(), row_scores, 0.0)[:, None] * d_out_rows.astype(_acc(d_out_rows.dtype))
+    s = jnp.where(layout.row_valid(), row_scores, 0.0)[:, None]
+    scaled = s * d_out_rows.astype(_acc(d_out_rows.dtype))
     db2 = jax.ops.segment_sum(scaled, layout.row_expert, num_segments=e_count)
   return db1, db2
 

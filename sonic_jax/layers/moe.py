@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.ops import MoEAux, moe
+from sonic_jax.parallel import moe_all_gather
 
 Array = jax.Array
 
@@ -118,7 +119,6 @@ class MoE(nnx.Module):
     if self.expert_parallel_axis is None:
       y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), **kw)
     else:
-      from sonic_jax.parallel import moe_all_gather
       y, stats = moe_all_gather(h, self.router[...], cast(self.w1), cast(self.w2),
                                 axis_name=self.expert_parallel_axis, **kw)
     if self.shared_in is not None:

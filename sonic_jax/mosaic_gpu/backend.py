@@ -79,9 +79,9 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
 
 
 def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
-  x_rows, d_out_rows = x[layout.row_token], d_out[layout.row_token]
-  if _falls_back("weight gradient", wgrad.supports(x_rows, d_h) or wgrad.supports(a_s, d_out_rows)):
+  if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
+  x_rows, d_out_rows = x[layout.row_token], d_out[layout.row_token]  # dO rows: CSE'd with dH's
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   dw1 = wgrad.weight_grad(x_rows, d_h, layout)
   dw2 = wgrad.weight_grad(a_s, d_out_rows, layout)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm)
+                                                grouped_gemm, unsupported_operands)
 
 BLOCK_N = 128
 
@@ -33,16 +33,9 @@ class DhProjectionConfig:
 
 
 def supports(h, w2, activation: acts.Activation, gate_up_layout: str) -> str | None:
-  n, d = w2.shape[1], w2.shape[2]
-  if h.dtype not in (jnp.bfloat16, jnp.float16) or w2.dtype != h.dtype:
-    return f"dtype {h.dtype} (the kernel takes bfloat16 or float16)"
   if activation.is_glu and gate_up_layout != "concat":
     return "the interleaved gate/up layout (not yet in the kernel)"
-  if d % 64:
-    return f"d={d} is not a multiple of 64"
-  if n % BLOCK_N:
-    return f"n={n} is not a multiple of {BLOCK_N}"
-  return None
+  return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], BLOCK_N)])
 
 
 def dh_projection(d_out_rows, h, row_scores, w2, layout, activation: acts.Activation,

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm)
+                                                grouped_gemm, unsupported_operands)
 
 BLOCK_N = 256
 
@@ -25,14 +25,7 @@ class DownProjectionConfig:
 
 
 def supports(a, w2) -> str | None:
-  n, d = w2.shape[1], w2.shape[2]
-  if a.dtype not in (jnp.bfloat16, jnp.float16) or w2.dtype != a.dtype:
-    return f"dtype {a.dtype} (the kernel takes bfloat16 or float16)"
-  if n % 64:
-    return f"n={n} is not a multiple of 64"
-  if d % BLOCK_N:
-    return f"d={d} is not a multiple of {BLOCK_N}"
-  return None
+  return unsupported_operands(a, w2, [("n", w2.shape[1], 64), ("d", w2.shape[2], BLOCK_N)])
 
 
 def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjectionConfig()):

@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm)
+                                                grouped_gemm, unsupported_operands)
 
 BLOCK_N = 256
 
@@ -25,14 +24,8 @@ class DxProjectionConfig:
 
 
 def supports(d_h, w1) -> str | None:
-  d, width = w1.shape[1], w1.shape[2]
-  if d_h.dtype not in (jnp.bfloat16, jnp.float16) or w1.dtype != d_h.dtype:
-    return f"dtype {d_h.dtype} (the kernel takes bfloat16 or float16)"
-  if width % 64:
-    return f"w1's width {width} is not a multiple of 64"
-  if d % BLOCK_N:
-    return f"d={d} is not a multiple of {BLOCK_N}"
-  return None
+  return unsupported_operands(d_h, w1, [("w1's width", w1.shape[2], 64),
+                                        ("d", w1.shape[1], BLOCK_N)])
 
 
 def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConfig()):

@@ -126,6 +126,17 @@ def drain_ring(empty, total_steps, stages: int):
       plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
 
 
+def unsupported_operands(a, b, multiples) -> str | None:
+  """Why a kernel cannot take these operands, or None: both 16-bit floats of one dtype and every
+  (name, size, multiple) of `multiples` divisible."""
+  if a.dtype not in (jnp.bfloat16, jnp.float16) or b.dtype != a.dtype:
+    return f"dtypes {a.dtype}, {b.dtype} (the kernel takes bfloat16 or float16, both the same)"
+  for name, size, multiple in multiples:
+    if size % multiple:
+      return f"{name}={size} is not a multiple of {multiple}"
+  return None
+
+
 def check_layout_tile(layout, tile_m: int):
   if layout.row_tile != tile_m:
     raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tile_m}")

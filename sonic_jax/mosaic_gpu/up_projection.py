@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm)
+                                                grouped_gemm, unsupported_operands)
 
 GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 columns each)
 PLAIN_BLOCK_N = 256
@@ -34,20 +34,11 @@ class UpProjectionConfig:
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
   """None when the kernel handles this problem, else the reason it does not."""
-  d = x.shape[1]
-  width = w1.shape[2]
-  if x.dtype not in (jnp.bfloat16, jnp.float16) or w1.dtype != x.dtype:
-    return f"dtype {x.dtype} (the kernel takes bfloat16 or float16)"
-  if d % 64:
-    return f"d={d} is not a multiple of 64"
-  if activation.is_glu:
-    if gate_up_layout != "concat":
-      return "the interleaved gate/up layout (not yet in the kernel)"
-    if (width // 2) % GLU_BLOCK_N:
-      return f"n={width // 2} is not a multiple of {GLU_BLOCK_N}"
-  elif width % PLAIN_BLOCK_N:
-    return f"n={width} is not a multiple of {PLAIN_BLOCK_N}"
-  return None
+  if activation.is_glu and gate_up_layout != "concat":
+    return "the interleaved gate/up layout (not yet in the kernel)"
+  n = w1.shape[2] // activation.width_multiplier()
+  block_n = GLU_BLOCK_N if activation.is_glu else PLAIN_BLOCK_N
+  return unsupported_operands(x, w1, [("d", x.shape[1], 64), ("n", n, block_n)])
 
 
 def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout: str,

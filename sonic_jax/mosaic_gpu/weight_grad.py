@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, tiled
+from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, tiled, unsupported_operands
 
 _NUM_COMPUTE_WGS = 2
 
@@ -44,13 +44,9 @@ class WeightGradConfig:
 
 
 def supports(lhs_rows, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> str | None:
-  if lhs_rows.dtype not in (jnp.bfloat16, jnp.float16) or rhs_rows.dtype != lhs_rows.dtype:
-    return f"dtypes {lhs_rows.dtype}, {rhs_rows.dtype} (the kernel takes bfloat16 or float16)"
-  if lhs_rows.shape[1] % config.block_m:
-    return f"lhs width {lhs_rows.shape[1]} is not a multiple of {config.block_m}"
-  if rhs_rows.shape[1] % config.block_n:
-    return f"rhs width {rhs_rows.shape[1]} is not a multiple of {config.block_n}"
-  return None
+  return unsupported_operands(lhs_rows, rhs_rows,
+                              [("lhs width", lhs_rows.shape[1], config.block_m),
+                               ("rhs width", rhs_rows.shape[1], config.block_n)])
 
 
 def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig()):
