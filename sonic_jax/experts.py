@@ -20,7 +20,8 @@ from sonic_jax.layout import GroupedLayout
 Array = jax.Array
 
 
-def _row_scores(scores: Array, extra_scores: Array | None, layout: GroupedLayout) -> Array:
+def scores_by_row(scores: Array, extra_scores: Array | None, layout: GroupedLayout) -> Array:
+  """(R,) the score of each grouped row's pair (slot pairs, then extra pairs); 0 for padding."""
   flat = scores.reshape(-1)
   if extra_scores is not None:
     flat = jnp.concatenate([flat, extra_scores.astype(scores.dtype)])
@@ -59,7 +60,7 @@ def _forward(x, scores, extra_scores, layout, w1, w2, b1, b2, activation, gate_u
 
 def _backward(activation, gate_up_layout, backend, residuals, d_y):
   x, h, scores, extra_scores, layout, w1, w2, b1, b2 = residuals
-  row_scores = _row_scores(scores, extra_scores, layout)
+  row_scores = scores_by_row(scores, extra_scores, layout)
   d_h, a_s, d_s_rows = backend.dh_projection(d_y, h, row_scores, w2, b2, layout, activation,
                                              gate_up_layout)
   dw1, dw2, db1, db2 = backend.weight_grads(x, d_y, d_h, a_s, row_scores, layout,

@@ -31,6 +31,9 @@ class MoEAux(NamedTuple):
   extra_experts: Array | None = None  # (X,) int32, E for unused entries
   extra_scores: Array | None = None  # (X,) float32
   padded_rows: Array | None = None  # () int32: rows of the grouped GEMMs that hold no pair
+  # Expert parallelism with a capacity (`sonic_jax.parallel.moe_all_to_all`): pairs of the whole
+  # expert axis that did not fit their receiver's buffer and got no output (0 when dropless).
+  dropped_pairs: Array | None = None  # () int32
 
 
 def _check_float(name, a):
@@ -166,5 +169,6 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       extra_experts=routed.extra_experts,
       extra_scores=routed.extra_scores,
       padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
+      dropped_pairs=jnp.zeros((), jnp.int32),
   )
   return y, aux

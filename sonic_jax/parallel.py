@@ -1,5 +1,14 @@
 """Expert parallelism with `jax.shard_map`: experts sharded over a mesh axis.
 
+Two schemes, both dropless by default, static in shape, differentiable, and equal to the
+single-device `sonic_jax.moe` in output and gradients:
+
+`moe_all_to_all` is the dispatch scheme for any expert-parallel degree: every device routes its own
+tokens, sends each (token, expert) row to the device that holds the expert with one
+`jax.lax.ragged_all_to_all` (`sonic_jax.exchange`), runs its local experts on what it received and
+returns each result row the same way; the sender sums its tokens' K rows. Communication per layer:
+T_local*K*d rows each way, at most (P-1)/P of them crossing devices.
+
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
 all-gathers the tokens of the expert axis, routes all of them (the router is replicated), runs only
 its local experts on the pairs routed to them, and a reduce-scatter sums the partial outputs back to
@@ -7,6 +16,12 @@ the devices that own the tokens. Dropless and static in shape; the backward is t
 (JAX transposes the collectives) and keeps the low-activation residuals of the single-device op.
 Communication per layer: all-gather of x and reduce-scatter of y, 2 (P-1)/P * T*d each way, which
 beats an all-to-all while P is small relative to K (every token goes to K experts anyway).
+
+Which wins: all-gather moves 2*(P-1)*T_local*d rows per device and layer and computes the routing of
+all P*T_local tokens on every device; all-to-all moves 2*(P-1)/P*K*T_local*d (balanced routing). So
+all-gather moves less while P - 1 < K*(P-1)/P, i.e. P <= K, and all-to-all wins beyond; all-to-all
+also keeps the routing, the row gathers and the saved activations per device independent of P
+(all-gather's grow with P). benchmarks/ep_bench.py measures both.
 """
 
 from __future__ import annotations
@@ -14,14 +29,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import math
+
 from sonic_jax import activations as acts
+from sonic_jax import exchange
 from sonic_jax import routing as routing_lib
+from sonic_jax import xla_backend
 from sonic_jax.backends import resolve_backend
-from sonic_jax.experts import expert_mixture
-from sonic_jax.layout import build_grouped_layout
+from sonic_jax.experts import expert_mixture, scores_by_row
+from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.ops import MoEAux, _validate
 
 Array = jax.Array
+
+EXPERT_PARALLEL_SCHEMES = ("all_to_all", "all_gather")
+
+
+def _check_router(router_weight, p, e_local):
+  if router_weight.ndim != 2 or router_weight.shape[1] != e_local * p:
+    raise ValueError(f"router_weight must have shape (d, E) with E = {p} devices x {e_local} "
+                     f"local experts = {p * e_local}, got {tuple(router_weight.shape)}")
 
 
 def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
@@ -41,9 +68,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
-  if router_weight.ndim != 2 or router_weight.shape[1] != e_local * p:
-    raise ValueError(f"router_weight must have shape (d, E) with E = {p} devices x {e_local} "
-                     f"local experts = {p * e_local}, got {tuple(router_weight.shape)}")
+  _check_router(router_weight, p, e_local)
   x_all = jax.lax.all_gather(x, axis_name, tiled=True)  # (T, d)
   act = _validate(x_all, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
@@ -69,5 +94,147 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                z_loss=routing_lib.z_loss(logits), extra_tokens=rounded.extra_tokens,
                extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
-                                        axis_name))
+                                        axis_name),
+               dropped_pairs=jnp.zeros((), jnp.int32))
+  return y, aux
+
+
+# Rows of the sender's expert-sorted buffer (a grouped layout with a row tile of 1) and back. Each
+# is the other's transpose, so the backward is the same deterministic gather / gather-sum (no
+# scatter-add) as the forward.
+@jax.custom_vjp
+def _rows_of_pairs(x: Array, layout: GroupedLayout) -> Array:
+  """(N, d): row r holds x[token of the r-th pair in expert order]; zeros past the routed pairs."""
+  return jnp.where(layout.row_valid()[:, None], x[layout.row_token], 0).astype(x.dtype)
+
+
+def _rows_of_pairs_fwd(x, layout):
+  return _rows_of_pairs(x, layout), layout
+
+
+def _rows_of_pairs_bwd(layout, g):
+  return _sum_pairs(g, layout), None
+
+
+@jax.custom_vjp
+def _sum_pairs(rows: Array, layout: GroupedLayout) -> Array:
+  """(T, d): each token's sum of its pairs' rows, float32 accumulation, in rows' dtype."""
+  return xla_backend.gather_sum(rows, layout, None, rows.dtype)
+
+
+def _sum_pairs_fwd(rows, layout):
+  return _sum_pairs(rows, layout), layout
+
+
+def _sum_pairs_bwd(layout, g):
+  return _rows_of_pairs(g, layout), None
+
+
+_rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)
+_sum_pairs.defvjp(_sum_pairs_fwd, _sum_pairs_bwd)
+
+
+def receive_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
+                     num_local_experts: int, capacity_factor: float | None) -> int:
+  """Rows of every device's receive buffer in `moe_all_to_all`.
+
+  None: the dropless worst case, every sender's pairs all routed to this device's experts:
+  P * (T_local * min(K, E_local) + X). A factor c: ceil(c * T_local * K), the balanced load times c,
+  at most the worst case; pairs beyond it are dropped and counted.
+  """
+  worst = num_devices * (num_tokens * min(top_k, num_local_experts) + num_extra)
+  if capacity_factor is None:
+    return worst
+  if not capacity_factor > 0:
+    raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor}")
+  return max(1, min(worst, math.ceil(capacity_factor * num_tokens * top_k)))
+
+
+def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile, axis_name):
+  """Token rounding of the whole axis's tokens (it ranks tokens across devices), cut to this
+  device's tokens. The (T_local, E) logits are all-gathered: E floats per token, much less than
+  the d-wide rows that the exchange moves."""
+  t_local = logits.shape[0]
+  me = jax.lax.axis_index(axis_name)
+  logits_all = jax.lax.all_gather(logits, axis_name, tiled=True)
+  rounded, routed = routing_lib.route_tokens(logits_all, top_k, routing, selection_bias,
+                                             token_rounding, tile)
+  mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * t_local, t_local, axis=0)
+  e_count = logits.shape[1]
+  token = rounded.extra_tokens - me * t_local
+  local = (token >= 0) & (token < t_local) & (rounded.extra_experts < e_count)
+  local_rounded = routing_lib.RoundedRouting(
+      scores=mine(rounded.scores), expert_ids=mine(rounded.expert_ids),
+      extra_tokens=jnp.where(local, token, t_local).astype(jnp.int32),
+      extra_experts=jnp.where(local, rounded.extra_experts, e_count).astype(jnp.int32),
+      extra_scores=jnp.where(local, rounded.extra_scores, 0.0), probs=mine(rounded.probs))
+  return local_rounded, routed
+
+
+def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
+                   top_k: int, activation: str = "swiglu", routing: str = "softmax_topk",
+                   gate_up_layout: str = "concat", b1: Array | None = None,
+                   b2: Array | None = None, selection_bias: Array | None = None,
+                   token_rounding: str | None = None, capacity_factor: float | None = None,
+                   backend: str = "auto") -> tuple[Array, MoEAux]:
+  """`sonic_jax.moe` with experts sharded over `axis_name`, tokens dispatched by all-to-all; call it
+  inside `jax.shard_map`.
+
+  Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
+  b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  capacity_factor: None (default) sizes every receive buffer for the worst case, so nothing is ever
+  dropped; a number c sizes it at c times the balanced load (`receive_capacity`), which bounds the
+  memory for large P, and drops (and counts in `aux.dropped_pairs`) the pairs that do not fit: they
+  add nothing to their token's output. token_rounding rounds the routing of the whole axis's tokens
+  (their (T_local, E) logits are all-gathered for it), so the result equals the single-device op.
+  Returns this device's y (T_local, d) and the aux of this device's tokens, with the axis-wide
+  expert_counts, load-balance and z losses, padded_rows and dropped_pairs.
+
+  Saved for the backward per device: the received x rows (capacity, d) and their H, the scores and
+  integer metadata; the exchange's backward is the reverse exchange.
+  """
+  p = jax.lax.axis_size(axis_name)
+  e_local = w1.shape[0]
+  _check_router(router_weight, p, e_local)
+  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+                  num_local_experts=e_local)
+  impl = resolve_backend(backend)
+  e_count, t_local = e_local * p, x.shape[0]
+  me = jax.lax.axis_index(axis_name)
+
+  logits = routing_lib.router_logits(x, router_weight)
+  if token_rounding is None:
+    rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias, None,
+                                               impl.row_tile)
+  else:
+    rounded, routed = _local_rounding(logits, top_k, routing, selection_bias, token_rounding,
+                                      impl.row_tile, axis_name)
+  # The sender's buffer: its pairs in expert order, so each device's rows are one chunk.
+  pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
+                               rounded.extra_experts)
+  counts = jax.lax.all_gather(pairs.expert_counts, axis_name)  # (P, E)
+  capacity = receive_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
+  dispatch, combine = exchange.exchange_plan(counts, me, capacity)
+
+  extra_scores = routing_lib.extra_scores_or_none(rounded)
+  x_recv = exchange.ragged_exchange(_rows_of_pairs(x, pairs), capacity, dispatch, axis_name)
+  s_recv = exchange.ragged_exchange(scores_by_row(rounded.scores, extra_scores, pairs)[:, None],
+                                    capacity, dispatch, axis_name)
+  experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile)
+  y_recv = expert_mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout,
+                          impl)  # (capacity, d): each received row times its score
+  y = _sum_pairs(exchange.ragged_exchange(y_recv, pairs.num_rows, combine, axis_name), pairs)
+
+  total = counts.sum(0)
+  balance = routing_lib.load_balance_loss(routed.probs, total)
+  if token_rounding is None:  # routed holds this device's tokens: average P_e over the axis
+    balance = jax.lax.pmean(balance, axis_name)
+  aux = MoEAux(expert_counts=total, expert_ids=rounded.expert_ids, scores=rounded.scores,
+               router_logits=logits, load_balance_loss=balance,
+               z_loss=jax.lax.pmean(routing_lib.z_loss(logits), axis_name),
+               extra_tokens=rounded.extra_tokens, extra_experts=rounded.extra_experts,
+               extra_scores=rounded.extra_scores,
+               padded_rows=jax.lax.psum(jnp.sum(experts.group_sizes - experts.expert_counts),
+                                        axis_name),
+               dropped_pairs=dispatch.dropped)
   return y, aux

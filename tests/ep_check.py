@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sonic_jax  # noqa: E402
-from sonic_jax.parallel import moe_all_gather  # noqa: E402
+from sonic_jax.parallel import moe_all_gather, moe_all_to_all  # noqa: E402
 
 
 def rel(a, b):
@@ -22,8 +22,9 @@ def rel(a, b):
 
 
 def main():
-  skew = sys.argv[1] == "skew"
-  rounding = sys.argv[2] if len(sys.argv) > 2 else None  # token rounding mode
+  scheme = {"all_gather": moe_all_gather, "all_to_all": moe_all_to_all}[sys.argv[1]]
+  skew = sys.argv[2] == "skew"
+  rounding = sys.argv[3] if len(sys.argv) > 3 else None  # token rounding mode
   T, d, n, E, K = 64, 32, 16, 8, 2
   rng = np.random.default_rng(0)
   x = rng.standard_normal((T, d))
@@ -43,16 +44,17 @@ def main():
                            backend="xla")
     if rounding == "up":
       assert aux.extra_tokens.shape[0] > 0
-    return jnp.vdot(y, dy) + aux.load_balance_loss, y
+    return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
 
   (_, y_ref), g_ref = jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
   for shards in (1, 2, 4, 8):
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
     def local(x, rw, w1, w2, b1):
-      y, aux = moe_all_gather(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
+      y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
                               token_rounding=rounding, backend="xla")
-      return y, aux.load_balance_loss
+      assert aux.dropped_pairs is not None
+      return y, aux.load_balance_loss + 0.1 * aux.z_loss
 
     sharded = jax.shard_map(local, mesh=mesh,
                             in_specs=(P("ep"), P(), P("ep"), P("ep"), P("ep")),

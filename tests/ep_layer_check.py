@@ -3,6 +3,7 @@
 gradients of every parameter."""
 
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax  # noqa: E402
@@ -21,7 +22,8 @@ def main():
             token_rounding="up", backend="xla", init_std=0.3, dtype=jnp.float64,
             param_dtype=jnp.float64)
   single = MoE(**kw, rngs=nnx.Rngs(0))
-  sharded = MoE(**kw, expert_parallel_axis="ep", rngs=nnx.Rngs(0))
+  sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=sys.argv[1],
+                rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)))
   d_y = jnp.asarray(np.random.default_rng(2).standard_normal((64, 16)))
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.ops import MoEAux, moe
-from sonic_jax.parallel import moe_all_gather
+from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 
 Array = jax.Array
 
@@ -50,7 +50,11 @@ class MoE(nnx.Module):
     deterministic: evaluation mode (NNX's `model.eval()` / `model.train()` set it).
     expert_parallel_axis: a mesh axis name: the layer then runs under `jax.shard_map` (or
       `nnx.shard_map`) with its expert parameters (those with `expert_axis` first) sharded over that
-      axis and x's tokens sharded over it too, and calls `sonic_jax.parallel.moe_all_gather`.
+      axis and x's tokens sharded over it too (and over any data axes).
+    expert_parallel_scheme: "all_to_all" (`sonic_jax.parallel.moe_all_to_all`, the default) or
+      "all_gather" (`moe_all_gather`, less traffic while the axis has at most K devices).
+    capacity_factor: for "all_to_all": None (dropless, worst-case buffers) or the receive buffer
+      in multiples of the balanced load; dropped pairs are counted in `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
@@ -63,6 +67,7 @@ class MoE(nnx.Module):
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
                bias_update_rate: float = 0.0, token_rounding: str | None = None,
                deterministic: bool = False, expert_parallel_axis: str | None = None,
+               expert_parallel_scheme: str = "all_to_all", capacity_factor: float | None = None,
                init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
                backend: str = "auto", expert_axis: str | None = "expert",
@@ -78,7 +83,13 @@ class MoE(nnx.Module):
       raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
                        f"got {token_rounding!r}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
+    if expert_parallel_scheme not in EXPERT_PARALLEL_SCHEMES:
+      raise ValueError(f"expert_parallel_scheme must be one of {EXPERT_PARALLEL_SCHEMES}, "
+                       f"got {expert_parallel_scheme!r}")
+    if capacity_factor is not None and expert_parallel_scheme != "all_to_all":
+      raise ValueError("capacity_factor applies to expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
+    self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
     self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
@@ -118,6 +129,10 @@ class MoE(nnx.Module):
               backend=self.backend)
     if self.expert_parallel_axis is None:
       y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), **kw)
+    elif self.expert_parallel_scheme == "all_to_all":
+      y, stats = moe_all_to_all(h, self.router[...], cast(self.w1), cast(self.w2),
+                                axis_name=self.expert_parallel_axis,
+                                capacity_factor=self.capacity_factor, **kw)
     else:
       y, stats = moe_all_gather(h, self.router[...], cast(self.w1), cast(self.w2),
                                 axis_name=self.expert_parallel_axis, **kw)

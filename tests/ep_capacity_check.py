@@ -1,0 +1,129 @@
+"""Run in a fresh process with 8 CPU devices (see test_parallel.py): `moe_all_to_all` with a
+capacity that drops pairs, against a float64 oracle of the layer without exactly the pairs that a
+NumPy model of the exchange drops; and the all-to-all scheme on a (data, ep) = (2, 4) mesh against
+one device."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import sonic_jax  # noqa: E402
+import oracle  # noqa: E402
+from sonic_jax.parallel import moe_all_to_all, receive_capacity  # noqa: E402
+
+T, d, n, E, K = 64, 32, 16, 8, 2
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def inputs(seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((T, d))
+  rw = rng.standard_normal((d, E)) / np.sqrt(d)
+  x[:, 0] = 3.0
+  rw[0, 0], rw[0, 5:] = 4.0, -4.0  # expert 0 (device 0) takes most tokens, 5..7 none
+  w1 = rng.standard_normal((E, d, 2 * n)) / np.sqrt(d)
+  w2 = rng.standard_normal((E, n, d)) / np.sqrt(n)
+  b1 = rng.standard_normal((E, 2 * n)) * 0.1
+  return x, rw, w1, w2, b1, rng.standard_normal((T, d))
+
+
+def dropped_by_model(ids, p, capacity):
+  """(T, E) bool: the pairs that the exchange drops, from the rule 'senders in device order, each
+  chunk sorted by expert (stable in pair order), a receiver keeps its first `capacity` rows'."""
+  t_local, e_local = T // p, E // p
+  dropped = np.zeros((T, E), bool)
+  for j in range(p):
+    filled = 0
+    for i in range(p):
+      tokens = np.arange(i * t_local, (i + 1) * t_local)
+      pairs = [(t, e) for t in tokens for e in ids[t]]  # pair order t*K + s
+      for e in range(j * e_local, (j + 1) * e_local):
+        for t, e2 in pairs:
+          if e2 == e:
+            dropped[t, e] = filled >= capacity
+            filled += 1
+  return dropped
+
+
+def check_capacity(p=4, factor=0.75):
+  x, rw, w1, w2, b1, d_y = inputs(0)
+  args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
+  ids = oracle.select_experts(x, rw, K)
+  capacity = receive_capacity(T // p, K, 0, p, E // p, factor)
+  dropped = dropped_by_model(ids, p, capacity)
+  tc = np.zeros((T, E), bool)
+  np.put_along_axis(tc, ids, True, axis=1)
+  assert 0 < dropped.sum() < tc.sum()
+  y_ref, g_ref = oracle.reference_values_and_grads_masks(
+      dict(x=x, router_weight=rw, w1=w1, w2=w2, b1=b1), d_y, tc, tc & ~dropped,
+      np.zeros_like(tc), activation="swiglu", gate_up_layout="concat")
+
+  mesh = jax.make_mesh((p,), ("ep",), devices=jax.devices()[:p])
+  specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
+
+  def local(x, rw, w1, w2, b1):
+    y, aux = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
+                            capacity_factor=factor, backend="xla")
+    return y, aux.dropped_pairs
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()),
+                          check_vma=False)
+
+  def loss(*a):
+    y, n_dropped = sharded(*a)
+    return jnp.vdot(y, jnp.asarray(d_y)), (y, n_dropped)
+
+  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  (_, (y, n_dropped)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                                      has_aux=True))(*placed)
+  errs = [rel(y, y_ref)] + [rel(a, g_ref[k]) for a, k in zip(g, ("x", "router_weight", "w1",
+                                                                   "w2", "b1"))]
+  print("capacity", int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
+  assert int(n_dropped) == int(dropped.sum())
+  assert max(errs) < 1e-10, errs
+
+
+def check_data_and_expert_parallel():
+  x, rw, w1, w2, b1, d_y = inputs(1)
+  args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
+
+  def loss_single(*a):
+    y, _ = sonic_jax.moe(*a[:4], b1=a[4], top_k=K, backend="xla")
+    return jnp.vdot(y, jnp.asarray(d_y)), y
+
+  (_, y_ref), g_ref = jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+  mesh = jax.make_mesh((2, 4), ("data", "ep"))
+  tokens = P(("data", "ep"))
+  specs = (tokens, P(), P("ep"), P("ep"), P("ep"))
+
+  def local(x, rw, w1, w2, b1):
+    y, _ = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, backend="xla")
+    return y
+
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens, check_vma=False)
+
+  def loss(*a):
+    y = sharded(*a)
+    return jnp.vdot(y, jnp.asarray(d_y)), y
+
+  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
+  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("data x ep", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+
+
+if __name__ == "__main__":
+  check_capacity()
+  check_data_and_expert_parallel()
+  print("OK")
