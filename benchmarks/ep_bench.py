@@ -4,16 +4,17 @@ r"""Expert parallelism: both sharded schemes against one device, and the cost of
 
 With P devices (all of `jax.devices()`, or --devices), each configuration gives the work of one
 device: T_local tokens per device, E experts in all (E/P per device), K per token. First a
-correctness check of both schemes against the single-device op at a small float32 size (on GPUs the
-all-to-all runs the native ragged-all-to-all, which the CPU tests cannot reach). Then, measured
-forward and forward+backward (median of repeated runs after warm-up):
+correctness check of the dropless schemes against the single-device op at a small float32 size (on
+GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot reach).
+Then, measured forward and forward+backward (median of repeated runs after warm-up):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
-- `all_to_all`: `moe_all_to_all` over P devices, P*T_local tokens, dropless (worst-case buffers);
-- `all_gather`: `moe_all_gather`, the same;
+- over P devices, P*T_local tokens: `moe_all_to_all` with the dense transport, dropless
+  (`all_to_all`) and at capacity factor 1.25 (with its dropped pairs), with the ragged transport
+  (`all_to_all ragged`), and `moe_all_gather`;
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
-  receives / time): the ragged all-to-all of the T_local*K rows of x (balanced), the all-gather of
-  x and the reduce-scatter of y (float32).
+  receives over the links / time): each exchange (balanced routing), the all-gather of x and the
+  reduce-scatter of y (float32).
 Printed last: step time and TFLOP/s per device, the communication share, and the layers
 extrapolated to 8 devices (one node: the measured bandwidths) and 64 devices (8 nodes: the
 all-to-all's cross-node share at --inter_node_gbps per GPU, an assumption, not a measurement).
@@ -33,19 +34,30 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import sonic_jax
 from benchmarks import grid, timing
 from sonic_jax import exchange
-from sonic_jax.parallel import moe_all_gather, moe_all_to_all
+from sonic_jax.parallel import moe_all_gather, moe_all_to_all, slot_capacity
 
 DEFAULT_CONFIGS = [(16384, 1536, 512, 64, 4), (16384, 4096, 1024, 64, 4), (8192, 4096, 512, 128, 8)]
-SCHEMES = {"all_to_all": moe_all_to_all, "all_gather": moe_all_gather}
+CAPACITY_FACTOR = 1.25
+# name: (layer, keyword arguments)
+SCHEMES = {
+    "all_to_all": (moe_all_to_all, dict(transport="dense")),
+    f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(transport="dense",
+                                                             capacity_factor=CAPACITY_FACTOR)),
+    "all_to_all ragged": (moe_all_to_all, dict(transport="ragged")),
+    "all_gather": (moe_all_gather, {}),
+}
 
-flags.DEFINE_multi_string("thiek", None, "per-device configuration T_local,d,n,E,K (repeatable)")
-flags.DEFINE_integer("devices", None, "expert-parallel degree P (default: all devices)")
-flags.DEFINE_string("backend", "auto", "sonic_jax backend")
-flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
-flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s (400 Gb/s "
-                   "InfiniBand NDR), for the 64-device extrapolation")
-flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: benchmarks.report imports `table`
+  flags.DEFINE_multi_string("thiek", None, "per-device configuration T_local,d,n,E,K (repeatable)")
+  flags.DEFINE_integer("devices", None, "expert-parallel degree P (default: all devices)")
+  flags.DEFINE_string("backend", "auto", "sonic_jax backend")
+  flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
+  flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
+                     "(400 Gb/s InfiniBand NDR), for the 64-device extrapolation")
+  flags.DEFINE_string("out", "bench_out", "output folder")
 
 
 def _time(fn, *args):
@@ -71,11 +83,15 @@ def _inputs(p, t_local, d, n, e, dtype, seed=0):
   return x, rw, w1, w2
 
 
-def _sharded(scheme, mesh, k, backend):
-  layer = lambda x, rw, w1, w2: SCHEMES[scheme](x, rw, w1, w2, axis_name="ep", top_k=k,
-                                                backend=backend)[0]
+def _sharded(scheme, mesh, k, backend, with_aux=False):
+  fn, kw = SCHEMES[scheme]
+
+  def layer(x, rw, w1, w2):
+    y, aux = fn(x, rw, w1, w2, axis_name="ep", top_k=k, backend=backend, **kw)
+    return (y, aux.dropped_pairs) if with_aux else y
+
   return jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"), P(), P("ep"), P("ep")),
-                       out_specs=P("ep"), check_vma=False)
+                       out_specs=(P("ep"), P()) if with_aux else P("ep"), check_vma=False)
 
 
 def _placed(mesh, x, rw, w1, w2):
@@ -101,7 +117,7 @@ def check_against_single_device(devices, backend, cfg=(256, 64, 32, 8, 2)):
   with jax.default_matmul_precision("highest"):
     single = lambda *a: sonic_jax.moe(*a, top_k=k, backend=backend)[0]
     ref_loss, ref = loss_of(single)(*[jax.device_put(a, devices[0]) for a in (x, rw, w1, w2)])
-    for scheme in SCHEMES:
+    for scheme in ("all_to_all", "all_to_all ragged", "all_gather"):  # the dropless ones
       got_loss, got = loss_of(_sharded(scheme, mesh, k, backend))(*_placed(mesh, x, rw, w1, w2))
       host = lambda a: np.asarray(a, np.float64)
       rel = lambda a, b: float(np.linalg.norm(host(a) - host(b)) / np.linalg.norm(host(b)))
@@ -109,10 +125,10 @@ def check_against_single_device(devices, backend, cfg=(256, 64, 32, 8, 2)):
   return errs
 
 
-def _balanced_plan(p, e_local, rows_per_device):
+def _balanced_plan(p, e_local, rows_per_device, slot_rows):
   """The exchange plan of a perfectly balanced routing: every device sends rows/P to each."""
   counts = np.full((p, p * e_local), rows_per_device // (p * e_local), np.int32)
-  return [exchange.exchange_plan(jnp.asarray(counts), jnp.int32(me), rows_per_device)[0]
+  return [exchange.exchange_plan(jnp.asarray(counts), jnp.int32(me), slot_rows)[0]
           for me in range(p)]
 
 
@@ -135,92 +151,108 @@ def run_config(cfg, devices, backend):
                                                                            w2)])
   res.update(single_fwd_ms=t_fwd * 1e3, single_fwdbwd_ms=t_fb * 1e3,
              single_fwdbwd_tflops=3 * flops_per_device / t_fb / 1e12)
+  placed = _placed(mesh, x, rw, w1, w2)
   for scheme in SCHEMES:
-    t_fwd, t_fb = _fwd_and_fwdbwd(_sharded(scheme, mesh, k, backend),
-                                  *_placed(mesh, x, rw, w1, w2))
-    res[scheme] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,
+    t_fwd, t_fb = _fwd_and_fwdbwd(_sharded(scheme, mesh, k, backend), *placed)
+    _, dropped = jax.jit(_sharded(scheme, mesh, k, backend, with_aux=True))(*placed)
+    res[scheme] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "dropped_pairs": int(dropped),
                    "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12}
 
-  # The collectives alone. Bytes each device sends (all-to-all, reduce-scatter) or receives
-  # (all-gather) over the links: (P-1)/P of what it holds.
+  # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all,
+  # reduce-scatter) or receives (all-gather) over the links: (P-1)/P of what it holds.
   frac = (p - 1) / p
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-  rows = t_local * k
-  plans = _balanced_plan(p, e // p, rows)
-  stacked = jax.tree.map(lambda *a: jnp.stack(a), *plans)
+  rows = t_local * k  # the pairs of a device
+  slots = {name: slot_capacity(t_local, k, 0, p, e // p, kw.get("capacity_factor"))
+           for name, (fn, kw) in SCHEMES.items() if fn is moe_all_to_all}
 
-  def a2a(v, plan):
-    plan = jax.tree.map(lambda a: a[0], plan)
-    return exchange.ragged_exchange(v, rows, plan, "ep")
+  def a2a_time(transport, slot_rows):
+    plans = _balanced_plan(p, e // p, rows, slot_rows)
+    stacked = jax.tree.map(lambda *a: put(jnp.stack(a), P("ep")), *plans)
 
-  a2a_fn = jax.shard_map(a2a, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"),
-                         check_vma=False)
+    def move(v, plan):
+      return exchange.exchange(v, jax.tree.map(lambda a: a[0], plan), "ep", transport)
+
+    fn = jax.shard_map(move, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"),
+                       check_vma=False)
+    return _time(fn, put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
+
   gather = jax.shard_map(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh=mesh,
                          in_specs=P("ep"), out_specs=P(), check_vma=False)
   scatter = jax.shard_map(lambda v: jax.lax.psum_scatter(v, "ep", tiled=True), mesh=mesh,
                           in_specs=P(), out_specs=P("ep"), check_vma=False)
-  t_a2a = _time(a2a_fn, put(jnp.zeros((p * rows, d), dtype), P("ep")),
-                jax.tree.map(lambda a: put(a, P("ep")), stacked))
+  gbps = lambda b, t: b / t / 1e9 if p > 1 else None
+  for name, slot_rows in slots.items():
+    transport = SCHEMES[name][1]["transport"]
+    t = a2a_time(transport, slot_rows)
+    moved = (rows if transport == "ragged" else p * slot_rows) * frac * d * itemsize
+    # Dispatch and combine, each once more (transposed) in the backward.
+    res[name].update(slot_rows=slot_rows, exchange_ms=t * 1e3, exchange_gbps=gbps(moved, t),
+                     communication_ms=4 * t * 1e3)
   t_gather = _time(gather, put(x, P("ep")))
   t_scatter = _time(scatter, put(jnp.zeros((p * t_local, d), jnp.float32), P()))
-  a2a_bytes = frac * rows * d * itemsize
-  gather_bytes = frac * p * t_local * d * itemsize
-  scatter_bytes = frac * p * t_local * d * 4
-  gbps = lambda b, t: b / t / 1e9 if p > 1 else None
-  res.update(
-      all_to_all_ms=t_a2a * 1e3, all_to_all_gbps=gbps(a2a_bytes, t_a2a),
-      all_gather_ms=t_gather * 1e3, all_gather_gbps=gbps(gather_bytes, t_gather),
-      reduce_scatter_ms=t_scatter * 1e3, reduce_scatter_gbps=gbps(scatter_bytes, t_scatter))
-  # Per step (forward + backward): all-to-all dispatch and combine, each once more transposed in
-  # the backward; all-gather + reduce-scatter, likewise.
-  res["all_to_all"]["communication_ms"] = 4 * t_a2a * 1e3
-  res["all_gather"]["communication_ms"] = 2 * (t_gather + t_scatter) * 1e3
+  res["all_gather"].update(
+      all_gather_ms=t_gather * 1e3,
+      all_gather_gbps=gbps(frac * p * t_local * d * itemsize, t_gather),
+      reduce_scatter_ms=t_scatter * 1e3,
+      reduce_scatter_gbps=gbps(frac * p * t_local * d * 4, t_scatter),
+      communication_ms=2 * (t_gather + t_scatter) * 1e3)
   return res
 
 
 def extrapolate(res, scheme, devices, inter_node_gbps):
   """fwd+bwd ms per step at `devices` GPUs (8 per node) with the same per-device work: the
   measured single-device compute plus communication at the measured (intra-node) bandwidth, the
-  all-to-all's cross-node share at `inter_node_gbps`; communication not overlapped."""
-  t_local, d, _, _, k = res["config"]
+  cross-node share at min(that, `inter_node_gbps`); communication not overlapped. The all-to-all's
+  slots keep their measured size per device pair (dropless: T_local*min(K, E_local) rows; with a
+  capacity factor they shrink as 1/P)."""
+  t_local, d, _, e, k = res["config"]
   item = res["x_itemsize"]
+  r = res[scheme]
+  if e % devices:
+    return None  # E experts cannot be spread over that many devices
   frac = (devices - 1) / devices
-  if scheme == "all_to_all":
-    bw = res["all_to_all_gbps"]
-    if bw is None:
-      return None
-    cross = max(0.0, 1 - 8 / devices)  # share of a device's rows bound for other nodes
-    slow = min(bw, inter_node_gbps)
-    per_way = t_local * k * d * item * ((frac - cross) / bw + cross / slow) / 1e9
-    comm = 4 * per_way
-  else:
-    bws = [res["all_gather_gbps"], res["reduce_scatter_gbps"]]
+  cross = max(0.0, 1 - 8 / devices)  # share of a device's peers on other nodes
+  if scheme == "all_gather":
+    bws = [r["all_gather_gbps"], r["reduce_scatter_gbps"]]
     if None in bws:
       return None
-    slowest = lambda b: b if devices <= 8 else min(b, inter_node_gbps)  # ring over all nodes
+    slowest = lambda b: b if devices <= 8 else min(b, inter_node_gbps)  # rings span the nodes
     comm = 2 * frac * devices * t_local * d * (item / slowest(bws[0]) + 4 / slowest(bws[1])) / 1e9
-  return res["single_fwdbwd_ms"] + comm * 1e3
+    return res["single_fwdbwd_ms"] + comm * 1e3
+  bw = r["exchange_gbps"]
+  if bw is None:
+    return None
+  if "ragged" in scheme:
+    rows = t_local * k
+  else:
+    factor = SCHEMES[scheme][1].get("capacity_factor")
+    worst = t_local * min(k, e // devices)
+    slot = min(worst, -(-factor * t_local * k // devices)) if factor else worst
+    rows = devices * slot
+  per_way = rows * d * item * ((frac - cross) / bw + cross / min(bw, inter_node_gbps)) / 1e9
+  return res["single_fwdbwd_ms"] + 4 * per_way * 1e3
 
 
 def table(results, inter_node_gbps):
   lines = ["| per-device config (T_local,d,n,E,K) | P | single fwd+bwd ms (TF/s) | scheme | sharded "
-           "fwd+bwd ms (TF/s per device) | collectives ms (GB/s) | comm share | extrapolated "
-           "fwd+bwd ms at 8 / 64 GPUs |", "|---|---|---|---|---|---|---|---|"]
+           "fwd+bwd ms (TF/s per device) | dropped pairs | collectives ms (GB/s) | comm share | "
+           "extrapolated fwd+bwd ms at 8 / 64 GPUs |", "|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     gbps = lambda v: "–" if v is None else f"{v:.0f}"
     for scheme in SCHEMES:
       s = r[scheme]
-      if scheme == "all_to_all":
-        coll = f"a2a {r['all_to_all_ms']:.3f} ({gbps(r['all_to_all_gbps'])})"
+      if scheme == "all_gather":
+        coll = (f"AG {s['all_gather_ms']:.3f} ({gbps(s['all_gather_gbps'])}), RS "
+                f"{s['reduce_scatter_ms']:.3f} ({gbps(s['reduce_scatter_gbps'])})")
       else:
-        coll = (f"AG {r['all_gather_ms']:.3f} ({gbps(r['all_gather_gbps'])}), RS "
-                f"{r['reduce_scatter_ms']:.3f} ({gbps(r['reduce_scatter_gbps'])})")
+        coll = f"exchange {s['exchange_ms']:.3f} ({gbps(s['exchange_gbps'])})"
       ext = [extrapolate(r, scheme, n, inter_node_gbps) for n in (8, 64)]
       ext_s = " / ".join("–" if v is None else f"{v:.2f}" for v in ext)
       lines.append(
           f"| {','.join(map(str, r['config']))} | {r['devices']} | {r['single_fwdbwd_ms']:.3f} "
           f"({r['single_fwdbwd_tflops']:.0f}) | {scheme} | {s['fwdbwd_ms']:.3f} "
-          f"({s['fwdbwd_tflops_per_device']:.0f}) | {coll} | "
+          f"({s['fwdbwd_tflops_per_device']:.0f}) | {s['dropped_pairs']} | {coll} | "
           f"{100 * s['communication_ms'] / s['fwdbwd_ms']:.0f}% | {ext_s} |")
   return "\n".join(lines)
 
@@ -247,4 +279,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -229,8 +229,49 @@ def pretrain_table(folder):
   return "\n".join(lines)
 
 
+def expert_parallel_section(ep, transports=None):
+  """The expert-parallel section from an ep_bench ep.json (and a2a_transport.jsonl lines)."""
+  from benchmarks.ep_bench import table as ep_table
+  r0 = ep["results"][0]
+  text = f"""
+## Expert parallelism
+
+`python -m benchmarks.ep_bench` on {r0['devices']} × {r0['device_kind']}, jax {ep['jax']}, backend
+`{ep['backend']}`, bf16, SwiGLU. Each configuration is the work of one device: T_local tokens per device
+(P·T_local in all), E experts over the P devices. "single" is `sonic_jax.moe` on one GPU with T_local
+tokens and all E experts (the same pairs per device, no communication). TFLOP/s per device with the paper's
+counts; "collectives" are the exchanges (or all-gather / reduce-scatter) alone at the layer's sizes, with
+the bandwidth of the bytes each device sends or receives over the links; "comm share" is four exchanges
+(dispatch, combine, and both again in the backward) or two all-gathers + reduce-scatters over the step.
+Before timing, every dropless scheme's output and gradients matched the single-GPU op at float32 (max
+relative error {max(ep['check_max_rel_err'].values()):.1e}), the ragged transport through the native
+`ragged_all_to_all`. The extrapolation keeps the measured single-GPU compute and bandwidth, 8 GPUs per
+node, and {ep['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (an assumption, not a
+measurement); communication is not overlapped with compute.
+
+{ep_table(ep['results'], ep['inter_node_gbps_assumed'])}
+"""
+  if transports:
+    rows = "\n".join(
+        f"| {t['label']} | `{t['xla_flags'] or '(none)'}` | "
+        + (f"{t['ragged_ms']:.2f} ms ({t['ragged_gbps']:.1f} GB/s)" if "ragged_ms" in t
+           else "failed: " + t.get("ragged_error", "")[:80].replace("|", "/"))
+        + f" | {t['dense_ms']:.3f} ms ({t['dense_gbps']:.0f} GB/s) |" for t in transports)
+    t0 = transports[0]
+    text += f"""
+The transports alone (`bash benchmarks/a2a_transport.sh --rows={t0['rows']} --d={t0['d']}`: every device sends
+{t0['rows']} bf16 rows of width {t0['d']} split over the devices), under the XLA:GPU flags that select the
+ragged-all-to-all implementation:
+
+| setting | XLA_FLAGS | ragged_all_to_all | dense all_to_all, same bytes |
+|---|---|---|---|
+{rows}
+"""
+  return text
+
+
 def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_rounding=None,
-                        command=None, pretrain=None):
+                        command=None, pretrain=None, expert_parallel=""):
   import shutil
   fig_dir = os.path.join(_ROOT, "benchmarks", "figures")
   os.makedirs(fig_dir, exist_ok=True)
@@ -247,13 +288,14 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
   kernel_part = ""
   if kernels is not None:
     kernel_part = f"""
-## Forward kernels, one at a time
+## Kernels, one at a time
 
 `python -m benchmarks.kernel_bench` on {kernels['device']}, jax {kernels['jax']}: measured ceilings
 {kernels['dense_bf16_tflops']:.0f} TFLOP/s (8192³ bf16 GEMM) and {kernels['copy_gbps']:.0f} GB/s (device copy,
 bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, XLA gather,
-up-projection on the contiguous gathered rows, down-projection, aggregation.
+up-projection on the contiguous gathered rows, down-projection, aggregation; "backward GEMMs (sum)" the four
+backward kernels (dH with its epilogue, dw1, dw2, dX rows), without the XLA row gathers and gather-sums.
 
 {kernels_table(kernels)}
 """
@@ -311,7 +353,8 @@ SonicMoE on an H100: {sources['sonicmoe_measured'][:80]}…):
 
 {anchors_table(results)}
 
-""" + "\n".join(f"![{os.path.basename(r)}]({r})" for r in rel) + kernel_part + tr_part + f"""
+""" + "\n".join(f"![{os.path.basename(r)}]({r})" for r in rel) + kernel_part + tr_part \
+      + expert_parallel + f"""
 
 ## Slowest kernels per configuration (µs per step)
 
@@ -331,6 +374,8 @@ def main(argv):
   ap.add_argument("--notes", default="", help="extra Markdown lines for BENCHMARKS.md")
   ap.add_argument("--token_rounding", help="token_rounding.json of a token_rounding_bench run")
   ap.add_argument("--pretrain", help="folder of the pretraining script's metrics CSVs")
+  ap.add_argument("--ep", help="ep.json of a benchmarks.ep_bench run")
+  ap.add_argument("--a2a_transport", help="a2a_transport.jsonl of benchmarks/a2a_transport.sh")
   args = ap.parse_args(argv)
   runs = []
   for path in args.results:
@@ -342,18 +387,24 @@ def main(argv):
     f.write(markdown(results))
   pngs = plot(results, args.out)
   if args.benchmarks_md:
-    kernels = None
-    if args.kernels:
-      with open(args.kernels) as f:
-        kernels = json.load(f)
-    token_rounding = None
-    if args.token_rounding:
-      with open(args.token_rounding) as f:
-        token_rounding = json.load(f)
+    def load_json(path):
+      if not path:
+        return None
+      with open(path) as f:
+        return json.load(f)
+
+    kernels, token_rounding, ep = map(load_json, (args.kernels, args.token_rounding, args.ep))
     shown = [("'…'" if i and argv[i - 1] == "--notes" else a) for i, a in enumerate(argv)]
     command = "python -m benchmarks.report " + " ".join(shown)
+    expert_parallel = ""
+    if ep is not None:
+      transports = None
+      if args.a2a_transport:
+        with open(args.a2a_transport) as f:
+          transports = [json.loads(line) for line in f if line.strip()]
+      expert_parallel = expert_parallel_section(ep, transports)
     write_benchmarks_md(results, args.out, pngs, kernels, args.notes, token_rounding, command,
-                        args.pretrain and os.path.abspath(args.pretrain))
+                        args.pretrain and os.path.abspath(args.pretrain), expert_parallel)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """The all-to-all exchange of (token, expert) rows between the devices of an expert-parallel axis.
 
-Every sender sorts its pairs by expert, so the rows for device j (which holds experts
-[j*E_local, (j+1)*E_local)) are one contiguous chunk of its send buffer. The per-expert counts C
-(P senders x E experts) are all-gathered (P*E integers), and from them every device computes the
-same `ExchangePlan`: where each chunk starts in the sender's buffer, where it lands in the
-receiver's buffer (senders in device order, each chunk sorted by local expert), and how many of its
-rows fit in the receiver's static buffer of `capacity` rows (the rest are dropped and counted).
+Every device's send buffer has P slots of S rows, slot j for device j (which holds experts
+[j*E_local, (j+1)*E_local)): the device's pairs routed there, sorted by expert, then zero rows. A
+slot keeps at most S pairs (the slot capacity); the pairs beyond it are dropped and counted. The
+receive buffer has the same shape, slot i holding what device i sent. From the all-gathered
+per-expert counts C (P senders x E experts) every device computes the same `ExchangePlan`.
 
-`ragged_exchange` moves the rows with `jax.lax.ragged_all_to_all` (NCCL on GPUs). XLA:CPU has no
-ragged-all-to-all (jax 0.11.2: UNIMPLEMENTED), so on CPU the same semantics run through an
-all-gather and a gather: slower, identical in values and gradients, and what the CPU tests check.
+Two transports move the same plan with the same result:
+- "dense": one `jax.lax.all_to_all` of the (P*S, d) buffer: every slot travels whole, padding
+  included (S*d per device pair, whatever the routing);
+- "ragged": one `jax.lax.ragged_all_to_all` that moves only each slot's pairs. XLA:CPU does not
+  implement it (jax 0.11.2), so on CPU it runs through an all-gather emulation with the same values
+  and gradients. On 2 H200s with jax 0.11.2 XLA's ragged-all-to-all ran at 2.6 GB/s against the
+  dense all-to-all's 251 GB/s (benchmarks/a2a_transport.py, BENCHMARKS.md), whatever its flags, so
+  "auto" picks "dense".
 """
 
 from __future__ import annotations
@@ -19,65 +23,89 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sonic_jax.layout import GroupedLayout
+
 Array = jax.Array
+
+TRANSPORTS = ("auto", "dense", "ragged")
 
 
 class ExchangePlan(NamedTuple):
-  """Offsets and sizes of one device's dispatch (its rows out, other devices' rows in).
+  """One device's offsets and sizes for one direction of the exchange (ragged_all_to_all's
+  arguments), plus what the receiver needs to know about the rows it gets.
 
-  Sender-indexed (P,) arrays describe this device's chunk for each receiver j; receiver-indexed
-  ones the chunk this device gets from each sender i. The combine (results back) is the mirror
-  image, a second plan from `exchange_plan`.
+  Sender-indexed (P,) arrays describe this device's slot for each receiver j; receiver-indexed
+  ones the slot this device gets from each sender i.
   """
 
-  input_offsets: Array  # (P,) where the chunk for j starts in this device's send buffer
+  input_offsets: Array  # (P,) where the slot for j starts in this device's send buffer
   send_sizes: Array  # (P,) rows this device sends to j (after the capacity cut)
-  output_offsets: Array  # (P,) where this device's chunk lands in j's receive buffer
+  output_offsets: Array  # (P,) where this device's slot lands in j's receive buffer
   recv_sizes: Array  # (P,) rows this device receives from i
-  recv_offsets: Array  # (P,) where i's chunk starts in this device's receive buffer
-  row_expert: Array  # (capacity,) int32: local expert of each received row, E_local if none
-  dropped: Array  # () int32: pairs of the whole axis that did not fit their receiver's buffer
+  row_expert: Array  # (P*S,) int32: local expert of each received row, E_local if none
+  dropped: Array  # () int32: pairs of the whole axis that did not fit their slot
 
 
-def _exclusive_cumsum(a: Array, axis: int) -> Array:
-  return jnp.cumsum(a, axis=axis) - a
-
-
-def exchange_plan(counts: Array, me: Array, capacity: int) -> tuple[ExchangePlan, ExchangePlan]:
-  """The dispatch plan and the combine plan of device `me` from the all-gathered counts.
+def exchange_plan(counts: Array, me: Array, slot_rows: int) -> tuple[ExchangePlan, ExchangePlan]:
+  """The dispatch and combine plans of device `me` from the all-gathered counts.
 
   counts: (P, E) int32, counts[i, e] = pairs of sender i routed to expert e (E = P * E_local).
-  capacity: rows of every receiver's buffer. A sender's chunk for j keeps its first rows up to
-  what still fits after the chunks of lower-numbered senders (so drops hit the highest-numbered
-  senders' highest local experts first); a pair that does not fit is dropped and gets no output.
-  Returns (dispatch, combine): the combine plan sends each received chunk (its surviving rows) back
-  to where its rows came from in the sender's buffer.
+  slot_rows: S, the rows of one slot. Sender i's slot for j holds its first min(S, n_ij) pairs for
+  j's experts in expert order (so a full slot drops its highest local experts' last pairs).
+  Returns (dispatch, combine); the combine sends every received slot back to the slot it came from.
   """
   p, e_count = counts.shape
   e_local = e_count // p
-  per_device = counts.reshape(p, p, e_local).sum(-1)  # [i, j]: rows sender i has for device j
-  land = _exclusive_cumsum(per_device, 0)  # [i, j]: where i's chunk starts on j (before the cut)
-  kept = jnp.clip(capacity - land, 0, per_device)  # [i, j]: rows of it that fit
-  send_start = _exclusive_cumsum(per_device, 1)  # [i, j]: where i's chunk for j starts in i's buffer
-  dropped = jnp.sum(per_device - kept)
+  kept = jnp.minimum(counts.reshape(p, p, e_local).sum(-1), slot_rows)  # [i, j]
+  dropped = jnp.sum(counts) - jnp.sum(kept)
+  starts = jnp.arange(p, dtype=jnp.int32) * slot_rows
 
-  # Local expert of every received row: chunks of senders 0..P-1 back to back, each sorted by
-  # local expert, so the (sender, expert) blocks follow one another in flattened order.
+  # Local expert of every received row: in slot i, the blocks of local experts 0..E_local-1.
   mine = jax.lax.dynamic_slice_in_dim(counts, me * e_local, e_local, axis=1)  # (P, E_local)
-  block_end = jnp.cumsum(mine.reshape(-1))
-  rows = jnp.arange(capacity, dtype=jnp.int32)
-  block = jnp.searchsorted(block_end, rows, side="right").astype(jnp.int32)
-  row_expert = jnp.where(block < p * e_local, block % e_local, e_local).astype(jnp.int32)
+  block_end = jnp.cumsum(mine, axis=1)  # (P, E_local)
+  offset = jnp.arange(slot_rows, dtype=jnp.int32)
+  local = jax.vmap(lambda ends: jnp.searchsorted(ends, offset, side="right",
+                                                 method="compare_all"))(block_end)
+  row_expert = jnp.minimum(local, e_local).reshape(-1).astype(jnp.int32)  # E_local: empty row
 
-  column = lambda a: jax.lax.dynamic_index_in_dim(a, me, axis=1, keepdims=False)  # [:, me]
-  row = lambda a: jax.lax.dynamic_index_in_dim(a, me, axis=0, keepdims=False)  # [me, :]
-  dispatch = ExchangePlan(input_offsets=row(send_start), send_sizes=row(kept),
-                          output_offsets=row(land), recv_sizes=column(kept),
-                          recv_offsets=column(land), row_expert=row_expert, dropped=dropped)
-  combine = ExchangePlan(input_offsets=column(land), send_sizes=column(kept),
-                         output_offsets=column(send_start), recv_sizes=row(kept),
-                         recv_offsets=row(send_start), row_expert=row_expert, dropped=dropped)
+  column = jax.lax.dynamic_index_in_dim(kept, me, axis=1, keepdims=False)  # [:, me]
+  row = jax.lax.dynamic_index_in_dim(kept, me, axis=0, keepdims=False)  # [me, :]
+  here = jnp.full((p,), me * slot_rows, jnp.int32)
+  dispatch = ExchangePlan(input_offsets=starts, send_sizes=row, output_offsets=here,
+                          recv_sizes=column, row_expert=row_expert, dropped=dropped)
+  combine = ExchangePlan(input_offsets=starts, send_sizes=column, output_offsets=here,
+                         recv_sizes=row, row_expert=row_expert, dropped=dropped)
   return dispatch, combine
+
+
+def slot_layout(pairs: GroupedLayout, num_devices: int, slot_rows: int) -> GroupedLayout:
+  """The sender's send buffer as a layout of P*S rows: `pairs` is its pairs in expert order (a
+  grouped layout with a row tile of 1); the pairs of device j's experts move to slot j, those past
+  its S rows (and pairs routed nowhere) to no row."""
+  e_count = pairs.num_experts
+  e_local = e_count // num_devices
+  rows = num_devices * slot_rows
+  per_device = pairs.expert_counts.reshape(num_devices, e_local).sum(-1)
+  first = jnp.cumsum(per_device) - per_device  # first sorted position of each device's pairs
+  sorted_expert = pairs.row_expert  # (N,), E past the routed pairs
+  device = jnp.minimum(sorted_expert // e_local, num_devices - 1)
+  offset = jnp.arange(sorted_expert.shape[0], dtype=jnp.int32) - first[device]
+  keep = (sorted_expert < e_count) & (offset < slot_rows)
+  target = jnp.where(keep, device * slot_rows + offset, rows).astype(jnp.int32)  # sorted -> slot
+
+  def moved(sorted_row):  # a pair's sorted row (N when routed nowhere) -> its slot row
+    return jnp.where(sorted_row < target.shape[0], target[jnp.minimum(sorted_row,
+                                                                      target.shape[0] - 1)], rows)
+
+  row_pair = jnp.full((rows,), -1, jnp.int32).at[target].set(pairs.row_pair, mode="drop")
+  row_token = jnp.zeros((rows,), jnp.int32).at[target].set(pairs.row_token, mode="drop")
+  row_expert = jnp.full((rows,), e_count, jnp.int32).at[target].set(sorted_expert, mode="drop")
+  kept_counts = jnp.zeros((e_count + 1,), jnp.int32).at[row_expert].add(1)[:e_count]
+  return GroupedLayout(row_token=row_token, row_pair=row_pair, row_expert=row_expert,
+                       pair_row=moved(pairs.pair_row), group_sizes=kept_counts,
+                       expert_counts=kept_counts, tile_expert=row_expert,
+                       num_tiles=jnp.sum(kept_counts), extra_row=moved(pairs.extra_row),
+                       extra_token=pairs.extra_token)
 
 
 def native_ragged_all_to_all() -> bool:
@@ -85,11 +113,27 @@ def native_ragged_all_to_all() -> bool:
   return jax.default_backend() != "cpu"
 
 
+def resolve_transport(transport: str) -> str:
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+  return "dense" if transport == "auto" else transport
+
+
+def exchange(buffer: Array, plan: ExchangePlan, axis_name: str, transport: str) -> Array:
+  """Sends slot j of `buffer` (P*S rows) to device j; returns the receive buffer of P*S rows whose
+  slot i is what device i sent (its first plan.recv_sizes[i] rows; zeros after them).
+  Differentiable: the transpose is the exchange back."""
+  if resolve_transport(transport) == "dense":
+    return jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
+  return ragged_exchange(buffer, buffer.shape[0], plan, axis_name)
+
+
 def ragged_exchange(operand: Array, out_rows: int, plan: ExchangePlan, axis_name: str,
                     native: bool | None = None) -> Array:
   """Sends plan.send_sizes[j] rows of operand from plan.input_offsets[j] to device j, which writes
-  them at the offsets this device's plan.output_offsets names; returns the (out_rows, ...) receive
-  buffer, zeros where nothing arrived. Differentiable (the transpose is the reverse exchange)."""
+  them at the offset this device's plan.output_offsets[j] names; returns the (out_rows, ...) receive
+  buffer, zeros where nothing arrived. `jax.lax.ragged_all_to_all` where the platform has it
+  (native=None: `native_ragged_all_to_all()`), else an all-gather emulation with the same values."""
   native = native_ragged_all_to_all() if native is None else native
   output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
   if native:

@@ -4,10 +4,12 @@ Two schemes, both dropless by default, static in shape, differentiable, and equa
 single-device `sonic_jax.moe` in output and gradients:
 
 `moe_all_to_all` is the dispatch scheme for any expert-parallel degree: every device routes its own
-tokens, sends each (token, expert) row to the device that holds the expert with one
-`jax.lax.ragged_all_to_all` (`sonic_jax.exchange`), runs its local experts on what it received and
-returns each result row the same way; the sender sums its tokens' K rows. Communication per layer:
-T_local*K*d rows each way, at most (P-1)/P of them crossing devices.
+tokens, sends each (token, expert) row to the device that holds the expert with one all-to-all
+(`sonic_jax.exchange`: dense `jax.lax.all_to_all` of fixed-size slots, or
+`jax.lax.ragged_all_to_all`), runs its local experts on what it received and returns each result
+row the same way; the sender sums its tokens' K rows. Communication per layer: T_local*K*d rows
+each way (ragged; the dense transport moves whole slots, P*S rows), (P-1)/P of them crossing
+devices.
 
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
 all-gathers the tokens of the expert axis, routes all of them (the router is replicated), runs only
@@ -17,19 +19,21 @@ the devices that own the tokens. Dropless and static in shape; the backward is t
 Communication per layer: all-gather of x and reduce-scatter of y, 2 (P-1)/P * T*d each way, which
 beats an all-to-all while P is small relative to K (every token goes to K experts anyway).
 
-Which wins: all-gather moves 2*(P-1)*T_local*d rows per device and layer and computes the routing of
-all P*T_local tokens on every device; all-to-all moves 2*(P-1)/P*K*T_local*d (balanced routing). So
-all-gather moves less while P - 1 < K*(P-1)/P, i.e. P <= K, and all-to-all wins beyond; all-to-all
+Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
+routing of all P*T_local tokens on every device; the ragged all-to-all moves (P-1)/P*K*T_local
+(balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity factor c, and
+T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged) or P < c*K
+(dense with a capacity factor; dropless dense always moves more), and all-to-all wins beyond; it
 also keeps the routing, the row gathers and the saved activations per device independent of P
 (all-gather's grow with P). benchmarks/ep_bench.py measures both.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
-
-import math
 
 from sonic_jax import activations as acts
 from sonic_jax import exchange
@@ -134,20 +138,20 @@ _rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)
 _sum_pairs.defvjp(_sum_pairs_fwd, _sum_pairs_bwd)
 
 
-def receive_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
-                     num_local_experts: int, capacity_factor: float | None) -> int:
-  """Rows of every device's receive buffer in `moe_all_to_all`.
+def slot_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
+                  num_local_experts: int, capacity_factor: float | None) -> int:
+  """S, the rows of one (sender, receiver) slot of `moe_all_to_all`'s exchange buffers (P*S rows).
 
-  None: the dropless worst case, every sender's pairs all routed to this device's experts:
-  P * (T_local * min(K, E_local) + X). A factor c: ceil(c * T_local * K), the balanced load times c,
-  at most the worst case; pairs beyond it are dropped and counted.
+  None: the dropless worst case, all of a sender's pairs routed to one device:
+  T_local * min(K, E_local) + X. A factor c: ceil(c * T_local * K / P), c times the balanced share,
+  at most the worst case; pairs beyond a full slot are dropped and counted.
   """
-  worst = num_devices * (num_tokens * min(top_k, num_local_experts) + num_extra)
+  worst = num_tokens * min(top_k, num_local_experts) + num_extra
   if capacity_factor is None:
-    return worst
+    return max(1, worst)
   if not capacity_factor > 0:
     raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor}")
-  return max(1, min(worst, math.ceil(capacity_factor * num_tokens * top_k)))
+  return max(1, min(worst, math.ceil(capacity_factor * num_tokens * top_k / num_devices)))
 
 
 def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile, axis_name):
@@ -176,22 +180,24 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
-                   backend: str = "auto") -> tuple[Array, MoEAux]:
+                   transport: str = "auto", backend: str = "auto") -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`, tokens dispatched by all-to-all; call it
   inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
   b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
-  capacity_factor: None (default) sizes every receive buffer for the worst case, so nothing is ever
-  dropped; a number c sizes it at c times the balanced load (`receive_capacity`), which bounds the
-  memory for large P, and drops (and counts in `aux.dropped_pairs`) the pairs that do not fit: they
-  add nothing to their token's output. token_rounding rounds the routing of the whole axis's tokens
+  capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
+  so nothing is ever dropped; a number c sizes them at c times the balanced share
+  (`slot_capacity`), which bounds memory and traffic for large P, and drops (and counts in
+  `aux.dropped_pairs`) the pairs that do not fit: they add nothing to their token's output.
+  transport: "auto" (= "dense"), "dense" (`jax.lax.all_to_all` of whole slots) or "ragged"
+  (`jax.lax.ragged_all_to_all` of the pairs only); see `sonic_jax.exchange`. token_rounding rounds the routing of the whole axis's tokens
   (their (T_local, E) logits are all-gathered for it), so the result equals the single-device op.
   Returns this device's y (T_local, d) and the aux of this device's tokens, with the axis-wide
   expert_counts, load-balance and z losses, padded_rows and dropped_pairs.
 
-  Saved for the backward per device: the received x rows (capacity, d) and their H, the scores and
-  integer metadata; the exchange's backward is the reverse exchange.
+  Saved for the backward per device: the received x rows (P*S, d) and their H, the scores and
+  integer metadata; the exchange's backward is the exchange back.
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
@@ -199,6 +205,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
   impl = resolve_backend(backend)
+  exchange.resolve_transport(transport)  # checks the name
   e_count, t_local = e_local * p, x.shape[0]
   me = jax.lax.axis_index(axis_name)
 
@@ -209,21 +216,22 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   else:
     rounded, routed = _local_rounding(logits, top_k, routing, selection_bias, token_rounding,
                                       impl.row_tile, axis_name)
-  # The sender's buffer: its pairs in expert order, so each device's rows are one chunk.
+  # The sender's pairs in expert order, then moved into one slot per receiving device.
   pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
                                rounded.extra_experts)
   counts = jax.lax.all_gather(pairs.expert_counts, axis_name)  # (P, E)
-  capacity = receive_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
-  dispatch, combine = exchange.exchange_plan(counts, me, capacity)
+  slot_rows = slot_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
+  dispatch, combine = exchange.exchange_plan(counts, me, slot_rows)
+  send = exchange.slot_layout(pairs, p, slot_rows)
 
+  move = lambda rows, plan: exchange.exchange(rows, plan, axis_name, transport)
   extra_scores = routing_lib.extra_scores_or_none(rounded)
-  x_recv = exchange.ragged_exchange(_rows_of_pairs(x, pairs), capacity, dispatch, axis_name)
-  s_recv = exchange.ragged_exchange(scores_by_row(rounded.scores, extra_scores, pairs)[:, None],
-                                    capacity, dispatch, axis_name)
+  x_recv = move(_rows_of_pairs(x, send), dispatch)
+  s_recv = move(scores_by_row(rounded.scores, extra_scores, send)[:, None], dispatch)
   experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile)
   y_recv = expert_mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout,
-                          impl)  # (capacity, d): each received row times its score
-  y = _sum_pairs(exchange.ragged_exchange(y_recv, pairs.num_rows, combine, axis_name), pairs)
+                          impl)  # (P*S, d): each received row times its score
+  y = _sum_pairs(move(y_recv, combine), send)
 
   total = counts.sum(0)
   balance = routing_lib.load_balance_loss(routed.probs, total)

@@ -1,7 +1,7 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): `moe_all_to_all` with a
-capacity that drops pairs, against a float64 oracle of the layer without exactly the pairs that a
-NumPy model of the exchange drops; and the all-to-all scheme on a (data, ep) = (2, 4) mesh against
-one device."""
+capacity that drops pairs (both transports), against a float64 oracle of the layer without exactly
+the pairs that a NumPy model of the exchange drops; the all-to-all scheme on a (data, ep) = (2, 4)
+mesh, and inside `lax.scan` + `jax.checkpoint`, against one device."""
 
 import os
 
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sonic_jax  # noqa: E402
 import oracle  # noqa: E402
-from sonic_jax.parallel import moe_all_to_all, receive_capacity  # noqa: E402
+from sonic_jax.parallel import moe_all_to_all, slot_capacity  # noqa: E402
 
 T, d, n, E, K = 64, 32, 16, 8, 2
 
@@ -37,30 +37,27 @@ def inputs(seed):
   return x, rw, w1, w2, b1, rng.standard_normal((T, d))
 
 
-def dropped_by_model(ids, p, capacity):
-  """(T, E) bool: the pairs that the exchange drops, from the rule 'senders in device order, each
-  chunk sorted by expert (stable in pair order), a receiver keeps its first `capacity` rows'."""
+def dropped_by_model(ids, p, slot_rows):
+  """(T, E) bool: the pairs that the exchange drops, from the rule 'a sender's slot for device j
+  takes its pairs for j's experts in expert order (stable in pair order), the first slot_rows'."""
   t_local, e_local = T // p, E // p
   dropped = np.zeros((T, E), bool)
-  for j in range(p):
-    filled = 0
-    for i in range(p):
-      tokens = np.arange(i * t_local, (i + 1) * t_local)
-      pairs = [(t, e) for t in tokens for e in ids[t]]  # pair order t*K + s
-      for e in range(j * e_local, (j + 1) * e_local):
-        for t, e2 in pairs:
-          if e2 == e:
-            dropped[t, e] = filled >= capacity
-            filled += 1
+  for i in range(p):
+    pairs = [(t, e) for t in range(i * t_local, (i + 1) * t_local) for e in ids[t]]  # t*K + s
+    for j in range(p):
+      mine = sorted((q for q in pairs if j * e_local <= q[1] < (j + 1) * e_local),
+                    key=lambda q: q[1])  # stable: pair order within an expert
+      for rank, (t, e) in enumerate(mine):
+        dropped[t, e] = rank >= slot_rows
   return dropped
 
 
-def check_capacity(p=4, factor=0.75):
+def check_capacity(transport, p=4, factor=0.75):
   x, rw, w1, w2, b1, d_y = inputs(0)
   args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
   ids = oracle.select_experts(x, rw, K)
-  capacity = receive_capacity(T // p, K, 0, p, E // p, factor)
-  dropped = dropped_by_model(ids, p, capacity)
+  slot_rows = slot_capacity(T // p, K, 0, p, E // p, factor)
+  dropped = dropped_by_model(ids, p, slot_rows)
   tc = np.zeros((T, E), bool)
   np.put_along_axis(tc, ids, True, axis=1)
   assert 0 < dropped.sum() < tc.sum()
@@ -73,7 +70,7 @@ def check_capacity(p=4, factor=0.75):
 
   def local(x, rw, w1, w2, b1):
     y, aux = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
-                            capacity_factor=factor, backend="xla")
+                            capacity_factor=factor, transport=transport, backend="xla")
     return y, aux.dropped_pairs
 
   sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()),
@@ -88,7 +85,7 @@ def check_capacity(p=4, factor=0.75):
                                                       has_aux=True))(*placed)
   errs = [rel(y, y_ref)] + [rel(a, g_ref[k]) for a, k in zip(g, ("x", "router_weight", "w1",
                                                                    "w2", "b1"))]
-  print("capacity", int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
+  print("capacity", transport, int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
   assert int(n_dropped) == int(dropped.sum())
   assert max(errs) < 1e-10, errs
 
@@ -123,7 +120,43 @@ def check_data_and_expert_parallel():
   assert max(errs) < 1e-10, errs
 
 
+def check_scan_checkpoint():
+  """Two layers in a `lax.scan` under `jax.checkpoint`, all-to-all inside: equals one device."""
+  x, rw, w1, w2, _, d_y = inputs(2)
+  stack = lambda a: jnp.stack([a, 0.5 * a])  # two layers' weights, (L, ...)
+  args = [jnp.asarray(x)] + [stack(jnp.asarray(a)) for a in (rw, w1, w2)]
+
+  def layers(layer):
+    def run(x, rws, w1s, w2s):
+      body = jax.checkpoint(lambda h, ws: (h + layer(h, *ws), None))
+      return jax.lax.scan(body, x, (rws, w1s, w2s))[0]
+    return run
+
+  def loss_of(run):
+    def loss(*a):
+      y = run(*a)
+      return jnp.vdot(y, jnp.asarray(d_y)), y
+    return loss
+
+  single = layers(lambda h, rw, w1, w2: sonic_jax.moe(h, rw, w1, w2, top_k=K, backend="xla")[0])
+  (_, y_ref), g_ref = jax.value_and_grad(loss_of(single), argnums=(0, 1, 2, 3), has_aux=True)(*args)
+  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
+  specs = (P("ep"), P(), P(None, "ep"), P(None, "ep"))
+  sharded = jax.shard_map(
+      layers(lambda h, rw, w1, w2: moe_all_to_all(h, rw, w1, w2, axis_name="ep", top_k=K,
+                                                  backend="xla")[0]),
+      mesh=mesh, in_specs=specs, out_specs=P("ep"), check_vma=False)
+  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  (_, y), g = jax.jit(jax.value_and_grad(loss_of(sharded), argnums=(0, 1, 2, 3),
+                                         has_aux=True))(*placed)
+  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("scan x checkpoint", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+
+
 if __name__ == "__main__":
-  check_capacity()
+  check_capacity("dense")
+  check_capacity("ragged")
   check_data_and_expert_parallel()
+  check_scan_checkpoint()
   print("OK")

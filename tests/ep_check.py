@@ -1,6 +1,7 @@
 """Run in a fresh process with several CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 1, 2, 4 and 8 shards."""
 
+import functools
 import os
 import sys
 
@@ -22,7 +23,9 @@ def rel(a, b):
 
 
 def main():
-  scheme = {"all_gather": moe_all_gather, "all_to_all": moe_all_to_all}[sys.argv[1]]
+  scheme = {"all_gather": moe_all_gather,
+            "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
+            "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[sys.argv[1]]
   skew = sys.argv[2] == "skew"
   rounding = sys.argv[3] if len(sys.argv) > 3 else None  # token rounding mode
   T, d, n, E, K = 64, 32, 16, 8, 2

@@ -54,7 +54,9 @@ def test_ep_bench_smoke_run(tmp_path):
   assert max(out["check_max_rel_err"].values()) < 1e-5  # both schemes equal one device
   (res,) = out["results"]
   assert res["devices"] == 2 and res["single_fwdbwd_ms"] > 0
-  assert res["all_to_all"]["fwdbwd_ms"] > 0 and res["all_gather"]["fwdbwd_ms"] > 0
-  assert res["all_to_all_gbps"] > 0 and res["all_gather_gbps"] > 0 and res["reduce_scatter_gbps"] > 0
+  for scheme in ("all_to_all", "all_to_all c=1.25", "all_to_all ragged", "all_gather"):
+    assert res[scheme]["fwdbwd_ms"] > 0 and res[scheme]["communication_ms"] > 0, scheme
+  assert res["all_to_all"]["dropped_pairs"] == 0 and res["all_to_all"]["exchange_gbps"] > 0
+  assert res["all_gather"]["all_gather_gbps"] > 0 and res["all_gather"]["reduce_scatter_gbps"] > 0
   md = (tmp_path / "ep.md").read_text()
   assert "| 128,32,16,4,2 | 2 |" in md and "all_to_all" in md and "all_gather" in md

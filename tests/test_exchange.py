@@ -1,49 +1,57 @@
 """The all-to-all exchange plan (sonic_jax.exchange) against a plain-NumPy model of the exchange.
 
-The model: every sender lists its pairs sorted by expert; receiver j's buffer takes the rows for its
-experts from sender 0, then sender 1, ..., and keeps the first `capacity` of them. The plan's
-offsets and sizes are run through `jax.lax.ragged_all_to_all`'s documented semantics (its
-pseudocode, in NumPy) on labelled rows; the receive buffers must be the model's, the received rows'
-local experts the model's, and the combine plan must bring every surviving row back to where it
-came from.
+The model: every sender lists its pairs sorted by expert; its slot for receiver j holds the first S
+of those routed to j's experts; receiver j's buffer is the senders' slots in device order. The
+plan's offsets and sizes are run through `jax.lax.ragged_all_to_all`'s documented semantics (its
+pseudocode, in NumPy) on labelled rows, and through a dense all-to-all of whole slots: both must
+give the model's receive buffers and local experts, and the combine plan must bring every surviving
+row back to where it came from. `slot_layout` must put every pair in the model's slot row.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sonic_jax.exchange import exchange_plan
-from sonic_jax.parallel import receive_capacity
+from sonic_jax.exchange import exchange_plan, slot_layout
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.parallel import slot_capacity
 
 
-def model_exchange(counts, capacity):
-  """Per receiver j: the list of (sender, position in sender's sorted buffer, global expert)."""
+def model_slots(counts, slot_rows):
+  """[i][j]: the (sender, rank among i's sorted pairs, global expert) rows of i's slot for j."""
   p, e_count = counts.shape
   e_local = e_count // p
-  buffers = []
-  for j in range(p):
-    rows = []
-    for i in range(p):
-      position = int(counts[i, :j * e_local].sum())  # rows for devices < j come first
+  slots = []
+  for i in range(p):
+    rank, per_receiver = 0, []
+    for j in range(p):
+      rows = []
       for e in range(j * e_local, (j + 1) * e_local):
         for _ in range(counts[i, e]):
-          rows.append((i, position, e))
-          position += 1
-    buffers.append(rows[:capacity])
-  return buffers
+          rows.append((i, rank, e))
+          rank += 1
+      per_receiver.append(rows[:slot_rows])
+    slots.append(per_receiver)
+  return slots
 
 
-def run_ragged(operands, out_rows, plans):
+def run_ragged(operands, plans):
   """ragged_all_to_all's documented semantics: sender i's slice j goes to device j at the
   offset that i's output_offsets[j] names."""
   p = len(operands)
-  outs = [np.full((out_rows,) + operands[0].shape[1:], -1, operands[0].dtype) for _ in range(p)]
+  outs = [np.full_like(operands[0], -1) for _ in range(p)]
   for i, plan in enumerate(plans):
     for j in range(p):
       n, src, dst = int(plan.send_sizes[j]), int(plan.input_offsets[j]), int(plan.output_offsets[j])
       outs[j][dst:dst + n] = operands[i][src:src + n]
-      # The receiver's view of the same chunk agrees.
-      assert int(plans[j].recv_sizes[i]) == n and int(plans[j].recv_offsets[i]) == dst
+      assert int(plans[j].recv_sizes[i]) == n  # the receiver expects what is sent
   return outs
+
+
+def run_dense(operands, slot_rows):
+  p = len(operands)
+  return [np.concatenate([operands[i][j * slot_rows:(j + 1) * slot_rows] for i in range(p)])
+          for j in range(p)]
 
 
 @pytest.mark.parametrize("p,e_local,capacity_kind", [
@@ -57,52 +65,74 @@ def test_exchange_plan_matches_numpy_model(p, e_local, capacity_kind):
     if capacity_kind == "zero_heavy":  # empty experts and one hot device
       counts[:, rng.random(e_count) < 0.5] = 0
       counts[:, :e_local] += 9
-    total_per_sender = counts.sum(1)
-    worst = int(max(counts.reshape(p, p, e_local).sum((0, 2)).max(), 1))
-    capacity = worst if capacity_kind == "worst" else max(1, worst * (trial + 1) // 5)
-    plans = []
-    for me in range(p):
-      dispatch, combine = exchange_plan(np.asarray(counts, np.int32), np.int32(me), capacity)
-      plans.append((dispatch, combine))
-    model = model_exchange(counts, capacity)
+    worst = int(max(counts.reshape(p, p, e_local).sum(2).max(), 1))
+    slot_rows = worst if capacity_kind == "worst" else max(1, worst * (trial + 1) // 5)
+    plans = [exchange_plan(jnp.asarray(counts, jnp.int32), jnp.int32(me), slot_rows)
+             for me in range(p)]
+    model = model_slots(counts, slot_rows)
 
-    # Dispatch of labelled rows: (sender, position, expert) per row of every sender's buffer.
-    operands = []
+    # Send buffers of labelled rows as the model fills them; -1 marks padding.
+    sends = []
     for i in range(p):
-      experts = np.repeat(np.arange(e_count), counts[i])
-      operands.append(np.stack([np.full(total_per_sender[i], i), np.arange(total_per_sender[i]),
-                                experts], axis=1).astype(np.int64))
-    received = run_ragged(operands, capacity, [d for d, _ in plans])
-    dropped = 0
+      buf = np.full((p * slot_rows, 3), -1, np.int64)
+      for j in range(p):
+        rows = np.asarray(model[i][j], np.int64).reshape(-1, 3)
+        buf[j * slot_rows:j * slot_rows + len(rows)] = rows
+      sends.append(buf)
+    ragged = run_ragged(sends, [d for d, _ in plans])
+    dense = run_dense(sends, slot_rows)
+    dropped = int(counts.sum()) - sum(len(model[i][j]) for i in range(p) for j in range(p))
     for j in range(p):
-      want = np.asarray(model[j], np.int64).reshape(-1, 3)
-      got = received[j]
-      np.testing.assert_array_equal(got[:len(want)], want)
-      assert np.all(got[len(want):] == -1)  # nothing else written
+      np.testing.assert_array_equal(ragged[j], dense[j])
       row_expert = np.asarray(plans[j][0].row_expert)
-      np.testing.assert_array_equal(row_expert[:len(want)], want[:, 2] - j * e_local)
-      assert np.all(row_expert[len(want):] == e_local)
-      dropped += counts[:, j * e_local:(j + 1) * e_local].sum() - len(want)
+      for i in range(p):
+        got = dense[j][i * slot_rows:(i + 1) * slot_rows]
+        want = np.asarray(model[i][j], np.int64).reshape(-1, 3)
+        np.testing.assert_array_equal(got[:len(want)], want)
+        assert np.all(got[len(want):] == -1)
+        experts = row_expert[i * slot_rows:(i + 1) * slot_rows]
+        np.testing.assert_array_equal(experts[:len(want)], want[:, 2] - j * e_local)
+        assert np.all(experts[len(want):] == e_local)
     for d, _ in plans:
       assert int(d.dropped) == dropped
-    if capacity_kind == "worst":
-      assert dropped == 0
+    assert (dropped == 0) == (capacity_kind == "worst" or slot_rows >= worst)
 
-    # Combine: each receiver sends its buffer back; rows return to their sender positions.
-    returned = run_ragged(received, max(total_per_sender.max(), 1), [c for _, c in plans])
+    # Combine: every receiver sends its buffer back; rows return to their sender's slot rows.
+    back = run_ragged(ragged, [c for _, c in plans])
     for i in range(p):
-      kept_rows = [r for rows in model for r in rows if r[0] == i]
-      for sender, position, expert in kept_rows:
-        np.testing.assert_array_equal(returned[i][position], [sender, position, expert])
-      lost = set(range(total_per_sender[i])) - {r[1] for r in kept_rows}
-      assert all(np.all(returned[i][q] == -1) for q in lost)  # dropped rows get nothing back
+      np.testing.assert_array_equal(back[i], sends[i])
+      np.testing.assert_array_equal(run_dense(dense, slot_rows)[i], sends[i])
 
 
-def test_receive_capacity():
-  assert receive_capacity(64, 2, 0, 4, 2, None) == 4 * 64 * 2
-  assert receive_capacity(64, 8, 0, 4, 2, None) == 4 * 64 * 2  # a token reaches <= E_local here
-  assert receive_capacity(64, 2, 10, 4, 2, None) == 4 * (64 * 2 + 10)
-  assert receive_capacity(64, 2, 0, 4, 2, 1.25) == 160
-  assert receive_capacity(64, 2, 0, 4, 2, 100.0) == 4 * 64 * 2  # never above the worst case
+@pytest.mark.parametrize("p,capacity_factor", [(2, None), (4, None), (4, 0.5)])
+def test_slot_layout_places_pairs_as_the_model(p, capacity_factor):
+  rng = np.random.default_rng(p)
+  t_count, k, e_local = 24, 2, 2
+  e_count = p * e_local
+  ids = np.stack([rng.choice(e_count, k, replace=False) for _ in range(t_count)])
+  ids[rng.random(ids.shape) < 0.1] = -1  # some pairs routed nowhere
+  slot_rows = slot_capacity(t_count, k, 0, p, e_local, capacity_factor)
+  pairs = build_grouped_layout(jnp.asarray(ids, jnp.int32), e_count, 1)
+  send = slot_layout(pairs, p, slot_rows)
+  want_row = np.full(ids.shape, p * slot_rows)
+  for j in range(p):
+    flat = [(t * k + s, ids[t, s]) for t in range(t_count) for s in range(k)
+            if j * e_local <= ids[t, s] < (j + 1) * e_local]
+    flat.sort(key=lambda q: (q[1], q[0]))  # expert order, stable in pair order
+    for rank, (pair, _) in enumerate(flat[:slot_rows]):
+      want_row[pair // k, pair % k] = j * slot_rows + rank
+  np.testing.assert_array_equal(np.asarray(send.pair_row), want_row)
+  row_token = np.asarray(send.row_token)
+  used = want_row < p * slot_rows
+  np.testing.assert_array_equal(row_token[want_row[used]], np.nonzero(used)[0])
+  assert int(np.sum(np.asarray(send.row_pair) >= 0)) == used.sum()
+
+
+def test_slot_capacity():
+  assert slot_capacity(64, 2, 0, 4, 2, None) == 64 * 2
+  assert slot_capacity(64, 8, 0, 4, 2, None) == 64 * 2  # a token reaches <= E_local experts here
+  assert slot_capacity(64, 2, 10, 4, 2, None) == 64 * 2 + 10
+  assert slot_capacity(64, 2, 0, 4, 2, 1.25) == 40
+  assert slot_capacity(64, 2, 0, 4, 2, 100.0) == 64 * 2  # never above the worst case
   with pytest.raises(ValueError, match="capacity_factor"):
-    receive_capacity(64, 2, 0, 4, 2, 0.0)
+    slot_capacity(64, 2, 0, 4, 2, 0.0)

@@ -1,6 +1,6 @@
 """Expert parallelism (sonic_jax.parallel) on 8 CPU devices: equals the single-device op.
 
-On CPU the all-to-all scheme's exchange runs through its emulation (XLA:CPU has no
+On CPU the all-to-all scheme's ragged transport runs through its emulation (XLA:CPU has no
 ragged-all-to-all); `benchmarks/ep_bench.py` checks the native collective against one GPU."""
 
 import os
@@ -20,8 +20,9 @@ def _run(script, *args):
 
 
 @pytest.mark.parametrize("scheme,routing,rounding", [
-    ("all_to_all", "random", None), ("all_to_all", "skew", None), ("all_to_all", "random", "up"),
-    ("all_to_all", "skew", "nearest"), ("all_gather", "random", None),
+    ("all_to_all_dense", "random", None), ("all_to_all_dense", "skew", None),
+    ("all_to_all_ragged", "skew", None), ("all_to_all_dense", "random", "up"),
+    ("all_to_all_ragged", "skew", "nearest"), ("all_gather", "random", None),
     ("all_gather", "skew", "nearest")])
 def test_expert_parallel_matches_single_device(scheme, routing, rounding):
   """1, 2, 4 and 8 shards, float64: output and the gradients of x, router, w1, w2, b1."""
