@@ -114,3 +114,13 @@ def test_bad_layer_arguments():
     _layer(top_k=5)
   with pytest.raises(ValueError, match="activation"):
     _layer(activation="tanh")
+  with pytest.raises(ValueError, match="expert_parallel_scheme"):
+    _layer(expert_parallel_axis="ep", expert_parallel_scheme="ring")
+  with pytest.raises(ValueError, match="capacity_factor"):
+    _layer(expert_parallel_axis="ep", expert_parallel_scheme="all_gather", capacity_factor=1.25)
+
+
+def test_expert_parallel_auto_scheme():
+  assert _layer(expert_parallel_axis="ep").expert_parallel_scheme == "all_gather"
+  layer = _layer(expert_parallel_axis="ep", capacity_factor=1.25)
+  assert layer.expert_parallel_scheme == "all_to_all" and layer.capacity_factor == 1.25

@@ -51,10 +51,13 @@ class MoE(nnx.Module):
     expert_parallel_axis: a mesh axis name: the layer then runs under `jax.shard_map` (or
       `nnx.shard_map`) with its expert parameters (those with `expert_axis` first) sharded over that
       axis and x's tokens sharded over it too (and over any data axes).
-    expert_parallel_scheme: "all_to_all" (`sonic_jax.parallel.moe_all_to_all`, the default) or
-      "all_gather" (`moe_all_gather`, less traffic while the axis has at most K devices).
-    capacity_factor: for "all_to_all": None (dropless, worst-case buffers) or the receive buffer
-      in multiples of the balanced load; dropped pairs are counted in `aux.stats.dropped_pairs`.
+    expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
+      "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
+      "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
+      slots hold the worst case), and it was the faster one on 2 GPUs (BENCHMARKS.md); with a
+      capacity factor the all-to-all's traffic stays flat as the axis grows.
+    capacity_factor: None (dropless) or, for the all-to-all, each (sender, receiver) slot in
+      multiples of the balanced share; dropped pairs are counted in `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
@@ -67,7 +70,7 @@ class MoE(nnx.Module):
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
                bias_update_rate: float = 0.0, token_rounding: str | None = None,
                deterministic: bool = False, expert_parallel_axis: str | None = None,
-               expert_parallel_scheme: str = "all_to_all", capacity_factor: float | None = None,
+               expert_parallel_scheme: str = "auto", capacity_factor: float | None = None,
                init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
                backend: str = "auto", expert_axis: str | None = "expert",
@@ -83,9 +86,11 @@ class MoE(nnx.Module):
       raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
                        f"got {token_rounding!r}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
-    if expert_parallel_scheme not in EXPERT_PARALLEL_SCHEMES:
-      raise ValueError(f"expert_parallel_scheme must be one of {EXPERT_PARALLEL_SCHEMES}, "
-                       f"got {expert_parallel_scheme!r}")
+    if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
+      raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
+                       f"{EXPERT_PARALLEL_SCHEMES}, got {expert_parallel_scheme!r}")
+    if expert_parallel_scheme == "auto":
+      expert_parallel_scheme = "all_gather" if capacity_factor is None else "all_to_all"
     if capacity_factor is not None and expert_parallel_scheme != "all_to_all":
       raise ValueError("capacity_factor applies to expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
