@@ -191,8 +191,9 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   (`slot_capacity`), which bounds memory and traffic for large P, and drops (and counts in
   `aux.dropped_pairs`) the pairs that do not fit: they add nothing to their token's output.
   transport: "auto" (= "dense"), "dense" (`jax.lax.all_to_all` of whole slots) or "ragged"
-  (`jax.lax.ragged_all_to_all` of the pairs only); see `sonic_jax.exchange`. token_rounding rounds the routing of the whole axis's tokens
-  (their (T_local, E) logits are all-gathered for it), so the result equals the single-device op.
+  (`jax.lax.ragged_all_to_all` of the pairs only); see `sonic_jax.exchange`.
+  token_rounding rounds the routing of the whole axis's tokens (their (T_local, E) logits are
+  all-gathered for it), so the result equals the single-device op.
   Returns this device's y (T_local, d) and the aux of this device's tokens, with the axis-wide
   expert_counts, load-balance and z losses, padded_rows and dropped_pairs.
 

@@ -136,3 +136,22 @@ def test_slot_capacity():
   assert slot_capacity(64, 2, 0, 4, 2, 100.0) == 64 * 2  # never above the worst case
   with pytest.raises(ValueError, match="capacity_factor"):
     slot_capacity(64, 2, 0, 4, 2, 0.0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(transport="nccl"), "transport"), (dict(capacity_factor=-1.0), "capacity_factor"),
+    (dict(router_e=6), "router_weight"), (dict(w1_d=8), "w1")])
+def test_moe_all_to_all_bad_arguments(kwargs, match):
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from sonic_jax.parallel import moe_all_to_all
+  router_e, w1_d = kwargs.pop("router_e", 4), kwargs.pop("w1_d", 16)
+  x = jnp.ones((8, 16))
+  rw, w1, w2 = jnp.ones((16, router_e)), jnp.ones((4, w1_d, 16)), jnp.ones((4, 8, 16))
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  layer = jax.shard_map(
+      lambda x, rw, w1, w2: moe_all_to_all(x, rw, w1, w2, axis_name="ep", top_k=2,
+                                           backend="xla", **kwargs)[0],
+      mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)  # one device: all local
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(layer, x, rw, w1, w2)
