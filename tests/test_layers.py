@@ -120,6 +120,12 @@ def test_bad_layer_arguments():
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="all_gather", capacity_factor=1.25)
 
 
+def test_expert_parallel_axis_needs_a_mesh_or_shard_map():
+  layer = _layer(expert_parallel_axis="ep")
+  with pytest.raises(ValueError, match="expert_parallel_axis='ep'.*jax.set_mesh"):
+    layer(jnp.ones((8, 32)))
+
+
 def test_expert_parallel_auto_scheme():
   assert _layer(expert_parallel_axis="ep").expert_parallel_scheme == "all_gather"
   layer = _layer(expert_parallel_axis="ep", capacity_factor=1.25)

@@ -36,3 +36,9 @@ def test_all_to_all_capacity_drops_and_data_parallel_mesh():
 @pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
 def test_flax_layer_with_expert_parallel_axis_matches_single_device(scheme):
   _run("ep_layer_check.py", scheme)
+
+
+@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
+def test_flax_layer_under_set_mesh_matches_single_device(scheme):
+  """No user shard_map: a jit program under jax.set_mesh on a (data, ep) mesh."""
+  _run("ep_mesh_layer_check.py", scheme)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from flax import nnx
@@ -14,6 +15,16 @@ from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 
 Array = jax.Array
+P = jax.sharding.PartitionSpec
+
+
+def _constrain(x, spec, mesh):
+  """Puts x in `spec` before a shard_map: `reshard` on explicit axes, a constraint on auto ones."""
+  names = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+  explicit = jax.sharding.AxisType.Explicit
+  if all(mesh.axis_types[mesh.axis_names.index(a)] == explicit for a in names):
+    return jax.sharding.reshard(x, spec)
+  return jax.lax.with_sharding_constraint(x, spec)
 
 
 class RouterBias(nnx.Variable):
@@ -48,9 +59,15 @@ class MoE(nnx.Module):
       (`sonic_jax.moe`); evaluation (`deterministic=True`, e.g. after `model.eval()`) routes with
       plain top-K.
     deterministic: evaluation mode (NNX's `model.eval()` / `model.train()` set it).
-    expert_parallel_axis: a mesh axis name: the layer then runs under `jax.shard_map` (or
-      `nnx.shard_map`) with its expert parameters (those with `expert_axis` first) sharded over that
-      axis and x's tokens sharded over it too (and over any data axes).
+    expert_parallel_axis: a mesh axis name: experts are sharded over it. Either call the layer
+      inside your own `jax.shard_map` (or `nnx.shard_map`) that binds that axis, with the expert
+      parameters (those with `expert_axis` first) sharded over it and x's tokens over it too (and
+      over any data axes); or call it in a plain `jax.jit` program under `jax.set_mesh(mesh)`: the
+      layer then wraps its routed experts in a shard_map of its own over `token_axes` (explicit or
+      auto mesh axes), and its aux carries per-token fields sharded like the tokens and counts and
+      losses over all tokens (no extra-pair lists).
+    token_axes: the mesh axes that shard the tokens in that second case (default: all axes of the
+      mesh; they must include the expert axis).
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
       "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
@@ -71,6 +88,7 @@ class MoE(nnx.Module):
                bias_update_rate: float = 0.0, token_rounding: str | None = None,
                deterministic: bool = False, expert_parallel_axis: str | None = None,
                expert_parallel_scheme: str = "auto", capacity_factor: float | None = None,
+               token_axes: tuple[str, ...] | None = None,
                init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
                backend: str = "auto", expert_axis: str | None = "expert",
@@ -95,6 +113,7 @@ class MoE(nnx.Module):
       raise ValueError("capacity_factor applies to expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
+    self.token_axes = None if token_axes is None else tuple(token_axes)
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
     self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
@@ -127,20 +146,13 @@ class MoE(nnx.Module):
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
     bias = None if self.router_bias is None else self.router_bias[...]
-    kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
-              gate_up_layout=self.gate_up_layout, b1=cast(self.b1), b2=cast(self.b2),
-              selection_bias=bias,
-              token_rounding=None if self.deterministic else self.token_rounding,
-              backend=self.backend)
+    experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2), bias)
     if self.expert_parallel_axis is None:
-      y, stats = moe(h, self.router[...], cast(self.w1), cast(self.w2), **kw)
-    elif self.expert_parallel_scheme == "all_to_all":
-      y, stats = moe_all_to_all(h, self.router[...], cast(self.w1), cast(self.w2),
-                                axis_name=self.expert_parallel_axis,
-                                capacity_factor=self.capacity_factor, **kw)
+      y, stats = self._routed(h, *experts)
+    elif self.expert_parallel_axis in jax.sharding.get_abstract_mesh().manual_axes:
+      y, stats = self._routed(h, *experts)  # already inside the user's shard_map
     else:
-      y, stats = moe_all_gather(h, self.router[...], cast(self.w1), cast(self.w2),
-                                axis_name=self.expert_parallel_axis, **kw)
+      y, stats = self._routed_shard_map(h, experts)
     if self.shared_in is not None:
       act = acts.get_activation(self.activation)
       acc = acts.compute_dtype(dtype)  # float32 accumulation (float64 for float64 compute)
@@ -149,6 +161,67 @@ class MoE(nnx.Module):
       y = y + jnp.dot(a, cast(self.shared_out), preferred_element_type=acc).astype(dtype)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
+
+  def _routed(self, h, router, w1, w2, b1, b2, selection_bias):
+    """The routed experts on tokens h (T, d): one device, or this device's part of the axis."""
+    kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
+              gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, selection_bias=selection_bias,
+              token_rounding=None if self.deterministic else self.token_rounding,
+              backend=self.backend)
+    if self.expert_parallel_axis is None:
+      return moe(h, router, w1, w2, **kw)
+    if self.expert_parallel_scheme == "all_to_all":
+      return moe_all_to_all(h, router, w1, w2, axis_name=self.expert_parallel_axis,
+                            capacity_factor=self.capacity_factor, **kw)
+    return moe_all_gather(h, router, w1, w2, axis_name=self.expert_parallel_axis, **kw)
+
+  def _routed_shard_map(self, h, experts):
+    """`_routed` under a `jax.shard_map` of its own, over the mesh set with `jax.set_mesh`: tokens
+    sharded over `token_axes`, expert weights over the expert axis, the rest replicated. The aux
+    comes back with per-token fields sharded like the tokens, counts and losses over all tokens, and
+    no extra-pair lists (they index device-local tokens)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axis = self.expert_parallel_axis
+    if mesh.empty or axis not in mesh.axis_names:
+      raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
+                       f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
+                       f"(current mesh axes: {tuple(mesh.axis_names)})")
+    token_axes = tuple(self.token_axes or mesh.axis_names)
+    if axis not in token_axes or any(a not in mesh.axis_names for a in token_axes):
+      raise ValueError(f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} "
+                       f"and include the expert axis {axis!r}")
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    if h.shape[0] % shards:
+      raise ValueError(f"the layer's {h.shape[0]} tokens do not split over the {shards} devices of "
+                       f"token_axes={token_axes}")
+    data_axes = tuple(a for a in token_axes if a != axis)
+    tokens, expert_dim, whole = P(token_axes), P(axis), P()
+    specs = tuple(None if v is None else s for v, s in zip(
+        experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole)))
+
+    def local(h, *experts):
+      y, st = self._routed(h, *experts)
+      if self.expert_parallel_scheme == "all_gather":  # its per-token aux covers the whole axis
+        mine = lambda a: jax.lax.dynamic_slice_in_dim(
+            a, jax.lax.axis_index(axis) * h.shape[0], h.shape[0], axis=0)
+        st = st._replace(expert_ids=mine(st.expert_ids), scores=mine(st.scores),
+                         router_logits=mine(st.router_logits))
+      over_data = lambda v, op: op(v, data_axes) if data_axes else v
+      st = st._replace(
+          expert_counts=over_data(st.expert_counts, jax.lax.psum),
+          load_balance_loss=over_data(st.load_balance_loss, jax.lax.pmean),
+          z_loss=over_data(st.z_loss, jax.lax.pmean),
+          padded_rows=over_data(st.padded_rows, jax.lax.psum),
+          dropped_pairs=over_data(st.dropped_pairs, jax.lax.psum),
+          extra_tokens=None, extra_experts=None, extra_scores=None)
+      return y, st
+
+    stats_specs = MoEAux(expert_counts=whole, expert_ids=tokens, scores=tokens,
+                         router_logits=tokens, load_balance_loss=whole, z_loss=whole,
+                         padded_rows=whole, dropped_pairs=whole)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
+                         out_specs=(tokens, stats_specs), check_vma=False)(
+                             _constrain(h, tokens, mesh), *experts)
 
   def update_router_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
