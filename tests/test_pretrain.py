@@ -39,3 +39,22 @@ def test_token_rounding_training_runs(tmp_path):
   with open(tmp_path / "metrics.csv") as f:
     (row,) = list(csv.DictReader(f))
   assert float(row["heldout_loss"]) < float(row["unigram_entropy"])
+
+
+def test_expert_parallel_training_tracks_one_device(tmp_path):
+  """--expert_parallel=2 on 4 CPU devices ((data 2, ep 2) mesh, the layers' own shard_map) follows
+  the one-device run: same data and init; the load-balance loss is per data shard, so close, not
+  bitwise."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  losses = {}
+  for name, extra in (("one", []), ("ep", ["--expert_parallel=2"])):
+    cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=40",
+           "--eval_every=40", "--backend=xla", "--plot=false", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / name / "metrics.csv") as f:
+      (row,) = list(csv.DictReader(f))
+    losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
+  assert "mesh {'data': 2, 'ep': 2}" in proc.stdout
+  for a, b in zip(losses["one"], losses["ep"]):
+    assert abs(a - b) < 0.02, losses

@@ -30,6 +30,9 @@ class ModelConfig:
   token_rounding: str | None = None  # "down", "up", "nearest": in training only (model.train())
   backend: str = "auto"
   dtype: str = "float32"  # compute dtype; parameters are float32
+  expert_parallel_axis: str | None = None  # a mesh axis: experts sharded over it (jax.set_mesh)
+  expert_parallel_scheme: str = "auto"
+  capacity_factor: float | None = None
 
 
 def rope(x, base):
@@ -80,6 +83,9 @@ class Block(nnx.Module):
                    load_balance_coef=cfg.load_balance_coef, z_loss_coef=cfg.z_loss_coef,
                    bias_update_rate=cfg.bias_update_rate, token_rounding=cfg.token_rounding,
                    init_std=cfg.d_model ** -0.5,
+                   expert_parallel_axis=cfg.expert_parallel_axis,
+                   expert_parallel_scheme=cfg.expert_parallel_scheme,
+                   capacity_factor=cfg.capacity_factor,
                    dtype=jnp.dtype(cfg.dtype), backend=cfg.backend, rngs=rngs)
 
   def __call__(self, x):

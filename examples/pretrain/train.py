@@ -3,6 +3,8 @@ r"""Pretrain a small MoE language model with sonic_jax on the Python standard li
   python examples/pretrain/train.py --config=tiny            # CPU, a few minutes
   python examples/pretrain/train.py --config=h100 --workdir=/tmp/run   # one H100
   python examples/pretrain/train.py --help
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+      python examples/pretrain/train.py --expert_parallel=2   # experts over 2 of 4 devices
 
 Byte-level tokens, a decoder-only transformer (rotary attention, RMSNorm, tied embeddings) whose
 feed-forward layers are `sonic_jax.layers.MoE`, AdamW with warm-up and cosine decay, gradient
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
@@ -61,6 +64,12 @@ flags.DEFINE_float("bias_update_rate", None, "auxiliary-loss-free balancing rate
 flags.DEFINE_enum("token_rounding", None, ["none", "down", "up", "nearest"],
                   "tile-aware token rounding of the MoE routers while training (evaluation uses "
                   "plain top-K)")
+flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one device): a mesh "
+                     "(devices / P data, P ep) over all devices, experts sharded over ep, the "
+                     "batch over both")
+flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_gather"],
+                  "see sonic_jax.layers.MoE")
+flags.DEFINE_float("capacity_factor", None, "all-to-all slot capacity (default: dropless)")
 flags.DEFINE_integer("seed", 0, "initialisation and data order")
 flags.DEFINE_bool("plot", True, "write loss.png at the end")
 FLAGS = flags.FLAGS
@@ -75,8 +84,33 @@ def settings():
                if getattr(FLAGS, k) is not None}
   if FLAGS.token_rounding is not None:
     overrides["token_rounding"] = None if FLAGS.token_rounding == "none" else FLAGS.token_rounding
+  if FLAGS.expert_parallel:
+    overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme,
+                     capacity_factor=FLAGS.capacity_factor)
   s["model"] = dataclasses.replace(s["model"], **overrides)
   return s
+
+
+def make_mesh():
+  """(data, ep) mesh over all devices for --expert_parallel, else None."""
+  p = FLAGS.expert_parallel
+  if not p:
+    return None
+  n = jax.device_count()
+  if p < 0 or n % p:
+    raise app.UsageError(f"--expert_parallel ({p}) must divide the {n} devices")
+  return jax.make_mesh((n // p, p), ("data", "ep"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def place(tree, mesh):
+  """Puts model/optimizer state on the mesh: tensors with the logical "expert" axis first
+  sharded over ep (the MoE layers' expert weights and their optimizer moments), the rest
+  replicated."""
+  specs = nnx.get_partition_spec(tree)
+  to_mesh = lambda spec: NamedSharding(mesh, P("ep") if spec and spec[0] == "expert" else P())
+  shardings = jax.tree.map(to_mesh, specs, is_leaf=lambda v: isinstance(v, P))
+  return jax.device_put(tree, shardings)
 
 
 def loss_fn(model, inputs, targets):
@@ -126,6 +160,15 @@ def main(_):
   tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=FLAGS.weight_decay))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  mesh = make_mesh()
+  if mesh is not None:
+    nnx.update((model, optimizer), place(nnx.state((model, optimizer)), mesh))
+    batch_sharding = NamedSharding(mesh, P(("data", "ep")))
+    if s["batch_size"] % jax.device_count():
+      raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
+                           f"{jax.device_count()} devices")
+    jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
+    print(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)", flush=True)
 
   import orbax.checkpoint as ocp
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
@@ -152,6 +195,8 @@ def main(_):
   window_loss, window_t0, window_steps = [], None, 0
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
+    if mesh is not None:
+      inputs, targets = (jax.device_put(a, batch_sharding) for a in (inputs, targets))
     ce, counts = train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets))
     window_loss.append(ce)
     if window_t0 is None:
