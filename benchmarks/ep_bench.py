@@ -227,9 +227,7 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
     rows = t_local * k
   else:
     factor = SCHEMES[scheme][1].get("capacity_factor")
-    worst = t_local * min(k, e // devices)
-    slot = min(worst, -(-factor * t_local * k // devices)) if factor else worst
-    rows = devices * slot
+    rows = devices * slot_capacity(t_local, k, 0, devices, e // devices, factor)
   per_way = rows * d * item * ((frac - cross) / bw + cross / min(bw, inter_node_gbps)) / 1e9
   return res["single_fwdbwd_ms"] + 4 * per_way * 1e3
 

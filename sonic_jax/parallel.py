@@ -206,7 +206,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
   impl = resolve_backend(backend)
-  exchange.resolve_transport(transport)  # checks the name
+  transport = exchange.resolve_transport(transport)
   e_count, t_local = e_local * p, x.shape[0]
   me = jax.lax.axis_index(axis_name)
 

@@ -147,10 +147,9 @@ class MoE(nnx.Module):
     cast = lambda p: None if p is None else p[...].astype(dtype)
     bias = None if self.router_bias is None else self.router_bias[...]
     experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2), bias)
-    if self.expert_parallel_axis is None:
-      y, stats = self._routed(h, *experts)
-    elif self.expert_parallel_axis in jax.sharding.get_abstract_mesh().manual_axes:
-      y, stats = self._routed(h, *experts)  # already inside the user's shard_map
+    axis = self.expert_parallel_axis
+    if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
+      y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
     else:
       y, stats = self._routed_shard_map(h, experts)
     if self.shared_in is not None:
