@@ -232,9 +232,11 @@ DH_CASES = [
 
 
 @pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered_dO", "grouped_dO"])
 @pytest.mark.parametrize("T,d,n,E,K,activation,skew", DH_CASES)
-def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew):
-  """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use."""
+def test_dh_projection_matches_reference(rng, compiled, gather, T, d, n, E, K, activation, skew):
+  """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
+  rows gathered by the kernel, or given in grouped order."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   if compiled:
     T, d, E = T * 40, d * 4, E * 4
@@ -247,8 +249,8 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
   scores = jnp.where(layout.row_valid(), jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32), 0.0)
   with kernel_mode(compiled):
-    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(*a, layout, act))(
-        d_out[layout.row_token], h, scores, w2)
+    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(*a, layout, act, gather=gather))(
+        d_out if gather else d_out[layout.row_token], h, scores, w2)
   d_h_ref, a_s_ref, d_s_ref = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
                                                         "concat")
   assert ds_parts.shape == (n // dh.BLOCK_N, rows)
@@ -272,9 +274,12 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew", [(128, 256, False), (256, 512, True)])
-def test_weight_grad_matches_reference(rng, compiled, m, n, skew):
-  """Varlen-K out[e] = lhs_e^T rhs_e; experts without rows get exact zeros."""
+@pytest.mark.parametrize("m,n,skew,gathered", [  # the interpreter copies gathered rows one by one
+    (128, 256, False, None), (256, 512, True, None), (128, 256, True, "lhs"),
+    (128, 256, False, "rhs")])
+def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered):
+  """Varlen-K out[e] = lhs_e^T rhs_e, one operand optionally gathered by token inside the kernel
+  (as dw1 = x_rows^T dH and dw2 = A_s^T dO_rows run); experts without rows get exact zeros."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E = (120, 4) if not compiled else (4000, 16)
   if compiled:
@@ -282,11 +287,16 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew):
   _, _, _, ids = _problem(rng, T, 64, 128, E, 2, "swiglu", skew)
   layout = build_grouped_layout(ids, E, 128)
   valid = layout.row_valid()[:, None]
-  lhs = jnp.asarray(rng.standard_normal((layout.num_rows, m)), jnp.bfloat16)
-  rhs = jnp.where(valid, jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16), 0)
+  # The grouped operand is zero on padding rows (as dH and A_s are); a gathered one is not.
+  grouped = lambda w: jnp.where(valid, jnp.asarray(rng.standard_normal((layout.num_rows, w)),
+                                                   jnp.bfloat16), 0)
+  source = lambda w: jnp.asarray(rng.standard_normal((T, w)), jnp.bfloat16)
+  lhs = source(m) if gathered == "lhs" else grouped(m)
+  rhs = source(n) if gathered == "rhs" else grouped(n)
   with kernel_mode(compiled):
-    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout))(lhs, rhs)
-  want = xla_backend.grouped_weight_grad(lhs, rhs, layout)
+    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, gathered=gathered))(lhs, rhs)
+  rows = lambda v, side: v[layout.row_token] if gathered == side else v
+  want = xla_backend.grouped_weight_grad(rows(lhs, "lhs"), rows(rhs, "rhs"), layout)
   assert got.shape == (E, m, n) and got.dtype == jnp.bfloat16
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   assert rel_err(got, want) < 1e-2
@@ -301,6 +311,7 @@ def _lowering_cases():
   from sonic_jax.mosaic_gpu import dx_projection as dx
   from sonic_jax.mosaic_gpu import up_projection as up
   from sonic_jax.mosaic_gpu import weight_grad as wgrad
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
   E, d, n = 4, 256, 256
   ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (1000, 2)), jnp.int32)
   layout = build_grouped_layout(ids, E, 128)
@@ -315,15 +326,30 @@ def _lowering_cases():
                            (spec(R, d), spec(E, d, width), spec(E, width)))
     cases[f"dh-{name}"] = (lambda a, h, s, w, act=act: dh.dh_projection(a, h, s, w, layout, act),
                            (spec(R, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cp_async = up.UpProjectionConfig(GroupedGemmConfig(gather_impl="cp_async"))
+  cases["up-swiglu-cp_async"] = (
+      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
+                                       config=cp_async),
+      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
   cases["down"] = (lambda a, w, b: down.down_projection(a, w, b, layout),
                    (spec(R, n), spec(E, n, d), spec(E, d)))
   cases["dx"] = (lambda g, w: dx.dx_projection(g, w, layout), (spec(R, 2 * n), spec(E, d, 2 * n)))
   cases["weight_grad"] = (lambda a, b: wgrad.weight_grad(a, b, layout),
                           (spec(R, d), spec(R, 2 * n)))
+  cases["weight_grad-gathered_lhs"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
+  cases["weight_grad-gathered_rhs"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="rhs"), (spec(R, n), spec(1000, d)))
+  cases["dh-swiglu-gathered"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
+                                          gather=True),
+      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   return cases
 
 
-@pytest.mark.parametrize("role", ["up-swiglu", "up-gelu", "up-relu_sq", "dh-swiglu", "dh-gelu",
+@pytest.mark.parametrize("role", ["up-swiglu", "up-gelu", "up-relu_sq", "up-swiglu-cp_async",
+                                  "dh-swiglu", "dh-gelu", "dh-swiglu-gathered",
+                                  "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):
   """Each kernel lowers to Mosaic GPU for an H100 from this machine (`jax.export` for 'cuda'):
@@ -338,3 +364,13 @@ def test_kernel_lowers_for_sm90(role):
   with jax.sharding.use_abstract_mesh(mesh):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("gather_impl", [None, "row_tma", "cp_async"])
+def test_register_split_fits_the_launch(gather_impl):
+  """setmaxnreg moves registers inside the pool the launch gave the CTA (168 per thread for
+  3 warpgroups): a split that asks for more blocks forever on the GPU, so it must fit."""
+  from sonic_jax.mosaic_gpu.grouped_gemm import register_split
+  memory, compute = register_split(gather_impl)
+  assert memory % 8 == 0 and compute % 8 == 0 and 24 <= memory <= compute <= 256
+  assert memory + 2 * compute <= (65536 // 384) // 8 * 8 * 3

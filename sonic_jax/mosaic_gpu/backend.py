@@ -1,13 +1,13 @@
 """The `mosaic_gpu` backend: Hopper kernels for the GEMM roles, the xla path elsewhere.
 
-Forward: up-projection with the activation epilogue (its rows gathered as `GATHER` says),
-down-projection. Backward: the dH role (dA' = dO w2^T with the activation-gradient, A_s and dS
-epilogue), the varlen-K weight gradients (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role
-(dH w1^T). The aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla`
-path, on the same layout and with the same residuals; the backward's row gathers of x and dO are
-XLA gathers, like the forward's. A role whose shape or
-dtype its kernel does not take (each kernel module's `supports`) falls back to the xla role, with a
-`FallbackWarning` that names the role and the reason.
+Forward: up-projection with the activation epilogue, down-projection. Backward: the dH role
+(dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
+(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The rows of x and dO that the
+up-projection, dH and the weight gradients read are gathered inside those kernels (`GATHER`). The
+aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
+same layout and with the same residuals. A role whose shape or dtype its kernel does not take
+(each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
+the role and the reason.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from sonic_jax.mosaic_gpu import weight_grad as wgrad
 ROW_TILE = 128
 
 
-# Where the up-projection's A rows come from. "xla": XLA gathers x[row_token] into a contiguous
-# buffer that the kernel streams with TMA (the fastest measured so far: see BENCHMARKS.md).
-# "row_tma" / "cp_async": the gather fused into the kernel's operand load (gather.py); row_tma is
-# exact but issue-bound (about 7x slower), cp_async does not yet complete on the GPU.
-GATHER = "xla"
+# Where the GEMMs' gathered rows (x in the up-projection and dw1, dO in dH and dw2) come from.
+# "fused": gathered by the kernels as they load their operands (cp.async, gather.py): no
+# (T*K, d) gathered copy is ever written. "xla": XLA gathers x[row_token] / dO[row_token] into
+# contiguous buffers first (what this backend did before the fused gather; kept for comparisons).
+GATHER = "fused"
 
 
 class FallbackWarning(UserWarning):
@@ -54,9 +54,7 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
   if GATHER == "xla":
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             gather=False)
-  config = up.UpProjectionConfig(dataclasses.replace(up.UpProjectionConfig().gemm,
-                                                     gather_impl=GATHER))
-  return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
+  return up.up_projection(x, w1, b1, layout, activation, gate_up_layout)
 
 
 def down_projection(a, w2, b2, layout):
@@ -69,22 +67,31 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  d_out_rows = d_out[layout.row_token]
-  d_h, a_s, d_s_parts = dh.dh_projection(d_out_rows, h, row_scores, w2, layout, activation)
+  if GATHER == "xla":
+    d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
+                                           activation)
+  else:
+    d_h, a_s, d_s_parts = dh.dh_projection(d_out, h, row_scores, w2, layout, activation,
+                                           gather=True)
   d_s = jnp.sum(d_s_parts, axis=0)
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
-    d_s = d_s + jnp.sum(d_out_rows.astype(jnp.float32) * xla_backend._row_bias(b2, layout),
-                        axis=-1)
+    d_s = d_s + jnp.sum(d_out[layout.row_token].astype(jnp.float32)
+                        * xla_backend._row_bias(b2, layout), axis=-1)
   return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0)
 
 
 def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
-  x_rows, d_out_rows = x[layout.row_token], d_out[layout.row_token]  # dO rows: CSE'd with dH's
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
-  dw1 = wgrad.weight_grad(x_rows, d_h, layout)
-  dw2 = wgrad.weight_grad(a_s, d_out_rows, layout)
+  if GATHER == "xla":
+    dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout)
+    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout)
+  else:
+    dw1 = wgrad.weight_grad(x, d_h, layout, gathered="lhs")
+    dw2 = wgrad.weight_grad(a_s, d_out, layout, gathered="rhs")
+  # The bias gradients need the dO rows only when b2 exists (db2); XLA gathers them then.
+  d_out_rows = d_out[layout.row_token] if with_b2 else None
   db1, db2 = xla_backend.bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)
   return dw1, dw2, db1, db2
 

@@ -1,8 +1,9 @@
 """dH role: dA' = dO_rows @ w2_e^T, then from the stored H: A, dH = s * act'(H, dA'), A_s = s * A and
 the per-row partial sums of dA' * A that add up to the router-score gradient dS.
 
-dO's rows arrive already in grouped order (gathered by token); w2 is stored (E, n, d), so
-B = w2_e^T is read as (block_n, tile_k) boxes of w2_e and transposed by wgmma. A column block covers
+dO's rows are gathered by token as the A operand loads (or arrive in grouped order); w2 is stored
+(E, n, d), so B = w2_e^T is read as (block_n, tile_k) boxes of w2_e and transposed by wgmma. A
+column block covers
 BLOCK_N hidden units: the epilogue loads the matching H columns (gate and up for GLU activations),
 recomputes A in float32 and writes dH, A_s and one float32 partial of dS per row and column block,
 so neither Y nor A was stored by the forward. Reference: `sonic_jax.xla_backend.dh_projection`
@@ -29,7 +30,7 @@ BLOCK_N = 128
 
 @dataclasses.dataclass(frozen=True)
 class DhProjectionConfig:
-  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
+  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4, gather_impl="cp_async")
 
 
 def supports(h, w2, activation: acts.Activation, gate_up_layout: str) -> str | None:
@@ -38,12 +39,13 @@ def supports(h, w2, activation: acts.Activation, gate_up_layout: str) -> str | N
   return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], BLOCK_N)])
 
 
-def dh_projection(d_out_rows, h, row_scores, w2, layout, activation: acts.Activation,
-                  config: DhProjectionConfig = DhProjectionConfig()):
+def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
+                  config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False):
   """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // BLOCK_N, R) float32.
 
-  d_out_rows: (R, d) = dO[layout.row_token]; row_scores: (R,) float32, 0 on padding rows. Rows of
-  tiles past `layout.num_tiles` are left unwritten.
+  d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
+  whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
+  float32, 0 on padding rows. Rows of tiles past `layout.num_tiles` are left unwritten.
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
@@ -100,5 +102,6 @@ def dh_projection(d_out_rows, h, row_scores, w2, layout, activation: acts.Activa
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
                  jax.ShapeDtypeStruct((n // BLOCK_N, layout.num_rows), jnp.float32)),
       rhs_transposed=True)
-  return grouped_gemm(d_out_rows, w2, layout.tile_expert, layout.num_tiles, None, role,
+  return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
+                      layout.row_token if gather else None, role,
                       (h, row_scores.astype(jnp.float32)), config.gemm)

@@ -61,6 +61,9 @@ class GroupedGemmConfig:
   # How a gathered A operand is loaded (sonic_jax.mosaic_gpu.gather): "row_tma" (one TMA per row;
   # correct on the GPU, issue-bound) or "cp_async" (experimental: does not complete on the GPU yet).
   gather_impl: str = "row_tma"
+  # Registers per thread of the memory warpgroup (None: 80 for the cp.async gather, which computes
+  # addresses, else 40); the compute warpgroups share the rest of the launch's pool.
+  memory_registers: int | None = None
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
@@ -69,8 +72,6 @@ class GroupedGemmConfig:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
-    if self.gather_impl == "cp_async" and self.tile_m != 128:
-      raise ValueError("the cp_async gather gives each of 128 threads one row: tile_m must be 128")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +143,23 @@ def check_layout_tile(layout, tile_m: int):
     raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tile_m}")
 
 
+# The launch gives each of the 3 * 128 threads 65536 // 384 registers, rounded down to a multiple of
+# 8 (168): `setmaxnreg` can only move registers between warpgroups within that pool, and an increase
+# that the pool cannot cover blocks forever (this was the cp.async gather's "hang": 80 + 2 * 216 > 504).
+_REGISTER_POOL = (65536 // (128 * (_NUM_COMPUTE_WGS + 1))) // 8 * 8 * (_NUM_COMPUTE_WGS + 1)
+
+
+def register_split(gather_impl: str | None, memory: int | None = None) -> tuple[int, int]:
+  """(memory warpgroup, compute warpgroup) registers per thread; the cp.async gather computes
+  addresses in the memory warpgroup, so by default it gets more than a TMA-only producer."""
+  if memory is None:
+    memory = 80 if gather_impl == "cp_async" else 40
+  if memory % 8 or not 24 <= memory <= 256:
+    raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {memory}")
+  compute = (_REGISTER_POOL - memory) // _NUM_COMPUTE_WGS // 8 * 8
+  return memory, compute
+
+
 def num_sms() -> int:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
@@ -166,10 +184,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   gather_impl = None
   if row_token is not None:
     gather_impl = "row_tma" if interpreting() else config.gather_impl
-  lag = stages - 1  # cp.async: stages whose copies may still be in flight
-  # Registers per thread (2 * compute + memory <= 512): the cp.async gather computes addresses.
-  memory_regs = 80 if gather_impl == "cp_async" else 40
-  compute_regs = (512 - memory_regs) // 2 // 8 * 8
+  memory_regs, compute_regs = register_split(gather_impl, config.memory_registers)
   m_tiles = tile_expert.shape[0]
   grid = (m_tiles * role.num_column_blocks,)
   interpret_mode = interpreting()
@@ -178,8 +193,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     n_in = len(extra_inputs)
     inputs, outputs = refs[:n_in], refs[n_in:]
 
-    def scoped(a_union, b_smem, full, empty, epi_scratch):
+    def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready):
       a_rows, a_tiles, a_raw = a_union
+      if gather_impl == "cp_async":
+        gather.init_stage_barriers(a_ready)
       if interpret_mode:
         a_tiles = a_rows  # the interpreter keeps RefUnion members apart; on a GPU they alias
       wg = lax.axis_index("wg")
@@ -208,16 +225,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             s = step + ki
             slot = lax.rem(s, stages)
 
-            if gather_impl == "cp_async":
-              # Publish stage s - lag, whose copies are now the oldest in flight. This must come
-              # before waiting for the slot below: the compute warpgroups free that slot only
-              # after consuming stage s - lag.
-              @pl.when(s >= lag)
-              def _():
-                gather.cp_async_wait(lag - 1)
-                plgpu.commit_smem()  # fence the writes into the async proxy, sync the warpgroup
-                plgpu.barrier_arrive(full.at[lax.rem(s - lag, stages)])
-
             @pl.when(s >= stages)
             def _():
               plgpu.barrier_wait(empty.at[slot])
@@ -225,7 +232,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             k_slice = pl.ds(ki * tk, tk)
             if gather_impl == "cp_async":
               gather.cp_async_rows(lhs_ref.at[:, k_slice], row_token_ref.at[pl.ds(mi * tm, tm)],
-                                   a_raw.at[slot], row_elems=tk, source_row_stride=k)
+                                   a_raw.at[slot], a_ready.at[slot], source_row_stride=k)
             elif gather_impl == "row_tma":
               base = mi * tm
 
@@ -241,18 +248,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
                                       b_smem.at[slot, j], full.at[slot])
 
-        total = walk_tiles(load_tile)
-        if gather_impl == "cp_async":  # publish the last stages
-          gather.cp_async_wait(0)
-          plgpu.commit_smem()
-          for j in range(lag):
-            s_last = total - lag + j
-
-            @pl.when(s_last >= 0)
-            def _():
-              plgpu.barrier_arrive(full.at[lax.rem(s_last, stages)])
-
-        drain_ring(empty, total, stages)
+        drain_ring(empty, walk_tiles(load_tile), stages)
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():
@@ -267,6 +263,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             def _k(ki):
               slot = lax.rem(step + ki, stages)
               plgpu.barrier_wait(full.at[slot])
+              if gather_impl == "cp_async":
+                gather.wait_stage(a_ready.at[slot], lax.rem((step + ki) // stages, 2))
               a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
               for j in range(blocks):
                 b_block = b_smem.at[slot, j]
@@ -294,7 +292,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 
-    copies_per_stage = (tm if gather_impl == "row_tma" else 1) + role.num_rhs_blocks
+    # Arrivals on full[s]: the B copies, plus one per A row copy (row_tma) or the A copy (TMA);
+    # the cp.async gather signals its own per-stage barriers instead (`gather.stage_barriers`).
+    a_copies = {"row_tma": tm, "cp_async": 0, None: 1}[gather_impl]
+    copies_per_stage = a_copies + role.num_rhs_blocks
     elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(
         plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
@@ -312,7 +313,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
-        epi, collective_axes="wg")
+        epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
+        collective_axes="wg")
 
   if row_token is None:
     row_token = jnp.zeros((1,), jnp.int32)

@@ -20,8 +20,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sonic_jax.backends import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, tiled, unsupported_operands
+from sonic_jax.mosaic_gpu import gather
+from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, num_sms, register_split, tiled,
+                                                unsupported_operands)
 
 _NUM_COMPUTE_WGS = 2
 
@@ -49,11 +52,19 @@ def supports(lhs_rows, rhs_rows, config: WeightGradConfig = WeightGradConfig()) 
                                ("rhs width", rhs_rows.shape[1], config.block_n)])
 
 
-def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig()):
+def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig(),
+                gathered: str | None = None):
   """(E, m, n) in lhs's dtype, float32 accumulation; lhs_rows (R, m), rhs_rows (R, n) grouped rows
-  whose padding rows are zero in at least one of the two."""
+  whose padding rows are zero in at least one of the two.
+
+  gathered="lhs" / "rhs": that operand is instead the (T, m) / (T, n) source whose row
+  `layout.row_token[r]` is grouped row r, gathered as the reduction runs (cp.async on the GPU;
+  `gather.py`); no gathered copy is written to HBM.
+  """
   if layout.row_tile % config.tile_k:
     raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of tile_k")
+  if gathered not in (None, "lhs", "rhs"):
+    raise ValueError(f"gathered must be None, 'lhs' or 'rhs', got {gathered!r}")
   m, n = lhs_rows.shape[1], rhs_rows.shape[1]
   e_count = layout.num_experts
   bm, bn, tk, stages = config.block_m, config.block_n, config.tile_k, config.num_stages
@@ -62,9 +73,24 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   items = e_count * m_blocks * n_blocks
   dtype = lhs_rows.dtype
   group_start = (jnp.cumsum(layout.group_sizes) - layout.group_sizes).astype(jnp.int32)
+  itemsize = jnp.dtype(dtype).itemsize
+  memory_regs, compute_regs = register_split("cp_async" if gathered else None)
+  # Arrivals on full[s]: one per TMA copy (two lhs halves, one rhs block), one per row copy of a
+  # gathered operand in the interpreter; the cp.async gather signals `ready` instead.
+  gathered_copies = 0 if not gathered or not interpreting() else tk * (bm if gathered == "lhs"
+                                                                       else bn) // 64
+  full_arrivals = {None: 3, "lhs": 1, "rhs": 2}[gathered] + gathered_copies
 
-  def body(sizes_ref, starts_ref, lhs_ref, rhs_ref, out_ref):
-    def scoped(a_smem, b_smem, full, empty, staging):
+  interpret_mode = interpreting()
+  cp_async = gathered is not None and not interpret_mode
+
+  def body(sizes_ref, starts_ref, row_token_ref, lhs_ref, rhs_ref, out_ref):
+    def scoped(a_union, b_union, full, empty, staging, ready):
+      (a_smem, a_raw), (b_smem, b_raw) = a_union, b_union
+      if interpret_mode:  # the interpreter keeps RefUnion members apart; on a GPU they alias
+        a_raw, b_raw = a_smem, b_smem
+      if cp_async:
+        gather.init_stage_barriers(ready)
       wg = lax.axis_index("wg")
 
       def walk_items(per_item):
@@ -82,9 +108,25 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           return step + steps
         return _items
 
+      def load_rows(src, rows, cols, slot, barrier, dst_tiles, dst_raw, block_stride, group_stride):
+        """Gathers the grouped rows `rows` of the (T, .) source `src`, columns `cols`, into the
+        stage; dst_tiles(r, j) is the (1, 64) view of row r, 64-column span j (interpreter)."""
+        if cp_async:
+          gather.cp_async_rows(src.at[:, cols], row_token_ref.at[rows], dst_raw.at[slot],
+                               ready.at[slot], source_row_stride=src.shape[1],
+                               block_stride=block_stride, group_stride=group_stride)
+          return
+
+        @pl.loop(0, tk)
+        def _row(r):
+          tok = row_token_ref[rows.start + r]
+          for j in range(cols.size // 64):
+            plgpu.copy_gmem_to_smem(src.at[pl.ds(tok, 1), pl.ds(cols.start + j * 64, 64)],
+                                    dst_tiles(r, j), barrier)
+
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(memory_regs, action="decrease")
 
         def load(e, mb, nb, first_row, steps, step):
           del e
@@ -100,17 +142,27 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
 
             # Group starts are multiples of the layout's row tile, hence of tile_k.
             rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
-            for h in range(_NUM_COMPUTE_WGS):
-              plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * half, half)],
-                                      a_smem.at[slot, h], full.at[slot])
-            plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
-                                    full.at[slot])
+            if gathered == "lhs":  # the two warpgroup halves are separate (tk, half) buffers
+              load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot],
+                        lambda r, j: a_smem.at[slot, j, pl.ds(r, 1)], a_raw,
+                        block_stride=tk * half * itemsize, group_stride=8 * half * itemsize)
+            else:
+              for h in range(_NUM_COMPUTE_WGS):
+                plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * half, half)],
+                                        a_smem.at[slot, h], full.at[slot])
+            if gathered == "rhs":
+              load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot],
+                        lambda r, j: b_smem.at[slot, pl.ds(r, 1), pl.ds(j * 64, 64)], b_raw,
+                        block_stride=8 * 64 * itemsize, group_stride=8 * bn * itemsize)
+            else:
+              plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
+                                      full.at[slot])
 
         drain_ring(empty, walk_items(load), stages)
 
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(compute_regs, action="increase")
 
         def compute(e, mb, nb, first_row, steps, step):
           del first_row
@@ -120,6 +172,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             def _k(ki):
               slot = lax.rem(step + ki, stages)
               plgpu.barrier_wait(full.at[slot])
+              if cp_async:
+                gather.wait_stage(ready.at[slot], lax.rem((step + ki) // stages, 2))
               plgpu.wgmma(acc_ref, a_smem.at[slot, wg].transpose((1, 0)), b_smem.at[slot])
               plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
 
@@ -143,13 +197,16 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         plgpu.wait_smem_to_gmem(0)
 
     staging = epi.staging_buffers(half, dtype)
+    with_raw = lambda shape: plgpu.RefUnion(  # raw bytes: the cp.async gather's addressing
+        plgpu.SMEM(shape, dtype, transforms=tiled(dtype)), plgpu.SMEM(shape, dtype))
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((stages, _NUM_COMPUTE_WGS, tk, half), dtype, transforms=tiled(dtype)),
-        plgpu.SMEM((stages, tk, bn), dtype, transforms=tiled(dtype)),
-        plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS + 1, num_barriers=stages),
+        with_raw((stages, _NUM_COMPUTE_WGS, tk, half)),
+        with_raw((stages, tk, bn)),
+        plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
         plgpu.SMEM((_NUM_COMPUTE_WGS,) + staging.shape, dtype, transforms=staging.transforms),
+        gather.stage_barriers(stages) if cp_async else None,
         collective_axes="wg")
 
   kernel = plgpu.kernel(
@@ -162,4 +219,5 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  return kernel(layout.group_sizes, group_start, lhs_rows, rhs_rows)
+  row_token = layout.row_token if gathered else jnp.zeros((1,), jnp.int32)
+  return kernel(layout.group_sizes, group_start, row_token, lhs_rows, rhs_rows)

@@ -1,0 +1,94 @@
+r"""Up-projection variants on the GPU: the fused cp.async gather against the contiguous operand, with
+the tuning knobs of `GroupedGemmConfig` (memory-warpgroup registers, ring depth).
+
+  python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Every variant's H and A are checked bit for bit against the contiguous kernel's before timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from sonic_jax import activations as acts
+from sonic_jax import routing
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import up_projection as up
+from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_integer("repeats", 7, "timed samples per variant")
+FLAGS = flags.FLAGS
+
+DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),
+                   (32768, 4096, 256, 256, 16)]
+
+VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides)
+    "contiguous": (False, {}),
+    "contiguous, memory regs 80": (False, {"memory_registers": 80}),
+    "cp_async": (True, {"gather_impl": "cp_async"}),
+    "cp_async, memory regs 56": (True, {"gather_impl": "cp_async", "memory_registers": 56}),
+    "cp_async, memory regs 40": (True, {"gather_impl": "cp_async", "memory_registers": 40}),
+    "cp_async, 3 stages": (True, {"gather_impl": "cp_async", "num_stages": 3}),
+}
+
+
+def run_config(cfg):
+  t_count, d, n, e, k = cfg
+  act = acts.get_activation("swiglu")
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
+  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
+  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
+  layout = jax.jit(lambda i: build_grouped_layout(i, e, 128))(ids)
+  x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)
+  rows = int(layout.num_tiles) * 128
+  flops = 2 * rows * d * 2 * n
+  valid = np.asarray(layout.row_valid())
+  out, want = {}, None
+  for name, (gathered, overrides) in VARIANTS.items():
+    config = up.UpProjectionConfig(dataclasses.replace(GroupedGemmConfig(), **overrides))
+    fn = lambda src, w1, lay, config=config, gathered=gathered: up.up_projection(
+        src, w1, None, lay, act, "concat", config=config, gather=gathered)
+    src = x if gathered else x_rows
+    try:
+      h, a = jax.block_until_ready(jax.jit(fn)(src, w1, layout))
+      got = (np.asarray(h, np.float32)[valid], np.asarray(a, np.float32)[valid])
+      if want is None:
+        want = got
+      exact = all(np.array_equal(g, w) for g, w in zip(got, want))
+      t = timing.time_fn(fn, src, w1, layout, repeats=FLAGS.repeats)
+      out[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}
+    except Exception as err:  # a variant that does not compile must not end the run
+      out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    print(cfg, name, out[name], flush=True)
+  return {"config": list(cfg), "variants": out}
+
+
+def main(_):
+  configs = ([tuple(int(v) for v in c.split(",")) for c in FLAGS.thiek] if FLAGS.thiek
+             else DEFAULT_CONFIGS)
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "configs": [run_config(c) for c in configs]}
+  os.makedirs(FLAGS.out, exist_ok=True)
+  with open(os.path.join(FLAGS.out, "gather_variants.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"\n{'config':28s} " + " | ".join(VARIANTS))
+  for r in results["configs"]:
+    cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
+             for v in r["variants"].values()]
+    print(f"{','.join(map(str, r['config'])):28s} " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+  app.run(main)
