@@ -5,13 +5,14 @@ r"""Per-kernel timings on the paper's grid, against rooflines measured on the sa
 For each configuration: the routing and layout, the up-projection with the fused gather, the same
 kernel on a pre-gathered contiguous input (the cost of the gather), the XLA gather that the
 pre-gathered input needs, the down-projection and the aggregation; then the backward kernels: the
-dH role (with its activation-gradient, A_s and dS epilogue), the two varlen-K weight gradients and
-the dX role. Each kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes /
+dH role (with its activation-gradient, A_s and dS epilogue) and the two varlen-K weight gradients,
+each with its fused row gather (dO, x, dO) and on pre-gathered rows, and the dX role. Each kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes /
 measured device copy bandwidth).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -30,13 +31,10 @@ from sonic_jax.mosaic_gpu import down_projection as down
 from sonic_jax.mosaic_gpu import dx_projection as dx
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
-from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
-flags.DEFINE_enum("gather_impl", "none", ["cp_async", "row_tma", "none"],
-                  "fused gather of the up-projection to time ('none': only the contiguous kernel)")
 FLAGS = flags.FLAGS
 
 
@@ -60,7 +58,7 @@ def run_config(cfg, flops_rate, bw):
   act = acts.get_activation("swiglu")
   keys = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
-  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
+  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
   w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
   w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
 
@@ -70,11 +68,9 @@ def run_config(cfg, flops_rate, bw):
 
   scores, layout = jax.jit(route)(x, rw)
   rows = int(layout.num_tiles) * 128
-  x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)
-  gather = FLAGS.gather_impl != "none"
-  cfg_up = up.UpProjectionConfig(GroupedGemmConfig(
-      num_stages=4, gather_impl=FLAGS.gather_impl if gather else "row_tma"))
-  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat", config=cfg_up)
+  rows_of = jax.jit(lambda v, lay: v[lay.row_token])
+  x_rows = rows_of(x, layout)
+  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat")
   up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", gather=False)
   down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay)
   h, a = jax.jit(up_contig)(x_rows, w1, layout)
@@ -83,37 +79,46 @@ def run_config(cfg, flops_rate, bw):
   pairs = t_count * k
   res = {"config": list(cfg), "rows_used": rows, "pairs": pairs}
   b16 = 2
+  up_bytes = (e * d * 2 * n + rows * 3 * n) * b16  # weights, H and A; plus the A operand's rows
   kernels = {
       "route+layout": (lambda x, rw: route(x, rw), (x, rw), 0,
                        t_count * d * b16 + pairs * 4 * 6),
+      "up (fused gather)": (up_fn, (x, w1, layout), 2 * rows * d * 2 * n,
+                            up_bytes + t_count * d * b16),
       "up (contiguous input)": (up_contig, (x_rows, w1, layout), 2 * rows * d * 2 * n,
-                                (rows * d + e * d * 2 * n + rows * 3 * n) * b16),
+                                up_bytes + rows * d * b16),
       "xla gather x[rows]": (lambda x, lay: x[lay.row_token], (x, layout), 0, 2 * rows * d * b16),
       "down": (down_fn, (a, w2, layout), 2 * rows * n * d,
                (rows * n + e * n * d + rows * d) * b16),
       "aggregate (xla)": (lambda y, s, lay: xla_backend.gather_sum(y, lay, s, jnp.bfloat16),
                           (y_rows, scores, layout), 0, (pairs * d + t_count * d) * b16),
   }
-  # Backward kernels on the same layout: dO rows (XLA-gathered like x), H and the row scores.
-  d_out_rows = jax.random.normal(keys[0], (layout.num_rows, d), jnp.bfloat16)
+  # Backward kernels on the same layout, as the backend runs them (dO and x rows gathered inside
+  # the kernels), and on pre-gathered contiguous rows (what the fused gathers cost).
+  d_out = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
+  d_out_rows = rows_of(d_out, layout)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  d_h, a_s, _ = jax.jit(lambda *a: dh.dh_projection(*a, layout, act))(d_out_rows, h, row_scores, w2)
-  kernels.update({
-      "bwd dH (dO w2^T + epilogue)": (
-          lambda g, h, s, w, lay: dh.dh_projection(g, h, s, w, lay, act),
-          (d_out_rows, h, row_scores, w2, layout), 2 * rows * d * n,
-          (rows * d + e * n * d + 2 * rows * 2 * n + rows * n) * b16),
-      "bwd dw1 = x^T dH": (lambda a, b, lay: wgrad.weight_grad(a, b, lay), (x_rows, d_h, layout),
-                           2 * rows * d * 2 * n, (rows * d + rows * 2 * n + e * d * 2 * n) * b16),
-      "bwd dw2 = A_s^T dO": (lambda a, b, lay: wgrad.weight_grad(a, b, lay),
-                             (a_s, d_out_rows, layout), 2 * rows * n * d,
-                             (rows * n + rows * d + e * n * d) * b16),
-      "bwd dX rows (dH w1^T)": (lambda g, w, lay: dx.dx_projection(g, w, lay), (d_h, w1, layout),
-                                2 * rows * 2 * n * d, (rows * 2 * n + e * d * 2 * n + rows * d) * b16),
-  })
-  if gather:
-    kernels["up (fused gather)"] = (up_fn, (x, w1, layout), 2 * rows * d * 2 * n,
-                                    (t_count * d + e * d * 2 * n + rows * 3 * n) * b16)
+  dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, gather=gather)
+  d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
+  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, gathered=gathered)
+  dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16
+  dw1_bytes, dw2_bytes = (rows * 2 * n + e * d * 2 * n) * b16, (rows * n + e * n * d) * b16
+  for label, gathered in (("fused gather", True), ("contiguous input", False)):
+    g_src, x_src = (d_out, x) if gathered else (d_out_rows, x_rows)
+    src_rows = (t_count if gathered else rows) * d * b16  # bytes of the gathered operand read
+    kernels.update({
+        f"bwd dH ({label})": (functools.partial(dh_fn, gather=gathered),
+                              (g_src, h, row_scores, w2, layout), dh_flops, dh_bytes + src_rows),
+        f"bwd dw1 = x^T dH ({label})": (
+            functools.partial(wgrad_fn, gathered="lhs" if gathered else None),
+            (x_src, d_h, layout), 2 * rows * d * 2 * n, dw1_bytes + src_rows),
+        f"bwd dw2 = A_s^T dO ({label})": (
+            functools.partial(wgrad_fn, gathered="rhs" if gathered else None),
+            (a_s, g_src, layout), 2 * rows * n * d, dw2_bytes + src_rows),
+    })
+  kernels["bwd dX rows (dH w1^T)"] = (lambda g, w, lay: dx.dx_projection(g, w, lay),
+                                      (d_h, w1, layout), 2 * rows * 2 * n * d,
+                                      (rows * 2 * n + e * d * 2 * n + rows * d) * b16)
   res["kernels"] = {}
   for name, (fn, args, flops, nbytes) in kernels.items():
     t = _time(fn, *args)
@@ -123,14 +128,16 @@ def run_config(cfg, flops_rate, bw):
                             "gbps": nbytes / t / 1e9}
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  # The forward as the backend runs it: fused gather when timed, else XLA gather + contiguous.
-  up_ms = ms["up (fused gather)"] if gather else ms["xla gather x[rows]"] + ms["up (contiguous input)"]
-  t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]
-  res["backward_gemms_ms"] = sum(v for kname, v in ms.items() if kname.startswith("bwd"))
+  # The forward and backward GEMMs as the backend runs them (fused gathers).
+  t_fwd = ms["route+layout"] + ms["up (fused gather)"] + ms["down"] + ms["aggregate (xla)"]
+  res["backward_gemms_ms"] = sum(v for kname, v in ms.items()
+                                 if kname.startswith("bwd") and "contiguous" not in kname)
   res["backward_gemms_tflops"] = 2 * fwd_flops / (res["backward_gemms_ms"] * 1e-3) / 1e12
   res["forward_sum_ms"] = t_fwd
   res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12
-  res["gather_cost"] = (ms["up (fused gather)"] / ms["up (contiguous input)"] - 1) if gather else None
+  res["gather_cost"] = {
+      role: ms[f"{role} (fused gather)"] / ms[f"{role} (contiguous input)"] - 1
+      for role in ("up", "bwd dH", "bwd dw1 = x^T dH", "bwd dw2 = A_s^T dO")}
   return res
 
 
@@ -146,12 +153,12 @@ def main(_):
   for cfg in configs:
     res = run_config(cfg, flops_rate, bw)
     out["configs"].append(res)
-    gc = "" if res["gather_cost"] is None else f", gather cost {100 * res['gather_cost']:+.1f}%"
+    gc = ", gather cost " + ", ".join(f"{r} {100 * c:+.1f}%" for r, c in res["gather_cost"].items())
     print(grid.config_name(cfg), f"fwd(sum) {res['forward_sum_tflops']:.0f} TFLOP/s{gc}, "
           f"backward GEMM kernels {res['backward_gemms_tflops']:.0f} TFLOP/s", flush=True)
     for name, r in res["kernels"].items():
       tf = f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else f"{r['gbps']:.0f} GB/s"
-      print(f"   {name:<24}{r['ms']:8.3f} ms  (roofline {r['roofline_ms']:.3f} ms)  {tf}", flush=True)
+      print(f"   {name:<36}{r['ms']:8.3f} ms  (roofline {r['roofline_ms']:.3f} ms)  {tf}", flush=True)
     with open(os.path.join(FLAGS.out, "kernels.json"), "w") as f:
       json.dump(out, f, indent=1)
 

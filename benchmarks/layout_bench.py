@@ -4,7 +4,8 @@ r"""The routing-metadata pass piece by piece: router logits, top-K routing, grou
 
 For each configuration (default: the paper's grid), median ms of: the router GEMM, `route`
 (top-K selection and scores), `build_grouped_layout` with the backend's row tile (128), and all
-three together; with --baseline_layout (repeatable), the same layout pass from other versions of
+three together; the top-K selection alone (XLA's and, on a GPU, the Pallas kernel at several block
+sizes); with --baseline_layout (repeatable), the same layout pass from other versions of
 sonic_jax/layout.py (A/B comparison, e.g. `git show HEAD~1:sonic_jax/layout.py > /tmp/old.py`),
 each checked to give the same layout.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from benchmarks import grid, timing
 from sonic_jax import routing
 from sonic_jax.layout import build_grouped_layout
+from sonic_jax.pallas import router_topk
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_multi_string("baseline_layout", None, "layout.py files to compare against")
@@ -36,7 +38,7 @@ def run_config(cfg, baselines):
   t, d, _, e, k = cfg
   keys = jax.random.split(jax.random.key(0), 2)
   x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
-  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
+  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
   logits = routing.router_logits(x, rw)
   ids = routing.route(logits, k, "softmax_topk").expert_ids
   time = lambda fn, *a: timing.time_fn(fn, *a, repeats=FLAGS.repeats) * 1e3
@@ -50,6 +52,12 @@ def run_config(cfg, baselines):
     return build_grouped_layout(r.expert_ids, e, ROW_TILE), r.scores
 
   res["route_and_layout_ms"] = time(whole, x, rw)
+  # The top-K selection alone: XLA's, and the Pallas kernel at several block sizes.
+  res["lax_top_k_ms"] = time(lambda lg: jax.lax.top_k(lg, k), logits)
+  if router_topk.supports(logits, k) is None and jax.default_backend() == "gpu":
+    res["kernel_top_k_ms"] = {
+        v: time(lambda lg, v=v: router_topk.top_k(lg, k, values_per_program=v), logits)
+        for v in (1024, 2048, 4096, 8192)}
   res["baselines"] = {}
   for name, baseline in baselines.items():
     fn = lambda i, b=baseline: b.build_grouped_layout(i, e, ROW_TILE)
@@ -77,6 +85,8 @@ def main(_):
                      for k, v in r["baselines"].items()) or "–"
     print(f"| {','.join(map(str, cfg))} | {r['router_logits_ms']:.3f} | {r['route_ms']:.3f} | "
           f"{r['layout_ms']:.3f} | {base} | {r['route_and_layout_ms']:.3f} |", flush=True)
+    print(f"  top-K: lax {r['lax_top_k_ms']:.3f} ms, kernel "
+          + ", ".join(f"{v}: {t:.3f}" for v, t in r.get("kernel_top_k_ms", {}).items()), flush=True)
   with open(os.path.join(FLAGS.out, "layout.json"), "w") as f:
     json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                "results": results}, f, indent=1)

@@ -38,6 +38,8 @@ flags.DEFINE_list("baselines", ["tokamax", "upper_bound"], "baselines to measure
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "compute dtype")
 flags.DEFINE_enum("activation", "swiglu", sorted(sonic_jax.ACTIVATIONS), "expert activation")
 flags.DEFINE_enum("routing", "softmax_topk", list(sonic_jax.ROUTINGS), "routing")
+flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
+                  "logits accumulate in float32 either way; SonicMoE's benchmark keeps it in bfloat16)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
 flags.DEFINE_integer("input_sets", 3, "input sets rotated between calls")
 flags.DEFINE_integer("xla_max_pairs", 1 << 30, "skip the xla backend when T*K exceeds this")
@@ -64,7 +66,8 @@ def _inputs(cfg, dtype, seed, glu):
 def _weights(cfg, dtype, glu):
   t, d, n, e, _ = cfg
   ks = jax.random.split(jax.random.key(1234), 3)
-  router_weight = jax.random.normal(ks[0], (d, e), jnp.float32) / np.sqrt(d)
+  router_weight = (jax.random.normal(ks[0], (d, e), jnp.float32) / np.sqrt(d)).astype(
+      FLAGS.router_dtype)
   w1 = (jax.random.normal(ks[1], (e, d, (2 if glu else 1) * n), jnp.float32) / np.sqrt(d)).astype(dtype)
   w2 = (jax.random.normal(ks[2], (e, n, d), jnp.float32) / np.sqrt(n)).astype(dtype)
   return router_weight, w1, w2
@@ -207,6 +210,7 @@ def _environment():
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "command": "python -m benchmarks.moe_bench " + " ".join(sys.argv[1:]),
           "dtype": FLAGS.dtype, "activation": FLAGS.activation, "routing": FLAGS.routing,
+          "router_dtype": FLAGS.router_dtype,
           "tokamax": baselines.tokamax_available()}
 
 

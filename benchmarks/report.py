@@ -190,25 +190,39 @@ def merge(runs):
 
 
 def kernels_table(kernels):
-  """Per-kernel forward table from benchmarks/kernel_bench.py's kernels.json."""
-  names = list(kernels["configs"][0]["kernels"])
-  bwd = "backward_gemms_tflops" in kernels["configs"][0]
-  lines = ["| config (T,d,n,E,K) | " + " | ".join(names) + " | forward (sum) TF/s |"
-           + (" backward GEMMs (sum) TF/s |" if bwd else ""),
-           "|---|" + "---|" * (len(names) + 1 + bwd)]
-  for res in kernels["configs"]:
-    cells = []
-    for n in names:
-      k = res["kernels"].get(n)
-      if k is None:
-        cells.append("–")
-        continue
-      rate = f"{k['tflops']:.0f} TF/s" if k["tflops"] else f"{k['gbps']:.0f} GB/s"
-      cells.append(f"{k['ms']:.3f} ({k['roofline_ms']:.3f}) {rate}")
-    lines.append(f"| {','.join(map(str, res['config']))} | " + " | ".join(cells)
-                 + f" | {res['forward_sum_tflops']:.0f} |"
-                 + (f" {res['backward_gemms_tflops']:.0f} |" if bwd else ""))
-  return "\n".join(lines)
+  """Per-kernel tables (forward, then backward) from benchmarks/kernel_bench.py's kernels.json."""
+  all_names = list(kernels["configs"][0]["kernels"])
+  parts = []
+  for title, names, total in (
+      ("Forward", [n for n in all_names if not n.startswith("bwd")], "forward_sum_tflops"),
+      ("Backward", [n[4:] for n in all_names if n.startswith("bwd")], "backward_gemms_tflops")):
+    prefix = "" if title == "Forward" else "bwd "
+    total_name = "forward (sum) TF/s" if title == "Forward" else "backward GEMMs (sum) TF/s"
+    lines = [f"{title}:", "", "| config (T,d,n,E,K) | " + " | ".join(names) + f" | {total_name} |",
+             "|---|" + "---|" * (len(names) + 1)]
+    for res in kernels["configs"]:
+      cells = []
+      for n in names:
+        k = res["kernels"].get(prefix + n)
+        if k is None:
+          cells.append("–")
+          continue
+        rate = f"{k['tflops']:.0f} TF/s" if k["tflops"] else f"{k['gbps']:.0f} GB/s"
+        cells.append(f"{k['ms']:.3f} ({k['roofline_ms']:.3f}) {rate}")
+      lines.append(f"| {','.join(map(str, res['config']))} | " + " | ".join(cells)
+                   + f" | {res[total]:.0f} |")
+    parts.append("\n".join(lines))
+  costs = [r for r in kernels["configs"] if isinstance(r.get("gather_cost"), dict)]
+  if costs:
+    roles = list(costs[0]["gather_cost"])
+    lines = ["Fused row gather: time of each kernel with its gather over the same kernel on "
+             "pre-gathered contiguous rows, minus one:", "",
+             "| config (T,d,n,E,K) | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+    for r in costs:
+      lines.append(f"| {','.join(map(str, r['config']))} | "
+                   + " | ".join(f"{100 * r['gather_cost'][role]:+.1f}%" for role in roles) + " |")
+    parts.append("\n".join(lines))
+  return "\n\n".join(parts)
 
 
 def pretrain_table(folder):
@@ -293,9 +307,11 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 `python -m benchmarks.kernel_bench` on {kernels['device']}, jax {kernels['jax']}: measured ceilings
 {kernels['dense_bf16_tflops']:.0f} TFLOP/s (8192³ bf16 GEMM) and {kernels['copy_gbps']:.0f} GB/s (device copy,
 bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
-achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, XLA gather,
-up-projection on the contiguous gathered rows, down-projection, aggregation; "backward GEMMs (sum)" the four
-backward kernels (dH with its epilogue, dw1, dw2, dX rows), without the XLA row gathers and gather-sums.
+achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
+up-projection with its fused gather of x, down-projection, aggregation; "backward GEMMs (sum)" the four
+backward kernels as the backend runs them (dH with its epilogue and fused dO gather, dw1 and dw2 with their
+fused x / dO gathers, dX rows), without the gather-sums. The "contiguous input" kernels are the same kernels
+on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 
 {kernels_table(kernels)}
 """
@@ -335,14 +351,15 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 
 {run_lines}
 {notes}
-- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d), x ~ N(0, 1).
+- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, {env.get('router_dtype', 'float32')}), x ~ N(0, 1).
 - Method: compile excluded (reported in the JSON); warm-up; median of repeated samples, each a batch of
   back-to-back calls ended by one device synchronisation, rotating input sets; backward = (forward+backward) −
   forward; TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).
   "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
-- `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the row
-  gathers of x and dO, the aggregations and the routing metadata are XLA operations.
+- `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX), the rows of
+  x and dO gathered inside the up-projection, dH and weight-gradient kernels; the aggregations
+  (gather-sums) and the routing metadata are XLA operations.
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 

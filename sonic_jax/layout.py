@@ -113,13 +113,20 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
   sorted_expert = flat[order]
 
-  counts_all = jnp.zeros((e_count + 1,), jnp.int32).at[flat].add(1)
-  counts = counts_all[:e_count]
+  # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
+  # counters serialise on a GPU): the first sorted position of each expert that has pairs is where
+  # its run begins (one unique scatter); an expert without pairs starts where the next one does.
+  position = jnp.arange(num_pairs, dtype=jnp.int32)
+  run_begins = jnp.concatenate([jnp.ones((min(num_pairs, 1),), bool),
+                                sorted_expert[1:] != sorted_expert[:-1]])
+  first = jnp.full((e_count + 2,), num_pairs, jnp.int32).at[
+      jnp.where(run_begins, sorted_expert, e_count + 1)].min(position, mode="drop")
+  starts_all = jax.lax.cummin(first[:e_count + 1], reverse=True)  # (E + 1,), E: 'no expert'
+  counts = starts_all[1:] - starts_all[:-1]
+  starts = starts_all[:e_count]  # first sorted position of each expert
   group_sizes = _round_up(counts, row_tile)
-  starts = jnp.cumsum(counts) - counts  # first sorted position of each expert
   row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
 
-  position = jnp.arange(num_pairs, dtype=jnp.int32)
   safe_expert = jnp.minimum(sorted_expert, e_count - 1)
   row_of_sorted = row_starts[safe_expert] + (position - starts[safe_expert])
   row_of_sorted = jnp.where(sorted_expert < e_count, row_of_sorted, rows)
@@ -131,7 +138,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   num_tiles = jnp.sum(group_sizes) // row_tile
   tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e
   tiles = jnp.arange(rows // row_tile, dtype=jnp.int32)
-  tile_expert = jnp.searchsorted(tile_ends, tiles, side="right").astype(jnp.int32)
+  # A (tiles, E) compare-and-count: searchsorted's binary search is a while loop, one kernel
+  # launch per step on a GPU.
+  tile_expert = jnp.sum(tile_ends[None, :] <= tiles[:, None], axis=1, dtype=jnp.int32)
   row_expert = jnp.repeat(tile_expert, row_tile, total_repeat_length=rows)
 
   return GroupedLayout(

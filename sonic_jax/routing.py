@@ -1,7 +1,8 @@
 """Token-choice routers: logits, top-K scores and the auxiliary losses.
 
 A router maps logits (T, E) to `scores` (T, K) float32 and `expert_ids` (T, K) int32. Everything here
-is plain JAX, so the router's backward (softmax or sigmoid backward, then the router GEMM's
+is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient), so the
+router's backward (softmax or sigmoid backward, then the router GEMM's
 backward) is JAX autodiff fed by the score gradient dS that the expert op returns.
 """
 
@@ -11,6 +12,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from sonic_jax.pallas import router_topk
 
 Array = jax.Array
 
@@ -29,11 +32,21 @@ def router_logits(x: Array, router_weight: Array) -> Array:
   return jnp.dot(x, router_weight, preferred_element_type=acc)
 
 
+def _top_k_ids(values: Array, top_k: int) -> Array:
+  """Expert ids of lax.top_k(values, top_k): on a GPU from the one-pass Pallas kernel
+  (`sonic_jax.pallas.router_topk`, same ids), which XLA's GPU top-K is several times slower than."""
+  if (router_topk.AVAILABLE and jax.default_backend() == "gpu"
+      and router_topk.supports(values, top_k) is None):
+    return router_topk.top_k(jax.lax.stop_gradient(values), top_k)[1]
+  return jax.lax.top_k(jax.lax.stop_gradient(values), top_k)[1]
+
+
 def _select(values: Array, top_k: int, selection_bias: Array | None):
   """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids)."""
-  if selection_bias is None:
-    return jax.lax.top_k(values, top_k)
-  _, ids = jax.lax.top_k(values + jax.lax.stop_gradient(selection_bias).astype(values.dtype), top_k)
+  biased = values
+  if selection_bias is not None:
+    biased = values + jax.lax.stop_gradient(selection_bias).astype(values.dtype)
+  ids = _top_k_ids(biased, top_k)
   return jnp.take_along_axis(values, ids, axis=-1), ids
 
 

@@ -30,7 +30,7 @@ BLOCK_N = 128
 
 @dataclasses.dataclass(frozen=True)
 class DhProjectionConfig:
-  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4, gather_impl="cp_async")
+  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
 
 def supports(h, w2, activation: acts.Activation, gate_up_layout: str) -> str | None:

@@ -1,16 +1,21 @@
-"""The gather prologue: rows of a GMEM matrix, picked by an index vector, into a swizzled A stage.
+"""The gather prologue: rows of a GMEM matrix, picked by an index vector, into a swizzled stage.
 
 Hopper has no TMA gather (tile::gather4 is sm100), so the memory warpgroup gathers with cp.async,
-as SonicMoE does: its 128 threads take one row each and copy it as 16-byte pieces straight into the
-128-byte-swizzled SMEM layout that wgmma reads. Completion is tracked with cp.async groups; once a
-stage's group is complete the writers fence their writes into the async proxy (wgmma's) and the
-stage's barrier receives one arrival.
+as SonicMoE does: its 128 threads copy the rows as 16-byte pieces straight into the
+128-byte-swizzled (8, 64)-tiled SMEM layout that wgmma reads, eight threads per 128-byte row span.
+Each thread then arms `cp.async.mbarrier.arrive.noinc` on the stage's own barrier (one of
+`stage_barriers`, initialised for 128 arrivals), so the producer never waits for its copies; the
+consumers wait on that barrier next to the TMA barrier of the other operand, and fence the async
+proxy before wgmma reads the stage.
 
-Status (H200, jax 0.11.2): the cp.async path compiles but the kernel does not complete (a hang,
-not yet diagnosed: `benchmarks/gather_check.py` reproduces it with a time limit), so it is not the
-default. `row_tma` (one TMA copy of a (1, 64) box per row) is exact on the GPU but issue-bound:
-about 7x slower than the same kernel on a pre-gathered input. The interpreter cannot run inline
-Mosaic GPU code and always uses `row_tma`.
+Measured on an H100 (`benchmarks/gather_variants.py`, `benchmarks/kernel_bench.py`): the
+up-projection with its gather runs within 1-9% of the same kernel on pre-gathered rows (an XLA
+gather of those rows alone costs 40-100% of the kernel). Two earlier versions and what they taught:
+one thread per row (each warp instruction touched 32 rows, half a sector each: +58-87%), and
+completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrier arrive in the
+producer, which serialised the producer on its own copies (+25-35%). The hang of the first version
+was the register split, not the gather (see `grouped_gemm.register_split`). The interpreter cannot
+run inline Mosaic GPU code: interpreted kernels copy gathered rows one TMA per row instead.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ _THREADS = 128
 
 
 def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
-                  block_stride: int = TILE_BYTES, group_stride: int | None = None):
+                  block_stride: int = TILE_BYTES, group_stride: int | None = None,
+                  next_row_index=None):
   """Issues the gather of `rows` rows into a swizzled stage; `ready` (a `stage_barriers` slot)
   receives one arrival per thread once that thread's copies have landed.
 
@@ -39,6 +45,8 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
     (r // 8) * group_stride + j * block_stride + (r % 8) * 128. The defaults describe one tiled
     (rows, width) buffer; a buffer split into per-warpgroup column halves passes its own strides.
   Must run on a whole warpgroup; rows * width / 8 a multiple of 128 threads.
+  next_row_index: optional GMEM ref of the indices the next call will read; they are prefetched
+  into L1, so that the next call's index loads (the only synchronous step) do not wait for L2.
 
   Consecutive threads copy consecutive 16-byte pieces of a row, so a warp instruction reads whole
   128-byte rows (one thread per row made every instruction touch 32 rows, half a sector each: the
@@ -55,8 +63,10 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
   if group_stride is None:
     group_stride = (width * elem_bytes // ROW_BYTES) * TILE_BYTES
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 4)
-  def issue(ctx, src_ref, idx_ref, dst_ref, ready_ref):
+  refs = (src, row_index, dst, ready) + ((next_row_index,) if next_row_index is not None else ())
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
+  def issue(ctx, src_ref, idx_ref, dst_ref, ready_ref, next_idx_ref=None):
     del ctx
     i8 = ir.IntegerType.get_signless(8)
     i32 = ir.IntegerType.get_signless(32)
@@ -89,8 +99,19 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
     # The barrier counts this arrival among its 128 (noinc): the producer never waits for its own
     # copies, the consumers wait on the barrier.
     nvvm.cp_async_mbarrier_arrive(_barrier_ptr(ready_ref), noinc=True)
+    if next_idx_ref is not None:  # one thread per 128-byte line of the next indices
+      lines = -(-rows * 4 // ROW_BYTES)
+      line = arith.remui(lane, c(lines, i32))
+      next_base = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
+                                     mgpu_utils.memref_ptr(next_idx_ref))
+      # Inline PTX: the nvvm.prefetch op's cache-level attribute does not survive the module's
+      # serialisation on jax 0.11.2 ("requires specification of either cache level").
+      mgpu_utils.inline_ptx(
+          "prefetch.global.L1 [$0];",
+          mgpu_utils.getelementptr(next_base, [arith.muli(line, c(ROW_BYTES, i32))], i8),
+          has_side_effects=True)
 
-  issue(src, row_index, dst, ready)
+  issue(*refs)
 
 
 # One mbarrier per ring stage, in plain SMEM (8 bytes each, as two int32): Pallas barriers cannot be

@@ -29,7 +29,7 @@ PLAIN_BLOCK_N = 256
 
 @dataclasses.dataclass(frozen=True)
 class UpProjectionConfig:
-  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4, gather_impl="cp_async")
+  gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:

@@ -112,9 +112,12 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         """Gathers the grouped rows `rows` of the (T, .) source `src`, columns `cols`, into the
         stage; dst_tiles(r, j) is the (1, 64) view of row r, 64-column span j (interpreter)."""
         if cp_async:
+          # Each step reads new indices: prefetch the next step's (clamped to the buffer).
+          next_rows = pl.ds(jnp.minimum(rows.start + tk, row_token_ref.shape[0] - tk), tk)
           gather.cp_async_rows(src.at[:, cols], row_token_ref.at[rows], dst_raw.at[slot],
                                ready.at[slot], source_row_stride=src.shape[1],
-                               block_stride=block_stride, group_stride=group_stride)
+                               block_stride=block_stride, group_stride=group_stride,
+                               next_row_index=row_token_ref.at[next_rows])
           return
 
         @pl.loop(0, tk)
