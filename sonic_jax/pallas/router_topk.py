@@ -4,8 +4,8 @@ XLA's GPU top-K reads the (T, E) routing values at about 0.1 TB/s on an H100 (0.
 T = 32768, E = 256, K = 16: a third of the whole routing-metadata pass). Here one Pallas (Triton)
 program takes a block of tokens, keeps their E values in registers and picks the K experts one at a
 time on order-preserving int32 keys (max, then the lowest id holding it, then that expert drops
-out), so the values are read once from HBM. (It uses Pallas's Triton lowering, deprecated in jax 0.11 but present in 0.11.2;
-`AVAILABLE` is False where it is gone, and routing then calls `lax.top_k`.)
+out), so the values are read once from HBM. It uses Pallas's Triton lowering, deprecated in jax
+0.11 but present in 0.11.2; `AVAILABLE` is False where it is gone, and routing calls `lax.top_k`.
 
 Same result as `jax.lax.top_k`: values in descending order, ties to the lower expert id, every id
 distinct (also with -inf values), NaN above every number. Reference: `jax.lax.top_k`.
