@@ -2,8 +2,9 @@
 
 Forward: up-projection with the activation epilogue, down-projection. Backward: the dH role
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
-(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The rows of x and dO that the
-up-projection, dH and the weight gradients read are gathered inside those kernels (`GATHER`). The
+(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection gathers
+the rows of x inside the kernel; dH and the weight gradients gather dO and x inside theirs for
+narrow experts and read XLA-gathered rows for wide ones (`GATHER`). The
 aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
@@ -31,8 +32,18 @@ ROW_TILE = 128
 # Where the GEMMs' gathered rows (x in the up-projection and dw1, dO in dH and dw2) come from.
 # "fused": gathered by the kernels as they load their operands (cp.async, gather.py): no
 # (T*K, d) gathered copy is ever written. "xla": XLA gathers x[row_token] / dO[row_token] into
-# contiguous buffers first (what this backend did before the fused gather; kept for comparisons).
-GATHER = "fused"
+# contiguous buffers first. "auto": fused in the forward; in the backward fused for experts of
+# width n <= FUSED_BACKWARD_MAX_N, XLA gathers for wider ones. Measured on an H100
+# (BENCHMARKS.md): the fused gather costs dH and dw1 10-20% at d = 4096, which is less than the
+# two XLA row gathers while n (the GEMMs' other dimension) is small, more once n >= 1024.
+GATHER = "auto"
+FUSED_BACKWARD_MAX_N = 512
+
+
+def _fused_gather(backward: bool, n: int) -> bool:
+  if GATHER == "auto":
+    return not backward or n <= FUSED_BACKWARD_MAX_N
+  return GATHER == "fused"
 
 
 class FallbackWarning(UserWarning):
@@ -51,7 +62,7 @@ def _falls_back(role: str, reason: str | None) -> bool:
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
   if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
-  if GATHER == "xla":
+  if not _fused_gather(backward=False, n=w1.shape[2]):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout)
@@ -67,7 +78,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  if GATHER == "xla":
+  if not _fused_gather(backward=True, n=w2.shape[1]):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
                                            activation)
   else:
@@ -84,7 +95,7 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
-  if GATHER == "xla":
+  if not _fused_gather(backward=True, n=a_s.shape[1]):  # the dO rows: CSE'd with dH's gather
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout)
     dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout)
   else:
