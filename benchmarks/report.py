@@ -195,9 +195,10 @@ def kernels_table(kernels):
   parts = []
   for title, names, total in (
       ("Forward", [n for n in all_names if not n.startswith("bwd")], "forward_sum_tflops"),
-      ("Backward", [n[4:] for n in all_names if n.startswith("bwd")], "backward_gemms_tflops")):
+      ("Backward", [n[4:] for n in all_names if n.startswith("bwd")], "backward_sum_tflops")):
     prefix = "" if title == "Forward" else "bwd "
-    total_name = "forward (sum) TF/s" if title == "Forward" else "backward GEMMs (sum) TF/s"
+    total_name = ("forward (sum) TF/s" if title == "Forward"
+                  else "backward (sum) TF/s, row gathers")
     lines = [f"{title}:", "", "| config (T,d,n,E,K) | " + " | ".join(names) + f" | {total_name} |",
              "|---|" + "---|" * (len(names) + 1)]
     for res in kernels["configs"]:
@@ -209,8 +210,9 @@ def kernels_table(kernels):
           continue
         rate = f"{k['tflops']:.0f} TF/s" if k["tflops"] else f"{k['gbps']:.0f} GB/s"
         cells.append(f"{k['ms']:.3f} ({k['roofline_ms']:.3f}) {rate}")
+      gathers = f", {res['backward_gathers']}" if title == "Backward" else ""
       lines.append(f"| {','.join(map(str, res['config']))} | " + " | ".join(cells)
-                   + f" | {res[total]:.0f} |")
+                   + f" | {res[total]:.0f}{gathers} |")
     parts.append("\n".join(lines))
   costs = [r for r in kernels["configs"] if isinstance(r.get("gather_cost"), dict)]
   if costs:
@@ -297,7 +299,8 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
   runs = results.get("runs", [results["environment"]])
   run_lines = "\n".join(
       f"- {r['device']} ({r['platform']}), jax {r['jax']}, sonic_jax {r['sonic_jax']}, Python "
-      f"{r['python']}, {r['date']}: `{r['command']}`" for r in runs)
+      f"{r['python']}, {r['date']}, router weights {r.get('router_dtype', 'float32')}: "
+      f"`{r['command']}`" for r in runs)
   env = results["environment"]
   kernel_part = ""
   if kernels is not None:
@@ -308,10 +311,11 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 {kernels['dense_bf16_tflops']:.0f} TFLOP/s (8192³ bf16 GEMM) and {kernels['copy_gbps']:.0f} GB/s (device copy,
 bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
-up-projection with its fused gather of x, down-projection, aggregation; "backward GEMMs (sum)" the four
-backward kernels as the backend runs them (dH with its epilogue and fused dO gather, dw1 and dw2 with their
-fused x / dO gathers, dX rows), without the gather-sums. The "contiguous input" kernels are the same kernels
-on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
+up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
+backward GEMM kernels as the backend runs them (`GATHER="auto"`): for experts of width n ≤ 512 dH, dw1 and
+dw2 with their fused dO / x / dO gathers ("fused"), for wider ones the same kernels on contiguous rows plus
+two XLA row gathers ("xla"), and dX rows; without the gather-sums. The "contiguous input" kernels are the
+same kernels on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 
 {kernels_table(kernels)}
 """
@@ -351,15 +355,16 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 
 {run_lines}
 {notes}
-- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, {env.get('router_dtype', 'float32')}), x ~ N(0, 1).
+- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, in the dtype each run line gives), x ~ N(0, 1).
 - Method: compile excluded (reported in the JSON); warm-up; median of repeated samples, each a batch of
   back-to-back calls ended by one device synchronisation, rotating input sets; backward = (forward+backward) −
   forward; TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).
   "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
-- `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX), the rows of
-  x and dO gathered inside the up-projection, dH and weight-gradient kernels; the aggregations
-  (gather-sums) and the routing metadata are XLA operations.
+- `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
+  x gathered inside the up-projection, those of dO and x inside dH, dw1 and dw2 for experts of width
+  n ≤ 512 (XLA row gathers for wider ones); the router's top-K as a Pallas kernel; the rest of the
+  routing metadata and the aggregations (gather-sums) are XLA operations.
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 
