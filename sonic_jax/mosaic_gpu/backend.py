@@ -23,6 +23,7 @@ from sonic_jax import xla_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import down_projection as down
 from sonic_jax.mosaic_gpu import dx_projection as dx
+from sonic_jax.mosaic_gpu import tuning
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
 
@@ -59,31 +60,42 @@ def _falls_back(role: str, reason: str | None) -> bool:
   return True
 
 
+def _gemm_config(role, *, d, n, num_experts):
+  """The role's core configuration for this problem, from the tuned table (`tuning.py`)."""
+  return tuning.gemm_config(role, d=d, n=n, num_experts=num_experts)
+
+
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
   if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
-  if not _fused_gather(backward=False, n=w1.shape[2]):
+  e, d, width = w1.shape
+  config = up.UpProjectionConfig(_gemm_config("up", d=d, n=width, num_experts=e))
+  if not _fused_gather(backward=False, n=width):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
-                            gather=False)
-  return up.up_projection(x, w1, b1, layout, activation, gate_up_layout)
+                            config=config, gather=False)
+  return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
 
 
 def down_projection(a, w2, b2, layout):
   if _falls_back("down-projection", down.supports(a, w2)):
     return xla_backend.down_projection(a, w2, b2, layout)
-  return down.down_projection(a, w2, b2, layout)
+  e, n, d = w2.shape
+  return down.down_projection(a, w2, b2, layout, config=down.DownProjectionConfig(
+      _gemm_config("down", d=d, n=n, num_experts=e)))
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  if not _fused_gather(backward=True, n=w2.shape[1]):
+  e, n, d = w2.shape
+  config = dh.DhProjectionConfig(_gemm_config("dh", d=d, n=n, num_experts=e))
+  if not _fused_gather(backward=True, n=n):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
-                                           activation)
+                                           activation, config=config)
   else:
     d_h, a_s, d_s_parts = dh.dh_projection(d_out, h, row_scores, w2, layout, activation,
-                                           gather=True)
+                                           config=config, gather=True)
   d_s = jnp.sum(d_s_parts, axis=0)
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
     d_s = d_s + jnp.sum(d_out[layout.row_token].astype(jnp.float32)
@@ -95,12 +107,15 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
-  if not _fused_gather(backward=True, n=a_s.shape[1]):  # the dO rows: CSE'd with dH's gather
-    dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout)
-    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout)
+  n, d = a_s.shape[1], x.shape[1]
+  config = dataclasses.replace(wgrad.WeightGradConfig(), **tuning.tuned_fields(
+      "weight_grad", d=d, n=n, num_experts=layout.num_experts))
+  if not _fused_gather(backward=True, n=n):  # the dO rows: CSE'd with dH's gather
+    dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
+    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
   else:
-    dw1 = wgrad.weight_grad(x, d_h, layout, gathered="lhs")
-    dw2 = wgrad.weight_grad(a_s, d_out, layout, gathered="rhs")
+    dw1 = wgrad.weight_grad(x, d_h, layout, config, gathered="lhs")
+    dw2 = wgrad.weight_grad(a_s, d_out, layout, config, gathered="rhs")
   # The bias gradients need the dO rows only when b2 exists (db2); XLA gathers them then.
   d_out_rows = d_out[layout.row_token] if with_b2 else None
   db1, db2 = xla_backend.bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)
@@ -110,7 +125,9 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
 def dx_projection(d_h, w1, layout):
   if _falls_back("dX role", dx.supports(d_h, w1)):
     return xla_backend.dx_projection(d_h, w1, layout)
-  return dx.dx_projection(d_h, w1, layout)
+  e, d, width = w1.shape
+  return dx.dx_projection(d_h, w1, layout, config=dx.DxProjectionConfig(
+      _gemm_config("dx", d=d, n=width, num_experts=e)))
 
 
 def make_backend(base):

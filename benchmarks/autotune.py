@@ -1,0 +1,134 @@
+r"""Autotuning: measures the kernel configurations the `mosaic_gpu` backend may run and writes the
+table that `sonic_jax.mosaic_gpu.tuning` reads.
+
+  python -m benchmarks.autotune [--thiek=T,d,n,E,K ...] [--out=dir]
+  # then: SONIC_JAX_TUNED_CONFIGS=dir/tuned_configs.json, or copy it over the packaged
+  # sonic_jax/mosaic_gpu/tuned_configs.json to ship it
+
+Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
+varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
+search from the defaults: the snake band width (`grid_tile_width`), then the ring depth
+(`num_stages`), then for roles that gather rows the memory warpgroup's registers. A candidate
+replaces the incumbent only when it is at least `--min_gain` faster (timing noise must not churn the
+table); every candidate's outputs must equal the defaults' bit for bit, or it is discarded. On a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import grid, timing
+from sonic_jax import activations as acts
+from sonic_jax import routing
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
+from sonic_jax.mosaic_gpu import tuning
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable; default: the grid)")
+flags.DEFINE_string("out", "bench_out", "output folder (tuned_configs.json)")
+flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
+flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the incumbent")
+FLAGS = flags.FLAGS
+
+SEARCH = {  # role: [(field, candidate values)], searched one field at a time
+    "up": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
+           ("memory_registers", (40, 56, 80))],
+    "down": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
+    "dh": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
+           ("memory_registers", (40, 56, 80))],
+    "dx": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
+    "weight_grad": [("num_stages", (3, 4))],
+}
+
+
+def _problem(cfg):
+  t_count, d, n, e, k = cfg
+  act = acts.get_activation("swiglu")
+  keys = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
+  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+  d_out = jax.random.normal(keys[4], (t_count, d), jnp.bfloat16)
+  ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
+  layout = jax.jit(lambda i: build_grouped_layout(i, e, mosaic_backend.ROW_TILE))(ids)
+  row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
+  b = mosaic_backend
+  h, a = jax.jit(lambda x, w1: b.up_projection(x, w1, None, layout, act, "concat"))(x, w1)
+  d_h, a_s, _ = jax.jit(lambda g, h, s, w2: b.dh_projection(g, h, s, w2, None, layout, act,
+                                                            "concat"))(d_out, h, row_scores, w2)
+  roles = {  # role: (fn, args, the table's (d, n) of the problem)
+      "up": (lambda x, w1: b.up_projection(x, w1, None, layout, act, "concat"), (x, w1), 2 * n),
+      "down": (lambda a, w2: b.down_projection(a, w2, None, layout), (a, w2), n),
+      "dh": (lambda g, h, s, w2: b.dh_projection(g, h, s, w2, None, layout, act, "concat"),
+             (d_out, h, row_scores, w2), n),
+      "dx": (lambda g, w1: b.dx_projection(g, w1, layout), (d_h, w1), 2 * n),
+      "weight_grad": (lambda x, g, dh, a_s, s: b.weight_grads(x, g, dh, a_s, s, layout, False,
+                                                              False)[:2],
+                      (x, d_out, d_h, a_s, row_scores), n),
+  }
+  return roles
+
+
+def _run(fn, args, entries):
+  """(seconds per call, outputs) with the table set to `entries` (a fresh trace per call)."""
+  tuning.set_table(entries)
+  try:
+    out = jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
+    return timing.time_fn(lambda *a: fn(*a), *args, repeats=FLAGS.repeats), out
+  finally:
+    tuning.set_table(None)
+
+
+def tune_role(cfg, role, fn, args, n_key, device):
+  _, d, _, e, _ = cfg
+  entry = lambda fields: [{"role": role, "device": device, "d": d, "n": n_key, "E": e,
+                           "config": fields}]
+  best_fields = {}
+  best_t, want = _run(fn, args, [])  # the defaults (an empty table)
+  trials = [{"config": {}, "ms": best_t * 1e3}]
+  for field, values in SEARCH[role]:
+    for value in values:
+      fields = {**best_fields, field: value}
+      try:
+        t, got = _run(fn, args, entry(fields))
+      except Exception as err:  # a candidate that does not compile (e.g. shared memory) is skipped
+        trials.append({"config": fields, "error": f"{type(err).__name__}: {str(err)[:200]}"})
+        continue
+      same = all(np.array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32), equal_nan=True)
+                 for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+      trials.append({"config": fields, "ms": t * 1e3, "same_outputs": same})
+      if same and t < best_t * (1 - FLAGS.min_gain):
+        best_t, best_fields = t, fields
+  print(f"{grid.config_name(cfg)} {role}: {best_fields or 'defaults'} "
+        f"{best_t * 1e3:.3f} ms (defaults {trials[0]['ms']:.3f} ms)", flush=True)
+  return entry(best_fields)[0] | {"ms": best_t * 1e3, "default_ms": trials[0]["ms"]}, trials
+
+
+def main(_):
+  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
+             else grid.PAPER_GRID)
+  device = jax.devices()[0].device_kind
+  out = {"device": device, "jax": jax.__version__,
+         "command": "python -m benchmarks.autotune " + " ".join(sys.argv[1:]),
+         "entries": [], "trials": []}
+  os.makedirs(FLAGS.out, exist_ok=True)
+  for cfg in configs:
+    for role, (fn, args, n_key) in _problem(cfg).items():
+      entry, trials = tune_role(cfg, role, fn, args, n_key, device)
+      out["entries"].append(entry)
+      out["trials"].append({"config": list(cfg), "role": role, "trials": trials})
+      with open(os.path.join(FLAGS.out, "tuned_configs.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

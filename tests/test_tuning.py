@@ -1,0 +1,89 @@
+"""The tuned-configuration table: lookup, validation, and that the backend hands its choice to the
+kernels."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from sonic_jax import activations as acts
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
+from sonic_jax.mosaic_gpu import tuning
+from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _entry(role, d, n, e, device=H100, **config):
+  return {"role": role, "device": device, "d": d, "n": n, "E": e, "config": config}
+
+
+@pytest.fixture
+def table():
+  yield tuning.set_table
+  tuning.set_table(None)
+
+
+def test_nearest_entry_of_the_role_wins(table, monkeypatch):
+  monkeypatch.setattr(tuning, "_device_kind", lambda: H100)
+  table([_entry("up", 768, 512, 128, grid_tile_width=1),
+         _entry("up", 4096, 2048, 64, grid_tile_width=8, num_stages=3),
+         _entry("down", 768, 256, 128, num_stages=3)])
+  assert tuning.tuned_fields("up", d=1024, n=512, num_experts=128) == {"grid_tile_width": 1}
+  assert tuning.tuned_fields("up", d=4096, n=1024, num_experts=64) == {"grid_tile_width": 8,
+                                                                       "num_stages": 3}
+  assert tuning.tuned_fields("dx", d=768, n=512, num_experts=128) == {}  # no entries: defaults
+  config = tuning.gemm_config("up", d=4096, n=4096, num_experts=32)
+  assert config == GroupedGemmConfig(grid_tile_width=8, num_stages=3)
+
+
+def test_entries_of_the_same_gpu_come_first(table, monkeypatch):
+  monkeypatch.setattr(tuning, "_device_kind", lambda: "NVIDIA H200")
+  table([_entry("down", 768, 256, 128, num_stages=3),
+         _entry("down", 4096, 2048, 64, device="NVIDIA H200", grid_tile_width=2)])
+  assert tuning.tuned_fields("down", d=768, n=256, num_experts=128) == {"grid_tile_width": 2}
+  monkeypatch.setattr(tuning, "_device_kind", lambda: "NVIDIA H800")  # none of its own: any GPU's
+  assert tuning.tuned_fields("down", d=768, n=256, num_experts=128) == {"num_stages": 3}
+
+
+def test_bad_tables_are_refused():
+  with pytest.raises(ValueError, match="role must be one of"):
+    tuning.validate([_entry("gate", 768, 256, 8)])
+  with pytest.raises(ValueError, match="not tunable"):
+    tuning.validate([_entry("weight_grad", 768, 256, 8, grid_tile_width=2)])
+  with pytest.raises(ValueError, match="lacks"):
+    tuning.validate([{"role": "up", "config": {}}])
+  with pytest.raises(ValueError, match="role must be one of"):
+    tuning.tuned_fields("gate", d=1, n=1, num_experts=1)
+
+
+def test_packaged_table_loads():
+  tuning.set_table(None)
+  for entry in tuning.table():
+    assert entry["role"] in tuning.ROLES
+
+
+def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
+  monkeypatch.setattr(tuning, "_device_kind", lambda: H100)
+  table([_entry("up", 256, 256, 4, grid_tile_width=2, num_stages=3),
+         _entry("dx", 256, 256, 4, grid_tile_width=1),
+         _entry("weight_grad", 256, 128, 4, num_stages=3)])
+  seen = {}
+  monkeypatch.setattr(mosaic_backend.up, "up_projection",
+                      lambda *a, config, **k: seen.setdefault("up", config))
+  monkeypatch.setattr(mosaic_backend.dx, "dx_projection",
+                      lambda *a, config: seen.setdefault("dx", config))
+  monkeypatch.setattr(mosaic_backend.wgrad, "weight_grad",
+                      lambda *a, **k: seen.setdefault("weight_grad", a[3]))
+  layout = build_grouped_layout(jnp.zeros((16, 2), jnp.int32), 4, 128)
+  x = jnp.zeros((16, 256), jnp.bfloat16)
+  w1 = jnp.zeros((4, 256, 256), jnp.bfloat16)
+  mosaic_backend.up_projection(x, w1, None, layout, acts.get_activation("swiglu"), "concat")
+  mosaic_backend.dx_projection(jnp.zeros((layout.num_rows, 256), jnp.bfloat16), w1, layout)
+  mosaic_backend.weight_grads(x, x, jnp.zeros((layout.num_rows, 256), jnp.bfloat16),
+                              jnp.zeros((layout.num_rows, 128), jnp.bfloat16),
+                              jnp.zeros((layout.num_rows,)), layout, False, False)
+  assert seen["up"].gemm == GroupedGemmConfig(grid_tile_width=2, num_stages=3)
+  assert seen["dx"].gemm == GroupedGemmConfig(grid_tile_width=1)
+  assert seen["weight_grad"].num_stages == 3
