@@ -15,7 +15,6 @@ table); every candidate's outputs must equal the defaults' bit for bit, or it is
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -50,14 +49,9 @@ SEARCH = {  # role: [(field, candidate values)], searched one field at a time
 
 
 def _problem(cfg):
-  t_count, d, n, e, k = cfg
+  _, _, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  keys = jax.random.split(jax.random.key(0), 5)
-  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
-  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
-  d_out = jax.random.normal(keys[4], (t_count, d), jnp.bfloat16)
+  x, rw, w1, w2, d_out = grid.random_problem(cfg)
   ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
   layout = jax.jit(lambda i: build_grouped_layout(i, e, mosaic_backend.ROW_TILE))(ids)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)

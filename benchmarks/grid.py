@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+import jax.numpy as jnp
+
 # (T, d, n, E, K): tokens, hidden, expert width, experts, experts per token.
 PAPER_GRID = [
     (40960, 768, 256, 128, 8), (40960, 768, 512, 64, 4), (40960, 768, 1024, 32, 2),
@@ -34,3 +37,16 @@ def forward_flops(cfg, glu=True):
   """The paper's count: 6*T*K*d*n for GLU activations (4*TKdn otherwise); backward is twice it."""
   t, d, n, _, k = cfg
   return (6 if glu else 4) * t * k * d * n
+
+
+def random_problem(cfg, seed: int = 0):
+  """(x, router_weight, w1, w2, d_out) for a SwiGLU layer of configuration `cfg`: unit-scale x and
+  dO, weights of std 1/sqrt(fan-in), all bfloat16 (the router weight too, as in SonicMoE's
+  benchmark)."""
+  t_count, d, n, e, _ = cfg
+  keys = jax.random.split(jax.random.key(seed), 5)
+  scaled = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32)
+                                       / fan_in ** 0.5).astype(jnp.bfloat16)
+  return (jax.random.normal(keys[0], (t_count, d), jnp.bfloat16), scaled(keys[1], (d, e), d),
+          scaled(keys[2], (e, d, 2 * n), d), scaled(keys[3], (e, n, d), n),
+          jax.random.normal(keys[4], (t_count, d), jnp.bfloat16))

@@ -19,7 +19,6 @@ import os
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import sonic_jax
 from benchmarks import grid, timing
@@ -57,11 +56,7 @@ def ceilings():
 def run_config(cfg, flops_rate, bw):
   t_count, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
-  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
-  w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(jnp.bfloat16)
+  x, rw, w1, w2, d_out = grid.random_problem(cfg)
 
   def route(x, rw):
     r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
@@ -96,7 +91,6 @@ def run_config(cfg, flops_rate, bw):
   }
   # Backward kernels on the same layout, as the backend runs them (dO and x rows gathered inside
   # the kernels), and on pre-gathered contiguous rows (what the fused gathers cost).
-  d_out = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
   d_out_rows = rows_of(d_out, layout)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
   dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, gather=gather)

@@ -60,3 +60,24 @@ def test_ep_bench_smoke_run(tmp_path):
   assert res["all_gather"]["all_gather_gbps"] > 0 and res["all_gather"]["reduce_scatter_gbps"] > 0
   md = (tmp_path / "ep.md").read_text()
   assert "| 128,32,16,4,2 | 2 |" in md and "all_to_all" in md and "all_gather" in md
+
+
+def test_kernel_bench_sums_follow_the_backends_gather_policy():
+  """kernel_bench's forward/backward sums count the kernels the backend runs: fused gathers for
+  narrow experts, contiguous kernels plus two XLA row gathers for wide ones."""
+  sys.argv = sys.argv[:1]
+  from benchmarks import kernel_bench
+  from sonic_jax.mosaic_gpu import backend
+  roles = ("bwd dH", "bwd dw1 = x^T dH", "bwd dw2 = A_s^T dO")
+  ms = {"route+layout": 1.0, "up (fused gather)": 2.0, "up (contiguous input)": 1.5,
+        "xla gather x[rows]": 0.5, "down": 1.0, "aggregate (xla)": 0.25,
+        **{f"{r} (fused gather)": 3.0 for r in roles},
+        **{f"{r} (contiguous input)": 2.0 for r in roles}, "bwd dX rows (dH w1^T)": 4.0}
+  for n, gathers, bwd_ms in ((backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
+                             (2 * backend.FUSED_BACKWARD_MAX_N, "xla", 3 * 2.0 + 4.0 + 2 * 0.5)):
+    res = kernel_bench.summarize({"config": [1024, 512, n, 8, 2],
+                                  "kernels": {k: {"ms": v} for k, v in ms.items()}})
+    assert res["backward_gathers"] == gathers
+    assert res["backward_sum_ms"] == bwd_ms
+    assert res["forward_sum_ms"] == 1.0 + 2.0 + 1.0 + 0.25
+    assert abs(res["gather_cost"]["up"] - (2.0 / 1.5 - 1)) < 1e-12
