@@ -10,7 +10,8 @@ varlen-K kernel), through the backend's own entry points (so with its gather pol
 search from the defaults: the snake band width (`grid_tile_width`), then the ring depth
 (`num_stages`), then for roles that gather rows the memory warpgroup's registers. A candidate
 replaces the incumbent only when it is at least `--min_gain` faster (timing noise must not churn the
-table); every candidate's outputs must equal the defaults' bit for bit, or it is discarded. On a GPU.
+table); every candidate's outputs must equal the defaults' bit for bit, or it is discarded. Needs
+a GPU.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def tune_role(cfg, role, fn, args, n_key, device):
       except Exception as err:  # a candidate that does not compile (e.g. shared memory) is skipped
         trials.append({"config": fields, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         continue
-      same = all(np.array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32), equal_nan=True)
+      same = all(np.array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32),
+                                equal_nan=True)
                  for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
       trials.append({"config": fields, "ms": t * 1e3, "same_outputs": same})
       if same and t < best_t * (1 - FLAGS.min_gain):

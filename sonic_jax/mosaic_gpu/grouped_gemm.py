@@ -20,7 +20,8 @@ wgmma that read it.
 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
-memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the source is ever written to HBM.
+memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the
+source is ever written to HBM.
 Gathered rows are written through other views of the stage than the (8, 64)-tiled one wgmma reads
 (`RefUnion`): with 128-byte rows and the 128-byte swizzle, the (8, 64) and (1, 64) tilings both put
 row r at byte r * 128 and the swizzle is a function of the address, so the views are byte-identical.
@@ -145,8 +146,9 @@ def check_layout_tile(layout, tile_m: int):
 
 
 # The launch gives each of the 3 * 128 threads 65536 // 384 registers, rounded down to a multiple of
-# 8 (168): `setmaxnreg` can only move registers between warpgroups within that pool, and an increase
-# that the pool cannot cover blocks forever (this was the cp.async gather's "hang": 80 + 2 * 216 > 504).
+# 8 (168): `setmaxnreg` can only move registers between warpgroups within that pool, and an
+# increase that the pool cannot cover blocks forever (the cp.async gather's "hang": 80 + 2 * 216 >
+# 504).
 _REGISTER_POOL = (65536 // (128 * (_NUM_COMPUTE_WGS + 1))) // 8 * 8 * (_NUM_COMPUTE_WGS + 1)
 
 
