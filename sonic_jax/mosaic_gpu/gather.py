@@ -8,12 +8,12 @@ Each thread then arms `cp.async.mbarrier.arrive.noinc` on the stage's own barrie
 consumers wait on that barrier next to the TMA barrier of the other operand, and fence the async
 proxy before wgmma reads the stage.
 
-Measured on an H100 (`benchmarks/gather_variants.py`, `benchmarks/kernel_bench.py`): the
-up-projection with its gather runs within 1-9% of the same kernel on pre-gathered rows (an XLA
-gather of those rows alone costs 40-100% of the kernel). Two earlier versions and what they taught:
+Measured on an H100 over the paper's grid (`benchmarks/kernel_bench.py`): the up-projection with
+its gather takes -2% to +17% more time than the same kernel on pre-gathered rows, while an XLA
+gather of those rows alone costs 13-103% of the kernel. Two earlier versions and what they taught:
 one thread per row (each warp instruction touched 32 rows, half a sector each: +58-87%), and
 completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrier arrive in the
-producer, which serialised the producer on its own copies (+25-35%). The hang of the first version
+producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The hang of the first version
 was the register split, not the gather (see `grouped_gemm.register_split`). The interpreter cannot
 run inline Mosaic GPU code: interpreted kernels copy gathered rows one TMA per row instead.
 """
