@@ -6,8 +6,9 @@ For each configuration: the routing and layout, the up-projection with the fused
 kernel on a pre-gathered contiguous input (the cost of the gather), the XLA gather that the
 pre-gathered input needs, the down-projection and the aggregation; then the backward kernels: the
 dH role (with its activation-gradient, A_s and dS epilogue) and the two varlen-K weight gradients,
-each with its fused row gather (dO, x, dO) and on pre-gathered rows, and the dX role. Each kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes /
-measured device copy bandwidth).
+each with its fused row gather (dO, x, dO) and on pre-gathered rows, and the dX role. Each
+kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes / measured device copy
+bandwidth). The forward and backward sums count what the backend runs (`summarize`).
 """
 
 from __future__ import annotations
