@@ -14,10 +14,9 @@ import os
 
 from absl import app, flags
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
+from benchmarks import grid, timing
 from sonic_jax import activations as acts
 from sonic_jax import routing
 from sonic_jax.layout import build_grouped_layout
@@ -43,12 +42,9 @@ VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides)
 
 
 def run_config(cfg):
-  t_count, d, n, e, k = cfg
+  _, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  keys = jax.random.split(jax.random.key(0), 3)
-  x = jax.random.normal(keys[0], (t_count, d), jnp.bfloat16)
-  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
-  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  x, rw, w1, _, _ = grid.random_problem(cfg)
   ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
   layout = jax.jit(lambda i: build_grouped_layout(i, e, 128))(ids)
   x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)

@@ -132,8 +132,8 @@ def summarize(res):
   t_count, d, n, _, k = res["config"]
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  fused_fwd = mosaic_backend._fused_gather(backward=False, n=n)
-  fused_bwd = mosaic_backend._fused_gather(backward=True, n=n)
+  fused_fwd = mosaic_backend.uses_fused_gather(backward=False, n=n)
+  fused_bwd = mosaic_backend.uses_fused_gather(backward=True, n=n)
   up_ms = (ms["up (fused gather)"] if fused_fwd
            else ms["xla gather x[rows]"] + ms["up (contiguous input)"])
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]

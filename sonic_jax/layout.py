@@ -119,9 +119,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   position = jnp.arange(num_pairs, dtype=jnp.int32)
   run_begins = jnp.concatenate([jnp.ones((min(num_pairs, 1),), bool),
                                 sorted_expert[1:] != sorted_expert[:-1]])
-  first = jnp.full((e_count + 2,), num_pairs, jnp.int32).at[
-      jnp.where(run_begins, sorted_expert, e_count + 1)].min(position, mode="drop")
-  starts_all = jax.lax.cummin(first[:e_count + 1], reverse=True)  # (E + 1,), E: 'no expert'
+  first = jnp.full((e_count + 1,), num_pairs, jnp.int32).at[  # positions inside a run: dropped
+      jnp.where(run_begins, sorted_expert, e_count + 1)].set(position, mode="drop")
+  starts_all = jax.lax.cummin(first, reverse=True)  # (E + 1,), E: 'no expert'
   counts = starts_all[1:] - starts_all[:-1]
   starts = starts_all[:e_count]  # first sorted position of each expert
   group_sizes = _round_up(counts, row_tile)

@@ -41,7 +41,7 @@ GATHER = "auto"
 FUSED_BACKWARD_MAX_N = 512
 
 
-def _fused_gather(backward: bool, n: int) -> bool:
+def uses_fused_gather(backward: bool, n: int) -> bool:
   if GATHER == "auto":
     return not backward or n <= FUSED_BACKWARD_MAX_N
   return GATHER == "fused"
@@ -60,17 +60,12 @@ def _falls_back(role: str, reason: str | None) -> bool:
   return True
 
 
-def _gemm_config(role, *, d, n, num_experts):
-  """The role's core configuration for this problem, from the tuned table (`tuning.py`)."""
-  return tuning.gemm_config(role, d=d, n=n, num_experts=num_experts)
-
-
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
   if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
-  config = up.UpProjectionConfig(_gemm_config("up", d=d, n=width, num_experts=e))
-  if not _fused_gather(backward=False, n=width):
+  config = up.UpProjectionConfig(tuning.gemm_config("up", d=d, n=width, num_experts=e))
+  if not uses_fused_gather(backward=False, n=width):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
@@ -81,7 +76,7 @@ def down_projection(a, w2, b2, layout):
     return xla_backend.down_projection(a, w2, b2, layout)
   e, n, d = w2.shape
   return down.down_projection(a, w2, b2, layout, config=down.DownProjectionConfig(
-      _gemm_config("down", d=d, n=n, num_experts=e)))
+      tuning.gemm_config("down", d=d, n=n, num_experts=e)))
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
@@ -89,8 +84,8 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
   e, n, d = w2.shape
-  config = dh.DhProjectionConfig(_gemm_config("dh", d=d, n=n, num_experts=e))
-  if not _fused_gather(backward=True, n=n):
+  config = dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=e))
+  if not uses_fused_gather(backward=True, n=n):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
                                            activation, config=config)
   else:
@@ -110,7 +105,7 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   n, d = a_s.shape[1], x.shape[1]
   config = dataclasses.replace(wgrad.WeightGradConfig(), **tuning.tuned_fields(
       "weight_grad", d=d, n=n, num_experts=layout.num_experts))
-  if not _fused_gather(backward=True, n=n):  # the dO rows: CSE'd with dH's gather
+  if not uses_fused_gather(backward=True, n=n):  # the dO rows: CSE'd with dH's gather
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
     dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
   else:
@@ -127,7 +122,7 @@ def dx_projection(d_h, w1, layout):
     return xla_backend.dx_projection(d_h, w1, layout)
   e, d, width = w1.shape
   return dx.dx_projection(d_h, w1, layout, config=dx.DxProjectionConfig(
-      _gemm_config("dx", d=d, n=width, num_experts=e)))
+      tuning.gemm_config("dx", d=d, n=width, num_experts=e)))
 
 
 def make_backend(base):

@@ -163,12 +163,18 @@ def register_split(gather_impl: str | None, memory: int | None = None) -> tuple[
   return memory, compute
 
 
-def num_sms() -> int:
+def target_device():
+  """The GPU the kernels are built for: the abstract mesh's device (export, interpret mode), else
+  the first device."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
-    return mesh.abstract_device.num_cores
-  dev = jax.devices()[0]
-  return getattr(dev, "core_count", None) or 132
+    return mesh.abstract_device
+  return jax.devices()[0]
+
+
+def num_sms() -> int:
+  dev = target_device()
+  return getattr(dev, "num_cores", None) or getattr(dev, "core_count", None) or 132
 
 
 def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,

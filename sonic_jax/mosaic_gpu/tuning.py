@@ -24,9 +24,7 @@ import math
 import os
 from typing import Any
 
-import jax
-
-from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig, target_device
 
 ROLES = ("up", "down", "dh", "dx", "weight_grad")
 GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers")
@@ -71,10 +69,7 @@ def set_table(entries: list[dict[str, Any]] | None):
 
 
 def _device_kind() -> str:
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
-    return mesh.abstract_device.device_kind
-  return jax.devices()[0].device_kind
+  return target_device().device_kind
 
 
 def tuned_fields(role: str, *, d: int, n: int, num_experts: int) -> dict[str, Any]:
