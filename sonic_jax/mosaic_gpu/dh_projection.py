@@ -4,8 +4,9 @@ the per-row partial sums of dA' * A that add up to the router-score gradient dS.
 dO's rows are gathered by token as the A operand loads (or arrive in grouped order); w2 is stored
 (E, n, d), so B = w2_e^T is read as (block_n, tile_k) boxes of w2_e and transposed by wgmma. A
 column block covers
-BLOCK_N hidden units: the epilogue loads the matching H columns (gate and up for GLU activations),
-recomputes A in float32 and writes dH, A_s and one float32 partial of dS per row and column block,
+BLOCK_N hidden units: the matching H columns (gate and up for GLU activations) and row scores are
+TMA-copied into SMEM while the tile's mainloop runs; the epilogue recomputes A from them in float32
+and writes dH (in place of H in SMEM), A_s and one float32 partial of dS per row and column block,
 so neither Y nor A was stored by the forward. Reference: `sonic_jax.xla_backend.dh_projection`
 (without the b2 term of dS, which the backend adds).
 """
@@ -23,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm, unsupported_operands)
+                                                grouped_gemm, tiled, unsupported_operands)
 
 BLOCK_N = 128
 
@@ -59,49 +60,69 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     del j
     return w2_ref.at[expert, pl.ds(nb * BLOCK_N, BLOCK_N), k_slice]
 
+  pieces = BLOCK_N // cols  # 64-column pieces of the column block
+  h_pieces = 2 * pieces if glu else pieces  # GLU: the gate pieces, then the up pieces
+  rows_per_wg = tm // 2
+
+  def h_column(column_block, i):
+    half, piece = divmod(i, pieces)
+    return half * n + column_block * BLOCK_N + piece * cols
+
+  def prefetch(ctx, barrier):
+    """The tile's H columns and row scores, TMA-copied into SMEM while the mainloop runs."""
+    h_ref, s_ref = ctx.inputs
+    h_smem, _, s_smem = ctx.scratch
+    rows = pl.ds(ctx.row0, ctx.rows)
+    for i in range(h_pieces):
+      plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, i), cols)],
+                              h_smem.at[i], barrier)
+    plgpu.copy_gmem_to_smem(s_ref.at[rows], s_smem, barrier)
+
   def epilogue(accs, ctx):
     dh_ref, as_ref, ds_ref = ctx.outputs
-    h_ref, s_ref = ctx.inputs
-    staging, ds_smem = ctx.scratch
+    h_smem, as_smem, s_smem = ctx.scratch
     (acc,) = accs
     rows = pl.ds(ctx.row0, ctx.rows)
-    c0 = ctx.column_block * BLOCK_N
-    s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    plgpu.barrier_wait(ctx.prefetched)
+    s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    load = lambda i: plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     ds = None
-    for c in range(0, BLOCK_N, cols):  # 64 columns at a time bounds the live registers
-      d_a = acc[:, c:c + cols]
-      s_b = lax.broadcast_in_dim(s, d_a.shape, [0])
-      load = lambda col: plgpu.load(h_ref.at[rows, pl.ds(col, cols)], layout=plgpu.Layout.WGMMA,
-                                    optimized=False).astype(jnp.float32)
+    for p in range(pieces):  # 64 columns at a time bounds the live registers
+      d_a = acc[:, p * cols:(p + 1) * cols]
+      s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
+      # dH overwrites the H piece it came from (each thread rewrites the elements it read).
       if glu:
-        gate, up = load(c0 + c), load(n + c0 + c)
+        gate, up = load(p), load(pieces + p)
         act_gate = act_fn(gate)
         a = act_gate * up
-        stores = [((s_b * d_a * up * act_grad(gate)).astype(dtype),
-                   dh_ref.at[rows, pl.ds(c0 + c, cols)]),
-                  ((s_b * d_a * act_gate).astype(dtype), dh_ref.at[rows, pl.ds(n + c0 + c, cols)])]
+        h_smem[p] = (s_d_a * up * act_grad(gate)).astype(dtype)
+        h_smem[pieces + p] = (s_d_a * act_gate).astype(dtype)
       else:
-        pre = load(c0 + c)
+        pre = load(p)
         a = act_fn(pre)
-        stores = [((s_b * d_a * act_grad(pre)).astype(dtype), dh_ref.at[rows, pl.ds(c0 + c, cols)])]
-      stores.append(((s_b * a).astype(dtype), as_ref.at[rows, pl.ds(c0 + c, cols)]))
+        h_smem[p] = (s_d_a * act_grad(pre)).astype(dtype)
+      as_smem[p] = (lax.broadcast_in_dim(s, a.shape, [0]) * a).astype(dtype)
       part = jnp.sum(d_a * a, axis=1)
       ds = part if ds is None else ds + part
-      epi.store_tiles(stores, staging)
-    ds_smem[...] = ds
+    ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ds_smem, ds_ref.at[ctx.column_block, rows])
+    for i in range(h_pieces):
+      plgpu.copy_smem_to_gmem(h_smem.at[i],
+                              dh_ref.at[rows, pl.ds(h_column(ctx.column_block, i), cols)])
+    for p in range(pieces):
+      plgpu.copy_smem_to_gmem(as_smem.at[p],
+                              as_ref.at[rows, pl.ds(ctx.column_block * BLOCK_N + p * cols, cols)])
 
-  rows_per_wg = tm // 2
   role = GemmRole(
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=n // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=(epi.staging_buffers(rows_per_wg, dtype),
+      epilogue_scratch=(plgpu.SMEM((h_pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
+                        plgpu.SMEM((pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
                         plgpu.SMEM((rows_per_wg,), jnp.float32)),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
                  jax.ShapeDtypeStruct((n // BLOCK_N, layout.num_rows), jnp.float32)),
-      rhs_transposed=True)
+      rhs_transposed=True, epilogue_prefetch=prefetch, prefetch_copies=h_pieces + 1)
   return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
                       layout.row_token if gather else None, role,
                       (h, row_scores.astype(jnp.float32)), config.gemm)

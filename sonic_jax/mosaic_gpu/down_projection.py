@@ -30,11 +30,10 @@ def supports(a, w2) -> str | None:
 
 def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjectionConfig()):
   """Y (R, d) in a's dtype."""
-  e_count, n, d = w2.shape
+  _, n, d = w2.shape
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = a.dtype
-  bias = b2 if b2 is not None else jnp.zeros((e_count, d), dtype)
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
@@ -42,10 +41,11 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
 
   def epilogue(accs, ctx):
     (y_ref,) = ctx.outputs
-    (b_ref,) = ctx.inputs
-    (acc,) = accs
+    (y,) = accs
     c0 = ctx.column_block * BLOCK_N
-    y = acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], acc)
+    if b2 is not None:  # a GMEM load per tile: skipped without a bias
+      (b_ref,) = ctx.inputs
+      y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], y)
     epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
                     ctx.scratch)
 
@@ -53,5 +53,6 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
-  (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role, (bias,), config.gemm)
+  (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role,
+                      () if b2 is None else (b2,), config.gemm)
   return y

@@ -87,6 +87,8 @@ class EpilogueContext:
   inputs: Sequence[Any]  # the role's extra GMEM inputs
   outputs: Sequence[Any]  # the role's GMEM outputs
   scratch: Any  # this warpgroup's epilogue SMEM scratch
+  # Completes when the copies of the role's `epilogue_prefetch` landed (None without one).
+  prefetched: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,10 @@ class GemmRole:
   epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
   of one warpgroup and stores the outputs.
   epilogue_scratch: one plgpu.SMEM, or a tuple of them, per warpgroup.
+  epilogue_prefetch(ctx, barrier): optional; each compute warpgroup calls it as its tile's
+  mainloop starts, to TMA-copy the epilogue's GMEM inputs into its scratch (`prefetch_copies`
+  copies, all on `barrier`); the epilogue waits on `ctx.prefetched`. Epilogue inputs read straight
+  from GMEM stall the warpgroup for a full memory latency per load after the mainloop.
   """
 
   block_n: int
@@ -110,6 +116,8 @@ class GemmRole:
   epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (a plgpu.SMEM)
   out_types: Sequence[jax.ShapeDtypeStruct]
   rhs_transposed: bool = False
+  epilogue_prefetch: Callable | None = None
+  prefetch_copies: int = 0
 
 
 def tiled(dtype):
@@ -202,7 +210,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     n_in = len(extra_inputs)
     inputs, outputs = refs[:n_in], refs[n_in:]
 
-    def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready):
+    def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready, prefetch_bar):
       a_rows, a_tiles, a_raw = a_union
       if gather_impl == "cp_async":
         gather.init_stage_barriers(a_ready)
@@ -266,6 +274,12 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         def compute_tile(mi, nb, expert, step):
           rows = tm // _NUM_COMPUTE_WGS
           blocks = role.num_rhs_blocks
+          ctx = EpilogueContext(
+              row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
+              inputs=inputs, outputs=outputs,
+              scratch=(tuple(e.at[wg] for e in epi_scratch) if isinstance(epi_scratch, tuple)
+                       else epi_scratch.at[wg]),
+              prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
 
           def acc_scope(*acc_refs):
             @pl.loop(0, k_iters)
@@ -280,6 +294,13 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 if role.rhs_transposed:
                   b_block = b_block.transpose((1, 0))
                 plgpu.wgmma(acc_refs[j], a_half, b_block)
+              if role.epilogue_prefetch is not None:
+                # While the first wgmmas run: the previous tile's stores must have read the
+                # scratch before the prefetch overwrites it.
+                @pl.when(ki == 0)
+                def _():
+                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                  role.epilogue_prefetch(ctx, ctx.prefetched)
               plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
 
               @pl.when(ki > 0)
@@ -292,11 +313,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
           accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
                                             for _ in range(blocks)])
-          role.epilogue(accs, EpilogueContext(
-              row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
-              inputs=inputs, outputs=outputs,
-              scratch=(tuple(e.at[wg] for e in epi_scratch) if isinstance(epi_scratch, tuple)
-                       else epi_scratch.at[wg])))
+          role.epilogue(accs, ctx)
 
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
@@ -323,6 +340,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
         plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
         epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
+        (plgpu.Barrier(num_arrivals=role.prefetch_copies, num_barriers=_NUM_COMPUTE_WGS)
+         if role.epilogue_prefetch is not None else None),
         collective_axes="wg")
 
   if row_token is None:
@@ -335,7 +354,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True),
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True,
+          # Pallas reserves 2 KiB of SMEM for any reduction by default; the epilogues reduce
+          # only along the rows of a WGMMA fragment (shuffles within a warp, no SMEM).
+          reduction_scratch_bytes=0),
   )
   return kernel(tile_expert, num_tiles.reshape(1), row_token, lhs, rhs, *extra_inputs)
 

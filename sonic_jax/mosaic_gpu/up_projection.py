@@ -49,13 +49,12 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   kernel with a contiguous A operand, which measures what the fused gather costs.
   """
   del gate_up_layout  # "concat" (see `supports`)
-  e_count, d, width = w1.shape
+  _, d, width = w1.shape
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = x.dtype
   glu = activation.is_glu
   n = width // 2 if glu else width
-  bias = b1 if b1 is not None else jnp.zeros((e_count, width), dtype)
   act_fn = acts.kernel_fn(activation)
   bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
 
@@ -64,11 +63,13 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
 
   def epilogue(accs, ctx):
     h_ref, a_ref = ctx.outputs
-    (b_ref,) = ctx.inputs
     rows = pl.ds(ctx.row0, ctx.rows)
     c0 = ctx.column_block * bn
-    h = [(acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(j * n + c0, bn)], acc)).astype(dtype)
-         for j, acc in enumerate(accs)]
+    if b1 is not None:  # a GMEM load per tile: skipped without a bias
+      (b_ref,) = ctx.inputs
+      accs = [acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(j * n + c0, bn)], acc)
+              for j, acc in enumerate(accs)]
+    h = [acc.astype(dtype) for acc in accs]
     if glu:  # A from the rounded H, as the backward will recompute it
       a = act_fn(h[0].astype(jnp.float32)) * h[1].astype(jnp.float32)
     else:
@@ -83,5 +84,6 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, width), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype)))
   h, a = grouped_gemm(x, w1, layout.tile_expert, layout.num_tiles,
-                      layout.row_token if gather else None, role, (bias,), config.gemm)
+                      layout.row_token if gather else None, role, () if b1 is None else (b1,),
+                      config.gemm)
   return h, a
