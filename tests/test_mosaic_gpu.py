@@ -223,21 +223,25 @@ def test_moe_layer_token_rounding_against_oracle(rng, compiled, mode):
 
 
 DH_CASES = [
-    # (T, d, n, E, K, activation, skew)
-    (100, 64, 128, 3, 2, "swiglu", False),
-    (80, 128, 128, 4, 2, "geglu", True),
-    (60, 64, 256, 2, 1, "gelu", False),
-    (70, 64, 128, 3, 2, "relu_sq", True),
+    # (T, d, n, E, K, activation, skew, block_n)
+    (100, 64, 128, 3, 2, "swiglu", False, 128),
+    (80, 128, 128, 4, 2, "geglu", True, 128),
+    (60, 64, 256, 2, 1, "gelu", False, 128),
+    (70, 64, 128, 3, 2, "relu_sq", True, 128),
+    (90, 64, 256, 3, 2, "swiglu", True, 256),
+    (50, 64, 256, 2, 2, "silu", False, 256),
 ]
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,skew,gather", [  # gathered: one GLU, one plain
+@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gather", [  # gathered: GLU and plain
     case + (gather,) for case in DH_CASES for gather in (False, True)
     if not gather or case[5] in ("swiglu", "relu_sq")])
-def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, gather):
+def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, block_n,
+                                         gather):
   """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
-  rows gathered by the kernel, or given in grouped order."""
+  rows gathered by the kernel, or given in grouped order; H prefetched into SMEM (128-column
+  blocks) or read from GMEM (256)."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   if compiled:
     T, d, E = T * 40, d * 4, E * 4
@@ -250,11 +254,13 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
   scores = jnp.where(layout.row_valid(), jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32), 0.0)
   with kernel_mode(compiled):
-    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(*a, layout, act, gather=gather))(
+    config = dh.DhProjectionConfig(block_n=block_n)
+    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(*a, layout, act, config=config,
+                                                             gather=gather))(
         d_out if gather else d_out[layout.row_token], h, scores, w2)
   d_h_ref, a_s_ref, d_s_ref = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
                                                         "concat")
-  assert ds_parts.shape == (n // dh.BLOCK_N, rows)
+  assert ds_parts.shape == (n // block_n, rows)
   assert _rows_err(d_h, d_h_ref, layout) < 1e-2
   assert _rows_err(a_s, a_s_ref, layout) < 1e-2
   assert _rows_err(jnp.sum(ds_parts, 0), d_s_ref, layout) < 1e-2
@@ -332,6 +338,10 @@ def _lowering_cases():
       lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
                                        config=cp_async),
       (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+  cases["dh-swiglu-wide"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
+                                          config=dh.DhProjectionConfig(block_n=256)),
+      (spec(R, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   cases["down"] = (lambda a, w, b: down.down_projection(a, w, b, layout),
                    (spec(R, n), spec(E, n, d), spec(E, d)))
   cases["dx"] = (lambda g, w: dx.dx_projection(g, w, layout), (spec(R, 2 * n), spec(E, d, 2 * n)))
@@ -349,7 +359,7 @@ def _lowering_cases():
 
 
 @pytest.mark.parametrize("role", ["up-swiglu", "up-gelu", "up-relu_sq", "up-swiglu-cp_async",
-                                  "dh-swiglu", "dh-gelu", "dh-swiglu-gathered",
+                                  "dh-swiglu", "dh-gelu", "dh-swiglu-gathered", "dh-swiglu-wide",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):

@@ -4,10 +4,10 @@ the per-row partial sums of dA' * A that add up to the router-score gradient dS.
 dO's rows are gathered by token as the A operand loads (or arrive in grouped order); w2 is stored
 (E, n, d), so B = w2_e^T is read as (block_n, tile_k) boxes of w2_e and transposed by wgmma. A
 column block covers
-BLOCK_N hidden units: the matching H columns (gate and up for GLU activations) and row scores are
-TMA-copied into SMEM while the tile's mainloop runs; the epilogue recomputes A from them in float32
-and writes dH (in place of H in SMEM), A_s and one float32 partial of dS per row and column block,
-so neither Y nor A was stored by the forward. Reference: `sonic_jax.xla_backend.dh_projection`
+block_n hidden units; the epilogue reads the matching H columns (gate and up for GLU activations),
+recomputes A from them in float32 and writes dH, A_s and one float32 partial of dS per row and
+column block, so neither Y nor A was stored by the forward. With 128-column blocks the H columns
+and row scores are TMA-copied into SMEM while the tile's mainloop runs (`DhProjectionConfig`). Reference: `sonic_jax.xla_backend.dh_projection`
 (without the b2 term of dS, which the backend adds).
 """
 
@@ -26,23 +26,41 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, tiled, unsupported_operands)
 
-BLOCK_N = 128
+PREFETCH_BLOCK_N = 128  # the column block whose H columns fit in SMEM next to a 4-stage ring
+WIDE_BLOCK_N = 256  # twice the columns per tile: half the A-operand traffic per FLOP
 
 
 @dataclasses.dataclass(frozen=True)
 class DhProjectionConfig:
+  """block_n: hidden units per column block. 128: the tile's H columns are TMA-prefetched into
+  SMEM during the mainloop (short mainloops, small d, where the epilogue weighs). 256: a wider
+  tile that reads each dO tile half as often (long mainloops, large d, where the GEMM's L2 traffic
+  weighs); its epilogue reads H straight from GMEM, 64 columns at a time."""
+
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
+  block_n: int = PREFETCH_BLOCK_N
+
+  def __post_init__(self):
+    if self.block_n not in (PREFETCH_BLOCK_N, WIDE_BLOCK_N):
+      raise ValueError(f"block_n must be {PREFETCH_BLOCK_N} or {WIDE_BLOCK_N}, got {self.block_n}")
 
 
-def supports(h, w2, activation: acts.Activation, gate_up_layout: str) -> str | None:
+def default_block_n(d: int, n: int) -> int:
+  """The wide tile once the mainloop is long (measured on an H100: d = 4096, n = 2048, 128-column
+  tiles ran at 0.62 of the dense GEMM rate with the epilogue prefetched, bound by operand traffic)."""
+  return WIDE_BLOCK_N if d >= 2048 and n % WIDE_BLOCK_N == 0 else PREFETCH_BLOCK_N
+
+
+def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
+             block_n: int = PREFETCH_BLOCK_N) -> str | None:
   if activation.is_glu and gate_up_layout != "concat":
     return "the interleaved gate/up layout (not yet in the kernel)"
-  return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], BLOCK_N)])
+  return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], block_n)])
 
 
 def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                   config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False):
-  """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // BLOCK_N, R) float32.
+  """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // block_n, R) float32.
 
   d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
   whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
@@ -55,18 +73,33 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   glu = activation.is_glu
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)
   cols = epi.STORE_COLS
-
-  def rhs_copy(w2_ref, expert, k_slice, nb, j):
-    del j
-    return w2_ref.at[expert, pl.ds(nb * BLOCK_N, BLOCK_N), k_slice]
-
-  pieces = BLOCK_N // cols  # 64-column pieces of the column block
+  bn = config.block_n
+  prefetched = bn == PREFETCH_BLOCK_N
+  pieces = bn // cols  # 64-column pieces of the column block
   h_pieces = 2 * pieces if glu else pieces  # GLU: the gate pieces, then the up pieces
   rows_per_wg = tm // 2
 
+  def rhs_copy(w2_ref, expert, k_slice, nb, j):
+    del j
+    return w2_ref.at[expert, pl.ds(nb * bn, bn), k_slice]
+
   def h_column(column_block, i):
     half, piece = divmod(i, pieces)
-    return half * n + column_block * BLOCK_N + piece * cols
+    return half * n + column_block * bn + piece * cols
+
+  def piece_outputs(d_a, s, h_piece):
+    """For one 64-column piece: ([dH pieces], A_s piece, dS part) in float32."""
+    s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
+    if glu:
+      gate, up = h_piece(0), h_piece(1)
+      act_gate = act_fn(gate)
+      a = act_gate * up
+      d_h = [s_d_a * up * act_grad(gate), s_d_a * act_gate]
+    else:
+      pre = h_piece(0)
+      a = act_fn(pre)
+      d_h = [s_d_a * act_grad(pre)]
+    return d_h, lax.broadcast_in_dim(s, a.shape, [0]) * a, jnp.sum(d_a * a, axis=1)
 
   def prefetch(ctx, barrier):
     """The tile's H columns and row scores, TMA-copied into SMEM while the mainloop runs."""
@@ -78,51 +111,74 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                               h_smem.at[i], barrier)
     plgpu.copy_gmem_to_smem(s_ref.at[rows], s_smem, barrier)
 
-  def epilogue(accs, ctx):
-    dh_ref, as_ref, ds_ref = ctx.outputs
+  def prefetched_epilogue(acc, ctx, rows):
+    """H from SMEM; dH overwrites the H piece it came from (each thread rewrites the elements it
+    read), A_s goes through its own SMEM pieces; all stores issued at the end."""
+    dh_ref, as_ref, _ = ctx.outputs
     h_smem, as_smem, s_smem = ctx.scratch
-    (acc,) = accs
-    rows = pl.ds(ctx.row0, ctx.rows)
     plgpu.barrier_wait(ctx.prefetched)
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    load = lambda i: plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     ds = None
-    for p in range(pieces):  # 64 columns at a time bounds the live registers
-      d_a = acc[:, p * cols:(p + 1) * cols]
-      s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
-      # dH overwrites the H piece it came from (each thread rewrites the elements it read).
-      if glu:
-        gate, up = load(p), load(pieces + p)
-        act_gate = act_fn(gate)
-        a = act_gate * up
-        h_smem[p] = (s_d_a * up * act_grad(gate)).astype(dtype)
-        h_smem[pieces + p] = (s_d_a * act_gate).astype(dtype)
-      else:
-        pre = load(p)
-        a = act_fn(pre)
-        h_smem[p] = (s_d_a * act_grad(pre)).astype(dtype)
-      as_smem[p] = (lax.broadcast_in_dim(s, a.shape, [0]) * a).astype(dtype)
-      part = jnp.sum(d_a * a, axis=1)
+    for p in range(pieces):
+      d_h, a_s, part = piece_outputs(
+          acc[:, p * cols:(p + 1) * cols], s,
+          lambda half: plgpu.load(h_smem.at[half * pieces + p],
+                                  layout=plgpu.Layout.WGMMA).astype(jnp.float32))
+      for half, v in enumerate(d_h):
+        h_smem[half * pieces + p] = v.astype(dtype)
+      as_smem[p] = a_s.astype(dtype)
       ds = part if ds is None else ds + part
-    ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
     plgpu.commit_smem()
     for i in range(h_pieces):
       plgpu.copy_smem_to_gmem(h_smem.at[i],
                               dh_ref.at[rows, pl.ds(h_column(ctx.column_block, i), cols)])
     for p in range(pieces):
       plgpu.copy_smem_to_gmem(as_smem.at[p],
-                              as_ref.at[rows, pl.ds(ctx.column_block * BLOCK_N + p * cols, cols)])
+                              as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols, cols)])
+    return ds
 
+  def streamed_epilogue(acc, ctx, rows):
+    """H straight from GMEM and the outputs through the staging buffers, a piece at a time."""
+    dh_ref, as_ref, _ = ctx.outputs
+    h_ref, s_ref = ctx.inputs
+    s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    ds = None
+    for p in range(pieces):
+      d_h, a_s, part = piece_outputs(
+          acc[:, p * cols:(p + 1) * cols], s,
+          lambda half: plgpu.load(h_ref.at[rows, pl.ds(h_column(ctx.column_block,
+                                                                half * pieces + p), cols)],
+                                  layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32))
+      stores = [(v.astype(dtype),
+                 dh_ref.at[rows, pl.ds(h_column(ctx.column_block, half * pieces + p), cols)])
+                for half, v in enumerate(d_h)]
+      stores.append((a_s.astype(dtype), as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols,
+                                                               cols)]))
+      epi.store_tiles(stores, ctx.scratch)
+      ds = part if ds is None else ds + part
+    return ds
+
+  def epilogue(accs, ctx):
+    (acc,) = accs
+    rows = pl.ds(ctx.row0, ctx.rows)
+    ds = (prefetched_epilogue if prefetched else streamed_epilogue)(acc, ctx, rows)
+    ds_ref = ctx.outputs[2]
+    ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
+
+  if prefetched:
+    scratch = (plgpu.SMEM((h_pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
+               plgpu.SMEM((pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
+               plgpu.SMEM((rows_per_wg,), jnp.float32))
+  else:
+    scratch = epi.staging_buffers(rows_per_wg, dtype)
   role = GemmRole(
-      block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=n // BLOCK_N, rhs_copy=rhs_copy,
-      epilogue=epilogue,
-      epilogue_scratch=(plgpu.SMEM((h_pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
-                        plgpu.SMEM((pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
-                        plgpu.SMEM((rows_per_wg,), jnp.float32)),
+      block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
+      epilogue=epilogue, epilogue_scratch=scratch,
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
-                 jax.ShapeDtypeStruct((n // BLOCK_N, layout.num_rows), jnp.float32)),
-      rhs_transposed=True, epilogue_prefetch=prefetch, prefetch_copies=h_pieces + 1)
+                 jax.ShapeDtypeStruct((n // bn, layout.num_rows), jnp.float32)),
+      rhs_transposed=True, epilogue_prefetch=prefetch if prefetched else None,
+      prefetch_copies=h_pieces + 1 if prefetched else 0)
   return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
                       layout.row_token if gather else None, role,
                       (h, row_scores.astype(jnp.float32)), config.gemm)
