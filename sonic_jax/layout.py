@@ -174,7 +174,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   # A (tiles, E) compare-and-count: searchsorted's binary search is a while loop, one kernel
   # launch per step on a GPU.
   tile_expert = jnp.sum(tile_ends[None, :] <= tiles[:, None], axis=1, dtype=jnp.int32)
-  row_expert = jnp.repeat(tile_expert, row_tile, total_repeat_length=rows)
+  # (jnp.repeat with a static length builds its indices by a cumsum that XLA constant-folds
+  # slowly at these sizes.)
+  row_expert = jnp.broadcast_to(tile_expert[:, None], (rows // row_tile, row_tile)).reshape(rows)
 
   return GroupedLayout(
       row_token=row_token,
