@@ -94,7 +94,9 @@ def run_config(cfg, flops_rate, bw):
   # the kernels), and on pre-gathered contiguous rows (what the fused gathers cost).
   d_out_rows = rows_of(d_out, layout)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, gather=gather)
+  dh_config = mosaic_backend.dh_config(d, n, e)  # the layer's choice (column block width)
+  dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_config,
+                                                           gather=gather)
   d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
   wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, gathered=gathered)
   dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16

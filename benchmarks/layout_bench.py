@@ -7,8 +7,7 @@ For each configuration (default: the paper's grid), median ms of: the router GEM
 three together; the top-K selection alone (XLA's and, on a GPU, the Pallas kernel at several block
 sizes); with --baseline_layout (repeatable), the same layout pass from other versions of
 sonic_jax/layout.py (A/B comparison, e.g. `git show HEAD~1:sonic_jax/layout.py > /tmp/old.py`),
-each checked to give the same layout. On a GPU also both pair placements of the layout
-(`layout.PLACEMENT`: the counting-sort kernels and the argsort), checked identical.
+each checked to give the same layout.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import grid, timing
-from sonic_jax import layout as layout_mod
 from sonic_jax import routing
 from sonic_jax.layout import build_grouped_layout
 from sonic_jax.pallas import router_topk
@@ -60,20 +58,6 @@ def run_config(cfg, baselines):
     res["kernel_top_k_ms"] = {
         v: time(lambda lg, v=v: router_topk.top_k(lg, k, values_per_program=v), logits)
         for v in (1024, 2048, 4096, 8192)}
-  # Both pair placements of sonic_jax.layout (counting-sort kernels, argsort), checked identical.
-  res["layout_by_placement_ms"] = {}
-  layouts = {}
-  for placement in ("sort", "kernel") if jax.default_backend() == "gpu" else ("sort",):
-    old, layout_mod.PLACEMENT = layout_mod.PLACEMENT, placement
-    try:
-      fn = jax.jit(lambda i: build_grouped_layout(i, e, ROW_TILE))
-      layouts[placement] = fn(ids)
-      res["layout_by_placement_ms"][placement] = time(fn, ids)
-    finally:
-      layout_mod.PLACEMENT = old
-  res["placements_agree"] = all(
-      all(bool(jnp.array_equal(u, v)) for u, v in zip(layouts["sort"], other))
-      for other in layouts.values())
   res["baselines"] = {}
   for name, baseline in baselines.items():
     fn = lambda i, b=baseline: b.build_grouped_layout(i, e, ROW_TILE)
@@ -101,9 +85,6 @@ def main(_):
                      for k, v in r["baselines"].items()) or "–"
     print(f"| {','.join(map(str, cfg))} | {r['router_logits_ms']:.3f} | {r['route_ms']:.3f} | "
           f"{r['layout_ms']:.3f} | {base} | {r['route_and_layout_ms']:.3f} |", flush=True)
-    print("  layout by placement: " + ", ".join(
-        f"{k} {v:.3f} ms" for k, v in r["layout_by_placement_ms"].items())
-        + f" (identical: {r['placements_agree']})", flush=True)
     print(f"  top-K: lax {r['lax_top_k_ms']:.3f} ms, kernel "
           + ", ".join(f"{v}: {t:.3f}" for v, t in r.get("kernel_top_k_ms", {}).items()), flush=True)
   with open(os.path.join(FLAGS.out, "layout.json"), "w") as f:

@@ -20,8 +20,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sonic_jax.pallas import pair_placement
-
 Array = jax.Array
 
 
@@ -81,56 +79,20 @@ class GroupedLayout(NamedTuple):
     return self.extra_row < self.num_rows
 
 
-# How pairs are placed: "auto" (the counting-sort kernels on a GPU where they are available,
-# the argsort elsewhere), "kernel" or "sort". Both give identical layouts.
-PLACEMENT = "auto"
+def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
+  """(order, sorted ids) of the stable sort of the ids (values in [0, E]).
 
-
-def _counting_sort(num_pairs: int, num_experts: int) -> bool:
-  if PLACEMENT == "sort":
-    return False
-  usable = pair_placement.AVAILABLE and pair_placement.supports(num_pairs, num_experts) is None
-  if PLACEMENT == "kernel":
-    if not usable:
-      raise ValueError("layout.PLACEMENT='kernel' but the pair placement kernel cannot run here")
-    return True
-  return usable and jax.default_backend() == "gpu"
-
-
-def _place_by_counting(flat, pair_token, e_count, row_tile, rows):
-  """`sonic_jax.pallas.pair_placement`: two Pallas passes over the ids."""
-  return pair_placement.place_pairs(flat, pair_token, e_count, row_tile, rows,
-                                    interpret=jax.default_backend() != "gpu")
-
-
-def _place_by_sort(flat, pair_token, e_count, row_tile, rows):
-  """(pair_row, row_pair, row_token, counts) from a stable argsort of the ids (E: no expert)."""
+  When the pair index fits beside the id in 31 bits, one int32 key id << b | pair is sorted
+  instead: the keys are distinct, so any sort is the stable one, and a keys-only sort moves half
+  the bytes of a (key, index) sort with no gather of the sorted ids afterwards.
+  """
   num_pairs = flat.shape[0]
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # grouped position -> pair
-  sorted_expert = flat[order]
-
-  # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
-  # counters serialise on a GPU): the first sorted position of each expert that has pairs is where
-  # its run begins (one unique scatter); an expert without pairs starts where the next one does.
-  position = jnp.arange(num_pairs, dtype=jnp.int32)
-  run_begins = jnp.concatenate([jnp.ones((min(num_pairs, 1),), bool),
-                                sorted_expert[1:] != sorted_expert[:-1]])
-  first = jnp.full((e_count + 1,), num_pairs, jnp.int32).at[  # positions inside a run: dropped
-      jnp.where(run_begins, sorted_expert, e_count + 1)].set(position, mode="drop")
-  starts_all = jax.lax.cummin(first, reverse=True)  # (E + 1,), E: 'no expert'
-  counts = starts_all[1:] - starts_all[:-1]
-  starts = starts_all[:e_count]  # first sorted position of each expert
-  group_sizes = _round_up(counts, row_tile)
-  row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
-
-  safe_expert = jnp.minimum(sorted_expert, e_count - 1)
-  row_of_sorted = row_starts[safe_expert] + (position - starts[safe_expert])
-  row_of_sorted = jnp.where(sorted_expert < e_count, row_of_sorted, rows)
-
-  pair_row = jnp.full((num_pairs,), rows, jnp.int32).at[order].set(row_of_sorted)
-  row_pair = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
-  row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0).astype(jnp.int32)
-  return pair_row, row_pair, row_token, counts
+  index_bits = max(1, (num_pairs - 1).bit_length())
+  if index_bits + e_count.bit_length() > 31:
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return order, flat[order]
+  keys = jnp.sort((flat << index_bits) | jnp.arange(num_pairs, dtype=jnp.int32))
+  return keys & ((1 << index_bits) - 1), keys >> index_bits
 
 
 def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
@@ -163,10 +125,30 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   pair_token = jnp.concatenate([
       jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
       jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
-  flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E: 'no expert'
-  place = _place_by_counting if _counting_sort(num_pairs, e_count) else _place_by_sort
-  pair_row, row_pair, row_token, counts = place(flat, pair_token, e_count, row_tile, rows)
+  flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
+  order, sorted_expert = _sort_by_expert(flat, e_count)
+
+  # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
+  # counters serialise on a GPU): the first sorted position of each expert that has pairs is where
+  # its run begins (one unique scatter); an expert without pairs starts where the next one does.
+  position = jnp.arange(num_pairs, dtype=jnp.int32)
+  run_begins = jnp.concatenate([jnp.ones((min(num_pairs, 1),), bool),
+                                sorted_expert[1:] != sorted_expert[:-1]])
+  first = jnp.full((e_count + 1,), num_pairs, jnp.int32).at[  # positions inside a run: dropped
+      jnp.where(run_begins, sorted_expert, e_count + 1)].set(position, mode="drop")
+  starts_all = jax.lax.cummin(first, reverse=True)  # (E + 1,), E: 'no expert'
+  counts = starts_all[1:] - starts_all[:-1]
+  starts = starts_all[:e_count]  # first sorted position of each expert
   group_sizes = _round_up(counts, row_tile)
+  row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
+
+  safe_expert = jnp.minimum(sorted_expert, e_count - 1)
+  row_of_sorted = row_starts[safe_expert] + (position - starts[safe_expert])
+  row_of_sorted = jnp.where(sorted_expert < e_count, row_of_sorted, rows)
+
+  pair_row = jnp.full((num_pairs,), rows, jnp.int32).at[order].set(row_of_sorted)
+  row_pair = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
+  row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0).astype(jnp.int32)
 
   num_tiles = jnp.sum(group_sizes) // row_tile
   tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e

@@ -55,6 +55,18 @@ def test_grouped_layout_invariants(rng, row_tile, kind):
   assert np.all((lay.row_token >= 0) & (lay.row_token < T))
 
 
+@pytest.mark.parametrize("num_pairs,e_count", [(1, 1), (5000, 8), (70000, 256), (1000, 2**21)])
+def test_sort_by_expert_is_the_stable_argsort(rng, num_pairs, e_count):
+  """The packed-key sort (and its argsort fallback when the pair index does not fit beside the id,
+  the last case) gives the stable argsort's order, ties in pair order."""
+  from sonic_jax import layout
+  flat = jnp.asarray(rng.integers(0, min(e_count, 40) + 1, num_pairs), jnp.int32)  # many ties
+  order, sorted_ids = jax.jit(layout._sort_by_expert, static_argnums=1)(flat, e_count)
+  want = np.argsort(np.asarray(flat), kind="stable")
+  np.testing.assert_array_equal(np.asarray(order), want)
+  np.testing.assert_array_equal(np.asarray(sorted_ids), np.asarray(flat)[want])
+
+
 @pytest.mark.parametrize("name", sorted(acts.ACTIVATIONS))
 @pytest.mark.parametrize("layout", acts.GATE_UP_LAYOUTS)
 def test_activation_backward_matches_autodiff(rng, name, layout):

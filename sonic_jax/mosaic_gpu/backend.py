@@ -79,13 +79,18 @@ def down_projection(a, w2, b2, layout):
       tuning.gemm_config("down", d=d, n=n, num_experts=e)))
 
 
+def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
+  """The dH kernel's configuration for this problem (also what kernel_bench times)."""
+  return dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts),
+                               dh.default_block_n(d, n))
+
+
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
   e, n, d = w2.shape
-  block_n = dh.default_block_n(d, n)
-  if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, block_n)):
+  config = dh_config(d, n, e)
+  if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  config = dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=e), block_n)
   if not uses_fused_gather(backward=True, n=n):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
                                            activation, config=config)
