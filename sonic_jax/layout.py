@@ -2,7 +2,7 @@
 
 The P = T*S (token, slot) pairs, plus X optional *extra* pairs given as (token, expert) lists (token
 rounding adds them: an expert may take more tokens than the slots hold), are grouped by expert (a
-stable argsort of the expert ids, so slot pairs keep token order inside an expert, extras follow).
+stable sort of the expert ids, so slot pairs keep token order inside an expert, extras follow).
 Expert e's rows start at a multiple of `row_tile` and are padded up to the next multiple, so every
 `row_tile` rows of the grouped buffer belong to exactly one expert: a grouped GEMM tile never
 straddles two experts and needs no masking. Padding rows carry token 0 (a
