@@ -327,8 +327,9 @@ same kernels on rows gathered beforehand (the XLA gather that this needs is time
 
 `python -m benchmarks.token_rounding_bench` on {token_rounding['device']}, jax {token_rounding['jax']},
 backend `{token_rounding['backend']}` (row tile 128). "padding rows": rows of the grouped GEMMs that hold no
-(token, expert) pair, as a fraction of the pairs; "expert GEMMs": up-projection (with the XLA row gather and
-the activation epilogue) plus down-projection on the routing's layout, the paper's "kernel execution time";
+(token, expert) pair, as a fraction of the pairs; "expert GEMMs": up-projection (with the row gather as the backend
+runs it, inside the kernel on `mosaic_gpu`, and the activation epilogue) plus down-projection on the routing's
+layout, the paper's "kernel execution time"; "route+layout": router, top-K or rounding, grouped layout;
 TFLOP/s count the pairs actually computed. Configurations not listed were not reached in the run's time limit.
 
 {tr_table(token_rounding)}
