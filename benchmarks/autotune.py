@@ -1,9 +1,12 @@
 r"""Autotuning: measures the kernel configurations the `mosaic_gpu` backend may run and writes the
 table that `sonic_jax.mosaic_gpu.tuning` reads.
 
-  python -m benchmarks.autotune [--thiek=T,d,n,E,K ...] [--out=dir]
+  python -m benchmarks.autotune [--thiek=T,d,n,E,K ...] [--out=dir] [--nomerge]
   # then: SONIC_JAX_TUNED_CONFIGS=dir/tuned_configs.json, or copy it over the packaged
   # sonic_jax/mosaic_gpu/tuned_configs.json to ship it
+
+The table written holds this run's entries plus the current table's (the packaged one, or
+SONIC_JAX_TUNED_CONFIGS) for the problems this run does not measure; --nomerge: this run's only.
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
@@ -35,6 +38,8 @@ from sonic_jax.mosaic_gpu import tuning
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable; default: the grid)")
 flags.DEFINE_string("out", "bench_out", "output folder (tuned_configs.json)")
 flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
+flags.DEFINE_bool("merge", True, "write the current table's entries that this run does not "
+                  "re-measure too (else only this run's)")
 flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the incumbent")
 FLAGS = flags.FLAGS
 
@@ -117,10 +122,13 @@ def main(_):
          "command": "python -m benchmarks.autotune " + " ".join(sys.argv[1:]),
          "entries": [], "trials": []}
   os.makedirs(FLAGS.out, exist_ok=True)
+  base = list(tuning.table()) if FLAGS.merge else []
+  measured = []
   for cfg in configs:
     for role, (fn, args, n_key) in _problem(cfg).items():
       entry, trials = tune_role(cfg, role, fn, args, n_key, device)
-      out["entries"].append(entry)
+      measured.append(entry)
+      out["entries"] = tuning.merged(base, measured)
       out["trials"].append({"config": list(cfg), "role": role, "trials": trials})
       with open(os.path.join(FLAGS.out, "tuned_configs.json"), "w") as f:
         json.dump(out, f, indent=1)

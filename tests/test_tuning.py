@@ -58,6 +58,15 @@ def test_bad_tables_are_refused():
     tuning.tuned_fields("gate", d=1, n=1, num_experts=1)
 
 
+def test_merged_table_keeps_what_a_run_did_not_measure():
+  base = [_entry("up", 768, 512, 128, grid_tile_width=1), _entry("down", 768, 256, 128),
+          _entry("up", 768, 512, 128, device="NVIDIA H200", num_stages=3)]
+  new = [_entry("up", 768, 512, 128, grid_tile_width=8), _entry("dx", 4096, 512, 256)]
+  got = tuning.merged(base, new)
+  assert got == base[1:] + new  # the H100 "up" entry replaced, the H200 one kept
+  assert tuning.validate(got) == got
+
+
 def test_packaged_table_loads():
   tuning.set_table(None)
   for entry in tuning.table():

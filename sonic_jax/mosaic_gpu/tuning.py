@@ -61,6 +61,16 @@ def table() -> tuple[dict[str, Any], ...]:
   return _load(os.environ.get("SONIC_JAX_TUNED_CONFIGS", _PACKAGED))
 
 
+def _key(entry: dict[str, Any]) -> tuple:
+  return entry["role"], entry["device"], entry["d"], entry["n"], entry["E"]
+
+
+def merged(base: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """`base`'s entries that `new` does not re-measure (same role, GPU and problem), then `new`'s."""
+  fresh = {_key(e) for e in new}
+  return [e for e in base if _key(e) not in fresh] + list(new)
+
+
 def set_table(entries: list[dict[str, Any]] | None):
   """Uses `entries` (the format of `tuned_configs.json`'s "entries") from now on; None restores
   the packaged (or SONIC_JAX_TUNED_CONFIGS) table."""
