@@ -8,7 +8,8 @@ pre-gathered input needs, the down-projection and the aggregation; then the back
 dH role (with its activation-gradient, A_s and dS epilogue) and the two varlen-K weight gradients,
 each with its fused row gather (dO, x, dO) and on pre-gathered rows, and the dX role. Each
 kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes / measured device copy
-bandwidth). The forward and backward sums count what the backend runs (`summarize`).
+bandwidth). Every kernel runs with the configuration the layer gives it (`mosaic_gpu.backend`'s
+tuning-table lookup); the forward and backward sums count what the backend runs (`summarize`).
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ def run_config(cfg, flops_rate, bw):
   rows = int(layout.num_tiles) * 128
   rows_of = jax.jit(lambda v, lay: v[lay.row_token])
   x_rows = rows_of(x, layout)
-  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat")
-  up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", gather=False)
-  down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay)
+  # Every kernel with the configuration the layer gives it (the backend's tuning-table lookup).
+  up_cfg, down_cfg = mosaic_backend.up_config(d, 2 * n, e), mosaic_backend.down_config(d, n, e)
+  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat", config=up_cfg)
+  up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", config=up_cfg,
+                                                   gather=False)
+  down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay, config=down_cfg)
   h, a = jax.jit(up_contig)(x_rows, w1, layout)
   y_rows = jax.jit(down_fn)(a, w2, layout)
 
@@ -94,11 +98,12 @@ def run_config(cfg, flops_rate, bw):
   # the kernels), and on pre-gathered contiguous rows (what the fused gathers cost).
   d_out_rows = rows_of(d_out, layout)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  dh_config = mosaic_backend.dh_config(d, n, e)  # the layer's choice (column block width)
-  dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_config,
+  dh_cfg, dx_cfg = mosaic_backend.dh_config(d, n, e), mosaic_backend.dx_config(d, 2 * n, e)
+  wgrad_cfg = mosaic_backend.weight_grad_config(d, n, e)
+  dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg,
                                                            gather=gather)
   d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
-  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, gathered=gathered)
+  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, wgrad_cfg, gathered=gathered)
   dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16
   dw1_bytes, dw2_bytes = (rows * 2 * n + e * d * 2 * n) * b16, (rows * n + e * n * d) * b16
   for label, gathered in (("fused gather", True), ("contiguous input", False)):
@@ -114,7 +119,7 @@ def run_config(cfg, flops_rate, bw):
             functools.partial(wgrad_fn, gathered="rhs" if gathered else None),
             (a_s, g_src, layout), 2 * rows * n * d, dw2_bytes + src_rows),
     })
-  kernels["bwd dX rows (dH w1^T)"] = (lambda g, w, lay: dx.dx_projection(g, w, lay),
+  kernels["bwd dX rows (dH w1^T)"] = (lambda g, w, lay: dx.dx_projection(g, w, lay, dx_cfg),
                                       (d_h, w1, layout), 2 * rows * 2 * n * d,
                                       (rows * 2 * n + e * d * 2 * n + rows * d) * b16)
   res["kernels"] = {}

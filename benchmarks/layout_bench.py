@@ -19,7 +19,6 @@ import os
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import routing
@@ -35,10 +34,8 @@ ROW_TILE = 128
 
 
 def run_config(cfg, baselines):
-  t, d, _, e, k = cfg
-  keys = jax.random.split(jax.random.key(0), 2)
-  x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
-  rw = (jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+  _, _, _, e, k = cfg
+  x, rw = grid.random_problem(cfg)[:2]
   logits = routing.router_logits(x, rw)
   ids = routing.route(logits, k, "softmax_topk").expert_ids
   time = lambda fn, *a: timing.time_fn(fn, *a, repeats=FLAGS.repeats) * 1e3

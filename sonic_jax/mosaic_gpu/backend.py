@@ -60,11 +60,35 @@ def _falls_back(role: str, reason: str | None) -> bool:
   return True
 
 
+# Each role's kernel configuration for a problem: the defaults with what the tuning table gives
+# (the layer and benchmarks/kernel_bench.py both ask here).
+def up_config(d: int, width: int, num_experts: int) -> up.UpProjectionConfig:
+  return up.UpProjectionConfig(tuning.gemm_config("up", d=d, n=width, num_experts=num_experts))
+
+
+def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
+  return down.DownProjectionConfig(tuning.gemm_config("down", d=d, n=n, num_experts=num_experts))
+
+
+def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
+  return dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts),
+                               dh.default_block_n(d, n))
+
+
+def dx_config(d: int, width: int, num_experts: int) -> dx.DxProjectionConfig:
+  return dx.DxProjectionConfig(tuning.gemm_config("dx", d=d, n=width, num_experts=num_experts))
+
+
+def weight_grad_config(d: int, n: int, num_experts: int) -> wgrad.WeightGradConfig:
+  return dataclasses.replace(wgrad.WeightGradConfig(), **tuning.tuned_fields(
+      "weight_grad", d=d, n=n, num_experts=num_experts))
+
+
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
   if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
-  config = up.UpProjectionConfig(tuning.gemm_config("up", d=d, n=width, num_experts=e))
+  config = up_config(d, width, e)
   if not uses_fused_gather(backward=False, n=width):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
@@ -75,14 +99,7 @@ def down_projection(a, w2, b2, layout):
   if _falls_back("down-projection", down.supports(a, w2)):
     return xla_backend.down_projection(a, w2, b2, layout)
   e, n, d = w2.shape
-  return down.down_projection(a, w2, b2, layout, config=down.DownProjectionConfig(
-      tuning.gemm_config("down", d=d, n=n, num_experts=e)))
-
-
-def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
-  """The dH kernel's configuration for this problem (also what kernel_bench times)."""
-  return dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts),
-                               dh.default_block_n(d, n))
+  return down.down_projection(a, w2, b2, layout, config=down_config(d, n, e))
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
@@ -109,8 +126,7 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
     return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   n, d = a_s.shape[1], x.shape[1]
-  config = dataclasses.replace(wgrad.WeightGradConfig(), **tuning.tuned_fields(
-      "weight_grad", d=d, n=n, num_experts=layout.num_experts))
+  config = weight_grad_config(d, n, layout.num_experts)
   if not uses_fused_gather(backward=True, n=n):  # the dO rows: CSE'd with dH's gather
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
     dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
@@ -127,8 +143,7 @@ def dx_projection(d_h, w1, layout):
   if _falls_back("dX role", dx.supports(d_h, w1)):
     return xla_backend.dx_projection(d_h, w1, layout)
   e, d, width = w1.shape
-  return dx.dx_projection(d_h, w1, layout, config=dx.DxProjectionConfig(
-      tuning.gemm_config("dx", d=d, n=width, num_experts=e)))
+  return dx.dx_projection(d_h, w1, layout, config=dx_config(d, width, e))
 
 
 def make_backend(base):

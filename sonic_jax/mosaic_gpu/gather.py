@@ -9,13 +9,14 @@ consumers wait on that barrier next to the TMA barrier of the other operand, and
 proxy before wgmma reads the stage.
 
 Measured on an H100 over the paper's grid (`benchmarks/kernel_bench.py`): the up-projection with
-its gather takes -2% to +17% more time than the same kernel on pre-gathered rows, while an XLA
+its gather takes -3% to +14% more time than the same kernel on pre-gathered rows, while an XLA
 gather of those rows alone costs 13-103% of the kernel. Two earlier versions and what they taught:
 one thread per row (each warp instruction touched 32 rows, half a sector each: +58-87%), and
 completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrier arrive in the
-producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The hang of the first version
-was the register split, not the gather (see `grouped_gemm.register_split`). The interpreter cannot
-run inline Mosaic GPU code: interpreted kernels copy gathered rows one TMA per row instead.
+producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The
+hang of the first version was the register split, not the gather (see
+`grouped_gemm.register_split`). The interpreter cannot run inline Mosaic GPU code: interpreted
+kernels copy gathered rows one TMA per row instead.
 """
 
 from __future__ import annotations

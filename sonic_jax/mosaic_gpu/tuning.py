@@ -87,7 +87,8 @@ def tuned_fields(role: str, *, d: int, n: int, num_experts: int) -> dict[str, An
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}, got {role!r}")
   entries = [e for e in table() if e["role"] == role]
-  same_gpu = [e for e in entries if e["device"] == _device_kind()]
+  device = _device_kind()
+  same_gpu = [e for e in entries if e["device"] == device]
   entries = same_gpu or entries
   if not entries:
     return {}
