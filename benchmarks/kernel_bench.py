@@ -37,6 +37,8 @@ from sonic_jax.mosaic_gpu import weight_grad as wgrad
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
+                  "gate/up layout of w1, H and dH in the up-projection and dH kernels")
 FLAGS = flags.FLAGS
 
 
@@ -70,8 +72,9 @@ def run_config(cfg, flops_rate, bw):
   x_rows = rows_of(x, layout)
   # Every kernel with the configuration the layer gives it (the backend's tuning-table lookup).
   up_cfg, down_cfg = mosaic_backend.up_config(d, 2 * n, e), mosaic_backend.down_config(d, n, e)
-  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat", config=up_cfg)
-  up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, "concat", config=up_cfg,
+  gate_up = FLAGS.gate_up_layout
+  up_fn = lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, gate_up, config=up_cfg)
+  up_contig = lambda xr, w1, lay: up.up_projection(xr, w1, None, lay, act, gate_up, config=up_cfg,
                                                    gather=False)
   down_fn = lambda a, w2, lay: down.down_projection(a, w2, None, lay, config=down_cfg)
   h, a = jax.jit(up_contig)(x_rows, w1, layout)
@@ -101,7 +104,7 @@ def run_config(cfg, flops_rate, bw):
   dh_cfg, dx_cfg = mosaic_backend.dh_config(d, n, e), mosaic_backend.dx_config(d, 2 * n, e)
   wgrad_cfg = mosaic_backend.weight_grad_config(d, n, e)
   dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg,
-                                                           gather=gather)
+                                                           gather=gather, gate_up_layout=gate_up)
   d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
   wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, wgrad_cfg, gathered=gathered)
   dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16
@@ -165,7 +168,7 @@ def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   flops_rate, bw = ceilings()
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "dense_bf16_tflops": flops_rate / 1e12, "copy_gbps": bw / 1e9, "configs": []}
+         "gate_up_layout": FLAGS.gate_up_layout, "dense_bf16_tflops": flops_rate / 1e12, "copy_gbps": bw / 1e9, "configs": []}
   print(f"{out['device']}: dense bf16 GEMM {flops_rate / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s",
         flush=True)
   for cfg in configs:

@@ -37,6 +37,8 @@ flags.DEFINE_list("baselines", ["tokamax", "upper_bound"], "baselines to measure
                   "when importable)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "compute dtype")
 flags.DEFINE_enum("activation", "swiglu", sorted(sonic_jax.ACTIVATIONS), "expert activation")
+flags.DEFINE_enum("gate_up_layout", "concat", list(sonic_jax.activations.GATE_UP_LAYOUTS),
+                  "where a GLU's gate and up columns sit in w1 (interleaved: SonicMoE's order)")
 flags.DEFINE_enum("routing", "softmax_topk", list(sonic_jax.ROUTINGS), "routing")
 flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
                   "logits accumulate in float32 either way; SonicMoE's benchmark keeps it in bfloat16)")
@@ -126,7 +128,7 @@ def _sonic_rows(cfg, dtype, glu, sets, weights):
       continue
     for rounding in [None] + FLAGS.token_rounding:
       kw = dict(top_k=k, activation=FLAGS.activation, routing=FLAGS.routing, backend=resolved,
-                token_rounding=rounding)
+                token_rounding=rounding, gate_up_layout=FLAGS.gate_up_layout)
 
       def fwd(x, rw, w1, w2, kw=kw):
         return sonic_jax.moe(x, rw, w1, w2, **kw)[0]
@@ -210,6 +212,7 @@ def _environment():
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
           "command": "python -m benchmarks.moe_bench " + " ".join(sys.argv[1:]),
           "dtype": FLAGS.dtype, "activation": FLAGS.activation, "routing": FLAGS.routing,
+          "gate_up_layout": FLAGS.gate_up_layout,
           "router_dtype": FLAGS.router_dtype,
           "tokamax": baselines.tokamax_available()}
 

@@ -64,17 +64,20 @@ def _rows_err(got, want, layout):
 
 
 UP_CASES = [
-    # (T, d, n, E, K, activation, bias, skew)
-    (100, 128, 128, 4, 2, "swiglu", True, False),
-    (70, 64, 128, 3, 1, "geglu", False, True),
-    (50, 128, 256, 4, 2, "gelu", True, False),
-    (64, 64, 256, 2, 2, "relu_sq", False, True),
+    # (T, d, n, E, K, activation, bias, skew, gate_up_layout)
+    (100, 128, 128, 4, 2, "swiglu", True, False, "concat"),
+    (70, 64, 128, 3, 1, "geglu", False, True, "concat"),
+    (50, 128, 256, 4, 2, "gelu", True, False, "concat"),
+    (64, 64, 256, 2, 2, "relu_sq", False, True, "concat"),
+    (100, 128, 256, 4, 2, "swiglu", True, True, "interleaved"),
+    (70, 64, 128, 3, 2, "reglu", False, False, "interleaved"),
 ]
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,bias,skew", UP_CASES)
-def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, bias, skew):
+@pytest.mark.parametrize("T,d,n,E,K,activation,bias,skew,gate_up_layout", UP_CASES)
+def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, bias, skew,
+                                         gate_up_layout):
   from sonic_jax.mosaic_gpu import up_projection as up
   if compiled:  # real sizes on the GPU
     T, d, E = T * 40, d * 4, E * 4
@@ -83,8 +86,8 @@ def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   act = acts.get_activation(activation)
   layout = build_grouped_layout(ids, E, 128)
   with kernel_mode(compiled):
-    h, a = jax.jit(lambda *args: up.up_projection(*args, layout, act, "concat"))(x, w1, b1)
-  h_ref, a_ref = xla_backend.up_projection(x, w1, b1, layout, act, "concat")
+    h, a = jax.jit(lambda *args: up.up_projection(*args, layout, act, gate_up_layout))(x, w1, b1)
+  h_ref, a_ref = xla_backend.up_projection(x, w1, b1, layout, act, gate_up_layout)
   assert _rows_err(h, h_ref, layout) < 1e-2
   assert _rows_err(a, a_ref, layout) < 1e-2
 
@@ -121,11 +124,24 @@ def test_down_projection_matches_reference(rng, compiled, bias):
   assert _rows_err(y, xla_backend.down_projection(a, w2, b2, layout), layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("activation,bias,dtype", [("swiglu", True, jnp.bfloat16),
-                                                  ("relu", False, jnp.bfloat16),
-                                                  ("geglu", False, jnp.float16)])
-def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype):
+LAYER_CASES = [("swiglu", True, jnp.bfloat16, "concat"),
+               ("relu", False, jnp.bfloat16, "concat"),
+               ("geglu", False, jnp.float16, "interleaved")]
+
+
+def _with_modes(cases, compiled_only=()):
+  """pytest params (compiled, *case) for each mode, plus `compiled_only` cases on the GPU."""
+  name = lambda case: "-".join(getattr(v, "__name__", str(v)) for v in case)
+  return ([pytest.param(False, *c, id=f"interpret-{name(c)}") for c in cases]
+          + [pytest.param(True, *c, id=f"compiled-{name(c)}", marks=MODES[1].marks)
+             for c in tuple(cases) + tuple(compiled_only)])
+
+
+@pytest.mark.parametrize("compiled,activation,bias,dtype,gate_up_layout", _with_modes(
+    LAYER_CASES,
+    # on the GPU also SonicMoE's own layout with biases (CI's interpreter time goes elsewhere)
+    compiled_only=[("swiglu", True, jnp.bfloat16, "interleaved")]))
+def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_up_layout):
   """sonic_jax.moe(backend="mosaic_gpu"): output and every gradient against the float64 oracle."""
   T, d, n, E = (96, 64, 128, 4) if not compiled else (2048, 256, 256, 8)
   n = n if sonic_jax.ACTIVATIONS[activation].is_glu else 2 * n
@@ -140,7 +156,8 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype):
   def loss(*flat):
     a = dict(cast, **dict(zip(names, flat)))
     y, _ = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], b1=a["b1"], b2=a["b2"],
-                         top_k=2, activation=activation, backend="mosaic_gpu")
+                         top_k=2, activation=activation, gate_up_layout=gate_up_layout,
+                         backend="mosaic_gpu")
     return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), y
 
   with kernel_mode(compiled):
@@ -148,7 +165,7 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype):
                                                has_aux=True))(*[cast[k] for k in names])
   ids = select_experts(seen["x"], seen["router_weight"], 2)
   y_ref, g_ref = reference_values_and_grads(seen, d_y, ids, routing="softmax_topk",
-                                            activation=activation, gate_up_layout="concat")
+                                            activation=activation, gate_up_layout=gate_up_layout)
   errs = {"y": rel_err(y, y_ref), **{k: rel_err(g, g_ref[k]) for k, g in zip(names, grads)}}
   assert all(v < 2e-2 for v in errs.values()), errs
 
@@ -163,15 +180,14 @@ def test_mosaic_backend_refuses_a_non_hopper_device():
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("activation,layout,dtype", [
-    ("swiglu", "interleaved", jnp.bfloat16),  # up-projection falls back to the xla role
-    ("gelu", "concat", jnp.float32),  # float32: both projections fall back
+@pytest.mark.parametrize("activation,layout,dtype,n", [
+    ("swiglu", "interleaved", jnp.bfloat16, 192),  # n not a multiple of 128: up and dH fall back
+    ("gelu", "concat", jnp.float32, 256),  # float32: both projections fall back
 ])
-def test_moe_layer_fallbacks_stay_correct(rng, compiled, activation, layout, dtype):
+def test_moe_layer_fallbacks_stay_correct(rng, compiled, activation, layout, dtype, n):
   from sonic_jax.mosaic_gpu import down_projection as down
   from sonic_jax.mosaic_gpu import up_projection as up
-  glu = sonic_jax.ACTIVATIONS[activation].is_glu
-  T, d, n = 64, 256, 128 if glu else 256
+  T, d = 64, 256
   p, d_y = make_problem(rng, T=T, d=d, n=n, E=4, K=2, activation=activation)
   cast = {k: None if v is None else jnp.asarray(v, dtype) for k, v in p.items()}
   act = acts.get_activation(activation)
@@ -223,25 +239,27 @@ def test_moe_layer_token_rounding_against_oracle(rng, compiled, mode):
 
 
 DH_CASES = [
-    # (T, d, n, E, K, activation, skew, block_n)
-    (100, 64, 128, 3, 2, "swiglu", False, 128),
-    (80, 128, 128, 4, 2, "geglu", True, 128),
-    (60, 64, 256, 2, 1, "gelu", False, 128),
-    (70, 64, 128, 3, 2, "relu_sq", True, 128),
-    (90, 64, 256, 3, 2, "swiglu", True, 256),
-    (50, 64, 256, 2, 2, "silu", False, 256),
+    # (T, d, n, E, K, activation, skew, block_n, gate_up_layout)
+    (100, 64, 128, 3, 2, "swiglu", False, 128, "concat"),
+    (80, 128, 128, 4, 2, "geglu", True, 128, "concat"),
+    (60, 64, 256, 2, 1, "gelu", False, 128, "concat"),
+    (70, 64, 128, 3, 2, "relu_sq", True, 128, "concat"),
+    (90, 64, 256, 3, 2, "swiglu", True, 256, "concat"),
+    (50, 64, 256, 2, 2, "silu", False, 256, "concat"),
+    (90, 64, 256, 3, 2, "swiglu", True, 128, "interleaved"),
+    (70, 64, 256, 2, 2, "geglu", False, 256, "interleaved"),
 ]
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gather", [  # gathered: GLU and plain
-    case + (gather,) for case in DH_CASES for gather in (False, True)
-    if not gather or case[5] in ("swiglu", "relu_sq")])
+@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gate_up_layout,gather", [
+    case + (gather,) for case in DH_CASES for gather in (False, True)  # gathered: GLU and plain
+    if not gather or (case[5], case[8]) in (("swiglu", "concat"), ("relu_sq", "concat"))])
 def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, block_n,
-                                         gather):
+                                         gate_up_layout, gather):
   """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
   rows gathered by the kernel, or given in grouped order; H prefetched into SMEM (128-column
-  blocks) or read from GMEM (256)."""
+  blocks) or read from GMEM (256); both gate/up layouts."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   if compiled:
     T, d, E = T * 40, d * 4, E * 4
@@ -255,11 +273,11 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   scores = jnp.where(layout.row_valid(), jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32), 0.0)
   with kernel_mode(compiled):
     config = dh.DhProjectionConfig(block_n=block_n)
-    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(*a, layout, act, config=config,
-                                                             gather=gather))(
-        d_out if gather else d_out[layout.row_token], h, scores, w2)
+    d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(
+        *a, layout, act, config=config, gather=gather, gate_up_layout=gate_up_layout))(
+            d_out if gather else d_out[layout.row_token], h, scores, w2)
   d_h_ref, a_s_ref, d_s_ref = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
-                                                        "concat")
+                                                        gate_up_layout)
   assert ds_parts.shape == (n // block_n, rows)
   assert _rows_err(d_h, d_h_ref, layout) < 1e-2
   assert _rows_err(a_s, a_s_ref, layout) < 1e-2
@@ -331,6 +349,18 @@ def _lowering_cases():
     cases[f"up-{name}"] = (lambda x, w, b, act=act: up.up_projection(x, w, b, layout, act, "concat",
                                                                       gather=False),
                            (spec(R, d), spec(E, d, width), spec(E, width)))
+    if act.is_glu:
+      cases[f"up-{name}-interleaved"] = (
+          lambda x, w, b, act=act: up.up_projection(x, w, b, layout, act, "interleaved",
+                                                    gather=False),
+          (spec(R, d), spec(E, d, width), spec(E, width)))
+    if act.is_glu:
+      for block_n in (128, 256):
+        cases[f"dh-{name}-interleaved-{block_n}"] = (
+            lambda a, h, s, w, act=act, block_n=block_n: dh.dh_projection(
+                a, h, s, w, layout, act, config=dh.DhProjectionConfig(block_n=block_n),
+                gate_up_layout="interleaved"),
+            (spec(R, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d)))
     cases[f"dh-{name}"] = (lambda a, h, s, w, act=act: dh.dh_projection(a, h, s, w, layout, act),
                            (spec(R, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d)))
   cp_async = up.UpProjectionConfig(GroupedGemmConfig(gather_impl="cp_async"))
@@ -358,8 +388,9 @@ def _lowering_cases():
   return cases
 
 
-@pytest.mark.parametrize("role", ["up-swiglu", "up-gelu", "up-relu_sq", "up-swiglu-cp_async",
-                                  "dh-swiglu", "dh-gelu", "dh-swiglu-gathered", "dh-swiglu-wide",
+@pytest.mark.parametrize("role", ["up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq", "up-swiglu-cp_async",
+                                  "dh-swiglu", "dh-swiglu-interleaved-128",
+                                  "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered", "dh-swiglu-wide",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):

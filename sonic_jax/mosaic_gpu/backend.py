@@ -110,10 +110,12 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
                                      gate_up_layout)
   if not uses_fused_gather(backward=True, n=n):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
-                                           activation, config=config)
+                                           activation, config=config,
+                                           gate_up_layout=gate_up_layout)
   else:
     d_h, a_s, d_s_parts = dh.dh_projection(d_out, h, row_scores, w2, layout, activation,
-                                           config=config, gather=True)
+                                           config=config, gather=True,
+                                           gate_up_layout=gate_up_layout)
   d_s = jnp.sum(d_s_parts, axis=0)
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
     d_s = d_s + jnp.sum(d_out[layout.row_token].astype(jnp.float32)

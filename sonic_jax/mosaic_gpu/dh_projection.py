@@ -56,52 +56,70 @@ def default_block_n(d: int, n: int) -> int:
 
 def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
              block_n: int = PREFETCH_BLOCK_N) -> str | None:
-  if activation.is_glu and gate_up_layout != "concat":
-    return "the interleaved gate/up layout (not yet in the kernel)"
+  if gate_up_layout not in acts.GATE_UP_LAYOUTS:
+    return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
   return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], block_n)])
 
 
 def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
-                  config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False):
+                  config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False,
+                  gate_up_layout: str = "concat"):
   """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // block_n, R) float32.
 
   d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
   whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
   float32, 0 on padding rows. Rows of tiles past `layout.num_tiles` are left unwritten.
+  gate_up_layout: where a GLU's gate and up columns sit in H (and dH). The interleaved layout is
+  read and written as uint32 words of (gate, up) pairs (a bitcast of H, no copy), so each pair
+  lands in one thread and a column block's pairs are one dense box.
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = h.dtype
   glu = activation.is_glu
+  interleaved = glu and gate_up_layout == "interleaved"
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)
   cols = epi.STORE_COLS
   bn = config.block_n
   prefetched = bn == PREFETCH_BLOCK_N
   pieces = bn // cols  # 64-column pieces of the column block
-  h_pieces = 2 * pieces if glu else pieces  # GLU: the gate pieces, then the up pieces
+  # H pieces per column block: concat GLU the gate pieces, then the up pieces; interleaved GLU
+  # one (rows, 64) piece of pair words per 64 hidden units.
+  h_pieces = 2 * pieces if glu and not interleaved else pieces
+  h_in = epi.words_of(h) if interleaved else h
+  h_type = h_in.dtype
   rows_per_wg = tm // 2
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
     return w2_ref.at[expert, pl.ds(nb * bn, bn), k_slice]
 
-  def h_column(column_block, i):
+  def h_column(column_block, i):  # first column of H piece i in h_in
     half, piece = divmod(i, pieces)
     return half * n + column_block * bn + piece * cols
 
-  def piece_outputs(d_a, s, h_piece):
-    """For one 64-column piece: ([dH pieces], A_s piece, dS part) in float32."""
+  def h_halves(p):  # the H pieces that hidden units [p * 64, (p + 1) * 64) of the block use
+    return [p] if h_pieces == pieces else [p, pieces + p]
+
+  def piece_outputs(d_a, s, h_values):
+    """For one 64-column piece: ([dH pieces], A_s piece, dS part); h_values are the piece's H
+    pieces as loaded, the dH pieces ready to store in their place."""
     s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
+    if interleaved:
+      gate, up = epi.unpack_pairs(h_values[0], dtype)
+    elif glu:
+      gate, up = (v.astype(jnp.float32) for v in h_values)
     if glu:
-      gate, up = h_piece(0), h_piece(1)
       act_gate = act_fn(gate)
       a = act_gate * up
-      d_h = [s_d_a * up * act_grad(gate), s_d_a * act_gate]
+      d_gate, d_up = s_d_a * up * act_grad(gate), s_d_a * act_gate
+      d_h = ([epi.pack_pairs(d_gate, d_up, dtype)] if interleaved
+             else [d_gate.astype(dtype), d_up.astype(dtype)])
     else:
-      pre = h_piece(0)
+      pre = h_values[0].astype(jnp.float32)
       a = act_fn(pre)
-      d_h = [s_d_a * act_grad(pre)]
+      d_h = [(s_d_a * act_grad(pre)).astype(dtype)]
     return d_h, lax.broadcast_in_dim(s, a.shape, [0]) * a, jnp.sum(d_a * a, axis=1)
 
   def prefetch(ctx, barrier):
@@ -123,12 +141,12 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     ds = None
     for p in range(pieces):
+      halves = h_halves(p)
       d_h, a_s, part = piece_outputs(
           acc[:, p * cols:(p + 1) * cols], s,
-          lambda half: plgpu.load(h_smem.at[half * pieces + p],
-                                  layout=plgpu.Layout.WGMMA).astype(jnp.float32))
-      for half, v in enumerate(d_h):
-        h_smem[half * pieces + p] = v.astype(dtype)
+          [plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA) for i in halves])
+      for i, v in zip(halves, d_h):
+        h_smem[i] = v
       as_smem[p] = a_s.astype(dtype)
       ds = part if ds is None else ds + part
     plgpu.commit_smem()
@@ -147,14 +165,12 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     ds = None
     for p in range(pieces):
+      columns = [pl.ds(h_column(ctx.column_block, i), cols) for i in h_halves(p)]
       d_h, a_s, part = piece_outputs(
           acc[:, p * cols:(p + 1) * cols], s,
-          lambda half: plgpu.load(h_ref.at[rows, pl.ds(h_column(ctx.column_block,
-                                                                half * pieces + p), cols)],
-                                  layout=plgpu.Layout.WGMMA, optimized=False).astype(jnp.float32))
-      stores = [(v.astype(dtype),
-                 dh_ref.at[rows, pl.ds(h_column(ctx.column_block, half * pieces + p), cols)])
-                for half, v in enumerate(d_h)]
+          [plgpu.load(h_ref.at[rows, c], layout=plgpu.Layout.WGMMA, optimized=False)
+           for c in columns])
+      stores = [(v, dh_ref.at[rows, c]) for v, c in zip(d_h, columns)]
       stores.append((a_s.astype(dtype), as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols,
                                                                cols)]))
       epi.store_tiles(stores, ctx.scratch)
@@ -169,19 +185,22 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
 
   if prefetched:
-    scratch = (plgpu.SMEM((h_pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
+    scratch = (plgpu.SMEM((h_pieces, rows_per_wg, cols), h_type, transforms=tiled(h_type)),
                plgpu.SMEM((pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
                plgpu.SMEM((rows_per_wg,), jnp.float32))
+  elif interleaved:  # 16-bit A_s pieces and 32-bit dH words through the same staging bytes
+    scratch = epi.word_staging_buffers(rows_per_wg, dtype)
   else:
     scratch = epi.staging_buffers(rows_per_wg, dtype)
   role = GemmRole(
       block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=epilogue, epilogue_scratch=scratch,
-      out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),
+      out_types=(jax.ShapeDtypeStruct((layout.num_rows, h_in.shape[1]), h_type),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
                  jax.ShapeDtypeStruct((n // bn, layout.num_rows), jnp.float32)),
       rhs_transposed=True, epilogue_prefetch=prefetch if prefetched else None,
       prefetch_copies=h_pieces + 1 if prefetched else 0)
-  return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
-                      layout.row_token if gather else None, role,
-                      (h, row_scores.astype(jnp.float32)), config.gemm)
+  d_h, a_s, d_s_parts = grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
+                                     layout.row_token if gather else None, role,
+                                     (h_in, row_scores.astype(jnp.float32)), config.gemm)
+  return (epi.from_words(d_h, dtype) if interleaved else d_h), a_s, d_s_parts

@@ -1,4 +1,5 @@
-"""Small epilogue helpers shared by the GEMM roles: bias broadcast and staged TMA stores."""
+"""Small epilogue helpers shared by the GEMM roles: bias broadcast, staged TMA stores and the
+(gate, up) pair words of the interleaved GLU layout."""
 
 from __future__ import annotations
 
@@ -9,13 +10,60 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.mosaic_gpu.grouped_gemm import tiled
 
+_SWIZZLE_BYTES = 128
 STORE_COLS = 64  # columns per staged store: one 128-byte swizzled row of 16-bit values
 NUM_STAGING = 2
 
 
-def staging_buffers(rows, dtype):
-  """Per-warpgroup SMEM for the epilogue: NUM_STAGING (rows, 64) tiles, double buffered."""
-  return plgpu.SMEM((NUM_STAGING, rows, STORE_COLS), dtype, transforms=tiled(dtype))
+def staging_buffers(rows, dtype, slots=NUM_STAGING):
+  """Per-warpgroup SMEM for the epilogue: (rows, 64) tiles, by default double buffered."""
+  return plgpu.SMEM((slots, rows, STORE_COLS), dtype, transforms=tiled(dtype))
+
+
+def half_staging_buffers(rows, dtype):
+  """NUM_STAGING (rows, 32) 16-bit tiles (64-byte rows, 64-byte swizzle): the pieces of A that
+  one piece of interleaved (gate, up) pairs gives."""
+  half = STORE_COLS // 2
+  return plgpu.SMEM((NUM_STAGING, rows, half), dtype,
+                    transforms=(plgpu.TilingTransform((8, half)), plgpu.SwizzleTransform(64)))
+
+
+def pair_staging_buffers(rows, dtype, *more):
+  """A RefUnion of ((pair staging, *more), words), seen by an epilogue as the flat tuple
+  (staging, *more, words): staging is one (rows, 64) 16-bit tile of (gate, up) pairs of the
+  interleaved layout, words a uint32 view of its bytes, (rows, 32), one pair a word. With
+  128-byte rows the (8, 64) 16-bit and the (8, 32) 32-bit tilings lay each row out on the same
+  bytes, and the swizzle is a function of the address. On a GPU the two views alias (the first
+  ref of each group of a union starts at its first byte); the interpreter keeps them apart, so a
+  role reads the words only when compiled. A union only unpacks as a whole scratch (not inside a
+  tuple), hence `more`: the role's other buffers."""
+  return plgpu.RefUnion((staging_buffers(rows, dtype, slots=1),) + more,
+                        plgpu.SMEM((1, rows, STORE_COLS // 2), jnp.uint32,
+                                   transforms=tiled(jnp.uint32)))
+
+
+def unpack_pairs(words, dtype):
+  """uint32 words holding (gate, up) 16-bit pairs (gate in the low half, as the interleaved
+  layout's little-endian bytes put it) -> (gate, up) in float32."""
+  half = lambda w: lax.bitcast_convert_type(w.astype(jnp.uint16), dtype).astype(jnp.float32)
+  return half(words & 0xFFFF), half(lax.shift_right_logical(words, jnp.uint32(16)))
+
+
+def pack_pairs(gate, up, dtype):
+  """Inverse of `unpack_pairs`: float32 (gate, up) rounded to `dtype`, one uint32 word a pair."""
+  bits = lambda v: lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)
+  return bits(gate) | lax.shift_left(bits(up), jnp.uint32(16))
+
+
+def words_of(x):
+  """(..., 2m) interleaved 16-bit array -> its (..., m) uint32 pair words (a bitcast)."""
+  return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint32)
+
+
+def from_words(words, dtype):
+  """Inverse of `words_of`."""
+  x = lax.bitcast_convert_type(words, dtype)
+  return x.reshape(x.shape[:-2] + (x.shape[-2] * 2,))
 
 
 def column_vector(ref, like):
@@ -24,20 +72,35 @@ def column_vector(ref, like):
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 
+def word_staging_buffers(rows, dtype):
+  """`staging_buffers` and a uint32 view of the same bytes, (NUM_STAGING, rows, 32): an epilogue
+  that stores both 16-bit values and 32-bit (gate, up) pair words sees the tuple (16-bit view,
+  32-bit view) and `store_tiles` picks by dtype."""
+  return plgpu.RefUnion(staging_buffers(rows, dtype),
+                        plgpu.SMEM((NUM_STAGING, rows, STORE_COLS // 2), jnp.uint32,
+                                   transforms=tiled(jnp.uint32)))
+
+
 def store_tiles(stores, staging):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
-  Each value is cut into 64-column pieces; a buffer is reused only after the TMA store that read it
-  has finished reading, so stores overlap with the next piece's register-to-SMEM copy.
+  Each value is cut into 128-byte-wide pieces (64 16-bit or 32 32-bit columns); a buffer is
+  reused only after the TMA store that read it has finished reading, so stores overlap with the
+  next piece's register-to-SMEM copy. staging: the buffers, or (16-bit view, 32-bit view) of them
+  (`word_staging_buffers`).
   """
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
   i = 0
   for value, dst in stores:
-    for c in range(0, value.shape[1], STORE_COLS):
+    buffers = staging
+    if isinstance(staging, tuple):
+      buffers = staging[1] if value.dtype == jnp.uint32 else staging[0]
+    width = _SWIZZLE_BYTES // value.dtype.itemsize
+    for c in range(0, value.shape[1], width):
       slot = i % NUM_STAGING
       if i >= NUM_STAGING:
         plgpu.wait_smem_to_gmem(NUM_STAGING - 1, wait_read_only=True)
-      staging[slot] = value[:, c:c + STORE_COLS]
+      buffers[slot] = value[:, c:c + width]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[:, c:c + STORE_COLS])
+      plgpu.copy_smem_to_gmem(buffers.at[slot], dst.at[:, c:c + width])
       i += 1

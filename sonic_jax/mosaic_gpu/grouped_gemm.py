@@ -101,7 +101,8 @@ class GemmRole:
   backward's w^T products need no transposed copy of the weights.
   epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
   of one warpgroup and stores the outputs.
-  epilogue_scratch: one plgpu.SMEM, or a tuple of them, per warpgroup.
+  epilogue_scratch: one plgpu.SMEM or plgpu.RefUnion, or a tuple of them, per warpgroup; the
+  epilogue sees this warpgroup's refs (a RefUnion as the flat tuple of its members' leaves).
   epilogue_prefetch(ctx, barrier): optional; each compute warpgroup calls it as its tile's
   mainloop starts, to TMA-copy the epilogue's GMEM inputs into its scratch (`prefetch_copies`
   copies, all on `barrier`); the epilogue waits on `ctx.prefetched`. Epilogue inputs read straight
@@ -183,6 +184,28 @@ def target_device():
 def num_sms() -> int:
   dev = target_device()
   return getattr(dev, "num_cores", None) or getattr(dev, "core_count", None) or 132
+
+
+def _per_warpgroup(scratch):
+  """One copy of a role's epilogue scratch (an SMEM, a RefUnion, or a tuple of them) for each
+  compute warpgroup: a leading warpgroup dimension on every buffer."""
+  if isinstance(scratch, tuple):
+    return tuple(map(_per_warpgroup, scratch))
+  if isinstance(scratch, plgpu.RefUnion):
+    return plgpu.RefUnion(*map(_per_warpgroup, scratch.refs))
+  return plgpu.SMEM((_NUM_COMPUTE_WGS,) + scratch.shape, scratch.dtype,
+                    transforms=scratch.transforms)
+
+
+def _at_warpgroup(refs, scratch, wg):
+  """This warpgroup's view of the scratch refs; `scratch` is their spec. A RefUnion arrives as a
+  ref that iterates over its groups: the epilogue gets the flat tuple of their refs."""
+  if isinstance(scratch, tuple):
+    return tuple(_at_warpgroup(r, s, wg) for r, s in zip(refs, scratch))
+  if isinstance(scratch, plgpu.RefUnion):
+    flat = lambda g: [x for r in g for x in flat(r)] if isinstance(g, (tuple, list)) else [g]
+    return tuple(r.at[wg] for r in flat(tuple(refs)))
+  return refs.at[wg]
 
 
 def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
@@ -277,8 +300,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
           ctx = EpilogueContext(
               row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
               inputs=inputs, outputs=outputs,
-              scratch=(tuple(e.at[wg] for e in epi_scratch) if isinstance(epi_scratch, tuple)
-                       else epi_scratch.at[wg]),
+              scratch=_at_warpgroup(epi_scratch, role.epilogue_scratch, wg),
               prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
 
           def acc_scope(*acc_refs):
@@ -331,10 +353,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     )
     b_block = (role.block_n, tk) if role.rhs_transposed else (tk, role.block_n)
     b_smem = plgpu.SMEM((stages, role.num_rhs_blocks) + b_block, dtype, transforms=tiled(dtype))
-    per_wg = lambda es: plgpu.SMEM((_NUM_COMPUTE_WGS,) + es.shape, es.dtype,
-                                   transforms=es.transforms)
-    es = role.epilogue_scratch
-    epi = tuple(map(per_wg, es)) if isinstance(es, tuple) else per_wg(es)
+    epi = _per_warpgroup(role.epilogue_scratch)
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),

@@ -4,9 +4,15 @@ The rows of x are gathered by token index as the A operand is loaded (no gathere
 HBM); the epilogue adds the bias, applies the activation in float32 and stores both the
 pre-activation H (kept for the backward) and A (read by the down-projection).
 
-GLU activations use the "concat" gate/up layout natively: a column block covers BLOCK_N hidden
-units and reads two B blocks, their gate columns (w1[e][:, u0:u0+BLOCK_N]) and their up columns
-(w1[e][:, n+u0:...]), so both halves of act(gate) * up meet in one warpgroup's registers.
+GLU activations take either gate/up layout of w1 as it is (no permuted copy of w1). A column
+block covers GLU_BLOCK_N hidden units and reads two B blocks of GLU_BLOCK_N columns each:
+- "concat": the gate columns (w1[e][:, u0:u0+BLOCK_N]) and the up columns (w1[e][:, n+u0:...]),
+  so both halves of act(gate) * up meet in one warpgroup's registers;
+- "interleaved": the block's 2 * BLOCK_N consecutive columns, (gate, up) side by side. H is
+  stored as it comes; each 64-column H piece, once in SMEM for its store, is read back as 32
+  uint32 words, one (gate, up) pair each, so a pair lands in one thread (a wgmma fragment puts
+  adjacent columns in one thread, but Mosaic GPU has no strided register slice) and gives 32
+  columns of A.
 Reference: `sonic_jax.xla_backend.up_projection`.
 """
 
@@ -17,8 +23,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax import activations as acts
+from sonic_jax.backends import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
@@ -34,8 +42,8 @@ class UpProjectionConfig:
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
   """None when the kernel handles this problem, else the reason it does not."""
-  if activation.is_glu and gate_up_layout != "concat":
-    return "the interleaved gate/up layout (not yet in the kernel)"
+  if gate_up_layout not in acts.GATE_UP_LAYOUTS:
+    return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
   n = w1.shape[2] // activation.width_multiplier()
   block_n = GLU_BLOCK_N if activation.is_glu else PLAIN_BLOCK_N
   return unsupported_operands(x, w1, [("d", x.shape[1], 64), ("n", n, block_n)])
@@ -48,39 +56,83 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   With gather=False, x must already be the (R, d) grouped buffer x[layout.row_token]: the same
   kernel with a contiguous A operand, which measures what the fused gather costs.
   """
-  del gate_up_layout  # "concat" (see `supports`)
   _, d, width = w1.shape
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = x.dtype
   glu = activation.is_glu
+  interleaved = glu and gate_up_layout == "interleaved"
   n = width // 2 if glu else width
   act_fn = acts.kernel_fn(activation)
   bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
+  cols = epi.STORE_COLS
 
-  def rhs_copy(w1_ref, expert, k_slice, nb, j):  # block j: 0 = gate (or all), 1 = up
-    return w1_ref.at[expert, k_slice, pl.ds(j * n + nb * bn, bn)]
+  def w1_column(nb, j):  # first w1 / H column of B block j (0: gate or all, 1: up)
+    return nb * 2 * bn + j * bn if interleaved else j * n + nb * bn
+
+  def rhs_copy(w1_ref, expert, k_slice, nb, j):
+    return w1_ref.at[expert, k_slice, pl.ds(w1_column(nb, j), bn)]
+
+  def rounded_h(accs, ctx):
+    if b1 is not None:  # a GMEM load per tile: skipped without a bias
+      (b_ref,) = ctx.inputs
+      accs = [acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(w1_column(ctx.column_block, j),
+                                                                 bn)], acc)
+              for j, acc in enumerate(accs)]
+    return [acc.astype(dtype) for acc in accs]
 
   def epilogue(accs, ctx):
     h_ref, a_ref = ctx.outputs
     rows = pl.ds(ctx.row0, ctx.rows)
     c0 = ctx.column_block * bn
-    if b1 is not None:  # a GMEM load per tile: skipped without a bias
-      (b_ref,) = ctx.inputs
-      accs = [acc + epi.column_vector(b_ref.at[ctx.expert, pl.ds(j * n + c0, bn)], acc)
-              for j, acc in enumerate(accs)]
-    h = [acc.astype(dtype) for acc in accs]
+    h = rounded_h(accs, ctx)
     if glu:  # A from the rounded H, as the backward will recompute it
       a = act_fn(h[0].astype(jnp.float32)) * h[1].astype(jnp.float32)
     else:
       a = act_fn(h[0].astype(jnp.float32))
-    stores = [(hj, h_ref.at[rows, pl.ds(j * n + c0, bn)]) for j, hj in enumerate(h)]
+    stores = [(hj, h_ref.at[rows, pl.ds(w1_column(ctx.column_block, j), bn)])
+              for j, hj in enumerate(h)]
     stores.append((a.astype(dtype), a_ref.at[rows, pl.ds(c0, bn)]))
     epi.store_tiles(stores, ctx.scratch)
 
+  def interleaved_epilogue(accs, ctx):
+    """Per 64-column H piece: store it, read its pairs back from SMEM as words, store 32 columns
+    of A. SMEM allows one H buffer (it fills between the previous piece's H store and A
+    computation) and two A buffers next to the 4-stage ring."""
+    h_ref, a_ref = ctx.outputs
+    h_stage, a_stage, h_words = ctx.scratch
+    rows = pl.ds(ctx.row0, ctx.rows)
+    h = rounded_h(accs, ctx)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
+    for i in range(2 * bn // cols):
+      j, p = divmod(i, bn // cols)
+      col = pl.multiple_of(w1_column(ctx.column_block, j) + p * cols, cols)
+      piece = h[j][:, p * cols:(p + 1) * cols]
+      if i:  # the store groups since the last H store: its A store
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      h_stage[0] = piece
+      plgpu.commit_smem()  # also a warpgroup barrier: every thread's part is in SMEM
+      plgpu.copy_smem_to_gmem(h_stage.at[0], h_ref.at[rows, pl.ds(col, cols)])
+      if interpreting():  # the interpreter does not alias the union's views: same values
+        pairs = piece.astype(jnp.float32).reshape(piece.shape[0], cols // 2, 2)
+        gate, up = pairs[..., 0], pairs[..., 1]
+      else:
+        gate, up = epi.unpack_pairs(h_words[0], dtype)
+      slot = i % epi.NUM_STAGING
+      if i >= epi.NUM_STAGING:  # since this buffer's last store: H, A, H
+        plgpu.wait_smem_to_gmem(3, wait_read_only=True)
+      a_stage[slot] = (act_fn(gate) * up).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(pl.multiple_of(col // 2, cols // 2),
+                                                                 cols // 2)])
+
+  if interleaved:
+    scratch = epi.pair_staging_buffers(tm // 2, dtype, epi.half_staging_buffers(tm // 2, dtype))
+  else:
+    scratch = epi.staging_buffers(tm // 2, dtype)
   role = GemmRole(
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
-      epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
+      epilogue=interleaved_epilogue if interleaved else epilogue, epilogue_scratch=scratch,
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, width), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype)))
   h, a = grouped_gemm(x, w1, layout.tile_expert, layout.num_tiles,
