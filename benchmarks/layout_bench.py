@@ -29,6 +29,8 @@ flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_multi_string("baseline_layout", None, "layout.py files to compare against")
 flags.DEFINE_integer("repeats", 10, "timed samples (median reported)")
 flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_bool("trace", False, "also list every kernel of route+layout with its device time "
+                  "(profiler trace)")
 FLAGS = flags.FLAGS
 ROW_TILE = 128
 
@@ -49,6 +51,9 @@ def run_config(cfg, baselines):
     return build_grouped_layout(r.expert_ids, e, ROW_TILE), r.scores
 
   res["route_and_layout_ms"] = time(whole, x, rw)
+  if FLAGS.trace:
+    res["route_and_layout_kernels_us"] = timing.kernel_times(timing.compile_fn(whole, x, rw)[0],
+                                                             (x, rw), top=None)
   # The top-K selection alone: XLA's, and the Pallas kernel at several block sizes.
   res["lax_top_k_ms"] = time(lambda lg: jax.lax.top_k(lg, k), logits)
   if router_topk.supports(logits, k) is None and jax.default_backend() == "gpu":
@@ -84,6 +89,8 @@ def main(_):
           f"{r['layout_ms']:.3f} | {base} | {r['route_and_layout_ms']:.3f} |", flush=True)
     print(f"  top-K: lax {r['lax_top_k_ms']:.3f} ms, kernel "
           + ", ".join(f"{v}: {t:.3f}" for v, t in r.get("kernel_top_k_ms", {}).items()), flush=True)
+    for name, us in r.get("route_and_layout_kernels_us", []):
+      print(f"    {us:8.1f} us  {name[:90]}", flush=True)
   with open(os.path.join(FLAGS.out, "layout.json"), "w") as f:
     json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                "results": results}, f, indent=1)

@@ -84,7 +84,8 @@ def temp_bytes(compiled):
 
 
 def kernel_times(compiled, args, calls=3, top=12):
-  """Device time per call of each kernel in `compiled`, from a profiler trace: [(name, us)].
+  """Device time per call of each kernel in `compiled`, from a profiler trace: [(name, us)],
+  the `top` longest (all with top=None).
 
   Empty where the platform reports no device kernels (e.g. on CPU).
   """

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax import activations as acts
+from sonic_jax.backends import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, tiled, unsupported_operands)
@@ -58,6 +59,8 @@ def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
              block_n: int = PREFETCH_BLOCK_N) -> str | None:
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
+  if activation.is_glu and gate_up_layout == "interleaved":
+    block_n = PREFETCH_BLOCK_N  # the interleaved layout's tile (see dh_projection)
   return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], block_n)])
 
 
@@ -69,9 +72,11 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
   whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
   float32, 0 on padding rows. Rows of tiles past `layout.num_tiles` are left unwritten.
-  gate_up_layout: where a GLU's gate and up columns sit in H (and dH). The interleaved layout is
-  read and written as uint32 words of (gate, up) pairs (a bitcast of H, no copy), so each pair
-  lands in one thread and a column block's pairs are one dense box.
+  gate_up_layout: where a GLU's gate and up columns sit in H and dH. The interleaved layout runs
+  the 128-column tile whatever `config.block_n` says: its prefetched H pieces are read from SMEM
+  as uint32 words, one (gate, up) pair each, and dH is written back the same way (a strided
+  register slice does not exist in Mosaic GPU, and a uint32 view of H in HBM would cost XLA a
+  copy each way).
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
@@ -81,78 +86,92 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   interleaved = glu and gate_up_layout == "interleaved"
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)
   cols = epi.STORE_COLS
-  bn = config.block_n
+  bn = PREFETCH_BLOCK_N if interleaved else config.block_n
   prefetched = bn == PREFETCH_BLOCK_N
   pieces = bn // cols  # 64-column pieces of the column block
-  # H pieces per column block: concat GLU the gate pieces, then the up pieces; interleaved GLU
-  # one (rows, 64) piece of pair words per 64 hidden units.
+  # H pieces per column block: concat GLU the gate pieces, then the up pieces (64 columns each);
+  # interleaved GLU one 128-column piece of (gate, up) pairs per 64 hidden units.
   h_pieces = 2 * pieces if glu and not interleaved else pieces
-  h_in = epi.words_of(h) if interleaved else h
-  h_type = h_in.dtype
+  h_cols = 2 * cols if interleaved else cols
   rows_per_wg = tm // 2
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
     return w2_ref.at[expert, pl.ds(nb * bn, bn), k_slice]
 
-  def h_column(column_block, i):  # first column of H piece i in h_in
+  def h_column(column_block, i):  # first H column of H piece i
+    if interleaved:
+      return column_block * 2 * bn + i * h_cols
     half, piece = divmod(i, pieces)
     return half * n + column_block * bn + piece * cols
 
   def h_halves(p):  # the H pieces that hidden units [p * 64, (p + 1) * 64) of the block use
     return [p] if h_pieces == pieces else [p, pieces + p]
 
-  def piece_outputs(d_a, s, h_values):
-    """For one 64-column piece: ([dH pieces], A_s piece, dS part); h_values are the piece's H
-    pieces as loaded, the dH pieces ready to store in their place."""
+  def piece_outputs(d_a, s, pre):
+    """For one 64-column piece: ([dH values, float32], A_s piece, dS part); pre: [gate, up] or
+    [pre-activation] in float32."""
     s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
-    if interleaved:
-      gate, up = epi.unpack_pairs(h_values[0], dtype)
-    elif glu:
-      gate, up = (v.astype(jnp.float32) for v in h_values)
     if glu:
+      gate, up = pre
       act_gate = act_fn(gate)
       a = act_gate * up
-      d_gate, d_up = s_d_a * up * act_grad(gate), s_d_a * act_gate
-      d_h = ([epi.pack_pairs(d_gate, d_up, dtype)] if interleaved
-             else [d_gate.astype(dtype), d_up.astype(dtype)])
+      d_h = [s_d_a * up * act_grad(gate), s_d_a * act_gate]
     else:
-      pre = h_values[0].astype(jnp.float32)
-      a = act_fn(pre)
-      d_h = [(s_d_a * act_grad(pre)).astype(dtype)]
+      a = act_fn(pre[0])
+      d_h = [s_d_a * act_grad(pre[0])]
     return d_h, lax.broadcast_in_dim(s, a.shape, [0]) * a, jnp.sum(d_a * a, axis=1)
 
   def prefetch(ctx, barrier):
     """The tile's H columns and row scores, TMA-copied into SMEM while the mainloop runs."""
     h_ref, s_ref = ctx.inputs
-    h_smem, _, s_smem = ctx.scratch
+    h_smem, _, s_smem = ctx.scratch[:3]
     rows = pl.ds(ctx.row0, ctx.rows)
     for i in range(h_pieces):
-      plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, i), cols)],
+      plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, i), h_cols)],
                               h_smem.at[i], barrier)
     plgpu.copy_gmem_to_smem(s_ref.at[rows], s_smem, barrier)
 
+  def read_h(ctx, p):
+    """Piece p's pre-activations in float32, from the prefetched SMEM."""
+    h_smem = ctx.scratch[0]
+    if not interleaved:
+      return [plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+              for i in h_halves(p)]
+    if interpreting():  # the interpreter does not alias the union's views: same values
+      pairs = h_smem[p].astype(jnp.float32).reshape(rows_per_wg, cols, 2)
+      return [pairs[..., 0], pairs[..., 1]]
+    return list(epi.unpack_pairs(plgpu.load(ctx.scratch[3].at[p], layout=plgpu.Layout.WGMMA),
+                                 dtype))
+
+  def write_dh(ctx, p, d_h):
+    """dH of piece p in place of the H it came from (each thread rewrites what it read)."""
+    h_smem = ctx.scratch[0]
+    if not interleaved:
+      for i, v in zip(h_halves(p), d_h):
+        h_smem[i] = v.astype(dtype)
+    elif interpreting():
+      h_smem[p] = jnp.stack(d_h, axis=-1).reshape(rows_per_wg, h_cols).astype(dtype)
+    else:
+      ctx.scratch[3][p] = epi.pack_pairs(*d_h, dtype)
+
   def prefetched_epilogue(acc, ctx, rows):
-    """H from SMEM; dH overwrites the H piece it came from (each thread rewrites the elements it
-    read), A_s goes through its own SMEM pieces; all stores issued at the end."""
+    """H from SMEM; dH overwrites the H piece it came from, A_s goes through its own SMEM
+    pieces; all stores issued at the end."""
     dh_ref, as_ref, _ = ctx.outputs
-    h_smem, as_smem, s_smem = ctx.scratch
+    h_smem, as_smem, s_smem = ctx.scratch[:3]
     plgpu.barrier_wait(ctx.prefetched)
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     ds = None
     for p in range(pieces):
-      halves = h_halves(p)
-      d_h, a_s, part = piece_outputs(
-          acc[:, p * cols:(p + 1) * cols], s,
-          [plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA) for i in halves])
-      for i, v in zip(halves, d_h):
-        h_smem[i] = v
+      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, read_h(ctx, p))
+      write_dh(ctx, p, d_h)
       as_smem[p] = a_s.astype(dtype)
       ds = part if ds is None else ds + part
     plgpu.commit_smem()
     for i in range(h_pieces):
       plgpu.copy_smem_to_gmem(h_smem.at[i],
-                              dh_ref.at[rows, pl.ds(h_column(ctx.column_block, i), cols)])
+                              dh_ref.at[rows, pl.ds(h_column(ctx.column_block, i), h_cols)])
     for p in range(pieces):
       plgpu.copy_smem_to_gmem(as_smem.at[p],
                               as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols, cols)])
@@ -168,9 +187,9 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       columns = [pl.ds(h_column(ctx.column_block, i), cols) for i in h_halves(p)]
       d_h, a_s, part = piece_outputs(
           acc[:, p * cols:(p + 1) * cols], s,
-          [plgpu.load(h_ref.at[rows, c], layout=plgpu.Layout.WGMMA, optimized=False)
-           for c in columns])
-      stores = [(v, dh_ref.at[rows, c]) for v, c in zip(d_h, columns)]
+          [plgpu.load(h_ref.at[rows, c], layout=plgpu.Layout.WGMMA,
+                      optimized=False).astype(jnp.float32) for c in columns])
+      stores = [(v.astype(dtype), dh_ref.at[rows, c]) for v, c in zip(d_h, columns)]
       stores.append((a_s.astype(dtype), as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols,
                                                                cols)]))
       epi.store_tiles(stores, ctx.scratch)
@@ -185,22 +204,22 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
 
   if prefetched:
-    scratch = (plgpu.SMEM((h_pieces, rows_per_wg, cols), h_type, transforms=tiled(h_type)),
+    scratch = (plgpu.SMEM((h_pieces, rows_per_wg, h_cols), dtype, transforms=tiled(dtype)),
                plgpu.SMEM((pieces, rows_per_wg, cols), dtype, transforms=tiled(dtype)),
                plgpu.SMEM((rows_per_wg,), jnp.float32))
-  elif interleaved:  # 16-bit A_s pieces and 32-bit dH words through the same staging bytes
-    scratch = epi.word_staging_buffers(rows_per_wg, dtype)
+    if interleaved:  # + a uint32 view of the H pieces, (pieces, rows, 64): one word a pair
+      scratch = plgpu.RefUnion(scratch, plgpu.SMEM((h_pieces, rows_per_wg, cols), jnp.uint32,
+                                                   transforms=tiled(jnp.uint32)))
   else:
     scratch = epi.staging_buffers(rows_per_wg, dtype)
   role = GemmRole(
       block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=epilogue, epilogue_scratch=scratch,
-      out_types=(jax.ShapeDtypeStruct((layout.num_rows, h_in.shape[1]), h_type),
+      out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
                  jax.ShapeDtypeStruct((n // bn, layout.num_rows), jnp.float32)),
       rhs_transposed=True, epilogue_prefetch=prefetch if prefetched else None,
       prefetch_copies=h_pieces + 1 if prefetched else 0)
-  d_h, a_s, d_s_parts = grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
-                                     layout.row_token if gather else None, role,
-                                     (h_in, row_scores.astype(jnp.float32)), config.gemm)
-  return (epi.from_words(d_h, dtype) if interleaved else d_h), a_s, d_s_parts
+  return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
+                      layout.row_token if gather else None, role,
+                      (h, row_scores.astype(jnp.float32)), config.gemm)

@@ -10,7 +10,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.mosaic_gpu.grouped_gemm import tiled
 
-_SWIZZLE_BYTES = 128
 STORE_COLS = 64  # columns per staged store: one 128-byte swizzled row of 16-bit values
 NUM_STAGING = 2
 
@@ -55,52 +54,26 @@ def pack_pairs(gate, up, dtype):
   return bits(gate) | lax.shift_left(bits(up), jnp.uint32(16))
 
 
-def words_of(x):
-  """(..., 2m) interleaved 16-bit array -> its (..., m) uint32 pair words (a bitcast)."""
-  return lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)), jnp.uint32)
-
-
-def from_words(words, dtype):
-  """Inverse of `words_of`."""
-  x = lax.bitcast_convert_type(words, dtype)
-  return x.reshape(x.shape[:-2] + (x.shape[-2] * 2,))
-
-
 def column_vector(ref, like):
   """Loads a (cols,) GMEM row (a bias slice) and broadcasts it over the rows of `like`."""
   v = plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False).astype(jnp.float32)
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 
-def word_staging_buffers(rows, dtype):
-  """`staging_buffers` and a uint32 view of the same bytes, (NUM_STAGING, rows, 32): an epilogue
-  that stores both 16-bit values and 32-bit (gate, up) pair words sees the tuple (16-bit view,
-  32-bit view) and `store_tiles` picks by dtype."""
-  return plgpu.RefUnion(staging_buffers(rows, dtype),
-                        plgpu.SMEM((NUM_STAGING, rows, STORE_COLS // 2), jnp.uint32,
-                                   transforms=tiled(jnp.uint32)))
-
-
 def store_tiles(stores, staging):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
-  Each value is cut into 128-byte-wide pieces (64 16-bit or 32 32-bit columns); a buffer is
-  reused only after the TMA store that read it has finished reading, so stores overlap with the
-  next piece's register-to-SMEM copy. staging: the buffers, or (16-bit view, 32-bit view) of them
-  (`word_staging_buffers`).
+  Each value is cut into 64-column pieces; a buffer is reused only after the TMA store that read it
+  has finished reading, so stores overlap with the next piece's register-to-SMEM copy.
   """
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
   i = 0
   for value, dst in stores:
-    buffers = staging
-    if isinstance(staging, tuple):
-      buffers = staging[1] if value.dtype == jnp.uint32 else staging[0]
-    width = _SWIZZLE_BYTES // value.dtype.itemsize
-    for c in range(0, value.shape[1], width):
+    for c in range(0, value.shape[1], STORE_COLS):
       slot = i % NUM_STAGING
       if i >= NUM_STAGING:
         plgpu.wait_smem_to_gmem(NUM_STAGING - 1, wait_read_only=True)
-      buffers[slot] = value[:, c:c + width]
+      staging[slot] = value[:, c:c + STORE_COLS]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(buffers.at[slot], dst.at[:, c:c + width])
+      plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[:, c:c + STORE_COLS])
       i += 1
