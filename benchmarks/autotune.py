@@ -11,7 +11,8 @@ SONIC_JAX_TUNED_CONFIGS) for the problems this run does not measure; --nomerge: 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
 search from the defaults: the snake band width (`grid_tile_width`), then the ring depth
-(`num_stages`), then for roles that gather rows the memory warpgroup's registers. A candidate
+(`num_stages`, for up and down together with the epilogue's staging buffers), then for roles
+that gather rows the memory warpgroup's registers. A candidate
 replaces the incumbent only when it is at least `--min_gain` faster (timing noise must not churn the
 table); every candidate's outputs must equal the defaults' bit for bit, or it is discarded. Needs
 a GPU.
@@ -40,13 +41,16 @@ flags.DEFINE_string("out", "bench_out", "output folder (tuned_configs.json)")
 flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
 flags.DEFINE_bool("merge", True, "write the current table's entries that this run does not "
                   "re-measure too (else only this run's)")
+flags.DEFINE_list("roles", None, "roles to tune (default: all of up, down, dh, dx, weight_grad)")
 flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the incumbent")
 FLAGS = flags.FLAGS
 
-SEARCH = {  # role: [(field, candidate values)], searched one field at a time
-    "up": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
+# A shallower ring leaves SMEM for more epilogue buffers: tried together.
+_RING_FOR_EPILOGUE = (("num_stages", "epilogue_buffers"), ((3, 2), (3, 3), (3, 4), (4, 2)))
+SEARCH = {  # role: [(field or fields, candidate values)], searched one step at a time
+    "up": [("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
            ("memory_registers", (40, 56, 80))],
-    "down": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
+    "down": [("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
     "dh": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
            ("memory_registers", (40, 56, 80))],
     "dx": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
@@ -97,7 +101,8 @@ def tune_role(cfg, role, fn, args, n_key, device):
   trials = [{"config": {}, "ms": best_t * 1e3}]
   for field, values in SEARCH[role]:
     for value in values:
-      fields = {**best_fields, field: value}
+      step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
+      fields = {**best_fields, **step}
       try:
         t, got = _run(fn, args, entry(fields))
       except Exception as err:  # a candidate that does not compile (e.g. shared memory) is skipped
@@ -126,6 +131,8 @@ def main(_):
   measured = []
   for cfg in configs:
     for role, (fn, args, n_key) in _problem(cfg).items():
+      if FLAGS.roles and role not in FLAGS.roles:
+        continue
       entry, trials = tune_role(cfg, role, fn, args, n_key, device)
       measured.append(entry)
       out["entries"] = tuning.merged(base, measured)

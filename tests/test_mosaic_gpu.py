@@ -369,6 +369,11 @@ def _lowering_cases():
       lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
                                        config=cp_async),
       (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+  deep_epilogue = up.UpProjectionConfig(GroupedGemmConfig(num_stages=3, epilogue_buffers=4))
+  cases["up-swiglu-4-epilogue-buffers"] = (
+      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
+                                       config=deep_epilogue),
+      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
   cases["dh-swiglu-wide"] = (
       lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
                                           config=dh.DhProjectionConfig(block_n=256)),
@@ -389,7 +394,8 @@ def _lowering_cases():
   return cases
 
 
-@pytest.mark.parametrize("role", ["up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq", "up-swiglu-cp_async",
+@pytest.mark.parametrize("role", ["up-swiglu", "up-swiglu-interleaved", "up-gelu",
+                                  "up-swiglu-4-epilogue-buffers", "up-relu_sq", "up-swiglu-cp_async",
                                   "dh-swiglu", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered", "dh-swiglu-wide",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",

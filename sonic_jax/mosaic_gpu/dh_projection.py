@@ -211,7 +211,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       scratch = plgpu.RefUnion(scratch, plgpu.SMEM((h_pieces, rows_per_wg, cols), jnp.uint32,
                                                    transforms=tiled(jnp.uint32)))
   else:
-    scratch = epi.staging_buffers(rows_per_wg, dtype)
+    scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
       block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=epilogue, epilogue_scratch=scratch,

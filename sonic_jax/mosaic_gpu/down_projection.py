@@ -51,7 +51,8 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
 
   role = GemmRole(
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
-      epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
+      epilogue=epilogue,
+      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role,
                       () if b2 is None else (b2,), config.gemm)

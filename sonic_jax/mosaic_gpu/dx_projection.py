@@ -48,7 +48,8 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
 
   role = GemmRole(
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
-      epilogue=epilogue, epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
+      epilogue=epilogue,
+      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),), rhs_transposed=True)
   (dx,) = grouped_gemm(d_h, w1, layout.tile_expert, layout.num_tiles, None, role, (), config.gemm)
   return dx

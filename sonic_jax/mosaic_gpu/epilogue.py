@@ -63,16 +63,18 @@ def column_vector(ref, like):
 def store_tiles(stores, staging):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
-  Each value is cut into 64-column pieces; a buffer is reused only after the TMA store that read it
-  has finished reading, so stores overlap with the next piece's register-to-SMEM copy.
+  Each value is cut into 64-column pieces, one staging buffer each in turn; a buffer is reused
+  only after the TMA store that read it has finished reading, so stores overlap with the next
+  pieces' register-to-SMEM copies.
   """
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
+  slots = staging.shape[0]
   i = 0
   for value, dst in stores:
     for c in range(0, value.shape[1], STORE_COLS):
-      slot = i % NUM_STAGING
-      if i >= NUM_STAGING:
-        plgpu.wait_smem_to_gmem(NUM_STAGING - 1, wait_read_only=True)
+      slot = i % slots
+      if i >= slots:
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       staging[slot] = value[:, c:c + STORE_COLS]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[:, c:c + STORE_COLS])

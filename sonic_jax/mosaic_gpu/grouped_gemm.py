@@ -66,12 +66,19 @@ class GroupedGemmConfig:
   # Registers per thread of the memory warpgroup (None: 80 for the cp.async gather, which computes
   # addresses, else 40); the compute warpgroups share the rest of the launch's pool.
   memory_registers: int | None = None
+  # SMEM buffers that a role's epilogue stages its 64-column output pieces through. A piece's
+  # buffer is rewritten once its TMA store has read it, so with more buffers an epilogue leaves
+  # more of its stores in flight and returns to the next tile's mainloop sooner; each costs
+  # tile_m * 128 bytes next to the operand ring.
+  epilogue_buffers: int = 2
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
       raise ValueError(f"tile_m must be a multiple of 128, got {self.tile_m}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
+    if not 1 <= self.epilogue_buffers <= 8:
+      raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
