@@ -136,7 +136,7 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
   expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
   placement: how the layout is built from the sorted pairs. "xla": a dozen small XLA ops;
-  "kernel": two Pallas (Triton) passes (`sonic_jax.pallas.layout_rows`; interpreted off a GPU);
+  "kernel": one Pallas (Triton) pass (`sonic_jax.pallas.layout_rows`; interpreted off a GPU);
   "auto": the kernel on a GPU where it applies (no extra pairs, the packed sort key fits), else
   xla. Both give the same layout.
   """
@@ -171,7 +171,7 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
     index_bits = _index_bits(num_pairs)
     keys = jnp.sort((flat << index_bits) | jnp.arange(num_pairs, dtype=jnp.int32))
     (row_pair, row_token, row_expert, tile_expert, pair_row, counts, group_sizes,
-     num_tiles) = kernel(flat, keys, num_experts=e_count, index_bits=index_bits, slots=slots,
+     num_tiles) = kernel(keys, num_experts=e_count, index_bits=index_bits, slots=slots,
                          row_tile=row_tile, num_rows=rows,
                          interpret=not _targets_gpu())
     return GroupedLayout(

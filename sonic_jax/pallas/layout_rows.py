@@ -1,22 +1,20 @@
-"""Grouped-layout placement: the layout's arrays from the sorted routing keys in two small passes.
+"""Grouped-layout placement: every array of the layout from the sorted routing keys, in one pass.
 
 After the pairs are sorted by expert (`sonic_jax.layout`: one int32 key per pair, expert id above
 pair index), the rest of the layout -- per-expert counts, padded group sizes and their offsets, the
 row -> pair, row -> token and pair -> row maps, the tile -> expert map -- took XLA a dozen small
-kernels on a GPU (about 45 us of kernels plus their launch gaps at T*K = 327680). Here two Pallas
-(Triton) kernels write all of it:
-- a histogram of the expert ids (each program adds its block of ids into E + 1 counters with
-  atomics; integer adds, so the result does not depend on their order; interpreted, a one-hot sum,
-  as the interpreter's vector atomics drop repeated addresses);
-- the placement: every program prefix-sums the counts (E lanes, in registers: the sorted position
-  and the padded row where each expert starts) and takes `tiles_per_program` row tiles. A tile
-  belongs to one expert, so its rows read their pairs from one run of the sorted keys; a row with a
-  pair also writes that pair's row (a scatter with distinct addresses); sorted positions past the
-  last expert (pairs routed nowhere) get row R. Program 0 writes the per-expert vectors.
+kernels on a GPU (about 45 us of kernels and as many launch gaps at T*K = 327680; BENCHMARKS.md).
+Here one Pallas (Triton) kernel writes all of it. Each program takes `tiles_per_program` row tiles:
+it finds every expert's first and last sorted position by a vectorised binary search over the
+sorted keys (every program repeats it: E lanes, log2(P) steps, L2-resident), rounds the counts up
+to the row tile and prefix-sums them; a tile belongs to one expert, so its rows read their pairs
+from one contiguous run of the sorted keys. Each row with a pair also writes that pair's row (a
+scatter with distinct addresses); sorted positions past the last expert (pairs routed nowhere)
+get row R. Program 0 writes the per-expert vectors.
 
-Same result as the XLA path of `sonic_jax.layout.build_grouped_layout`, its reference. Uses
-Pallas's Triton lowering (deprecated in jax 0.11, present in 0.11.2); `AVAILABLE` is False where it
-is gone.
+Same result as the XLA path of `sonic_jax.layout.build_grouped_layout`, which is its reference.
+Uses Pallas's Triton lowering (deprecated in jax 0.11, present in 0.11.2); `AVAILABLE` is False
+where it is gone.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ except ImportError:  # pragma: no cover
   pltriton = None
   AVAILABLE = False
 
-MAX_EXPERTS = 1023  # E + 1 counters in a power-of-two vector of at most 1024 lanes
+MAX_EXPERTS = 1023  # E + 1 search lanes in a power-of-two vector of at most 1024
 
 
 def _next_pow2(v: int) -> int:
@@ -49,39 +47,34 @@ def tiles_per_program(num_tiles: int) -> int:
   return 1
 
 
-HISTOGRAM_BLOCK = 2048  # ids per histogram program
-
-
-def _histogram_kernel(ids_ref, zeros_ref, counts_ref, *, num_ids, interpret):
-  del zeros_ref  # aliased to counts_ref: the counters start at zero
-  i = pl.program_id(0) * HISTOGRAM_BLOCK + lax.broadcasted_iota(jnp.int32, (HISTOGRAM_BLOCK,), 0)
-  in_range = i < num_ids
-  ids = pltriton.load(ids_ref.at[jnp.minimum(i, num_ids - 1)], mask=in_range, other=0)
-  if interpret:  # the interpreter's vector atomics do not add repeated addresses; it runs the
-    # programs one after another, so a plain read-modify-write of a one-hot sum is exact
-    lanes = lax.broadcasted_iota(jnp.int32, (1, counts_ref.shape[0]), 1)
-    counts_ref[...] += jnp.sum(((ids[:, None] == lanes) & in_range[:, None]).astype(jnp.int32),
-                               axis=0)
-  else:  # lanes past the ids add 0
-    pltriton.atomic_add(counts_ref, ids, in_range.astype(jnp.int32))
-
-
-def _placement_kernel(keys_ref, counts_ref, row_pair_ref, row_token_ref, row_expert_ref,
-                      tile_expert_ref, pair_row_ref, counts_out_ref, group_sizes_ref,
-                      num_tiles_ref, *, num_pairs, num_experts, index_bits, slots, row_tile,
-                      num_rows, tiles):
+def _kernel(keys_ref, row_pair_ref, row_token_ref, row_expert_ref, tile_expert_ref, pair_row_ref,
+            counts_ref, group_sizes_ref, num_tiles_ref, *, num_pairs, num_experts, index_bits,
+            slots, row_tile, num_rows, tiles):
   e, p = num_experts, num_pairs
-  lanes = counts_ref.shape[0]
+  lanes = _next_pow2(e + 1)
   expert = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
-  all_counts = counts_ref[...]  # lane E: pairs routed nowhere; lanes past E: 0
-  starts = jnp.cumsum(all_counts) - all_counts  # sorted position where each expert's run starts
+
+  def lower_bound(target):
+    """First sorted position whose expert id is >= target (per lane); P if none."""
+    lo = jnp.zeros((lanes,), jnp.int32)
+    hi = jnp.full((lanes,), p, jnp.int32)
+    for _ in range(max(1, p.bit_length())):
+      active = lo < hi
+      mid = (lo + hi) // 2
+      ids = pltriton.load(keys_ref.at[jnp.minimum(mid, p - 1)]) >> index_bits
+      below = ids < target
+      lo = jnp.where(active & below, mid + 1, lo)
+      hi = jnp.where(active & ~below, mid, hi)
+    return lo
+
+  starts = lower_bound(expert)  # lane j: where expert j's run starts (lane E: 'no expert')
   in_range = expert < e
-  counts = jnp.where(in_range, all_counts, 0)
+  counts = jnp.where(in_range, lower_bound(expert + 1) - starts, 0)
   group = (counts + row_tile - 1) // row_tile * row_tile
   row_end = jnp.cumsum(group)  # after expert j's padded group
   row_start = row_end - group
   used_rows = jnp.sum(group)
-  routed = jnp.sum(counts)  # sorted positions >= this: no expert
+  routed = jnp.sum(jnp.where(expert == e, starts, 0))  # sorted positions >= this: no expert
 
   # This program's tiles: each belongs to the expert whose padded group holds its first row.
   pid = pl.program_id(0)
@@ -113,7 +106,7 @@ def _placement_kernel(keys_ref, counts_ref, row_pair_ref, row_token_ref, row_exp
                  jnp.where(nowhere, num_rows, rows))
 
   first = jnp.broadcast_to(pid == 0, (lanes,))  # the per-expert vectors: program 0, all lanes
-  pltriton.store(counts_out_ref.at[expert], counts, mask=first)
+  pltriton.store(counts_ref.at[expert], counts, mask=first)
   pltriton.store(group_sizes_ref.at[expert], group, mask=first)
   pltriton.store(num_tiles_ref.at[expert], jnp.broadcast_to(used_rows // row_tile, (lanes,)),
                  mask=first)
@@ -135,12 +128,11 @@ def supports(num_pairs: int, num_experts: int, num_rows: int, row_tile: int,
 
 @functools.partial(jax.jit, static_argnames=("num_experts", "index_bits", "slots", "row_tile",
                                              "num_rows", "interpret"))
-def place_rows(ids, sorted_keys, *, num_experts: int, index_bits: int, slots: int, row_tile: int,
+def place_rows(sorted_keys, *, num_experts: int, index_bits: int, slots: int, row_tile: int,
                num_rows: int, interpret: bool = False):
-  """The grouped layout's arrays from the (P,) expert ids (E for 'no expert') and their sorted
-  keys (id << index_bits | pair index): (row_pair, row_token, row_expert, tile_expert, pair_row,
-  counts, group_sizes, num_tiles), as `sonic_jax.layout.build_grouped_layout` defines them
-  (pair_row flat)."""
+  """The grouped layout's arrays from the sorted keys (expert id << index_bits | pair index):
+  (row_pair, row_token, row_expert, tile_expert, pair_row, counts, group_sizes, num_tiles), as
+  `sonic_jax.layout.build_grouped_layout` defines them (pair_row flat)."""
   (p,) = sorted_keys.shape
   reason = supports(p, num_experts, num_rows, row_tile, index_bits)
   if reason is not None:
@@ -149,20 +141,15 @@ def place_rows(ids, sorted_keys, *, num_experts: int, index_bits: int, slots: in
   tiles = tiles_per_program(num_tiles)
   lanes = _next_pow2(num_experts + 1)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-  params = pltriton.CompilerParams(num_warps=4, num_stages=1)
-  counts = pl.pallas_call(
-      functools.partial(_histogram_kernel, num_ids=p, interpret=interpret),
-      out_shape=i32(lanes), grid=(pl.cdiv(p, HISTOGRAM_BLOCK),),
-      input_output_aliases={1: 0}, compiler_params=params, interpret=interpret,
-  )(ids, jnp.zeros((lanes,), jnp.int32))
   (row_pair, row_token, row_expert, tile_expert, pair_row, counts, group_sizes,
    used_tiles) = pl.pallas_call(
-      functools.partial(_placement_kernel, num_pairs=p, num_experts=num_experts,
-                        index_bits=index_bits, slots=slots, row_tile=row_tile,
-                        num_rows=num_rows, tiles=tiles),
+      functools.partial(_kernel, num_pairs=p, num_experts=num_experts, index_bits=index_bits,
+                        slots=slots, row_tile=row_tile, num_rows=num_rows, tiles=tiles),
       out_shape=(i32(num_rows), i32(num_rows), i32(num_rows), i32(num_tiles), i32(p + num_rows),
                  i32(lanes), i32(lanes), i32(lanes)),
-      grid=(num_tiles // tiles,), compiler_params=params, interpret=interpret,
-  )(sorted_keys, counts)
+      grid=(num_tiles // tiles,),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+  )(sorted_keys)
   return (row_pair, row_token, row_expert, tile_expert, pair_row[:p], counts[:num_experts],
           group_sizes[:num_experts], used_tiles[0])
