@@ -3,9 +3,8 @@ r"""The routing-metadata pass piece by piece: router logits, top-K routing, grou
   python -m benchmarks.layout_bench [--thiek=T,d,n,E,K ...] [--baseline_layout=path/to/layout.py]
 
 For each configuration (default: the paper's grid), median ms of: the router GEMM, `route`
-(top-K selection and scores), `build_grouped_layout` with the backend's row tile (128) (its
-default placement, and the XLA placement, checked to give the same layout), and all three
-together; the top-K selection alone (XLA's and, on a GPU, the Pallas kernel at several block
+(top-K selection and scores), `build_grouped_layout` with the backend's row tile (128), and all
+three together; the top-K selection alone (XLA's and, on a GPU, the Pallas kernel at several block
 sizes); with --baseline_layout (repeatable), the same layout pass from other versions of
 sonic_jax/layout.py (A/B comparison, e.g. `git show HEAD~1:sonic_jax/layout.py > /tmp/old.py`),
 each checked to give the same layout.
@@ -45,12 +44,7 @@ def run_config(cfg, baselines):
   res = {"config": list(cfg),
          "router_logits_ms": time(routing.router_logits, x, rw),
          "route_ms": time(lambda lg: routing.route(lg, k, "softmax_topk"), logits),
-         "layout_ms": time(lambda i: build_grouped_layout(i, e, ROW_TILE), ids),
-         "layout_xla_placement_ms": time(
-             lambda i: build_grouped_layout(i, e, ROW_TILE, placement="xla"), ids)}
-  auto = jax.jit(lambda i: build_grouped_layout(i, e, ROW_TILE))(ids)
-  xla = jax.jit(lambda i: build_grouped_layout(i, e, ROW_TILE, placement="xla"))(ids)
-  res["same_as_xla_placement"] = all(bool(jnp.array_equal(u, v)) for u, v in zip(auto, xla))
+         "layout_ms": time(lambda i: build_grouped_layout(i, e, ROW_TILE), ids)}
 
   def whole(x, rw):
     r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
@@ -85,16 +79,14 @@ def main(_):
     spec.loader.exec_module(baselines[path])
   os.makedirs(FLAGS.out, exist_ok=True)
   results = []
-  print("| config | logits ms | route ms | layout ms (xla placement, same) | baseline layouts ms "
-        "| all ms |")
+  print("| config | logits ms | route ms | layout ms | baseline layouts ms | all ms |")
   for cfg in configs:
     r = run_config(cfg, baselines)
     results.append(r)
     base = ", ".join(f"{os.path.basename(k)} {v['layout_ms']:.3f} (same: {v['same_layout']})"
                      for k, v in r["baselines"].items()) or "–"
     print(f"| {','.join(map(str, cfg))} | {r['router_logits_ms']:.3f} | {r['route_ms']:.3f} | "
-          f"{r['layout_ms']:.3f} ({r['layout_xla_placement_ms']:.3f}, "
-          f"{r['same_as_xla_placement']}) | {base} | {r['route_and_layout_ms']:.3f} |", flush=True)
+          f"{r['layout_ms']:.3f} | {base} | {r['route_and_layout_ms']:.3f} |", flush=True)
     print(f"  top-K: lax {r['lax_top_k_ms']:.3f} ms, kernel "
           + ", ".join(f"{v}: {t:.3f}" for v, t in r.get("kernel_top_k_ms", {}).items()), flush=True)
     for name, us in r.get("route_and_layout_kernels_us", []):

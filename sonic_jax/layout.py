@@ -79,35 +79,6 @@ class GroupedLayout(NamedTuple):
     return self.extra_row < self.num_rows
 
 
-def _index_bits(num_pairs: int) -> int:
-  return max(1, (num_pairs - 1).bit_length())
-
-
-def _targets_gpu() -> bool:
-  """The program is built for a GPU: the abstract mesh's device (export), else the backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None) if mesh is not None else None
-  return (device.platform if device is not None else jax.default_backend()) == "gpu"
-
-
-def _placement_kernel(placement: str, num_pairs: int, num_experts: int, rows: int, row_tile: int,
-                      num_extra: int):
-  """`layout_rows.place_rows` when `placement` asks for it and it applies, else None."""
-  if placement == "xla":
-    return None
-  from sonic_jax.pallas import layout_rows  # the layout itself does not need Pallas
-  reason = layout_rows.supports(num_pairs, num_experts, rows, row_tile, _index_bits(num_pairs))
-  if num_extra:
-    reason = "extra pairs (token rounding)"
-  elif _index_bits(num_pairs) + num_experts.bit_length() > 31:
-    reason = "the packed sort key does not fit in 31 bits"
-  if placement == "kernel" and reason is not None:
-    raise ValueError(f"placement='kernel': {reason}")
-  if reason is not None or (placement == "auto" and jax.default_backend() != "gpu"):
-    return None
-  return layout_rows.place_rows
-
-
 def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
   """(order, sorted ids) of the stable sort of the ids (values in [0, E]).
 
@@ -116,7 +87,7 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
   the bytes of a (key, index) sort with no gather of the sorted ids afterwards.
   """
   num_pairs = flat.shape[0]
-  index_bits = _index_bits(num_pairs)
+  index_bits = max(1, (num_pairs - 1).bit_length())
   if index_bits + e_count.bit_length() > 31:
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     return order, flat[order]
@@ -124,24 +95,14 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
   return keys & ((1 << index_bits) - 1), keys >> index_bits
 
 
-PLACEMENTS = ("auto", "kernel", "xla")
-
-
 def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          extra_tokens: Array | None = None,
-                         extra_experts: Array | None = None,
-                         placement: str = "auto") -> GroupedLayout:
+                         extra_experts: Array | None = None) -> GroupedLayout:
   """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
 
   extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
   expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
-  placement: how the layout is built from the sorted pairs. "xla": a dozen small XLA ops;
-  "kernel": one Pallas (Triton) pass (`sonic_jax.pallas.layout_rows`; interpreted off a GPU);
-  "auto": the kernel on a GPU where it applies (no extra pairs, the packed sort key fits), else
-  xla. Both give the same layout.
   """
-  if placement not in PLACEMENTS:
-    raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
   if expert_ids.ndim != 2:
     raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
   if row_tile < 1:
@@ -165,20 +126,6 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
       jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
       jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
   flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
-  kernel = _placement_kernel(placement, num_pairs, e_count, rows, row_tile,
-                             extra_tokens.shape[0])
-  if kernel is not None:
-    index_bits = _index_bits(num_pairs)
-    keys = jnp.sort((flat << index_bits) | jnp.arange(num_pairs, dtype=jnp.int32))
-    (row_pair, row_token, row_expert, tile_expert, pair_row, counts, group_sizes,
-     num_tiles) = kernel(keys, num_experts=e_count, index_bits=index_bits, slots=slots,
-                         row_tile=row_tile, num_rows=rows,
-                         interpret=not _targets_gpu())
-    return GroupedLayout(
-        row_token=row_token, row_pair=row_pair, row_expert=row_expert,
-        pair_row=pair_row.reshape(num_tokens, slots), group_sizes=group_sizes,
-        expert_counts=counts, tile_expert=tile_expert, num_tiles=num_tiles,
-        extra_row=jnp.zeros((0,), jnp.int32), extra_token=jnp.zeros((0,), jnp.int32))
   order, sorted_expert = _sort_by_expert(flat, e_count)
 
   # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
