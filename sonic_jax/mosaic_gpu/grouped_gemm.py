@@ -66,10 +66,11 @@ class GroupedGemmConfig:
   # Registers per thread of the memory warpgroup (None: 80 for the cp.async gather, which computes
   # addresses, else 40); the compute warpgroups share the rest of the launch's pool.
   memory_registers: int | None = None
-  # SMEM buffers that a role's epilogue stages its 64-column output pieces through. A piece's
-  # buffer is rewritten once its TMA store has read it, so with more buffers an epilogue leaves
-  # more of its stores in flight and returns to the next tile's mainloop sooner; each costs
-  # tile_m * 128 bytes next to the operand ring.
+  # SMEM buffers that a role's epilogue stages its 64-column output pieces through (roles using
+  # `epilogue.store_tiles`). A piece's buffer is rewritten once its TMA store has read it, so more
+  # buffers leave more stores in flight; each costs tile_m * 128 bytes next to the operand ring.
+  # On an H100 a 3-stage ring with 2-4 buffers was slower than 4 stages with 2 (up and down
+  # projections, benchmarks/NOTES.md); the autotuner tries them.
   epilogue_buffers: int = 2
 
   def __post_init__(self):
@@ -108,8 +109,9 @@ class GemmRole:
   backward's w^T products need no transposed copy of the weights.
   epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
   of one warpgroup and stores the outputs.
-  epilogue_scratch: one plgpu.SMEM or plgpu.RefUnion, or a tuple of them, per warpgroup; the
-  epilogue sees this warpgroup's refs (a RefUnion as the flat tuple of its members' leaves).
+  epilogue_scratch: one plgpu.SMEM, a tuple of them, or one plgpu.RefUnion (a union unpacks only
+  as the whole scratch), per warpgroup; the epilogue sees this warpgroup's refs (a RefUnion as the
+  flat tuple of its members' leaves).
   epilogue_prefetch(ctx, barrier): optional; each compute warpgroup calls it as its tile's
   mainloop starts, to TMA-copy the epilogue's GMEM inputs into its scratch (`prefetch_copies`
   copies, all on `barrier`); the epilogue waits on `ctx.prefetched`. Epilogue inputs read straight
@@ -194,8 +196,8 @@ def num_sms() -> int:
 
 
 def _per_warpgroup(scratch):
-  """One copy of a role's epilogue scratch (an SMEM, a RefUnion, or a tuple of them) for each
-  compute warpgroup: a leading warpgroup dimension on every buffer."""
+  """One copy of a role's epilogue scratch (an SMEM, a tuple of them, or a RefUnion of such
+  groups) for each compute warpgroup: a leading warpgroup dimension on every buffer."""
   if isinstance(scratch, tuple):
     return tuple(map(_per_warpgroup, scratch))
   if isinstance(scratch, plgpu.RefUnion):

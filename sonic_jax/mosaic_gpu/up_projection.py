@@ -98,7 +98,8 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   def interleaved_epilogue(accs, ctx):
     """Per 64-column H piece: store it, read its pairs back from SMEM as words, store 32 columns
     of A. SMEM allows one H buffer (it fills between the previous piece's H store and A
-    computation) and two A buffers next to the 4-stage ring."""
+    computation) and two A buffers next to the 4-stage ring (its own buffers: the config's
+    `epilogue_buffers` does not apply)."""
     h_ref, a_ref = ctx.outputs
     h_stage, a_stage, h_words = ctx.scratch
     rows = pl.ds(ctx.row0, ctx.rows)
@@ -123,8 +124,8 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
         plgpu.wait_smem_to_gmem(3, wait_read_only=True)
       a_stage[slot] = (act_fn(gate) * up).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(pl.multiple_of(col // 2, cols // 2),
-                                                                 cols // 2)])
+      unit = pl.multiple_of(col // 2, cols // 2)  # the pairs' first hidden unit
+      plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(unit, cols // 2)])
 
   if interleaved:
     scratch = epi.pair_staging_buffers(tm // 2, dtype, epi.half_staging_buffers(tm // 2, dtype))
