@@ -67,7 +67,8 @@ def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
 def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                   config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False,
                   gate_up_layout: str = "concat"):
-  """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // block_n, R) float32.
+  """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // bn, R) float32 (bn: the
+  tile's column block).
 
   d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
   whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
