@@ -423,3 +423,23 @@ def test_register_split_fits_the_launch(gather_impl):
   memory, compute = register_split(gather_impl)
   assert memory % 8 == 0 and compute % 8 == 0 and 24 <= memory <= compute <= 256
   assert memory + 2 * compute <= (65536 // 384) // 8 * 8 * 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_pair_words_round_trip(rng, dtype):
+  """The interleaved layout's (gate, up) words: packing rounds each float32 half to `dtype` and
+  puts gate in the low 16 bits (the little-endian bytes of the interleaved H); unpacking gives
+  the rounded values back exactly, specials included."""
+  from sonic_jax.mosaic_gpu import epilogue as epi
+  gate = rng.standard_normal((8, 32)).astype(np.float32) * 3
+  up = rng.standard_normal((8, 32)).astype(np.float32)
+  gate[0, :4] = [np.inf, -np.inf, 0.0, -0.0]
+  up[0, :2] = [np.nan, 1e-8]
+  words = epi.pack_pairs(jnp.asarray(gate), jnp.asarray(up), dtype)
+  assert words.dtype == jnp.uint32
+  interleaved = np.stack([gate, up], axis=-1).reshape(8, 64).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(words),
+                                np.ascontiguousarray(interleaved).view(np.uint32))
+  got_gate, got_up = epi.unpack_pairs(words, dtype)
+  np.testing.assert_array_equal(np.asarray(got_gate), gate.astype(dtype).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(got_up), up.astype(dtype).astype(np.float32))
