@@ -168,7 +168,8 @@ def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   flops_rate, bw = ceilings()
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "gate_up_layout": FLAGS.gate_up_layout, "dense_bf16_tflops": flops_rate / 1e12, "copy_gbps": bw / 1e9, "configs": []}
+         "gate_up_layout": FLAGS.gate_up_layout, "dense_bf16_tflops": flops_rate / 1e12,
+         "copy_gbps": bw / 1e9, "configs": []}
   print(f"{out['device']}: dense bf16 GEMM {flops_rate / 1e12:.0f} TFLOP/s, copy {bw / 1e9:.0f} GB/s",
         flush=True)
   for cfg in configs:

@@ -140,8 +140,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       return [plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
               for i in h_halves(p)]
     if interpreting():  # the interpreter does not alias the union's views: same values
-      pairs = h_smem[p].astype(jnp.float32).reshape(rows_per_wg, cols, 2)
-      return [pairs[..., 0], pairs[..., 1]]
+      return list(epi.split_pairs(h_smem[p]))
     return list(epi.unpack_pairs(plgpu.load(ctx.scratch[3].at[p], layout=plgpu.Layout.WGMMA),
                                  dtype))
 

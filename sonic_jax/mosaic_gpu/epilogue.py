@@ -48,6 +48,13 @@ def unpack_pairs(words, dtype):
   return half(words & 0xFFFF), half(lax.shift_right_logical(words, jnp.uint32(16)))
 
 
+def split_pairs(value):
+  """(rows, 2m) interleaved 16-bit value -> (gate, up), each (rows, m) float32, by a value-level
+  reshape: what the interpreter runs instead of the word view (Mosaic GPU cannot lower it)."""
+  pairs = value.astype(jnp.float32).reshape(value.shape[0], value.shape[1] // 2, 2)
+  return pairs[..., 0], pairs[..., 1]
+
+
 def pack_pairs(gate, up, dtype):
   """Inverse of `unpack_pairs`: float32 (gate, up) rounded to `dtype`, one uint32 word a pair."""
   bits = lambda v: lax.bitcast_convert_type(v.astype(dtype), jnp.uint16).astype(jnp.uint32)

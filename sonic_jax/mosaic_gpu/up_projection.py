@@ -115,8 +115,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       plgpu.commit_smem()  # also a warpgroup barrier: every thread's part is in SMEM
       plgpu.copy_smem_to_gmem(h_stage.at[0], h_ref.at[rows, pl.ds(col, cols)])
       if interpreting():  # the interpreter does not alias the union's views: same values
-        pairs = piece.astype(jnp.float32).reshape(piece.shape[0], cols // 2, 2)
-        gate, up = pairs[..., 0], pairs[..., 1]
+        gate, up = epi.split_pairs(piece)
       else:
         gate, up = epi.unpack_pairs(h_words[0], dtype)
       slot = i % epi.NUM_STAGING
