@@ -1,0 +1,199 @@
+r"""Where the forward's GEMM time goes: the mainloop or the epilogue; and what the expert sort costs.
+
+  python -m benchmarks.epilogue_probe [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Up- and down-projection kernels of the layer (SwiGLU, concat gate/up, the tuning table's
+configuration) against the same grouped GEMM with lighter epilogues:
+- "H only": stores H, no activation and no A;
+- "direct to GMEM": stores from registers with plain global stores (no SMEM staging, no TMA and
+  so no waiting for a staging buffer), H and SwiGLU's A, H only, or the down-projection's Y;
+- "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone).
+The gap between the full kernel and "one piece" is what the epilogue costs while the tensor cores
+wait (the cooperative schedule runs it after the tile's mainloop, not under the next one).
+
+Routing metadata: the expert sort as the layout runs it (one int32 key `id << b | pair`) against a
+stable (key, index) pair sort with uint8 / uint16 / int32 keys, and the whole layout.
+Prints a table; writes `epilogue_probe.json` under --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+from absl import app, flags
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from benchmarks import grid, timing
+from sonic_jax import activations as acts
+from sonic_jax import routing
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
+from sonic_jax.mosaic_gpu import down_projection as down
+from sonic_jax.mosaic_gpu import epilogue as epi
+from sonic_jax.mosaic_gpu import up_projection as up
+from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+FLAGS = flags.FLAGS
+
+
+def _light_role(width, bn, blocks, column, out_types, store, tm, dtype):
+  """A GemmRole reading B blocks like the real role, with epilogue `store` ('h' or 'piece')."""
+
+  def rhs_copy(w_ref, expert, k_slice, nb, j):
+    return w_ref.at[expert, k_slice, pl.ds(column(nb, j), bn)]
+
+  def epilogue(accs, ctx):
+    rows = pl.ds(ctx.row0, ctx.rows)
+    out = ctx.outputs[0]
+    if store in ("h_direct", "full_direct"):  # registers straight to GMEM: no staging buffer
+      h = [acc.astype(dtype) for acc in accs]
+      for j, hj in enumerate(h):
+        out[rows, pl.ds(column(ctx.column_block, j), bn)] = hj
+      if store == "full_direct":  # SwiGLU's A too, as the real epilogue computes it
+        a = jax.nn.sigmoid(h[0].astype(jnp.float32)) * h[0].astype(jnp.float32)
+        a = a * h[1].astype(jnp.float32)
+        ctx.outputs[1][rows, pl.ds(ctx.column_block * bn, bn)] = a.astype(dtype)
+      return
+    if store == "h":
+      stores = [(acc.astype(dtype), out.at[rows, pl.ds(column(ctx.column_block, j), bn)])
+                for j, acc in enumerate(accs)]
+    else:  # one 64-column piece of the first block, the rest of the accumulators dropped
+      piece = accs[0][:, :epi.STORE_COLS]
+      for acc in accs[1:]:
+        piece = piece + acc[:, :epi.STORE_COLS]
+      stores = [(piece.astype(dtype),
+                 out.at[rows, pl.ds(column(ctx.column_block, 0), epi.STORE_COLS)])]
+    epi.store_tiles(stores, ctx.scratch)
+
+  return GemmRole(block_n=bn, num_rhs_blocks=blocks, num_column_blocks=width // (bn * blocks),
+                  rhs_copy=rhs_copy, epilogue=epilogue,
+                  epilogue_scratch=epi.staging_buffers(tm // 2, dtype), out_types=out_types)
+
+
+def run_config(cfg):
+  t_count, d, n, e, k = cfg
+  act = acts.get_activation("swiglu")
+  x, rw, w1, w2, _ = grid.random_problem(cfg)
+
+  def route(x, rw):
+    r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
+    return r.expert_ids, build_grouped_layout(r.expert_ids, e, 128)
+
+  expert_ids, layout = jax.jit(route)(x, rw)
+  up_cfg, down_cfg = mosaic_backend.up_config(d, 2 * n, e), mosaic_backend.down_config(d, n, e)
+  rows_total = layout.num_rows
+  x_rows = jax.jit(lambda v, lay: v[lay.row_token])(x, layout)
+  _, a = jax.jit(lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat",
+                                                     config=up_cfg))(x, w1, layout)
+  tm, dt = 128, x.dtype
+  up_bn, down_bn = up_cfg.block_n(True), down_cfg.block_n
+  up_column = lambda nb, j: j * n + nb * up_bn
+  down_column = lambda nb, j: nb * down_bn
+
+  def up_light(store, gathered):
+    role = _light_role(2 * n, up_bn, 2, up_column,
+                       (jax.ShapeDtypeStruct((rows_total, 2 * n), dt),
+                        jax.ShapeDtypeStruct((rows_total, n), dt)), store, tm, dt)
+    def fn(src, w1, lay):
+      return grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles,
+                          lay.row_token if gathered else None, role, (), up_cfg.gemm)
+    return fn
+
+  def down_light(store):
+    role = _light_role(d, down_bn, 1, down_column,
+                       (jax.ShapeDtypeStruct((rows_total, d), dt),), store, tm, dt)
+    return lambda a, w2, lay: grouped_gemm(a, w2, lay.tile_expert, lay.num_tiles, None, role, (),
+                                           down_cfg.gemm)
+
+  flat = expert_ids.reshape(-1)
+  bits = max(1, (flat.shape[0] - 1).bit_length())
+  iota = lambda f: lax.iota(jnp.int32, f.shape[0])
+  kernels = {
+      "up: full (gather)": (lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "concat",
+                                                                config=up_cfg), (x, w1, layout)),
+      "up: H only (gather)": (up_light("h", True), (x, w1, layout)),
+      "up: one piece (gather)": (up_light("piece", True), (x, w1, layout)),
+      "up: full (contiguous)": (lambda xr, w1, lay: up.up_projection(
+          xr, w1, None, lay, act, "concat", config=up_cfg, gather=False), (x_rows, w1, layout)),
+      "up: one piece (contiguous)": (up_light("piece", False), (x_rows, w1, layout)),
+      "down: full": (lambda a, w2, lay: down.down_projection(a, w2, None, lay, config=down_cfg),
+                     (a, w2, layout)),
+      "down: one piece": (down_light("piece"), (a, w2, layout)),
+      "sort: packed int32 key": (lambda f: jnp.sort((f << bits) | iota(f)), (flat,)),
+      "sort: (uint8 id, index)": (lambda f: lax.sort((f.astype(jnp.uint8), iota(f)), num_keys=1,
+                                                     is_stable=True), (flat,)),
+      "sort: (uint16 id, index)": (lambda f: lax.sort((f.astype(jnp.uint16), iota(f)),
+                                                      num_keys=1, is_stable=True), (flat,)),
+      "sort: (int32 id, index)": (lambda f: lax.sort((f, iota(f)), num_keys=1, is_stable=True),
+                                  (flat,)),
+      "layout (build_grouped_layout)": (lambda f: build_grouped_layout(f.reshape(t_count, k), e,
+                                                                       128), (flat,)),
+      "router GEMM + top-K": (lambda x, rw: routing.route(routing.router_logits(x, rw), k,
+                                                           "softmax_topk"), (x, rw)),
+  }
+  # The pingpong schedule (each compute warpgroup whole tiles in turn) against the layer's
+  # configuration, with its outputs compared to the layer's kernel on the rows in use.
+  valid = layout.row_valid()
+  res = {"config": list(cfg), "ms": {}, "max_rel_diff": {}}
+  for stages in (4, 5):
+    pp = dataclasses.replace(up_cfg.gemm, schedule="pingpong", num_stages=stages)
+    for gate_up in ("concat", "interleaved"):
+      fn = functools.partial(lambda x, w1, lay, c, g: up.up_projection(x, w1, None, lay, act, g,
+                                                                       config=c),
+                             c=up.UpProjectionConfig(pp), g=gate_up)
+      kernels[f"up: pingpong {stages} stages {gate_up} (gather)"] = (fn, (x, w1, layout))
+      ref = jax.jit(functools.partial(fn, c=up_cfg))(x, w1, layout)
+      got = jax.jit(fn)(x, w1, layout)
+      res["max_rel_diff"][f"up pingpong {stages} {gate_up}"] = max(
+          _rel(g_, r_, valid) for g_, r_ in zip(got, ref))
+    dpp = down.DownProjectionConfig(dataclasses.replace(down_cfg.gemm, schedule="pingpong",
+                                                        num_stages=stages))
+    fn = functools.partial(lambda a, w2, lay, c: down.down_projection(a, w2, None, lay, config=c),
+                           c=dpp)
+    kernels[f"down: pingpong {stages} stages"] = (fn, (a, w2, layout))
+    res["max_rel_diff"][f"down pingpong {stages}"] = _rel(
+        jax.jit(fn)(a, w2, layout), jax.jit(functools.partial(fn, c=down_cfg))(a, w2, layout),
+        valid)
+  kernels["up: full interleaved (gather)"] = (
+      lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "interleaved", config=up_cfg),
+      (x, w1, layout))
+  for name, (fn, args) in kernels.items():
+    res["ms"][name] = timing.time_fn(fn, *args, repeats=FLAGS.repeats) * 1e3
+  print(res["max_rel_diff"])
+  return res
+
+
+def _rel(got, ref, valid):
+  got = jnp.where(valid[:, None], got.astype(jnp.float32), 0)
+  ref = jnp.where(valid[:, None], ref.astype(jnp.float32), 0)
+  return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
+def main(_):
+  cfgs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
+          else [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)])
+  os.makedirs(FLAGS.out, exist_ok=True)
+  results = []
+  for cfg in cfgs:
+    results.append(run_config(cfg))
+    with open(os.path.join(FLAGS.out, "epilogue_probe.json"), "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "results": results}, f, indent=1)
+  names = list(results[0]["ms"])
+  print("| kernel | " + " | ".join(",".join(map(str, r["config"])) for r in results) + " |")
+  print("|---|" + "---|" * len(results))
+  for name in names:
+    print(f"| {name} | " + " | ".join(f"{r['ms'][name]:.3f}" for r in results) + " |")
+
+
+if __name__ == "__main__":
+  app.run(main)
