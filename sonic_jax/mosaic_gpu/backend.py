@@ -85,10 +85,10 @@ def weight_grad_config(d: int, n: int, num_experts: int) -> wgrad.WeightGradConf
 
 
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
+  if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout)):
+    return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
   config = up_config(d, width, e)
-  if _falls_back("up-projection", up.supports(x, w1, activation, gate_up_layout, config)):
-    return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   if not uses_fused_gather(backward=False, n=width):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
@@ -96,11 +96,10 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
 
 
 def down_projection(a, w2, b2, layout):
-  e, n, d = w2.shape
-  config = down_config(d, n, e)
-  if _falls_back("down-projection", down.supports(a, w2, config)):
+  if _falls_back("down-projection", down.supports(a, w2)):
     return xla_backend.down_projection(a, w2, b2, layout)
-  return down.down_projection(a, w2, b2, layout, config=config)
+  e, n, d = w2.shape
+  return down.down_projection(a, w2, b2, layout, config=down_config(d, n, e))
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
@@ -143,11 +142,10 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
 
 
 def dx_projection(d_h, w1, layout):
-  e, d, width = w1.shape
-  config = dx_config(d, width, e)
-  if _falls_back("dX role", dx.supports(d_h, w1, config)):
+  if _falls_back("dX role", dx.supports(d_h, w1)):
     return xla_backend.dx_projection(d_h, w1, layout)
-  return dx.dx_projection(d_h, w1, layout, config=config)
+  e, d, width = w1.shape
+  return dx.dx_projection(d_h, w1, layout, config=dx_config(d, width, e))
 
 
 def make_backend(base):

@@ -94,7 +94,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   # interleaved GLU one 128-column piece of (gate, up) pairs per 64 hidden units.
   h_pieces = 2 * pieces if glu and not interleaved else pieces
   h_cols = 2 * cols if interleaved else cols
-  rows_per_wg = config.gemm.rows_per_warpgroup
+  rows_per_wg = tm // 2
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j

@@ -16,17 +16,16 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
 
+BLOCK_N = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class DownProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
-  @property
-  def block_n(self) -> int:  # output columns per column block: a warpgroup's accumulator
-    return self.gemm.accumulator_columns
 
-
-def supports(a, w2, config: DownProjectionConfig = DownProjectionConfig()) -> str | None:
-  return unsupported_operands(a, w2, [("n", w2.shape[1], 64), ("d", w2.shape[2], config.block_n)])
+def supports(a, w2) -> str | None:
+  return unsupported_operands(a, w2, [("n", w2.shape[1], 64), ("d", w2.shape[2], BLOCK_N)])
 
 
 def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjectionConfig()):
@@ -35,27 +34,25 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = a.dtype
-  block_n = config.block_n
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
-    return w2_ref.at[expert, k_slice, pl.ds(nb * block_n, block_n)]
+    return w2_ref.at[expert, k_slice, pl.ds(nb * BLOCK_N, BLOCK_N)]
 
   def epilogue(accs, ctx):
     (y_ref,) = ctx.outputs
     (y,) = accs
-    c0 = ctx.column_block * block_n
+    c0 = ctx.column_block * BLOCK_N
     if b2 is not None:  # a GMEM load per tile: skipped without a bias
       (b_ref,) = ctx.inputs
-      y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, block_n)], y)
-    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, block_n)])],
+      y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], y)
+    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
                     ctx.scratch)
 
   role = GemmRole(
-      block_n=block_n, num_rhs_blocks=1, num_column_blocks=d // block_n, rhs_copy=rhs_copy,
+      block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype,
-                                           config.gemm.epilogue_buffers),
+      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role,
                       () if b2 is None else (b2,), config.gemm)

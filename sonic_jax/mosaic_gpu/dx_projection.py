@@ -15,18 +15,17 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
 
+BLOCK_N = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class DxProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
-  @property
-  def block_n(self) -> int:  # output columns per column block: a warpgroup's accumulator
-    return self.gemm.accumulator_columns
 
-
-def supports(d_h, w1, config: DxProjectionConfig = DxProjectionConfig()) -> str | None:
+def supports(d_h, w1) -> str | None:
   return unsupported_operands(d_h, w1, [("w1's width", w1.shape[2], 64),
-                                        ("d", w1.shape[1], config.block_n)])
+                                        ("d", w1.shape[1], BLOCK_N)])
 
 
 def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConfig()):
@@ -35,24 +34,22 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = d_h.dtype
-  block_n = config.block_n
 
   def rhs_copy(w1_ref, expert, k_slice, nb, j):
     del j
-    return w1_ref.at[expert, pl.ds(nb * block_n, block_n), k_slice]
+    return w1_ref.at[expert, pl.ds(nb * BLOCK_N, BLOCK_N), k_slice]
 
   def epilogue(accs, ctx):
     (dx_ref,) = ctx.outputs
     (acc,) = accs
-    c0 = ctx.column_block * block_n
-    epi.store_tiles([(acc.astype(dtype), dx_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, block_n)])],
+    c0 = ctx.column_block * BLOCK_N
+    epi.store_tiles([(acc.astype(dtype), dx_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
                     ctx.scratch)
 
   role = GemmRole(
-      block_n=block_n, num_rhs_blocks=1, num_column_blocks=d // block_n, rhs_copy=rhs_copy,
+      block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype,
-                                           config.gemm.epilogue_buffers),
+      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),), rhs_transposed=True)
   (dx,) = grouped_gemm(d_h, w1, layout.tile_expert, layout.num_tiles, None, role, (), config.gemm)
   return dx

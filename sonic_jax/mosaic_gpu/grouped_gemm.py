@@ -10,24 +10,13 @@ host). The output columns are cut into column blocks; a role reads `num_rhs_bloc
 `block_n` columns per column block (a GLU up-projection reads the gate and the up block). A
 persistent grid of one CTA per SM walks the (tile, column block) space.
 
-Warp specialisation, per CTA: two compute warpgroups issue wgmma into their accumulators and run
-the role's epilogue; a memory warpgroup streams operands into a `num_stages`-deep ring of
-shared-memory stages, each holding the A tile (tile_m x tile_k) and the B blocks. Two schedules
-(`GroupedGemmConfig.schedule`):
-- "cooperative": each compute warpgroup owns half of every tile's rows (one accumulator per B
-  block); both read every stage (splitting rows rather than columns lets them share B and keeps
-  each wgmma N = block_n wide) and both run the epilogue after the tile's mainloop, while the
-  tensor cores wait.
-- "pingpong": the warpgroups take whole tiles in turn (the CTA's 1st, 3rd, ... tile to one, the
-  others to the other), so one warpgroup's epilogue runs while the other's mainloop keeps the
-  tensor cores busy. A warpgroup's accumulator then has twice the rows, so it holds half the
-  columns (`accumulator_columns`); the B blocks of a stage lie side by side in one buffer, read by
-  one wgmma of N = num_rhs_blocks * block_n (N = 64 wgmmas would be bound by SMEM bandwidth).
-  The ring is consumed in tile order, so stages alternate between the warpgroups by whole tiles.
-`full[s]` completes when the stage's copies landed (pingpong: one barrier per stage and warpgroup,
-signalled for the warpgroup that owns the stage's tile, so that each warpgroup waits on every
-phase of its own barriers), `empty[s]` when the compute warpgroups that read the stage finished
-the wgmma that read it.
+Warp specialisation, per CTA: two compute warpgroups, each owning half of the tile's rows, issue
+wgmma into their own accumulators (one per B block) and run the role's epilogue; a memory
+warpgroup streams operands into a `num_stages`-deep ring of shared-memory stages. A stage holds the
+A tile (tile_m x tile_k) and the B blocks, both read by both compute warpgroups (splitting rows
+rather than columns lets the warpgroups share B and keeps each wgmma N = block_n wide). `full[s]`
+completes when the stage's copies landed, `empty[s]` when both compute warpgroups finished the
+wgmma that read it.
 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
@@ -54,10 +43,6 @@ from sonic_jax.mosaic_gpu import gather
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
 _NUM_COMPUTE_WGS = 2
-SCHEDULES = ("cooperative", "pingpong")
-# float32 accumulator elements per compute warpgroup: 128 registers per thread (a 64 x 256 tile),
-# which leaves room for an epilogue inside the compute warpgroups' register budget.
-_ACCUMULATOR_ELEMENTS = 64 * 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,21 +72,6 @@ class GroupedGemmConfig:
   # On an H100 a 3-stage ring with 2-4 buffers was slower than 4 stages with 2 (up and down
   # projections, benchmarks/NOTES.md); the autotuner tries them.
   epilogue_buffers: int = 2
-  # How the compute warpgroups share the tiles (module docstring): "cooperative" or "pingpong".
-  schedule: str = "cooperative"
-  # CTAs of the persistent grid; None: one per SM. Tests pass a few so that each CTA walks many
-  # tiles (ring wrap-around, pingpong turns) on small problems.
-  num_ctas: int | None = None
-
-  @property
-  def rows_per_warpgroup(self) -> int:
-    """Rows of a tile that one compute warpgroup computes (its accumulator's rows)."""
-    return self.tile_m // _NUM_COMPUTE_WGS if self.schedule == "cooperative" else self.tile_m
-
-  @property
-  def accumulator_columns(self) -> int:
-    """Columns of accumulator one compute warpgroup holds (over all of a role's B blocks)."""
-    return _ACCUMULATOR_ELEMENTS // self.rows_per_warpgroup
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
@@ -110,10 +80,6 @@ class GroupedGemmConfig:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
     if not 1 <= self.epilogue_buffers <= 8:
       raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
-    if self.num_ctas is not None and self.num_ctas < 1:
-      raise ValueError(f"num_ctas must be >= 1 or None, got {self.num_ctas}")
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
@@ -123,7 +89,7 @@ class EpilogueContext:
   """What a role's epilogue sees for one (tile, column block, warpgroup)."""
 
   row0: jax.Array  # first grouped row of this warpgroup's rows
-  rows: int  # rows per warpgroup (`GroupedGemmConfig.rows_per_warpgroup`)
+  rows: int  # rows per warpgroup (tile_m // 2)
   expert: jax.Array
   column_block: jax.Array
   inputs: Sequence[Any]  # the role's extra GMEM inputs
@@ -141,9 +107,8 @@ class GemmRole:
   block j of the stage is copied from (one dense TMA box); (block_n, tile_k) when rhs_transposed,
   for weights stored (N, K) per expert: wgmma reads the transposed 16-bit block for free, so the
   backward's w^T products need no transposed copy of the weights.
-  epilogue(accs, ctx) consumes the float32 accumulators [(rows, block_n)] * num_rhs_blocks of one
-  warpgroup (rows = the config's `rows_per_warpgroup`) and stores the outputs; block_n *
-  num_rhs_blocks must not exceed the config's `accumulator_columns`.
+  epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
+  of one warpgroup and stores the outputs.
   epilogue_scratch: one plgpu.SMEM, a tuple of them, or one plgpu.RefUnion (a union unpacks only
   as the whole scratch), per warpgroup; the epilogue sees this warpgroup's refs (a RefUnion as the
   flat tuple of its members' leaves).
@@ -272,17 +237,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   m_tiles = tile_expert.shape[0]
   grid = (m_tiles * role.num_column_blocks,)
   interpret_mode = interpreting()
-  pingpong = config.schedule == "pingpong"
-  rows = config.rows_per_warpgroup
-  blocks = role.num_rhs_blocks
-  if role.block_n * blocks > config.accumulator_columns:
-    raise ValueError(f"{blocks} B blocks of {role.block_n} columns exceed the "
-                     f"{config.accumulator_columns} accumulator columns of a {config.schedule} "
-                     f"warpgroup")
-  # Pingpong reads the B blocks of a stage side by side, as one wgmma operand.
-  fused_b = pingpong and blocks > 1
-  if fused_b and role.rhs_transposed:
-    raise NotImplementedError("pingpong with several transposed B blocks")
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
     n_in = len(extra_inputs)
@@ -297,34 +251,28 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       wg = lax.axis_index("wg")
       n_tiles_used = num_tiles_ref[0]
 
-      def walk_tiles(per_tile, owner=None):
-        """Runs per_tile(tile, column_block, expert, first_step, owner) over this CTA's tiles in
-        use, in the same order in every warpgroup; owner is the compute warpgroup whose tile it
-        is under pingpong (0 under cooperative). With `owner` given, runs only that warpgroup's
-        tiles. Returns the number of k-steps taken (stages used)."""
-        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=(jnp.int32(0), jnp.int32(0)))
+      def walk_tiles(per_tile):
+        """Runs per_tile(tile, column_block, expert, first_step) over this CTA's tiles in use, in
+        the same order in every warpgroup; returns the number of k-steps taken (stages used)."""
+        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
-          step, count = carry
+          step = carry
           mi, nb = plgpu.planar_snake(info.index[0], (m_tiles, role.num_column_blocks), 1,
                                       config.grid_tile_width)
           active = mi < n_tiles_used
-          tile_owner = lax.rem(count, _NUM_COMPUTE_WGS) if pingpong else jnp.int32(0)
-          run = active if owner is None else active & (tile_owner == owner)
-          pl.when(run)(lambda: per_tile(mi, nb, tile_expert_ref[mi], step, tile_owner))
-          taken = jnp.where(active, 1, 0)
-          return step + taken * k_iters, count + taken
-        return _tiles[0]
+          pl.when(active)(lambda: per_tile(mi, nb, tile_expert_ref[mi], step))
+          return step + jnp.where(active, k_iters, 0)
+        return _tiles
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
         plgpu.set_max_registers(memory_regs, action="decrease")
 
-        def load_tile(mi, nb, expert, step, owner):
+        def load_tile(mi, nb, expert, step):
           @pl.loop(0, k_iters)
           def _k(ki):
             s = step + ki
             slot = lax.rem(s, stages)
-            landed = full.at[owner * stages + slot] if pingpong else full.at[slot]
 
             @pl.when(s >= stages)
             def _():
@@ -341,22 +289,13 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               def _row(r):
                 tok = row_token_ref[base + r]
                 plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
-                                        a_rows.at[slot, pl.ds(r, 1)], landed)
+                                        a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
             else:
               plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
-                                      a_tiles.at[slot], landed)
-            for j in range(blocks):
-              src = role.rhs_copy(rhs_ref, expert, k_slice, nb, j)
-              if not fused_b:
-                plgpu.copy_gmem_to_smem(src, b_smem.at[slot, j], landed)
-                continue
-              # A TMA box lands in contiguous SMEM, and a block's columns of the fused (8, 64)-
-              # tiled buffer are contiguous only 8 rows at a time (one tile): a box per tile.
-              cols = pl.ds(j * role.block_n, role.block_n)
-              for r in range(b_shape[0] // 8):
-                tile_rows = pl.ds(r * 8, 8)
-                plgpu.copy_gmem_to_smem(
-                    src.at[tile_rows], b_smem.at[slot, 0, tile_rows, cols], landed)
+                                      a_tiles.at[slot], full.at[slot])
+            for j in range(role.num_rhs_blocks):
+              plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
+                                      b_smem.at[slot, j], full.at[slot])
 
         drain_ring(empty, walk_tiles(load_tile), stages)
 
@@ -364,11 +303,12 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       def _compute_wg():
         plgpu.set_max_registers(compute_regs, action="increase")
 
-        def compute_tile(mi, nb, expert, step, owner):
-          del owner  # == wg under pingpong
+        def compute_tile(mi, nb, expert, step):
+          rows = tm // _NUM_COMPUTE_WGS
+          blocks = role.num_rhs_blocks
           ctx = EpilogueContext(
-              row0=mi * tm + (0 if pingpong else wg * rows), rows=rows, expert=expert,
-              column_block=nb, inputs=inputs, outputs=outputs,
+              row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
+              inputs=inputs, outputs=outputs,
               scratch=_at_warpgroup(epi_scratch, role.epilogue_scratch, wg),
               prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
 
@@ -376,16 +316,15 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             @pl.loop(0, k_iters)
             def _k(ki):
               slot = lax.rem(step + ki, stages)
-              plgpu.barrier_wait(full.at[wg * stages + slot] if pingpong else full.at[slot])
+              plgpu.barrier_wait(full.at[slot])
               if gather_impl == "cp_async":
                 gather.wait_stage(a_ready.at[slot], lax.rem((step + ki) // stages, 2))
-              a_rows_of_wg = a_tiles.at[slot] if pingpong else a_tiles.at[slot,
-                                                                          pl.ds(wg * rows, rows)]
-              for j in range(len(acc_refs)):
-                b = b_smem.at[slot, j]
+              a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
+              for j in range(blocks):
+                b_block = b_smem.at[slot, j]
                 if role.rhs_transposed:
-                  b = b.transpose((1, 0))
-                plgpu.wgmma(acc_refs[j], a_rows_of_wg, b)
+                  b_block = b_block.transpose((1, 0))
+                plgpu.wgmma(acc_refs[j], a_half, b_block)
               if role.epilogue_prefetch is not None:
                 # While the first wgmmas run: the previous tile's stores must have read the
                 # scratch before the prefetch overwrites it.
@@ -393,8 +332,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 def _():
                   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                   role.epilogue_prefetch(ctx, ctx.prefetched)
-              # The previous step's wgmmas are done: release its stage.
-              plgpu.wgmma_wait(len(acc_refs))
+              plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
 
               @pl.when(ki > 0)
               def _():
@@ -404,25 +342,17 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
             return [r[...] for r in acc_refs]
 
-          if fused_b:
-            (acc,) = pl.run_scoped(acc_scope, plgpu.ACC((rows, blocks * role.block_n),
-                                                        jnp.float32))
-            bn = role.block_n
-            accs = [acc[:, j * bn:(j + 1) * bn] for j in range(blocks)]
-          else:
-            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
-                                              for _ in range(blocks)])
+          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
+                                            for _ in range(blocks)])
           role.epilogue(accs, ctx)
 
-        walk_tiles(compute_tile, owner=wg if pingpong else None)
+        walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 
     # Arrivals on full[s]: the B copies, plus one per A row copy (row_tma) or the A copy (TMA);
     # the cp.async gather signals its own per-stage barriers instead (`gather.stage_barriers`).
     a_copies = {"row_tma": tm, "cp_async": 0, None: 1}[gather_impl]
-    b_width = role.block_n * (blocks if fused_b else 1)
-    b_shape = (b_width, tk) if role.rhs_transposed else (tk, b_width)
-    copies_per_stage = a_copies + (blocks * b_shape[0] // 8 if fused_b else blocks)
+    copies_per_stage = a_copies + role.num_rhs_blocks
     elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(
         plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
@@ -430,14 +360,13 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
         plgpu.SMEM((stages, tm, tk), dtype),  # raw bytes, for the cp.async gather's addressing
     )
-    b_smem = plgpu.SMEM((stages, 1 if fused_b else blocks) + b_shape, dtype,
-                        transforms=tiled(dtype))
+    b_block = (role.block_n, tk) if role.rhs_transposed else (tk, role.block_n)
+    b_smem = plgpu.SMEM((stages, role.num_rhs_blocks) + b_block, dtype, transforms=tiled(dtype))
     epi = _per_warpgroup(role.epilogue_scratch)
     pl.run_scoped(
         scoped, a_union, b_smem,
-        plgpu.Barrier(num_arrivals=copies_per_stage,
-                      num_barriers=stages * (_NUM_COMPUTE_WGS if pingpong else 1)),
-        plgpu.Barrier(num_arrivals=1 if pingpong else _NUM_COMPUTE_WGS, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
         epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
         (plgpu.Barrier(num_arrivals=role.prefetch_copies, num_barriers=_NUM_COMPUTE_WGS)
          if role.epilogue_prefetch is not None else None),
@@ -448,7 +377,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   kernel = plgpu.kernel(
       body,
       out_type=tuple(role.out_types),
-      grid=(config.num_ctas or num_sms(),),
+      grid=(num_sms(),),
       grid_names=("sm",),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",

@@ -27,8 +27,7 @@ from typing import Any
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig, target_device
 
 ROLES = ("up", "down", "dh", "dx", "weight_grad")
-GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers",
-               "schedule")
+GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers")
 WEIGHT_GRAD_FIELDS = ("num_stages",)
 _PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 _override: list[dict[str, Any]] | None = None

@@ -5,11 +5,10 @@ HBM); the epilogue adds the bias, applies the activation in float32 and stores b
 pre-activation H (kept for the backward) and A (read by the down-projection).
 
 GLU activations take either gate/up layout of w1 as it is (no permuted copy of w1). A column
-block covers `block_n` hidden units (half a warpgroup's accumulator: 128 under the cooperative
-schedule, 64 under pingpong) and reads two B blocks of block_n columns each:
-- "concat": the gate columns (w1[e][:, u0:u0+block_n]) and the up columns (w1[e][:, n+u0:...]),
+block covers GLU_BLOCK_N hidden units and reads two B blocks of GLU_BLOCK_N columns each:
+- "concat": the gate columns (w1[e][:, u0:u0+BLOCK_N]) and the up columns (w1[e][:, n+u0:...]),
   so both halves of act(gate) * up meet in one warpgroup's registers;
-- "interleaved": the block's 2 * block_n consecutive columns, (gate, up) side by side. H is
+- "interleaved": the block's 2 * BLOCK_N consecutive columns, (gate, up) side by side. H is
   stored as it comes; each 64-column H piece, once in SMEM for its store, is read back as 32
   uint32 words, one (gate, up) pair each, so a pair lands in one thread (a wgmma fragment puts
   adjacent columns in one thread, but Mosaic GPU has no strided register slice) and gives 32
@@ -32,23 +31,22 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
 
+GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 columns each)
+PLAIN_BLOCK_N = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class UpProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
-  def block_n(self, glu: bool) -> int:
-    """Hidden units per column block: the accumulator holds gate and up blocks for GLU."""
-    return self.gemm.accumulator_columns // (2 if glu else 1)
 
-
-def supports(x, w1, activation: acts.Activation, gate_up_layout: str,
-             config: UpProjectionConfig = UpProjectionConfig()) -> str | None:
+def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
   """None when the kernel handles this problem, else the reason it does not."""
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
   n = w1.shape[2] // activation.width_multiplier()
-  return unsupported_operands(x, w1, [("d", x.shape[1], 64),
-                                      ("n", n, config.block_n(activation.is_glu))])
+  block_n = GLU_BLOCK_N if activation.is_glu else PLAIN_BLOCK_N
+  return unsupported_operands(x, w1, [("d", x.shape[1], 64), ("n", n, block_n)])
 
 
 def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout: str,
@@ -66,8 +64,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   interleaved = glu and gate_up_layout == "interleaved"
   n = width // 2 if glu else width
   act_fn = acts.kernel_fn(activation)
-  bn = config.block_n(glu)
-  rows_per_wg = config.gemm.rows_per_warpgroup
+  bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
   cols = epi.STORE_COLS
 
   def w1_column(nb, j):  # first w1 / H column of B block j (0: gate or all, 1: up)
@@ -130,10 +127,9 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(unit, cols // 2)])
 
   if interleaved:
-    scratch = epi.pair_staging_buffers(rows_per_wg, dtype,
-                                       epi.half_staging_buffers(rows_per_wg, dtype))
+    scratch = epi.pair_staging_buffers(tm // 2, dtype, epi.half_staging_buffers(tm // 2, dtype))
   else:
-    scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
+    scratch = epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=interleaved_epilogue if interleaved else epilogue, epilogue_scratch=scratch,
