@@ -7,7 +7,8 @@ configuration) against the same grouped GEMM with lighter epilogues:
 - "H only": stores H, no activation and no A;
 - "direct to GMEM": stores from registers with plain global stores (no SMEM staging, no TMA and
   so no waiting for a staging buffer), H and SwiGLU's A, H only, or the down-projection's Y;
-- "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone).
+- "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone);
+  "identity gather": the same through the gather path over the contiguous grouped rows in order.
 The gap between the full kernel and "one piece" is what the epilogue costs while the tensor cores
 wait (the cooperative schedule runs it after the tile's mainloop, not under the next one).
 
@@ -101,12 +102,18 @@ def run_config(cfg):
   down_column = lambda nb, j: nb * down_bn
 
   def up_light(store, gathered):
+    """gathered: False (contiguous rows), True (the layout's gather) or "identity" (the gather
+    path reading the contiguous grouped rows in order: the cp.async machinery without the
+    scattered addresses)."""
     role = _light_role(2 * n, up_bn, 2, up_column,
                        (jax.ShapeDtypeStruct((rows_total, 2 * n), dt),
                         jax.ShapeDtypeStruct((rows_total, n), dt)), store, tm, dt)
     def fn(src, w1, lay):
-      return grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles,
-                          lay.row_token if gathered else None, role, (), up_cfg.gemm)
+      if gathered == "identity":
+        index = lax.iota(jnp.int32, rows_total)
+      else:
+        index = lay.row_token if gathered else None
+      return grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles, index, role, (), up_cfg.gemm)
     return fn
 
   def down_light(store):
@@ -128,6 +135,8 @@ def run_config(cfg):
       "up: full (contiguous)": (lambda xr, w1, lay: up.up_projection(
           xr, w1, None, lay, act, "concat", config=up_cfg, gather=False), (x_rows, w1, layout)),
       "up: one piece (contiguous)": (up_light("piece", False), (x_rows, w1, layout)),
+      "up: one piece (identity gather of the grouped rows)": (up_light("piece", "identity"),
+                                                              (x_rows, w1, layout)),
       "down: full": (lambda a, w2, lay: down.down_projection(a, w2, None, lay, config=down_cfg),
                      (a, w2, layout)),
       "down: Y direct to GMEM": (down_light("h_direct"), (a, w2, layout)),
