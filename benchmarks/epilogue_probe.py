@@ -8,7 +8,9 @@ configuration) against the same grouped GEMM with lighter epilogues:
 - "direct to GMEM": stores from registers with plain global stores (no SMEM staging, no TMA and
   so no waiting for a staging buffer), H and SwiGLU's A, H only, or the down-projection's Y;
 - "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone);
-  "identity gather": the same through the gather path over the contiguous grouped rows in order.
+  "identity gather": the same through the gather path over the contiguous grouped rows in order;
+- "(gather, IMPL)": the up-projection with another `gather_impl` (its outputs must equal the
+  layer's kernel's on the rows in use).
 The gap between the full kernel and "one piece" is what the epilogue costs while the tensor cores
 wait (the cooperative schedule runs it after the tile's mainloop, not under the next one).
 
@@ -20,6 +22,8 @@ Prints a table; writes `epilogue_probe.json` under --out.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 from unittest import mock
@@ -44,6 +48,8 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+flags.DEFINE_list("gather_impls", [], "GroupedGemmConfig.gather_impl values "
+                  "to add as up-projection rows (outputs checked equal to the layer's kernel)")
 FLAGS = flags.FLAGS
 
 
@@ -101,7 +107,7 @@ def run_config(cfg):
   up_column = lambda nb, j: j * n + nb * up_bn
   down_column = lambda nb, j: nb * down_bn
 
-  def up_light(store, gathered):
+  def up_light(store, gathered, gemm=None):
     """gathered: False (contiguous rows), True (the layout's gather) or "identity" (the gather
     path reading the contiguous grouped rows in order: the cp.async machinery without the
     scattered addresses)."""
@@ -113,7 +119,8 @@ def run_config(cfg):
         index = lax.iota(jnp.int32, rows_total)
       else:
         index = lay.row_token if gathered else None
-      return grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles, index, role, (), up_cfg.gemm)
+      return grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles, index, role, (),
+                          gemm or up_cfg.gemm)
     return fn
 
   def down_light(store):
@@ -155,10 +162,25 @@ def run_config(cfg):
       "router GEMM + top-K": (lambda x, rw: routing.route(routing.router_logits(x, rw), k,
                                                            "softmax_topk"), (x, rw)),
   }
+  res = {"config": list(cfg), "ms": {}, "device_ms": {}, "equal_to_layer_kernel": {}}
+  if FLAGS.gather_impls:
+    ref = jax.jit(kernels["up: full (gather)"][0])(x, w1, layout)
+    valid = layout.row_valid()
+  for impl in FLAGS.gather_impls:
+    gemm = dataclasses.replace(up_cfg.gemm, gather_impl=impl)
+    fn = functools.partial(lambda x, w1, lay, c: up.up_projection(x, w1, None, lay, act, "concat",
+                                                                 config=c),
+                           c=up.UpProjectionConfig(gemm))
+    kernels[f"up: full (gather, {impl})"] = (fn, (x, w1, layout))
+    got = jax.jit(fn)(x, w1, layout)
+    res["equal_to_layer_kernel"][impl] = all(
+        bool(jnp.all(jnp.where(valid[:, None], g == r, True))) for g, r in zip(got, ref))
+    kernels[f"up: one piece (gather, {impl})"] = (up_light("piece", True, gemm), (x, w1, layout))
+    kernels[f"up: one piece (identity gather, {impl})"] = (up_light("piece", "identity", gemm),
+                                                           (x_rows, w1, layout))
   kernels["up: full interleaved (gather)"] = (
       lambda x, w1, lay: up.up_projection(x, w1, None, lay, act, "interleaved", config=up_cfg),
       (x, w1, layout))
-  res = {"config": list(cfg), "ms": {}, "device_ms": {}}
   for name, (fn, args) in kernels.items():
     compiled, _ = timing.compile_fn(fn, *args)
     res["ms"][name] = timing.time_compiled(compiled, [args], repeats=FLAGS.repeats)[0] * 1e3
@@ -193,6 +215,7 @@ def main(_):
     with open(os.path.join(FLAGS.out, "epilogue_probe.json"), "w") as f:
       json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                  "results": results}, f, indent=1)
+  print("outputs equal to the layer's kernel:", [r["equal_to_layer_kernel"] for r in results])
   names = list(results[0]["ms"])
   print("ms per call: wall clock (median) / sum of device kernel times")
   print("| kernel | " + " | ".join(",".join(map(str, r["config"])) for r in results) + " |")
