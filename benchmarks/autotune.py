@@ -31,8 +31,6 @@ import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
-from sonic_jax import routing
-from sonic_jax.layout import build_grouped_layout
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import tuning
 
@@ -62,8 +60,7 @@ def _problem(cfg):
   _, _, n, e, k = cfg
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
-  ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
-  layout = jax.jit(lambda i: build_grouped_layout(i, e, mosaic_backend.ROW_TILE))(ids)
+  _, layout = jax.jit(grid.route_fn(cfg, mosaic_backend.ROW_TILE))(x, rw)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
   b = mosaic_backend
   h, a = jax.jit(lambda x, w1: b.up_projection(x, w1, None, layout, act, "concat"))(x, w1)

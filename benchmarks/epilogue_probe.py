@@ -92,11 +92,8 @@ def run_config(cfg):
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, _ = grid.random_problem(cfg)
 
-  def route(x, rw):
-    r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
-    return r.expert_ids, build_grouped_layout(r.expert_ids, e, 128)
-
-  expert_ids, layout = jax.jit(route)(x, rw)
+  r, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  expert_ids = r.expert_ids
   up_cfg, down_cfg = mosaic_backend.up_config(d, 2 * n, e), mosaic_backend.down_config(d, n, e)
   rows_total = layout.num_rows
   x_rows = jax.jit(lambda v, lay: v[lay.row_token])(x, layout)

@@ -18,8 +18,6 @@ import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
-from sonic_jax import routing
-from sonic_jax.layout import build_grouped_layout
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 
@@ -45,8 +43,7 @@ def run_config(cfg):
   _, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
   x, rw, w1, _, _ = grid.random_problem(cfg)
-  ids = routing.route(routing.router_logits(x, rw), k, "softmax_topk").expert_ids
-  layout = jax.jit(lambda i: build_grouped_layout(i, e, 128))(ids)
+  _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
   x_rows = jax.jit(lambda x, lay: x[lay.row_token])(x, layout)
   rows = int(layout.num_tiles) * 128
   flops = 2 * rows * d * 2 * n

@@ -50,3 +50,16 @@ def random_problem(cfg, seed: int = 0):
   return (jax.random.normal(keys[0], (t_count, d), jnp.bfloat16), scaled(keys[1], (d, e), d),
           scaled(keys[2], (e, d, 2 * n), d), scaled(keys[3], (e, n, d), n),
           jax.random.normal(keys[4], (t_count, d), jnp.bfloat16))
+
+
+def route_fn(cfg, row_tile: int = 128):
+  """The layer's routing step for configuration `cfg`: (x, router_weight) -> (RouterOutput of the
+  softmax top-K of the router logits, its GroupedLayout with `row_tile`-row tiles)."""
+  from sonic_jax import routing
+  from sonic_jax.layout import build_grouped_layout
+  _, _, _, e, k = cfg
+
+  def route(x, router_weight):
+    r = routing.route(routing.router_logits(x, router_weight), k, "softmax_topk")
+    return r, build_grouped_layout(r.expert_ids, e, row_tile)
+  return route

@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import sonic_jax
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
-from sonic_jax import routing, xla_backend
-from sonic_jax.layout import build_grouped_layout
+from sonic_jax import xla_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import down_projection as down
@@ -62,11 +61,9 @@ def run_config(cfg, flops_rate, bw):
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
 
-  def route(x, rw):
-    r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
-    return r.scores, build_grouped_layout(r.expert_ids, e, 128)
-
-  scores, layout = jax.jit(route)(x, rw)
+  route = grid.route_fn(cfg)
+  r, layout = jax.jit(route)(x, rw)
+  scores = r.scores
   rows = int(layout.num_tiles) * 128
   rows_of = jax.jit(lambda v, lay: v[lay.row_token])
   x_rows = rows_of(x, layout)
