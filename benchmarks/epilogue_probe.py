@@ -54,7 +54,9 @@ FLAGS = flags.FLAGS
 
 
 def _light_role(width, bn, blocks, column, out_types, store, tm, dtype):
-  """A GemmRole reading B blocks like the real role, with epilogue `store` ('h' or 'piece')."""
+  """A GemmRole reading B blocks like the real role, with a lighter epilogue `store`: "h" (the
+  accumulators as bf16 through the staging buffers), "piece" (one 64-column piece per tile),
+  "h_direct" / "full_direct" (H, or H and SwiGLU's A, stored from registers)."""
 
   def rhs_copy(w_ref, expert, k_slice, nb, j):
     return w_ref.at[expert, k_slice, pl.ds(column(nb, j), bn)]
