@@ -46,10 +46,7 @@ def run_config(cfg, baselines):
          "route_ms": time(lambda lg: routing.route(lg, k, "softmax_topk"), logits),
          "layout_ms": time(lambda i: build_grouped_layout(i, e, ROW_TILE), ids)}
 
-  def whole(x, rw):
-    r = routing.route(routing.router_logits(x, rw), k, "softmax_topk")
-    return build_grouped_layout(r.expert_ids, e, ROW_TILE), r.scores
-
+  whole = grid.route_fn(cfg, ROW_TILE)
   res["route_and_layout_ms"] = time(whole, x, rw)
   if FLAGS.trace:
     res["route_and_layout_kernels_us"] = timing.kernel_times(timing.compile_fn(whole, x, rw)[0],

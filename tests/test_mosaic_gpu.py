@@ -395,9 +395,10 @@ def _lowering_cases():
 
 
 @pytest.mark.parametrize("role", ["up-swiglu", "up-swiglu-interleaved", "up-gelu",
-                                  "up-swiglu-4-epilogue-buffers", "up-relu_sq", "up-swiglu-cp_async",
-                                  "dh-swiglu", "dh-swiglu-interleaved-128",
-                                  "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered", "dh-swiglu-wide",
+                                  "up-swiglu-4-epilogue-buffers", "up-relu_sq",
+                                  "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
+                                  "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
+                                  "dh-swiglu-wide",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):

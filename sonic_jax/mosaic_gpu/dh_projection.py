@@ -151,7 +151,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       for i, v in zip(h_halves(p), d_h):
         h_smem[i] = v.astype(dtype)
     elif interpreting():
-      h_smem[p] = jnp.stack(d_h, axis=-1).reshape(rows_per_wg, h_cols).astype(dtype)
+      h_smem[p] = epi.merge_pairs(*d_h, dtype)
     else:
       ctx.scratch[3][p] = epi.pack_pairs(*d_h, dtype)
 

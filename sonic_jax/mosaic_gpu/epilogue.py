@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -53,6 +52,12 @@ def split_pairs(value):
   reshape: what the interpreter runs instead of the word view (Mosaic GPU cannot lower it)."""
   pairs = value.astype(jnp.float32).reshape(value.shape[0], value.shape[1] // 2, 2)
   return pairs[..., 0], pairs[..., 1]
+
+
+def merge_pairs(gate, up, dtype):
+  """Inverse of `split_pairs`: (rows, m) gate and up -> the (rows, 2m) interleaved `dtype` value
+  (the interpreter's counterpart of `pack_pairs`)."""
+  return jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], 2 * gate.shape[1]).astype(dtype)
 
 
 def pack_pairs(gate, up, dtype):
