@@ -10,7 +10,7 @@ SONIC_JAX_TUNED_CONFIGS) for the problems this run does not measure; --nomerge: 
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
-search from the defaults: the snake band width (`grid_tile_width`), then the ring depth
+search from the defaults: the cluster size along M (`cluster_m`), the snake band width (`grid_tile_width`), then the ring depth
 (`num_stages`, for up and down together with the epilogue's staging buffers), then for roles
 that gather rows the memory warpgroup's registers. A candidate
 replaces the incumbent only when it is at least `--min_gain` faster (timing noise must not churn the
@@ -40,19 +40,23 @@ flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
 flags.DEFINE_bool("merge", True, "write the current table's entries that this run does not "
                   "re-measure too (else only this run's)")
 flags.DEFINE_list("roles", None, "roles to tune (default: all of up, down, dh, dx, weight_grad)")
+flags.DEFINE_list("fields", None, "search only these configuration fields, starting from the "
+                  "current table's entry for the problem (default: every field of SEARCH, "
+                  "starting from the defaults)")
 flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the incumbent")
 FLAGS = flags.FLAGS
 
 # A shallower ring leaves SMEM for more epilogue buffers: tried together.
 _RING_FOR_EPILOGUE = (("num_stages", "epilogue_buffers"), ((3, 2), (3, 3), (3, 4), (4, 2)))
+_CLUSTER = ("cluster_m", (2,))  # 1: the default
 SEARCH = {  # role: [(field or fields, candidate values)], searched one step at a time
-    "up": [("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
+    "up": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
            ("memory_registers", (40, 56, 80))],
-    "down": [("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
-    "dh": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
+    "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
+    "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
            ("memory_registers", (40, 56, 80))],
-    "dx": [("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
-    "weight_grad": [("num_stages", (3, 4))],
+    "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
+    "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4))],
 }
 
 
@@ -98,9 +102,15 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
   entry = lambda fields: [{"role": role, "device": device, "d": d, "n": n_key, "E": e,
                            "config": fields}]
   best_fields = {}
-  best_t, want = _run(fn, args, [])  # the defaults (an empty table)
-  trials = [{"config": {}, "ms": best_t * 1e3}]
+  if FLAGS.fields:  # the current table's entry for exactly this problem, if any
+    best_fields = next((dict(x["config"]) for x in tuning.table()
+                        if tuning.same_problem(x, entry({})[0])), {})
+  best_t, want = _run(fn, args, entry(best_fields))
+  trials = [{"config": best_fields, "ms": best_t * 1e3}]
   for field, values in SEARCH[role]:
+    names = field if isinstance(field, tuple) else (field,)
+    if FLAGS.fields and not set(names) & set(FLAGS.fields):
+      continue
     for value in values:
       step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
       fields = {**best_fields, **step}
@@ -115,9 +125,11 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
       trials.append({"config": fields, "ms": t * 1e3, "same_outputs": same})
       if same and t < best_t * (1 - FLAGS.min_gain):
         best_t, best_fields = t, fields
-  print(f"{grid.config_name(cfg)} {role}: {best_fields or 'defaults'} "
-        f"{best_t * 1e3:.3f} ms (defaults {trials[0]['ms']:.3f} ms)", flush=True)
-  return entry(best_fields)[0] | {"ms": best_t * 1e3, "default_ms": trials[0]["ms"]}, trials
+  start = trials[0]
+  print(f"{grid.config_name(cfg)} {role}: {best_fields or 'defaults'} {best_t * 1e3:.3f} ms "
+        f"(start: {start['config'] or 'defaults'} {start['ms']:.3f} ms)", flush=True)
+  return entry(best_fields)[0] | {"ms": best_t * 1e3, "start": start["config"],
+                                  "start_ms": start["ms"]}, trials
 
 
 def main(_):

@@ -21,8 +21,8 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 @contextlib.contextmanager
-def kernel_mode(compiled: bool):
-  """Compiled on the GPU, or interpreted on the CPU with a 2-SM abstract device."""
+def kernel_mode(compiled: bool, num_cores: int = 2):
+  """Compiled on the GPU, or interpreted on the CPU with a `num_cores`-SM abstract device."""
   if compiled:
     if not ON_GPU:
       pytest.skip("needs a GPU")
@@ -33,7 +33,7 @@ def kernel_mode(compiled: bool):
   from jax._src.mesh import AbstractDevice
   from jax.experimental.pallas import mosaic_gpu as plgpu
   mesh = jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=2))
+      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
   with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
       plgpu.InterpretGPUParams(detect_races=True)):
     yield
@@ -300,12 +300,14 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,gathered", [  # the interpreter copies gathered rows one by one
-    (128, 256, False, None), (256, 512, True, None), (128, 256, True, "lhs"),
-    (128, 256, False, "rhs")])
-def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered):
+@pytest.mark.parametrize("m,n,skew,gathered,cluster", [  # the interpreter copies gathered rows
+    (128, 256, False, None, 1), (256, 512, True, None, 1), (128, 256, True, "lhs", 1),  # one by one
+    (256, 256, True, None, 2), (128, 512, False, "rhs", 2)])
+def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster):
   """Varlen-K out[e] = lhs_e^T rhs_e, one operand optionally gathered by token inside the kernel
-  (as dw1 = x_rows^T dH and dw2 = A_s^T dO_rows run); experts without rows get exact zeros."""
+  (as dw1 = x_rows^T dH and dw2 = A_s^T dO_rows run); experts without rows get exact zeros.
+  cluster=2: 2-CTA clusters multicasting the rhs tile (pairs of m blocks) or, when rhs is
+  gathered, the lhs tile (pairs of n blocks)."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E = (120, 4) if not compiled else (4000, 16)
   if compiled:
@@ -320,7 +322,8 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered):
   lhs = source(m) if gathered == "lhs" else grouped(m)
   rhs = source(n) if gathered == "rhs" else grouped(n)
   with kernel_mode(compiled):
-    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, gathered=gathered))(lhs, rhs)
+    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, wg.WeightGradConfig(cluster=cluster),
+                                              gathered=gathered))(lhs, rhs)
   rows = lambda v, side: v[layout.row_token] if gathered == side else v
   want = xla_backend.grouped_weight_grad(rows(lhs, "lhs"), rows(rhs, "rhs"), layout)
   assert got.shape == (E, m, n) and got.dtype == jnp.bfloat16
@@ -329,6 +332,57 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered):
   empty = np.asarray(layout.expert_counts) == 0
   assert empty.any() == skew
   assert np.all(np.asarray(got, np.float32)[empty] == 0)
+
+
+CLUSTER_ROLES = ["up", "down", "dh", "dx"]
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("role", CLUSTER_ROLES)
+def test_cluster_equals_unclustered(rng, compiled, role):
+  """2-CTA clusters (`cluster_m=2`: tile pairs, B multicast where a pair shares its expert)
+  compute the same tiles in the same order as single CTAs: bit-identical outputs, with an odd
+  number of tiles in use (the last pair's second CTA runs a dummy tile), pairs that straddle
+  experts, a skewed expert and an empty one. The interpreter does not model multicast (each CTA
+  loads the whole block there); the compiled run checks it."""
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  from sonic_jax.mosaic_gpu import down_projection as down
+  from sonic_jax.mosaic_gpu import dx_projection as dx
+  from sonic_jax.mosaic_gpu import up_projection as up
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+  # Pairs per expert: tiles 1, 1, 3 and none (5 in use: a pair across experts, one within, a
+  # dummy), or 81 tiles on the GPU.
+  T, d, n, counts = ((230, 256, 128, [100, 100, 260, 0]) if not compiled else
+                     (5000, 512, 256, [3000, 1300, 2300, 0, 1000, 1200, 700, 500]))
+  E = len(counts)
+  if not compiled and role in ("up", "dh"):  # the interpreter copies gathered rows one by one
+    d = 128
+  x, w1, _, _ = _problem(rng, T, d, n, E, 2, "swiglu")
+  ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)
+  layout = build_grouped_layout(ids, E, 128)
+  assert int(layout.num_tiles) % 2 == 1
+  act = acts.get_activation("swiglu")
+  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
+  rows = lambda w: jnp.asarray(rng.standard_normal((layout.num_rows, w)), jnp.bfloat16)
+  a, h, d_h = rows(n), rows(2 * n), rows(2 * n)
+  scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
+  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  run = {
+      "up": lambda c: up.up_projection(x, w1, None, layout, act, "concat",
+                                       config=up.UpProjectionConfig(c)),
+      "down": lambda c: down.down_projection(a, w2, None, layout, down.DownProjectionConfig(c)),
+      "dh": lambda c: dh.dh_projection(d_out, h, scores, w2, layout, act,
+                                       config=dh.DhProjectionConfig(c), gather=True)[:2],
+      "dx": lambda c: dx.dx_projection(d_h, w1, layout, dx.DxProjectionConfig(c)),
+  }[role]
+  with kernel_mode(compiled, num_cores=4):
+    want = run(GroupedGemmConfig())
+    got = run(GroupedGemmConfig(cluster_m=2))
+  valid = np.asarray(layout.row_valid())
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, w = np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid]
+    assert np.all(np.isfinite(w)) and np.abs(w).max() > 0
+    np.testing.assert_array_equal(g, w)
 
 
 def _lowering_cases():
@@ -391,10 +445,26 @@ def _lowering_cases():
       lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
                                           gather=True),
       (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
+  cluster = GroupedGemmConfig(cluster_m=2)
+  cases["up-swiglu-cluster"] = (
+      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
+                                       config=up.UpProjectionConfig(cluster)),
+      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+  cases["down-cluster"] = (
+      lambda a, w, b: down.down_projection(a, w, b, layout, down.DownProjectionConfig(cluster)),
+      (spec(R, n), spec(E, n, d), spec(E, d)))
+  cases["dh-swiglu-gathered-cluster"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
+                                          config=dh.DhProjectionConfig(gemm=cluster), gather=True),
+      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cases["dx-cluster"] = (lambda g, w: dx.dx_projection(g, w, layout, dx.DxProjectionConfig(cluster)),
+                         (spec(R, 2 * n), spec(E, d, 2 * n)))
   return cases
 
 
-@pytest.mark.parametrize("role", ["up-swiglu", "up-swiglu-interleaved", "up-gelu",
+@pytest.mark.parametrize("role", ["up-swiglu-cluster", "down-cluster",
+                                  "dh-swiglu-gathered-cluster", "dx-cluster", "up-swiglu", "up-swiglu-interleaved", "up-gelu",
                                   "up-swiglu-4-epilogue-buffers", "up-relu_sq",
                                   "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",

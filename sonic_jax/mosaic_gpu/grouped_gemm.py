@@ -72,6 +72,12 @@ class GroupedGemmConfig:
   # On an H100 a 3-stage ring with 2-4 buffers was slower than 4 stages with 2 (up and down
   # projections, benchmarks/NOTES.md); the autotuner tries them.
   epilogue_buffers: int = 2
+  # CTAs per cluster along M (1 or 2). With 2, the CTAs of a cluster take consecutive row tiles of
+  # the same column block; when both tiles belong to one expert (all but the pairs that straddle an
+  # expert boundary), each CTA TMA-loads half of every B block and multicasts it to both, halving
+  # the weights' L2 -> SMEM traffic. The operand ring's `empty` barriers are then cluster-wide: a
+  # stage is rewritten only once the compute warpgroups of both CTAs released it.
+  cluster_m: int = 1
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
@@ -80,6 +86,8 @@ class GroupedGemmConfig:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
     if not 1 <= self.epilogue_buffers <= 8:
       raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
+    if self.cluster_m not in (1, 2):
+      raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
@@ -235,7 +243,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     gather_impl = "row_tma" if interpreting() else config.gather_impl
   memory_regs, compute_regs = register_split(gather_impl, config.memory_registers)
   m_tiles = tile_expert.shape[0]
-  grid = (m_tiles * role.num_column_blocks,)
+  num_experts = rhs.shape[0]
+  cluster = config.cluster_m
+  m_groups = pl.cdiv(m_tiles, cluster)
+  walk_grid = (m_groups * role.num_column_blocks,)
   interpret_mode = interpreting()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
@@ -252,23 +263,42 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       n_tiles_used = num_tiles_ref[0]
 
       def walk_tiles(per_tile):
-        """Runs per_tile(tile, column_block, expert, first_step) over this CTA's tiles in use, in
-        the same order in every warpgroup; returns the number of k-steps taken (stages used)."""
-        @plgpu.nd_loop(grid, collective_axes="sm", init_carry=jnp.int32(0))
+        """Runs per_tile(tile, column_block, expert, first_step, active, shared) over this CTA's
+        tiles, in the same order in every warpgroup; returns the number of k-steps taken (stages
+        used). A cluster walks groups of `cluster` consecutive row tiles; a group runs when its
+        first tile is in use, and a CTA whose own tile is not (the last group's tail) runs it as a
+        dummy tile (its loads and wgmmas keep the cluster's barriers in step; `active` is False
+        and the epilogue is skipped). `shared`: every tile of the group has one expert (B is
+        multicast)."""
+        @plgpu.nd_loop(walk_grid, collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
           step = carry
-          mi, nb = plgpu.planar_snake(info.index[0], (m_tiles, role.num_column_blocks), 1,
+          gi, nb = plgpu.planar_snake(info.index[0], (m_groups, role.num_column_blocks), 1,
                                       config.grid_tile_width)
-          active = mi < n_tiles_used
-          pl.when(active)(lambda: per_tile(mi, nb, tile_expert_ref[mi], step))
-          return step + jnp.where(active, k_iters, 0)
+          first = gi * cluster
+          group_active = first < n_tiles_used
+          if cluster == 1:
+            mi, active, shared = first, group_active, False
+            expert = tile_expert_ref[mi]
+          else:
+            last = first + cluster - 1
+            mi = first + lax.axis_index("cluster")
+            active = mi < n_tiles_used
+            # Unused tiles carry the expert id E: clamp it for the dummy tile's B copy.
+            mi = jnp.minimum(mi, m_tiles - 1)
+            expert = jnp.minimum(tile_expert_ref[mi], num_experts - 1)
+            shared = (last < n_tiles_used) & (
+                tile_expert_ref[first] == tile_expert_ref[jnp.minimum(last, m_tiles - 1)])
+          pl.when(group_active)(lambda: per_tile(mi, nb, expert, step, active, shared))
+          return step + jnp.where(group_active, k_iters, 0)
         return _tiles
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
         plgpu.set_max_registers(memory_regs, action="decrease")
 
-        def load_tile(mi, nb, expert, step):
+        def load_tile(mi, nb, expert, step, active, shared):
+          del active  # a dummy tile loads like any other
           @pl.loop(0, k_iters)
           def _k(ki):
             s = step + ki
@@ -294,8 +324,13 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
                                       a_tiles.at[slot], full.at[slot])
             for j in range(role.num_rhs_blocks):
-              plgpu.copy_gmem_to_smem(role.rhs_copy(rhs_ref, expert, k_slice, nb, j),
-                                      b_smem.at[slot, j], full.at[slot])
+              src, dst = role.rhs_copy(rhs_ref, expert, k_slice, nb, j), b_smem.at[slot, j]
+              if cluster == 1:
+                plgpu.copy_gmem_to_smem(src, dst, full.at[slot])
+              else:  # either way this CTA's full[slot] expects the whole block
+                pl.when(shared)(lambda: plgpu.copy_gmem_to_smem(
+                    src, dst, full.at[slot], collective_axes="cluster"))
+                pl.when(~shared)(lambda: plgpu.copy_gmem_to_smem(src, dst, full.at[slot]))
 
         drain_ring(empty, walk_tiles(load_tile), stages)
 
@@ -303,7 +338,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       def _compute_wg():
         plgpu.set_max_registers(compute_regs, action="increase")
 
-        def compute_tile(mi, nb, expert, step):
+        def compute_tile(mi, nb, expert, step, active, shared):
+          del shared
           rows = tm // _NUM_COMPUTE_WGS
           blocks = role.num_rhs_blocks
           ctx = EpilogueContext(
@@ -328,7 +364,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               if role.epilogue_prefetch is not None:
                 # While the first wgmmas run: the previous tile's stores must have read the
                 # scratch before the prefetch overwrites it.
-                @pl.when(ki == 0)
+                # (Not for a dummy tile: its epilogue, which waits on the prefetch, is skipped.)
+                @pl.when((ki == 0) & active)
                 def _():
                   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                   role.epilogue_prefetch(ctx, ctx.prefetched)
@@ -344,7 +381,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
 
           accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
                                             for _ in range(blocks)])
-          role.epilogue(accs, ctx)
+          if cluster == 1:
+            role.epilogue(accs, ctx)
+          else:
+            pl.when(active)(lambda: role.epilogue(accs, ctx))
 
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
@@ -366,7 +406,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
+        (plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages) if cluster == 1 else
+         plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
+                              num_barriers=stages)),
         epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
         (plgpu.Barrier(num_arrivals=role.prefetch_copies, num_barriers=_NUM_COMPUTE_WGS)
          if role.epilogue_prefetch is not None else None),
@@ -377,8 +419,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   kernel = plgpu.kernel(
       body,
       out_type=tuple(role.out_types),
-      grid=(num_sms(),),
+      grid=(num_sms() // cluster,),
       grid_names=("sm",),
+      cluster=(cluster,) if cluster > 1 else (),
+      cluster_names=("cluster",) if cluster > 1 else (),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

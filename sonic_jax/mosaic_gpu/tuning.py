@@ -4,7 +4,7 @@ Each entry names a role ("up", "down", "dh", "dx" on the grouped-GEMM core, "wei
 varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is the width of the
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
-`grid_tile_width`, `memory_registers`, `epilogue_buffers`; `WeightGradConfig`'s `num_stages`).
+`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; `WeightGradConfig`'s `num_stages`, `cluster`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.
@@ -27,8 +27,9 @@ from typing import Any
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig, target_device
 
 ROLES = ("up", "down", "dh", "dx", "weight_grad")
-GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers")
-WEIGHT_GRAD_FIELDS = ("num_stages",)
+GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers",
+               "cluster_m")
+WEIGHT_GRAD_FIELDS = ("num_stages", "cluster")
 _PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 _override: list[dict[str, Any]] | None = None
 
@@ -63,6 +64,11 @@ def table() -> tuple[dict[str, Any], ...]:
 
 def _key(entry: dict[str, Any]) -> tuple:
   return entry["role"], entry["device"], entry["d"], entry["n"], entry["E"]
+
+
+def same_problem(a: dict[str, Any], b: dict[str, Any]) -> bool:
+  """Whether two entries are for the same role, GPU and problem."""
+  return _key(a) == _key(b)
 
 
 def merged(base: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -32,14 +32,21 @@ _NUM_COMPUTE_WGS = 2
 @dataclasses.dataclass(frozen=True)
 class WeightGradConfig:
   """block_m: output rows per work item (two warpgroups of 64); block_n: output columns;
-  tile_k: grouped rows per reduction step; num_stages: depth of the operand ring."""
+  tile_k: grouped rows per reduction step; num_stages: depth of the operand ring.
+  cluster: CTAs per cluster (1 or 2). With 2, the CTAs of a cluster take two blocks of one expert
+  that share an operand tile (the rhs one, consecutive m blocks, unless rhs is gathered; else the
+  lhs one, consecutive n blocks): each CTA TMA-loads half of that tile and multicasts it to both.
+  Where the paired dimension has an odd number of blocks the kernel runs unclustered."""
 
   block_m: int = 128
   block_n: int = 256
   tile_k: int = 64
   num_stages: int = 4
+  cluster: int = 1
 
   def __post_init__(self):
+    if self.cluster not in (1, 2):
+      raise ValueError(f"cluster must be 1 or 2, got {self.cluster}")
     if self.block_m != 64 * _NUM_COMPUTE_WGS:
       raise ValueError(f"block_m must be {64 * _NUM_COMPUTE_WGS}, got {self.block_m}")
     if self.tile_k != 64:
@@ -83,6 +90,12 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
 
   interpret_mode = interpreting()
   cp_async = gathered is not None and not interpret_mode
+  # The operand both CTAs of a cluster read (TMA multicast): never a gathered one.
+  shared = "lhs" if gathered == "rhs" else "rhs"
+  cluster = config.cluster
+  if (m_blocks if shared == "rhs" else n_blocks) % cluster:
+    cluster = 1
+  multicast = {"collective_axes": "cluster"} if cluster > 1 else {}
 
   def body(sizes_ref, starts_ref, row_token_ref, lhs_ref, rhs_ref, out_ref):
     def scoped(a_union, b_union, full, empty, staging, ready):
@@ -96,13 +109,24 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
       def walk_items(per_item):
         """per_item(expert, m_block, n_block, first_row, steps, first_step) over this CTA's
         items, in the same order in every warpgroup; returns the k-steps taken."""
-        @plgpu.nd_loop((items,), collective_axes="sm", init_carry=jnp.int32(0))
+        # A cluster walks items of cluster-wide blocks along its paired dimension; each CTA
+        # takes its own block of the pair.
+        mbs, nbs = (m_blocks // cluster, n_blocks) if shared == "rhs" else (m_blocks,
+                                                                           n_blocks // cluster)
+
+        @plgpu.nd_loop((items // cluster,), collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
           step = carry
           idx = info.index[0]
-          e = idx // (m_blocks * n_blocks)
-          mb = lax.rem(idx, m_blocks * n_blocks) // n_blocks
-          nb = lax.rem(idx, n_blocks)
+          e = idx // (mbs * nbs)
+          mb = lax.rem(idx, mbs * nbs) // nbs
+          nb = lax.rem(idx, nbs)
+          if cluster > 1:
+            cta = lax.axis_index("cluster")
+            if shared == "rhs":
+              mb = mb * cluster + cta
+            else:
+              nb = nb * cluster + cta
           steps = sizes_ref[e] // tk
           per_item(e, mb, nb, starts_ref[e], steps, step)
           return step + steps
@@ -152,14 +176,15 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             else:
               for h in range(_NUM_COMPUTE_WGS):
                 plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * half, half)],
-                                        a_smem.at[slot, h], full.at[slot])
+                                        a_smem.at[slot, h], full.at[slot],
+                                        **(multicast if shared == "lhs" else {}))
             if gathered == "rhs":
               load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot],
                         lambda r, j: b_smem.at[slot, pl.ds(r, 1), pl.ds(j * 64, 64)], b_raw,
                         block_stride=8 * 64 * itemsize, group_stride=8 * bn * itemsize)
             else:
               plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
-                                      full.at[slot])
+                                      full.at[slot], **(multicast if shared == "rhs" else {}))
 
         drain_ring(empty, walk_items(load), stages)
 
@@ -207,7 +232,10 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         with_raw((stages, _NUM_COMPUTE_WGS, tk, half)),
         with_raw((stages, tk, bn)),
         plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
+        # With a cluster a stage is rewritten only once both CTAs released it (multicast).
+        (plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages) if cluster == 1 else
+         plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
+                              num_barriers=stages)),
         plgpu.SMEM((_NUM_COMPUTE_WGS,) + staging.shape, dtype, transforms=staging.transforms),
         gather.stage_barriers(stages) if cp_async else None,
         collective_axes="wg")
@@ -215,8 +243,10 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((e_count, m, n), dtype),
-      grid=(num_sms(),),
+      grid=(num_sms() // cluster,),
       grid_names=("sm",),
+      cluster=(cluster,) if cluster > 1 else (),
+      cluster_names=("cluster",) if cluster > 1 else (),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
