@@ -81,3 +81,18 @@ def test_kernel_bench_sums_follow_the_backends_gather_policy():
     assert res["backward_sum_ms"] == bwd_ms
     assert res["forward_sum_ms"] == 1.0 + 2.0 + 1.0 + 0.25
     assert abs(res["gather_cost"]["up"] - (2.0 / 1.5 - 1)) < 1e-12
+
+
+def test_forward_and_backward_keeps_the_forward_output():
+  """The timed training step returns the layer's output with its gradients: were the output
+  dropped, XLA would remove the down-projection and aggregation from the step as dead code, and
+  the harness's backward (fwd+bwd - fwd) would come out too fast."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks.moe_bench import forward_and_backward
+  fn = lambda x, w: jnp.tanh(x @ w)
+  x, w, d_y = jnp.ones((4, 3)), jnp.full((3, 2), 0.5), jnp.ones((4, 2))
+  y, (d_x, d_w) = jax.jit(forward_and_backward(fn))(x, w, d_y)
+  _, vjp = jax.vjp(fn, x, w)
+  want_dx, want_dw = vjp(d_y)
+  assert jnp.allclose(y, fn(x, w)) and jnp.allclose(d_x, want_dx) and jnp.allclose(d_w, want_dw)

@@ -213,6 +213,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   else:
     scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
+      name="dh_projection",
       block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=epilogue, epilogue_scratch=scratch,
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),

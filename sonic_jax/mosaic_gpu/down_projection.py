@@ -49,6 +49,7 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
                     ctx.scratch)
 
   role = GemmRole(
+      name="down_projection",
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
       epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),

@@ -47,6 +47,7 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
                     ctx.scratch)
 
   role = GemmRole(
+      name="dx_projection",
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
       epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),

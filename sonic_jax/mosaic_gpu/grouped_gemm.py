@@ -136,6 +136,7 @@ class GemmRole:
   rhs_transposed: bool = False
   epilogue_prefetch: Callable | None = None
   prefetch_copies: int = 0
+  name: str = "grouped_gemm"  # the kernel's name in profiles
 
 
 def tiled(dtype):
@@ -423,6 +424,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       grid_names=("sm",),
       cluster=(cluster,) if cluster > 1 else (),
       cluster_names=("cluster",) if cluster > 1 else (),
+      kernel_name=role.name,
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

@@ -131,6 +131,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   else:
     scratch = epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
+      name="up_projection",
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
       epilogue=interleaved_epilogue if interleaved else epilogue, epilogue_scratch=scratch,
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, width), dtype),

@@ -247,6 +247,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
       grid_names=("sm",),
       cluster=(cluster,) if cluster > 1 else (),
       cluster_names=("cluster",) if cluster > 1 else (),
+      kernel_name="weight_grad" + (f"_gathered_{gathered}" if gathered else ""),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
