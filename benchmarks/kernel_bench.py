@@ -134,22 +134,26 @@ def run_config(cfg, flops_rate, bw):
 
 def summarize(res):
   """Adds the forward and backward sums as the backend runs them (`mosaic_gpu.backend.GATHER`):
-  the backward's fused gathers for narrow experts, else contiguous kernels after two XLA row
-  gathers (x and dO, each timed as 'xla gather x[rows]'). Pure arithmetic on the measured times."""
+  each gathered operand (x: up and dw1; dO: dH and dw2) either fused into its kernels, or read
+  contiguous after an XLA row gather (timed as 'xla gather x[rows]', one per operand). Pure
+  arithmetic on the measured times."""
   t_count, d, n, _, k = res["config"]
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  fused_fwd = mosaic_backend.uses_fused_gather(backward=False, n=n)
-  fused_bwd = mosaic_backend.uses_fused_gather(backward=True, n=n)
-  up_ms = (ms["up (fused gather)"] if fused_fwd
-           else ms["xla gather x[rows]"] + ms["up (contiguous input)"])
+  fused_x = mosaic_backend.uses_fused_gather("x", n=n)
+  fused_d_out = mosaic_backend.uses_fused_gather("d_out", n=n)
+  gather_ms = ms["xla gather x[rows]"]
+  up_ms = ms["up (fused gather)"] if fused_x else gather_ms + ms["up (contiguous input)"]
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]
-  label = "fused gather" if fused_bwd else "contiguous input"
-  res["backward_gathers"] = "fused" if fused_bwd else "xla"
-  res["backward_gemms_ms"] = sum(v for kname, v in ms.items() if kname.startswith("bwd")
-                                 and (label in kname or "dX" in kname))
-  res["backward_sum_ms"] = res["backward_gemms_ms"] + (0 if fused_bwd
-                                                       else 2 * ms["xla gather x[rows]"])
+  label = lambda fused: "fused gather" if fused else "contiguous input"
+  res["backward_gathers"] = {"x": "fused" if fused_x else "xla",
+                             "d_out": "fused" if fused_d_out else "xla"}
+  res["backward_gemms_ms"] = (ms[f"bwd dH ({label(fused_d_out)})"]
+                              + ms[f"bwd dw1 = x^T dH ({label(fused_x)})"]
+                              + ms[f"bwd dw2 = A_s^T dO ({label(fused_d_out)})"]
+                              + ms["bwd dX rows (dH w1^T)"])
+  res["backward_sum_ms"] = res["backward_gemms_ms"] + gather_ms * ((not fused_x)
+                                                                   + (not fused_d_out))
   res["backward_sum_tflops"] = 2 * fwd_flops / (res["backward_sum_ms"] * 1e-3) / 1e12
   res["forward_sum_ms"] = t_fwd
   res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12
@@ -174,7 +178,7 @@ def main(_):
     out["configs"].append(res)
     gc = ", gather cost " + ", ".join(f"{r} {100 * c:+.1f}%" for r, c in res["gather_cost"].items())
     print(grid.config_name(cfg), f"fwd(sum) {res['forward_sum_tflops']:.0f} TFLOP/s{gc}, "
-          f"backward ({res['backward_gathers']} gathers) {res['backward_sum_tflops']:.0f} TFLOP/s",
+          f"backward (gathers {res['backward_gathers']}) {res['backward_sum_tflops']:.0f} TFLOP/s",
           flush=True)
     for name, r in res["kernels"].items():
       tf = f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else f"{r['gbps']:.0f} GB/s"

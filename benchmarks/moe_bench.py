@@ -75,18 +75,6 @@ def _weights(cfg, dtype, glu):
   return router_weight, w1, w2
 
 
-def forward_and_backward(fn):
-  """fn's training-step work: its output and the gradients for the cotangent d_y (last argument).
-  The output is returned: a forward output nobody uses is dead code to XLA, which would then drop
-  the layer's down-projection and aggregation from the step (fwd+bwd would time a forward without
-  them, and 'backward' = fwd+bwd - fwd would come out too fast)."""
-  def step(*args):
-    *primals, d_y = args
-    y, vjp = jax.vjp(fn, *primals)
-    return y, vjp(d_y)
-  return step
-
-
 def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
   """Times fwd and fwd+bwd (fwdbwd=None: forward only) and collects memory figures; errors are
   recorded, not raised."""
@@ -145,7 +133,7 @@ def _sonic_rows(cfg, dtype, glu, sets, weights):
       def fwd(x, rw, w1, w2, kw=kw):
         return sonic_jax.moe(x, rw, w1, w2, **kw)[0]
 
-      fwdbwd = forward_and_backward(fwd)
+      fwdbwd = timing.forward_and_backward(fwd)
       fwd_sets = [(x, router_weight, w1, w2) for x, _ in sets]
       fb_sets = [(x, router_weight, w1, w2, d_y) for x, d_y in sets]
       only_fwd = b in FLAGS.forward_only or resolved in FLAGS.forward_only
@@ -165,7 +153,7 @@ def _tokamax_row(cfg, sets, weights):
   k = cfg[4]
   fwd = lambda x, rw, w1, w2: baselines.tokamax_moe(x, rw, w1, w2, top_k=k)
 
-  return _measure("tokamax_layer", fwd, forward_and_backward(fwd), [(x, router_weight, w1, w2) for x, _ in sets],
+  return _measure("tokamax_layer", fwd, timing.forward_and_backward(fwd), [(x, router_weight, w1, w2) for x, _ in sets],
                   [(x, router_weight, w1, w2, d_y) for x, d_y in sets], grid.forward_flops(cfg),
                   residual_fn=fwd)
 
@@ -181,7 +169,7 @@ def _upper_bound_row(cfg, dtype, weights):
 
   flops = 6 * e * c * d * n
   return _measure("uniform_upper_bound", baselines.uniform_upper_bound,
-                  forward_and_backward(baselines.uniform_upper_bound),
+                  timing.forward_and_backward(baselines.uniform_upper_bound),
                   [(xe, w1, w2) for xe, _ in sets], [(xe, w1, w2, dy) for xe, dy in sets], flops,
                   residual_fn=baselines.uniform_upper_bound)
 

@@ -210,7 +210,10 @@ def kernels_table(kernels):
           continue
         rate = f"{k['tflops']:.0f} TF/s" if k["tflops"] else f"{k['gbps']:.0f} GB/s"
         cells.append(f"{k['ms']:.3f} ({k['roofline_ms']:.3f}) {rate}")
-      gathers = f", {res['backward_gathers']}" if title == "Backward" else ""
+      gathers = ""
+      if title == "Backward":
+        g = res["backward_gathers"]  # {"x": ..., "d_out": ...}; one word in older results
+        gathers = ", " + (g if isinstance(g, str) else f"x {g['x']}, dO {g['d_out']}")
       lines.append(f"| {','.join(map(str, res['config']))} | " + " | ".join(cells)
                    + f" | {res[total]:.0f}{gathers} |")
     parts.append("\n".join(lines))
@@ -312,9 +315,10 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
 up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
-backward GEMM kernels as the backend runs them (`GATHER="auto"`): for experts of width n ≤ 512 dH, dw1 and
-dw2 with their fused dO / x / dO gathers ("fused"), for wider ones the same kernels on contiguous rows plus
-two XLA row gathers ("xla"), and dX rows; without the gather-sums. The "contiguous input" kernels are the
+backward GEMM kernels as the backend runs them (`GATHER="auto"`): dw1 with its fused gather of x ("x
+fused"); for experts of width n ≤ 512 dH and dw2 with their fused gathers of dO ("dO fused"), for wider
+ones the same kernels on contiguous rows after one XLA row gather of dO that both read ("dO xla"); and dX
+rows; without the gather-sums. The "contiguous input" kernels are the
 same kernels on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 
 {kernels_table(kernels)}

@@ -111,3 +111,15 @@ def kernel_times(compiled, args, calls=3, top=12):
         for ev in line.events:
           totals[ev.name] += ev.duration_ns / 1e3 / calls
   return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+
+
+def forward_and_backward(fn):
+  """fn's training-step work: its output and the gradients for the cotangent d_y (last argument).
+  The output is returned: a forward output nobody uses is dead code to XLA, which would then drop
+  the layer's down-projection and aggregation from the step (fwd+bwd would time a forward without
+  them, and 'backward' = fwd+bwd - fwd would come out too fast)."""
+  def step(*args):
+    *primals, d_y = args
+    y, vjp = jax.vjp(fn, *primals)
+    return y, vjp(d_y)
+  return step

@@ -63,8 +63,9 @@ def test_ep_bench_smoke_run(tmp_path):
 
 
 def test_kernel_bench_sums_follow_the_backends_gather_policy():
-  """kernel_bench's forward/backward sums count the kernels the backend runs: fused gathers for
-  narrow experts, contiguous kernels plus two XLA row gathers for wide ones."""
+  """kernel_bench's forward/backward sums count the kernels the backend runs: the x rows gathered
+  inside dw1 always, the dO rows inside dH and dw2 for narrow experts, else one XLA row gather
+  that dH and dw2 read contiguous."""
   sys.argv = sys.argv[:1]
   from benchmarks import kernel_bench
   from sonic_jax.mosaic_gpu import backend
@@ -73,11 +74,12 @@ def test_kernel_bench_sums_follow_the_backends_gather_policy():
         "xla gather x[rows]": 0.5, "down": 1.0, "aggregate (xla)": 0.25,
         **{f"{r} (fused gather)": 3.0 for r in roles},
         **{f"{r} (contiguous input)": 2.0 for r in roles}, "bwd dX rows (dH w1^T)": 4.0}
-  for n, gathers, bwd_ms in ((backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
-                             (2 * backend.FUSED_BACKWARD_MAX_N, "xla", 3 * 2.0 + 4.0 + 2 * 0.5)):
+  for n, d_out_rows, bwd_ms in ((backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
+                                (2 * backend.FUSED_BACKWARD_MAX_N, "xla",
+                                 3.0 + 2 * 2.0 + 4.0 + 0.5)):
     res = kernel_bench.summarize({"config": [1024, 512, n, 8, 2],
                                   "kernels": {k: {"ms": v} for k, v in ms.items()}})
-    assert res["backward_gathers"] == gathers
+    assert res["backward_gathers"] == {"x": "fused", "d_out": d_out_rows}
     assert res["backward_sum_ms"] == bwd_ms
     assert res["forward_sum_ms"] == 1.0 + 2.0 + 1.0 + 0.25
     assert abs(res["gather_cost"]["up"] - (2.0 / 1.5 - 1)) < 1e-12
@@ -89,7 +91,7 @@ def test_forward_and_backward_keeps_the_forward_output():
   the harness's backward (fwd+bwd - fwd) would come out too fast."""
   import jax
   import jax.numpy as jnp
-  from benchmarks.moe_bench import forward_and_backward
+  from benchmarks.timing import forward_and_backward
   fn = lambda x, w: jnp.tanh(x @ w)
   x, w, d_y = jnp.ones((4, 3)), jnp.full((3, 2), 0.5), jnp.ones((4, 2))
   y, (d_x, d_w) = jax.jit(forward_and_backward(fn))(x, w, d_y)

@@ -143,6 +143,20 @@ def _with_modes(cases, compiled_only=()):
     compiled_only=[("swiglu", True, jnp.bfloat16, "interleaved")]))
 def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_up_layout):
   """sonic_jax.moe(backend="mosaic_gpu"): output and every gradient against the float64 oracle."""
+  _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout)
+
+
+@pytest.mark.parametrize("compiled", MODES)
+def test_moe_layer_wide_expert_gathers_against_oracle(rng, compiled, monkeypatch):
+  """The gather policy of wide experts (n > FUSED_BACKWARD_MAX_N): x rows gathered inside the
+  up-projection and dw1, dO rows gathered by XLA for dH and dw2."""
+  from sonic_jax.mosaic_gpu import backend
+  monkeypatch.setattr(backend, "FUSED_BACKWARD_MAX_N", 64)
+  assert backend.uses_fused_gather("x", 128) and not backend.uses_fused_gather("d_out", 128)
+  _check_layer(rng, compiled, "swiglu", False, jnp.bfloat16, "concat")
+
+
+def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
   T, d, n, E = (96, 64, 128, 4) if not compiled else (2048, 256, 256, 8)
   n = n if sonic_jax.ACTIVATIONS[activation].is_glu else 2 * n
   if not sonic_jax.ACTIVATIONS[activation].is_glu or dtype == jnp.float16:

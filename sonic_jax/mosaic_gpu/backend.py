@@ -2,9 +2,9 @@
 
 Forward: up-projection with the activation epilogue, down-projection. Backward: the dH role
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
-(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection gathers
-the rows of x inside the kernel; dH and the weight gradients gather dO and x inside theirs for
-narrow experts and read XLA-gathered rows for wide ones (`GATHER`). The
+(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
+gather the rows of x inside the kernel; dH and dw2 gather the rows of dO inside theirs for narrow
+experts and read XLA-gathered rows for wide ones (`GATHER`). The
 aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
@@ -33,17 +33,22 @@ ROW_TILE = 128
 # Where the GEMMs' gathered rows (x in the up-projection and dw1, dO in dH and dw2) come from.
 # "fused": gathered by the kernels as they load their operands (cp.async, gather.py): no
 # (T*K, d) gathered copy is ever written. "xla": XLA gathers x[row_token] / dO[row_token] into
-# contiguous buffers first. "auto": fused in the forward; in the backward fused for experts of
-# width n <= FUSED_BACKWARD_MAX_N, XLA gathers for wider ones. Measured on an H100
-# (BENCHMARKS.md): the fused gather costs dH and dw1 10-20% at d = 4096, which is less than the
-# two XLA row gathers while n (the GEMMs' other dimension) is small, more once n >= 1024.
+# contiguous buffers first. "auto": the rows of x fused everywhere; those of dO fused for experts
+# of width n <= FUSED_BACKWARD_MAX_N, XLA-gathered (one gather that dH and dw2 share) for wider
+# ones. Measured on an H100 (BENCHMARKS.md, kernel table): the fused x gather costs dw1 0-17%,
+# always less than an XLA gather of the rows (0.1-3.7 ms); the fused dO gather costs dH 6-18% and
+# dw2 20-70%, more than the shared XLA gather once n >= 1024.
 GATHER = "auto"
 FUSED_BACKWARD_MAX_N = 512
 
 
-def uses_fused_gather(backward: bool, n: int) -> bool:
+def uses_fused_gather(rows: str, n: int) -> bool:
+  """Whether the kernels gather the rows of `rows` ("x" or "d_out") themselves for experts of
+  width n."""
+  if rows not in ("x", "d_out"):
+    raise ValueError(f"rows must be 'x' or 'd_out', got {rows!r}")
   if GATHER == "auto":
-    return not backward or n <= FUSED_BACKWARD_MAX_N
+    return rows == "x" or n <= FUSED_BACKWARD_MAX_N
   return GATHER == "fused"
 
 
@@ -89,7 +94,7 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
   config = up_config(d, width, e)
-  if not uses_fused_gather(backward=False, n=width):
+  if not uses_fused_gather("x", n=width):
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
@@ -108,7 +113,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  if not uses_fused_gather(backward=True, n=n):
+  if not uses_fused_gather("d_out", n=n):
     d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
                                            activation, config=config,
                                            gate_up_layout=gate_up_layout)
@@ -129,12 +134,14 @@ def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   n, d = a_s.shape[1], x.shape[1]
   config = weight_grad_config(d, n, layout.num_experts)
-  if not uses_fused_gather(backward=True, n=n):  # the dO rows: CSE'd with dH's gather
-    dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
-    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
-  else:
+  if uses_fused_gather("x", n=n):
     dw1 = wgrad.weight_grad(x, d_h, layout, config, gathered="lhs")
+  else:
+    dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
+  if uses_fused_gather("d_out", n=n):
     dw2 = wgrad.weight_grad(a_s, d_out, layout, config, gathered="rhs")
+  else:  # the dO rows: CSE'd with dH's gather
+    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
   # The bias gradients need the dO rows only when b2 exists (db2); XLA gathers them then.
   d_out_rows = d_out[layout.row_token] if with_b2 else None
   db1, db2 = xla_backend.bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)

@@ -1,0 +1,104 @@
+r"""Where a layer's training step spends its device time: one profiled fwd+bwd step of the
+`mosaic_gpu` layer (as `moe_bench` times it: output and gradients), per kernel in launch order,
+with the device's idle gaps between them.
+
+  python -m benchmarks.step_timeline [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Prints per configuration: the step's device span (first kernel start to last kernel end), the sum
+of kernel times, the idle time, the largest gaps (with the kernels around them) and the kernels
+by total time; writes the whole timeline to `out/timeline_<config>.json`. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+from collections import defaultdict
+
+from absl import app, flags
+import jax
+
+import sonic_jax
+from benchmarks import grid
+from benchmarks.timing import forward_and_backward
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_string("backend", "mosaic_gpu", "sonic_jax backend")
+FLAGS = flags.FLAGS
+
+DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 2048, 64, 4)]
+
+
+def _events(logdir):
+  """[(start_ns, end_ns, name)] of the GPU stream events in the trace, in start order."""
+  path = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
+  data = jax.profiler.ProfileData.from_file(path)
+  events = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+  return sorted(events)
+
+
+def profile_step(cfg):
+  x, rw, w1, w2, d_out = grid.random_problem(cfg)
+  fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
+                                            backend=FLAGS.backend)[0]
+  step = jax.jit(forward_and_backward(fwd))
+  args = (x, rw, w1, w2, d_out)
+  for _ in range(3):  # compile and warm up
+    jax.block_until_ready(step(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready(step(*args))  # one step alone: its gaps are the step's own
+    jax.profiler.stop_trace()
+    events = _events(logdir)
+  if not events:
+    raise SystemExit("step_timeline: the trace has no GPU kernels (it needs a GPU)")
+  t0 = events[0][0]
+  span = max(e for _, e, _ in events) - t0
+  busy = sum(e - s for s, e, _ in events)
+  gaps, end = [], events[0][1]
+  for (s, e, name), (_, _, prev) in zip(events[1:], events[:-1]):
+    if s > end:
+      gaps.append((s - end, prev, name))
+    end = max(end, e)
+  totals = defaultdict(float)
+  for s, e, name in events:
+    totals[name] += e - s
+  return {
+      "config": grid.config_name(cfg), "span_us": span / 1e3, "kernels_us": busy / 1e3,
+      "idle_us": sum(g for g, _, _ in gaps) / 1e3, "num_events": len(events),
+      "largest_gaps": [(g / 1e3, a[:60], b[:60]) for g, a, b in sorted(gaps, reverse=True)[:8]],
+      "by_kernel_us": sorted(((n[:80], t / 1e3) for n, t in totals.items()),
+                             key=lambda kv: -kv[1])[:14],
+      "timeline": [((s - t0) / 1e3, (e - s) / 1e3, n[:80]) for s, e, n in events],
+  }
+
+
+def main(_):
+  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
+             else DEFAULT_CONFIGS)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  for cfg in configs:
+    r = profile_step(cfg)
+    with open(os.path.join(FLAGS.out, f"timeline_{r['config']}.json"), "w") as f:
+      json.dump(r, f, indent=1)
+    print(f"{r['config']}: span {r['span_us']:.0f} us, kernels {r['kernels_us']:.0f} us, "
+          f"idle {r['idle_us']:.0f} us over {r['num_events']} events")
+    for g, a, b in r["largest_gaps"]:
+      print(f"  gap {g:8.1f} us  after {a}  before {b}")
+    for name, t in r["by_kernel_us"]:
+      print(f"  {t:9.1f} us  {name}")
+
+
+if __name__ == "__main__":
+  app.run(main)
