@@ -363,13 +363,15 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 - Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, in the dtype each run line gives), x ~ N(0, 1).
 - Method: compile excluded (reported in the JSON); warm-up; median of repeated samples, each a batch of
   back-to-back calls ended by one device synchronisation, rotating input sets; backward = (forward+backward) −
-  forward; TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).
+  forward, where the forward+backward step returns the layer's output with the gradients (as a training step
+  uses it: an unused output would let XLA drop the down-projection and aggregation from the step);
+  TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).
   "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
 - `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
-  x gathered inside the up-projection, those of dO and x inside dH, dw1 and dw2 for experts of width
-  n ≤ 512 (XLA row gathers for wider ones); the router's top-K as a Pallas kernel; the rest of the
-  routing metadata and the aggregations (gather-sums) are XLA operations.
+  x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512
+  (one XLA row gather for wider ones); the router's top-K as a Pallas kernel; the rest of the routing
+  metadata and the aggregations (gather-sums) are XLA operations.
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 
