@@ -18,6 +18,10 @@ rather than columns lets the warpgroups share B and keeps each wgmma N = block_n
 completes when the stage's copies landed, `empty[s]` when both compute warpgroups finished the
 wgmma that read it.
 
+With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
+consecutive row tiles (one per CTA) of a column block: where the pair shares its expert, B is TMA-
+multicast (each CTA loads half of each block for both) and the `empty` barriers are cluster-wide.
+
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
 memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the
