@@ -1,0 +1,96 @@
+r"""dH kernel variants on the GPU: the 256-column tile (H streamed from GMEM in the epilogue) against
+the 128-column tile (H TMA-prefetched into SMEM during the mainloop), on contiguous and gathered dO
+rows (`DhProjectionConfig.block_n`; `default_block_n` picks between them).
+
+  python -m benchmarks.dh_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Every variant's dH, A_s and dS partials are checked bit for bit against the first variant's
+(the 128-column tile's dS partials have another shape: compared summed) before timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import grid, timing
+from sonic_jax import activations as acts
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
+from sonic_jax.mosaic_gpu import dh_projection as dh
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_integer("repeats", 7, "timed samples per variant")
+FLAGS = flags.FLAGS
+
+DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),
+                   (32768, 4096, 512, 128, 8)]
+
+VARIANTS = {  # name: DhProjectionConfig overrides
+    "256 cols, streamed H": {"block_n": 256},
+    "128 cols, prefetched H": {"block_n": 128},
+}
+
+
+def run_config(cfg):
+  _, d, n, e, _ = cfg
+  act = acts.get_activation("swiglu")
+  x, rw, w1, w2, d_out = grid.random_problem(cfg)
+  _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  h, _ = jax.jit(lambda x, w1: mosaic_backend.up_projection(x, w1, None, layout, act,
+                                                            "concat"))(x, w1)
+  scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
+  d_out_rows = jax.jit(lambda g: g[layout.row_token])(d_out)
+  used = int(layout.num_tiles) * 128
+  flops = 2 * used * d * n
+  base = mosaic_backend.dh_config(d, n, e)
+  out = {}
+  for gathered in (False, True):
+    want = None
+    for name, overrides in VARIANTS.items():
+      label = f"{name}, {'gathered' if gathered else 'contiguous'}"
+      config = dataclasses.replace(base, **overrides)
+      fn = lambda g, h, s, w2, config=config, gathered=gathered: dh.dh_projection(
+          g, h, s, w2, layout, act, config=config, gather=gathered)
+      args = (d_out if gathered else d_out_rows, h, scores, w2)
+      try:
+        d_h, a_s, d_s = jax.block_until_ready(jax.jit(fn)(*args))
+        got = (np.asarray(d_h[:used], np.float32), np.asarray(a_s[:used], np.float32),
+               np.asarray(jnp.sum(d_s, axis=0)[:used]))
+        if want is None:
+          want = got
+        exact = all(np.array_equal(g, w) for g, w in zip(got[:2], want[:2]))
+        t = timing.time_fn(fn, *args, repeats=FLAGS.repeats)
+        out[label] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}
+      except Exception as err:  # a variant that does not compile must not end the run
+        out[label] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+      print(cfg, label, out[label], flush=True)
+  return {"config": list(cfg), "variants": out}
+
+
+def main(_):
+  configs = ([tuple(int(v) for v in c.split(",")) for c in FLAGS.thiek] if FLAGS.thiek
+             else DEFAULT_CONFIGS)
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "configs": [run_config(c) for c in configs]}
+  os.makedirs(FLAGS.out, exist_ok=True)
+  with open(os.path.join(FLAGS.out, "dh_variants.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  names = list(results["configs"][0]["variants"])
+  for r in results["configs"]:
+    print(",".join(map(str, r["config"])))
+    for name in names:
+      v = r["variants"][name]
+      cell = (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s{'' if v['exact'] else ' (DIFFERS)'}"
+              if "ms" in v else v["error"][:100])
+      print(f"  {name:40s} {cell}")
+
+
+if __name__ == "__main__":
+  app.run(main)
