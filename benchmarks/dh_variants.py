@@ -4,15 +4,12 @@ rows (`DhProjectionConfig.block_n`; `default_block_n` picks between them).
 
   python -m benchmarks.dh_variants [--thiek=T,d,n,E,K ...] [--out=dir]
 
-Every variant's dH, A_s and dS partials are checked bit for bit against the first variant's
-(the 128-column tile's dS partials have another shape: compared summed) before timing.
+Every variant's dH and A_s are checked bit for bit against the first variant's before timing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 from absl import app, flags
 import jax
@@ -50,6 +47,8 @@ def run_config(cfg):
   used = int(layout.num_tiles) * 128
   flops = 2 * used * d * n
   base = mosaic_backend.dh_config(d, n, e)
+  # dH and A_s on the rows in use (the dS partials' shape depends on the tile width)
+  compared = lambda o: tuple(np.asarray(v[:used], np.float32) for v in o[:2])
   out = {}
   for gathered in (False, True):
     want = None
@@ -59,29 +58,14 @@ def run_config(cfg):
       fn = lambda g, h, s, w2, config=config, gathered=gathered: dh.dh_projection(
           g, h, s, w2, layout, act, config=config, gather=gathered)
       args = (d_out if gathered else d_out_rows, h, scores, w2)
-      try:
-        d_h, a_s, d_s = jax.block_until_ready(jax.jit(fn)(*args))
-        got = (np.asarray(d_h[:used], np.float32), np.asarray(a_s[:used], np.float32),
-               np.asarray(jnp.sum(d_s, axis=0)[:used]))
-        if want is None:
-          want = got
-        exact = all(np.array_equal(g, w) for g, w in zip(got[:2], want[:2]))
-        t = timing.time_fn(fn, *args, repeats=FLAGS.repeats)
-        out[label] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}
-      except Exception as err:  # a variant that does not compile must not end the run
-        out[label] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+      out[label], want = timing.measure_variant(fn, args, compared, want, flops, FLAGS.repeats)
       print(cfg, label, out[label], flush=True)
   return {"config": list(cfg), "variants": out}
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in c.split(",")) for c in FLAGS.thiek] if FLAGS.thiek
-             else DEFAULT_CONFIGS)
-  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "configs": [run_config(c) for c in configs]}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  with open(os.path.join(FLAGS.out, "dh_variants.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
+                                     "dh_variants.json")
   names = list(results["configs"][0]["variants"])
   for r in results["configs"]:
     print(",".join(map(str, r["config"])))

@@ -9,8 +9,6 @@ Every variant's H and A are checked bit for bit against the contiguous kernel's 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 from absl import app, flags
 import jax
@@ -54,28 +52,16 @@ def run_config(cfg):
     fn = lambda src, w1, lay, config=config, gathered=gathered: up.up_projection(
         src, w1, None, lay, act, "concat", config=config, gather=gathered)
     src = x if gathered else x_rows
-    try:
-      h, a = jax.block_until_ready(jax.jit(fn)(src, w1, layout))
-      got = (np.asarray(h, np.float32)[valid], np.asarray(a, np.float32)[valid])
-      if want is None:
-        want = got
-      exact = all(np.array_equal(g, w) for g, w in zip(got, want))
-      t = timing.time_fn(fn, src, w1, layout, repeats=FLAGS.repeats)
-      out[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}
-    except Exception as err:  # a variant that does not compile must not end the run
-      out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    out[name], want = timing.measure_variant(
+        fn, (src, w1, layout), lambda o: tuple(np.asarray(v, np.float32)[valid] for v in o),
+        want, flops, FLAGS.repeats)
     print(cfg, name, out[name], flush=True)
   return {"config": list(cfg), "variants": out}
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in c.split(",")) for c in FLAGS.thiek] if FLAGS.thiek
-             else DEFAULT_CONFIGS)
-  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "configs": [run_config(c) for c in configs]}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  with open(os.path.join(FLAGS.out, "gather_variants.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
+                                     "gather_variants.json")
   print(f"\n{'config':28s} " + " | ".join(VARIANTS))
   for r in results["configs"]:
     cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"

@@ -63,3 +63,19 @@ def route_fn(cfg, row_tile: int = 128):
     r = routing.route(routing.router_logits(x, router_weight), k, "softmax_topk")
     return r, build_grouped_layout(r.expert_ids, e, row_tile)
   return route
+
+
+def run_variant_configs(run_config, thiek, default_configs, out_dir, filename):
+  """The variant scripts' main: run_config(cfg) for each configuration of --thiek (default
+  `default_configs`), all results written to out_dir/filename; returns them."""
+  import json
+  import os
+  import jax
+  configs = ([tuple(int(v) for v in c.split(",")) for c in thiek] if thiek
+             else default_configs)
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "configs": [run_config(c) for c in configs]}
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, filename), "w") as f:
+    json.dump(results, f, indent=1)
+  return results

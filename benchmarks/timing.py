@@ -123,3 +123,19 @@ def forward_and_backward(fn):
     y, vjp = jax.vjp(fn, *primals)
     return y, vjp(d_y)
   return step
+
+
+def measure_variant(fn, args, compared, reference, flops, repeats):
+  """One kernel variant of a variant script: its outputs, `compared(outputs)` -> arrays, checked
+  bit for bit against `reference` (None: they become the reference), then its median time.
+  Returns (record, reference); a variant that fails (e.g. does not compile) is recorded with its
+  error, not raised."""
+  import numpy as np
+  try:
+    got = compared(jax.block_until_ready(jax.jit(fn)(*args)))
+    reference = got if reference is None else reference
+    exact = all(np.array_equal(g, w) for g, w in zip(got, reference))
+    t = time_fn(fn, *args, repeats=repeats)
+    return {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}, reference
+  except Exception as err:
+    return {"error": f"{type(err).__name__}: {str(err)[:300]}"}, reference
