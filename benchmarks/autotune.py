@@ -10,12 +10,13 @@ SONIC_JAX_TUNED_CONFIGS) for the problems this run does not measure; --nomerge: 
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
-search from the defaults: the cluster size along M (`cluster_m`), the snake band width (`grid_tile_width`), then the ring depth
-(`num_stages`, for up and down together with the epilogue's staging buffers), then for roles
-that gather rows the memory warpgroup's registers. A candidate
-replaces the incumbent only when it is at least `--min_gain` faster (timing noise must not churn the
-table); every candidate's outputs must equal the defaults' bit for bit, or it is discarded. Needs
-a GPU.
+search from the defaults: 2-CTA clusters (`cluster_m`; `cluster` for the weight gradients), the
+snake band width (`grid_tile_width`), then the ring depth (`num_stages`, for up and down together
+with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
+registers; `--fields=...` searches only those fields, starting from the problem's current entry.
+A candidate replaces the incumbent only when it is at least `--min_gain` faster (timing noise must
+not churn the table); every candidate's outputs must equal the starting configuration's bit for
+bit, or it is discarded. Needs a GPU.
 """
 
 from __future__ import annotations

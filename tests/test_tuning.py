@@ -52,6 +52,8 @@ def test_bad_tables_are_refused():
     tuning.validate([_entry("gate", 768, 256, 8)])
   with pytest.raises(ValueError, match="not tunable"):
     tuning.validate([_entry("weight_grad", 768, 256, 8, grid_tile_width=2)])
+  with pytest.raises(ValueError, match="not tunable"):  # the core's field, not the varlen-K one's
+    tuning.validate([_entry("weight_grad", 768, 256, 8, cluster_m=2)])
   with pytest.raises(ValueError, match="lacks"):
     tuning.validate([{"role": "up", "config": {}}])
   with pytest.raises(ValueError, match="role must be one of"):
@@ -76,8 +78,8 @@ def test_packaged_table_loads():
 def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   monkeypatch.setattr(tuning, "_device_kind", lambda: H100)
   table([_entry("up", 256, 256, 4, grid_tile_width=2, num_stages=3),
-         _entry("dx", 256, 256, 4, grid_tile_width=1),
-         _entry("weight_grad", 256, 128, 4, num_stages=3)])
+         _entry("dx", 256, 256, 4, grid_tile_width=1, cluster_m=2),
+         _entry("weight_grad", 256, 128, 4, num_stages=3, cluster=2)])
   seen = {}
   monkeypatch.setattr(mosaic_backend.up, "up_projection",
                       lambda *a, config, **k: seen.setdefault("up", config))
@@ -94,5 +96,5 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
                               jnp.zeros((layout.num_rows, 128), jnp.bfloat16),
                               jnp.zeros((layout.num_rows,)), layout, False, False)
   assert seen["up"].gemm == GroupedGemmConfig(grid_tile_width=2, num_stages=3)
-  assert seen["dx"].gemm == GroupedGemmConfig(grid_tile_width=1)
-  assert seen["weight_grad"].num_stages == 3
+  assert seen["dx"].gemm == GroupedGemmConfig(grid_tile_width=1, cluster_m=2)
+  assert seen["weight_grad"].num_stages == 3 and seen["weight_grad"].cluster == 2

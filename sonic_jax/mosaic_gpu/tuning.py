@@ -4,7 +4,8 @@ Each entry names a role ("up", "down", "dh", "dx" on the grouped-GEMM core, "wei
 varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is the width of the
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
-`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; `WeightGradConfig`'s `num_stages`, `cluster`).
+`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; `WeightGradConfig`'s
+`num_stages`, `cluster`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.
