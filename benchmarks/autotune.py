@@ -134,8 +134,7 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-             else grid.PAPER_GRID)
+  configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID)
   device = jax.devices()[0].device_kind
   out = {"device": device, "jax": jax.__version__,
          "command": "python -m benchmarks.autotune " + " ".join(sys.argv[1:]),

@@ -21,9 +21,7 @@ from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
-flags.DEFINE_string("out", "bench_out", "output folder")
-flags.DEFINE_integer("repeats", 7, "timed samples per variant")
+grid.define_variant_flags()
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),

@@ -257,8 +257,7 @@ def table(results, inter_node_gbps):
 
 def main(_):
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-             else DEFAULT_CONFIGS)
+  configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
   os.makedirs(FLAGS.out, exist_ok=True)
   out = {"jax": jax.__version__, "backend": backend,

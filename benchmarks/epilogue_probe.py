@@ -205,8 +205,7 @@ def _layout_with_packed_key_sort(t_count, k, e):
 
 
 def main(_):
-  cfgs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-          else [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)])
+  cfgs = grid.parse_configs(FLAGS.thiek, [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)])
   os.makedirs(FLAGS.out, exist_ok=True)
   results = []
   for cfg in cfgs:

@@ -19,9 +19,7 @@ from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
-flags.DEFINE_string("out", "bench_out", "output folder")
-flags.DEFINE_integer("repeats", 7, "timed samples per variant")
+grid.define_variant_flags()
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),

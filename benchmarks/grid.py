@@ -65,16 +65,24 @@ def route_fn(cfg, row_tile: int = 128):
   return route
 
 
+def parse_configs(thiek, default):
+  """Configurations from --thiek strings "T,d,n,E,K" (repeatable), or `default` without any."""
+  return [tuple(int(v) for v in s.split(",")) for s in thiek] if thiek else list(default)
+
+
+def define_variant_flags(repeats: int = 7):
+  """The flags of the kernel-variant scripts (gather_variants, dh_variants)."""
+  from absl import flags
+  flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+  flags.DEFINE_string("out", "bench_out", "output folder")
+  flags.DEFINE_integer("repeats", repeats, "timed samples per variant")
+
+
 def run_variant_configs(run_config, thiek, default_configs, out_dir, filename):
   """The variant scripts' main: run_config(cfg) for each configuration of --thiek (default
   `default_configs`), all results written to out_dir/filename; returns them."""
-  import json
-  import os
-  import jax
-  configs = ([tuple(int(v) for v in c.split(",")) for c in thiek] if thiek
-             else default_configs)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "configs": [run_config(c) for c in configs]}
+             "configs": [run_config(c) for c in parse_configs(thiek, default_configs)]}
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, filename), "w") as f:
     json.dump(results, f, indent=1)

@@ -164,8 +164,7 @@ def summarize(res):
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-             else grid.PAPER_GRID)
+  configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID)
   os.makedirs(FLAGS.out, exist_ok=True)
   flops_rate, bw = ceilings()
   out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

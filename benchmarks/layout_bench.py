@@ -67,8 +67,7 @@ def run_config(cfg, baselines):
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-             else grid.PAPER_GRID)
+  configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID)
   baselines = {}
   for path in FLAGS.baseline_layout or []:
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)

@@ -153,7 +153,8 @@ def _tokamax_row(cfg, sets, weights):
   k = cfg[4]
   fwd = lambda x, rw, w1, w2: baselines.tokamax_moe(x, rw, w1, w2, top_k=k)
 
-  return _measure("tokamax_layer", fwd, timing.forward_and_backward(fwd), [(x, router_weight, w1, w2) for x, _ in sets],
+  return _measure("tokamax_layer", fwd, timing.forward_and_backward(fwd),
+                  [(x, router_weight, w1, w2) for x, _ in sets],
                   [(x, router_weight, w1, w2, d_y) for x, d_y in sets], grid.forward_flops(cfg),
                   residual_fn=fwd)
 
@@ -208,8 +209,8 @@ def _environment():
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek else
-             grid.PAPER_GRID if FLAGS.grid == "paper" else grid.TINY_GRID)
+  configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID if FLAGS.grid == "paper"
+                               else grid.TINY_GRID)
   os.makedirs(FLAGS.out, exist_ok=True)
   env = _environment()
   print(json.dumps(env), flush=True)

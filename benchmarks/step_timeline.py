@@ -11,7 +11,6 @@ by total time; writes the whole timeline to `out/timeline_<config>.json`. Needs 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import tempfile
@@ -21,8 +20,7 @@ from absl import app, flags
 import jax
 
 import sonic_jax
-from benchmarks import grid
-from benchmarks.timing import forward_and_backward
+from benchmarks import grid, timing
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
@@ -32,27 +30,11 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 2048, 64, 4)]
 
 
-def _events(logdir):
-  """[(start_ns, end_ns, name)] of the GPU stream events in the trace, in start order."""
-  path = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
-  data = jax.profiler.ProfileData.from_file(path)
-  events = []
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():
-        continue
-      for ev in line.events:
-        events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
-  return sorted(events)
-
-
 def profile_step(cfg):
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
   fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
                                             backend=FLAGS.backend)[0]
-  step = jax.jit(forward_and_backward(fwd))
+  step = jax.jit(timing.forward_and_backward(fwd))
   args = (x, rw, w1, w2, d_out)
   for _ in range(3):  # compile and warm up
     jax.block_until_ready(step(*args))
@@ -60,7 +42,8 @@ def profile_step(cfg):
     jax.profiler.start_trace(logdir)
     jax.block_until_ready(step(*args))  # one step alone: its gaps are the step's own
     jax.profiler.stop_trace()
-    events = _events(logdir)
+    events = [(start, start + duration, name)
+              for start, duration, name in timing.device_events(logdir)]
   if not events:
     raise SystemExit("step_timeline: the trace has no GPU kernels (it needs a GPU)")
   t0 = events[0][0]
@@ -85,8 +68,7 @@ def profile_step(cfg):
 
 
 def main(_):
-  configs = ([tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek] if FLAGS.thiek
-             else DEFAULT_CONFIGS)
+  configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   os.makedirs(FLAGS.out, exist_ok=True)
   for cfg in configs:
     r = profile_step(cfg)

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 
 import jax
+import numpy as np
 
 
 def compile_fn(fn, *args):
@@ -96,21 +97,29 @@ def kernel_times(compiled, args, calls=3, top=12):
       out = compiled(*args)
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
-    paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-    if not paths:
-      return []
-    data = jax.profiler.ProfileData.from_file(paths[0])
     totals = defaultdict(float)
-    for plane in data.planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      for line in plane.lines:
-        # Kernel activity lives on the stream lines; skip XLA's op/module summary lines.
-        if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-          continue
-        for ev in line.events:
-          totals[ev.name] += ev.duration_ns / 1e3 / calls
+    for _, duration_ns, name in device_events(logdir, memcpy=False):
+      totals[name] += duration_ns / 1e3 / calls
   return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+
+
+def device_events(logdir, memcpy=True):
+  """[(start_ns, duration_ns, name)] of the GPU stream events of the profiler trace in `logdir`
+  (kernels, memsets, and memcpys unless memcpy=False), in start order; [] without a trace or GPU."""
+  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    return []
+  events = []
+  for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      # Kernel activity lives on the stream lines; skip XLA's op/module summary lines.
+      name = line.name.lower()
+      if "stream" not in name or (not memcpy and "memcpy" in name):
+        continue
+      events.extend((ev.start_ns, ev.duration_ns, ev.name) for ev in line.events)
+  return sorted(events)
 
 
 def forward_and_backward(fn):
@@ -130,7 +139,6 @@ def measure_variant(fn, args, compared, reference, flops, repeats):
   bit for bit against `reference` (None: they become the reference), then its median time.
   Returns (record, reference); a variant that fails (e.g. does not compile) is recorded with its
   error, not raised."""
-  import numpy as np
   try:
     got = compared(jax.block_until_ready(jax.jit(fn)(*args)))
     reference = got if reference is None else reference

@@ -105,10 +105,8 @@ def table(results):
 
 
 def main(_):
-  if FLAGS.thiek:
-    configs = [tuple(int(v) for v in s.split(",")) for s in FLAGS.thiek]
-  else:
-    configs = grid.TINY_GRID if FLAGS.grid == "tiny" else DEFAULT_CONFIGS
+  configs = grid.parse_configs(FLAGS.thiek,
+                               grid.TINY_GRID if FLAGS.grid == "tiny" else DEFAULT_CONFIGS)
   impl = resolve_backend(FLAGS.backend)
   os.makedirs(FLAGS.out, exist_ok=True)
   results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
