@@ -69,8 +69,8 @@ def _problem(cfg):
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
   b = mosaic_backend
   h, a = jax.jit(lambda x, w1: b.up_projection(x, w1, None, layout, act, "concat"))(x, w1)
-  d_h, a_s, _ = jax.jit(lambda g, h, s, w2: b.dh_projection(g, h, s, w2, None, layout, act,
-                                                            "concat"))(d_out, h, row_scores, w2)
+  d_h, a_s, _, d_out_rows = jax.jit(lambda g, h, s, w2: b.dh_projection(
+      g, h, s, w2, None, layout, act, "concat"))(d_out, h, row_scores, w2)
   # Rows of tiles past the ones in use are left unwritten (whatever the buffer held): outputs are
   # compared on the rows in use only.
   used = int(layout.num_tiles) * mosaic_backend.ROW_TILE
@@ -81,9 +81,10 @@ def _problem(cfg):
       "dh": (lambda g, h, s, w2: b.dh_projection(g, h, s, w2, None, layout, act, "concat"),
              (d_out, h, row_scores, w2), n),
       "dx": (lambda g, w1: b.dx_projection(g, w1, layout), (d_h, w1), 2 * n),
-      "weight_grad": (lambda x, g, dh, a_s, s: b.weight_grads(x, g, dh, a_s, s, layout, False,
-                                                              False)[:2],
-                      (x, d_out, d_h, a_s, row_scores), n),
+      # dw2 reads the dO rows that dH handed over (None: it gathers them), as in the layer.
+      "weight_grad": (lambda x, g, g_rows, dh, a_s, s: b.weight_grads(
+          x, g, g_rows, dh, a_s, s, layout, False, False)[:2],
+                      (x, d_out, d_out_rows, d_h, a_s, row_scores), n),
   }
   return roles, rows_in_use
 

@@ -1,10 +1,13 @@
 r"""dH kernel variants on the GPU: the 256-column tile (H streamed from GMEM in the epilogue) against
-the 128-column tile (H TMA-prefetched into SMEM during the mainloop), on contiguous and gathered dO
-rows (`DhProjectionConfig.block_n`; `default_block_n` picks between them).
+the 128-column tile (H TMA-prefetched into SMEM during the mainloop), with and without 2-CTA
+clusters, on dO rows gathered or not as the backend's policy says (`gather_source`); plus a
+mainloop probe: the same GEMM (dO rows times w2_e^T, same tile and ring) whose epilogue only stores
+dA' in bfloat16, which bounds what any overlap of dH's epilogue with the mainloop could gain.
 
   python -m benchmarks.dh_variants [--thiek=T,d,n,E,K ...] [--out=dir]
 
-Every variant's dH and A_s are checked bit for bit against the first variant's before timing.
+Every dH variant's dH and A_s are checked bit for bit against the first variant's before timing
+(the probes against the first probe's dA').
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import dataclasses
 from absl import app, flags
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
+from sonic_jax.mosaic_gpu import epilogue as epi
+from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 
 grid.define_variant_flags()
 FLAGS = flags.FLAGS
@@ -27,10 +33,41 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),
                    (32768, 4096, 512, 128, 8)]
 
-VARIANTS = {  # name: DhProjectionConfig overrides
-    "256 cols, streamed H": {"block_n": 256},
-    "128 cols, prefetched H": {"block_n": 128},
+# name: (kind, block_n, GroupedGemmConfig overrides); kind "dh" runs dh_projection, "probe" the
+# mainloop probe.
+VARIANTS = {
+    "dH 256 cols, streamed H": ("dh", 256, {}),
+    "dH 256 cols, streamed H, cluster 2": ("dh", 256, {"cluster_m": 2}),
+    "dH 256 cols, streamed H, 3 stages": ("dh", 256, {"num_stages": 3}),
+    "dH 128 cols, prefetched H": ("dh", 128, {}),
+    "dH 128 cols, prefetched H, cluster 2": ("dh", 128, {"cluster_m": 2}),
+    "probe 256 cols": ("probe", 256, {}),
+    "probe 256 cols, cluster 2": ("probe", 256, {"cluster_m": 2}),
+    "probe 128 cols, cluster 2": ("probe", 128, {"cluster_m": 2}),
 }
+
+
+def mainloop_probe(d_out, w2, layout, block_n, gemm_config, gathered):
+  """dA' = dO_rows @ w2_e^T on dH's tile and ring, stored as bfloat16 (R, n): no H read."""
+  n = w2.shape[1]
+
+  def rhs_copy(w2_ref, expert, k_slice, nb, j):
+    del j
+    return w2_ref.at[expert, pl.ds(nb * block_n, block_n), k_slice]
+
+  def epilogue(accs, ctx):
+    (acc,) = accs
+    dst = ctx.outputs[0].at[pl.ds(ctx.row0, ctx.rows), pl.ds(ctx.column_block * block_n, block_n)]
+    epi.store_tiles([(acc.astype(d_out.dtype), dst)], ctx.scratch)
+
+  role = GemmRole(
+      name="dh_mainloop_probe", block_n=block_n, num_rhs_blocks=1,
+      num_column_blocks=n // block_n, rhs_copy=rhs_copy, epilogue=epilogue,
+      epilogue_scratch=epi.staging_buffers(gemm_config.tile_m // 2, d_out.dtype,
+                                           gemm_config.epilogue_buffers),
+      out_types=(jax.ShapeDtypeStruct((layout.num_rows, n), d_out.dtype),), rhs_transposed=True)
+  return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
+                      layout.row_token if gathered else None, role, (), gemm_config)
 
 
 def run_config(cfg):
@@ -41,33 +78,36 @@ def run_config(cfg):
   h, _ = jax.jit(lambda x, w1: mosaic_backend.up_projection(x, w1, None, layout, act,
                                                             "concat"))(x, w1)
   scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  d_out_rows = jax.jit(lambda g: g[layout.row_token])(d_out)
+  gathered = mosaic_backend.gather_source("d_out", d, n) != "xla"
+  rows = d_out if gathered else jax.jit(lambda g: g[layout.row_token])(d_out)
   used = int(layout.num_tiles) * 128
   flops = 2 * used * d * n
   base = mosaic_backend.dh_config(d, n, e)
-  # dH and A_s on the rows in use (the dS partials' shape depends on the tile width)
+  # The rows in use of dH and A_s (the dS partials' shape depends on the tile width), or dA'.
   compared = lambda o: tuple(np.asarray(v[:used], np.float32) for v in o[:2])
-  out = {}
-  for gathered in (False, True):
-    want = None
-    for name, overrides in VARIANTS.items():
-      label = f"{name}, {'gathered' if gathered else 'contiguous'}"
-      config = dataclasses.replace(base, **overrides)
-      fn = lambda g, h, s, w2, config=config, gathered=gathered: dh.dh_projection(
-          g, h, s, w2, layout, act, config=config, gather=gathered)
-      args = (d_out if gathered else d_out_rows, h, scores, w2)
-      out[label], want = timing.measure_variant(fn, args, compared, want, flops, FLAGS.repeats)
-      print(cfg, label, out[label], flush=True)
+  out, want = {"gathered dO rows": gathered}, {}
+  for name, (kind, block_n, overrides) in VARIANTS.items():
+    gemm = dataclasses.replace(base.gemm, **overrides)
+    if kind == "dh":
+      config = dh.DhProjectionConfig(gemm, block_n)
+      fn = lambda g, h, s, w2, config=config: dh.dh_projection(g, h, s, w2, layout, act,
+                                                               config=config, gather=gathered)
+    else:
+      fn = lambda g, h, s, w2, gemm=gemm, block_n=block_n: mainloop_probe(
+          g, w2, layout, block_n, gemm, gathered)
+    out[name], want[kind] = timing.measure_variant(fn, (rows, h, scores, w2), compared,
+                                                   want.get(kind), flops, FLAGS.repeats)
+    print(cfg, name, out[name], flush=True)
   return {"config": list(cfg), "variants": out}
 
 
 def main(_):
   results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
                                      "dh_variants.json")
-  names = list(results["configs"][0]["variants"])
   for r in results["configs"]:
-    print(",".join(map(str, r["config"])))
-    for name in names:
+    print(",".join(map(str, r["config"])),
+          "(gathered dO)" if r["variants"]["gathered dO rows"] else "(contiguous dO)")
+    for name in VARIANTS:
       v = r["variants"][name]
       cell = (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s{'' if v['exact'] else ' (DIFFERS)'}"
               if "ms" in v else v["error"][:100])

@@ -6,7 +6,8 @@ For each configuration: the routing and layout, the up-projection with the fused
 kernel on a pre-gathered contiguous input (the cost of the gather), the XLA gather that the
 pre-gathered input needs, the down-projection and the aggregation; then the backward kernels: the
 dH role (with its activation-gradient, A_s and dS epilogue) and the two varlen-K weight gradients,
-each with its fused row gather (dO, x, dO) and on pre-gathered rows, and the dX role. Each
+each with its fused row gather (dO, x, dO) and on pre-gathered rows, dH also storing the dO rows it
+gathers (for dw2 to read), and the dX role. Each
 kernel's roofline time is max(FLOPs / measured dense bf16 GEMM rate, bytes / measured device copy
 bandwidth). Every kernel runs with the configuration the layer gives it (`mosaic_gpu.backend`'s
 tuning-table lookup); the forward and backward sums count what the backend runs (`summarize`).
@@ -119,6 +120,10 @@ def run_config(cfg, flops_rate, bw):
             functools.partial(wgrad_fn, gathered="rhs" if gathered else None),
             (a_s, g_src, layout), 2 * rows * n * d, dw2_bytes + src_rows),
     })
+  kernels["bwd dH (fused gather, writes dO rows)"] = (
+      lambda g, h, s, w, lay: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg, gather=True,
+                                               gate_up_layout=gate_up, write_d_out_rows=True),
+      (d_out, h, row_scores, w2, layout), dh_flops, dh_bytes + (t_count + rows) * d * b16)
   kernels["bwd dX rows (dH w1^T)"] = (lambda g, w, lay: dx.dx_projection(g, w, lay, dx_cfg),
                                       (d_h, w1, layout), 2 * rows * 2 * n * d,
                                       (rows * 2 * n + e * d * 2 * n + rows * d) * b16)
@@ -133,27 +138,28 @@ def run_config(cfg, flops_rate, bw):
 
 
 def summarize(res):
-  """Adds the forward and backward sums as the backend runs them (`mosaic_gpu.backend.GATHER`):
-  each gathered operand (x: up and dw1; dO: dH and dw2) either fused into its kernels, or read
-  contiguous after an XLA row gather (timed as 'xla gather x[rows]', one per operand). Pure
+  """Adds the forward and backward sums as the backend runs them (`mosaic_gpu.backend.
+  gather_source`): each gathered operand (x: up and dw1; dO: dH and dw2) either fused into its
+  kernels, read contiguous after an XLA row gather (timed as 'xla gather x[rows]', one per
+  operand), or (dO) gathered by dH, which stores the rows that dw2 reads contiguous. Pure
   arithmetic on the measured times."""
   t_count, d, n, _, k = res["config"]
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  fused_x = mosaic_backend.uses_fused_gather("x", n=n)
-  fused_d_out = mosaic_backend.uses_fused_gather("d_out", n=n)
+  x_source = mosaic_backend.gather_source("x", d, n)
+  d_out_source = mosaic_backend.gather_source("d_out", d, n)
   gather_ms = ms["xla gather x[rows]"]
-  up_ms = ms["up (fused gather)"] if fused_x else gather_ms + ms["up (contiguous input)"]
+  up_ms = ms["up (fused gather)"] if x_source == "fused" else gather_ms + ms["up (contiguous input)"]
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]
-  label = lambda fused: "fused gather" if fused else "contiguous input"
-  res["backward_gathers"] = {"x": "fused" if fused_x else "xla",
-                             "d_out": "fused" if fused_d_out else "xla"}
-  res["backward_gemms_ms"] = (ms[f"bwd dH ({label(fused_d_out)})"]
-                              + ms[f"bwd dw1 = x^T dH ({label(fused_x)})"]
-                              + ms[f"bwd dw2 = A_s^T dO ({label(fused_d_out)})"]
+  label = lambda source: "fused gather" if source == "fused" else "contiguous input"
+  dh_ms = (ms["bwd dH (fused gather, writes dO rows)"] if d_out_source == "dh"
+           else ms[f"bwd dH ({label(d_out_source)})"])
+  res["backward_gathers"] = {"x": x_source, "d_out": d_out_source}
+  res["backward_gemms_ms"] = (dh_ms + ms[f"bwd dw1 = x^T dH ({label(x_source)})"]
+                              + ms[f"bwd dw2 = A_s^T dO ({label(d_out_source)})"]
                               + ms["bwd dX rows (dH w1^T)"])
-  res["backward_sum_ms"] = res["backward_gemms_ms"] + gather_ms * ((not fused_x)
-                                                                   + (not fused_d_out))
+  res["backward_sum_ms"] = res["backward_gemms_ms"] + gather_ms * ((x_source == "xla")
+                                                                   + (d_out_source == "xla"))
   res["backward_sum_tflops"] = 2 * fwd_flops / (res["backward_sum_ms"] * 1e-3) / 1e12
   res["forward_sum_ms"] = t_fwd
   res["forward_sum_tflops"] = fwd_flops / (t_fwd * 1e-3) / 1e12

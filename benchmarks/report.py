@@ -315,9 +315,10 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
 up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
-backward GEMM kernels as the backend runs them (`GATHER="auto"`): dw1 with its fused gather of x ("x
-fused"); for experts of width n ≤ 512 dH and dw2 with their fused gathers of dO ("dO fused"), for wider
-ones the same kernels on contiguous rows after one XLA row gather of dO that both read ("dO xla"); and dX
+backward GEMM kernels as the backend runs them (`gather_source`): dw1 with its fused gather of x ("x
+fused"); for experts of width n ≤ 512 dH and dw2 with their fused gathers of dO ("dO fused"); for
+wider ones at d = 4096 dH with its fused gather of dO, storing the rows it gathers, and dw2 on those
+rows ("dO dh"), at smaller d both on contiguous rows after one XLA row gather of dO ("dO xla"); and dX
 rows; without the gather-sums. The "contiguous input" kernels are the
 same kernels on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 

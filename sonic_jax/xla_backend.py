@@ -125,7 +125,9 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   """The dH role: dA' = gather(dO) @ w2_e^T, then from H: dH = s*act'(H, dA'), A_s = s*A, dS.
 
   dS_r = <dA'_r, A_r> (+ <dO_t, b2_e>) equals <dO_t, Y_r> without Y having been stored.
-  Returns dH (R, .), A_s (R, n) in H's dtype and dS (R,) float32.
+  Returns dH (R, .), A_s (R, n) in H's dtype, dS (R,) float32 and the gathered dO rows (R, d) that
+  it read, or None: `weight_grads` takes them for dw2 (a backend whose dH gathers the rows inside
+  its kernel may return None, or the rows of its tiles in use only).
   """
   valid = layout.row_valid()[:, None]
   d_out_rows = d_out[layout.row_token]
@@ -138,7 +140,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   d_h = jnp.where(valid, s * d_h, 0.0).astype(h.dtype)
   a_s = jnp.where(valid, s * a, 0.0).astype(h.dtype)
   d_s = jnp.where(layout.row_valid(), d_s, 0.0)
-  return d_h, a_s, d_s
+  return d_h, a_s, d_s, d_out_rows
 
 
 def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
@@ -156,10 +158,13 @@ def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool
   return db1, db2
 
 
-def weight_grads(x, d_out, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):
-  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used."""
+def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool,
+                 with_b2: bool):
+  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used.
+  d_out_rows: what `dh_projection` returned (dO[row_token] on the tiles in use), or None."""
   x_rows = x[layout.row_token]
-  d_out_rows = d_out[layout.row_token]
+  if d_out_rows is None:
+    d_out_rows = d_out[layout.row_token]
   dw1 = grouped_weight_grad(x_rows, d_h, layout)
   dw2 = grouped_weight_grad(a_s, d_out_rows, layout)
   db1, db2 = bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)

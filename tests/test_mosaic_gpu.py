@@ -147,13 +147,19 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_u
 
 
 @pytest.mark.parametrize("compiled", MODES)
-def test_moe_layer_wide_expert_gathers_against_oracle(rng, compiled, monkeypatch):
-  """The gather policy of wide experts (n > FUSED_BACKWARD_MAX_N): x rows gathered inside the
-  up-projection and dw1, dO rows gathered by XLA for dH and dw2."""
+@pytest.mark.parametrize("d_out_source", ["xla", "dh"])
+def test_moe_layer_backward_gather_policies_against_oracle(rng, compiled, d_out_source,
+                                                           monkeypatch):
+  """The other two places the backward's dO rows come from (the small layer tests gather them
+  inside dH and dw2): wide experts (n > FUSED_BACKWARD_MAX_N) read one XLA gather in dH and dw2;
+  large d has dH store the rows it gathers and dw2 read them. x rows gathered inside the
+  up-projection and dw1 in both."""
   from sonic_jax.mosaic_gpu import backend
   monkeypatch.setattr(backend, "FUSED_BACKWARD_MAX_N", 64)
-  assert backend.uses_fused_gather("x", 128) and not backend.uses_fused_gather("d_out", 128)
-  _check_layer(rng, compiled, "swiglu", False, jnp.bfloat16, "concat")
+  monkeypatch.setattr(backend, "DH_WRITES_ROWS_MIN_D", 64 if d_out_source == "dh" else 1 << 30)
+  assert backend.gather_source("x", 64, 128) == "fused"
+  assert backend.gather_source("d_out", 64, 128) == d_out_source
+  _check_layer(rng, compiled, "swiglu", True, jnp.bfloat16, "concat")
 
 
 def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
@@ -290,13 +296,48 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
     d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(
         *a, layout, act, config=config, gather=gather, gate_up_layout=gate_up_layout))(
             d_out if gather else d_out[layout.row_token], h, scores, w2)
-  d_h_ref, a_s_ref, d_s_ref = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
-                                                        gate_up_layout)
+  d_h_ref, a_s_ref, d_s_ref, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout,
+                                                           act, gate_up_layout)
   tile_n = 128 if gate_up_layout == "interleaved" else block_n  # its only tile (dh_projection)
   assert ds_parts.shape == (n // tile_n, rows)
   assert _rows_err(d_h, d_h_ref, layout) < 1e-2
   assert _rows_err(a_s, a_s_ref, layout) < 1e-2
   assert _rows_err(jnp.sum(ds_parts, 0), d_s_ref, layout) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("block_n,cluster", [(128, 1), (256, 2)])
+def test_dh_projection_writes_gathered_d_out_rows(rng, compiled, block_n, cluster):
+  """write_d_out_rows: the kernel also stores the dO rows it gathered (for dw2), row r =
+  dO[row_token[r]] on every row of the tiles in use, skewed experts, one empty; its dH, A_s and dS
+  partials stay bit for bit those of the kernel that does not store them."""
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+  T, d, n, E = (150, 128, 256, 4) if not compiled else (6000, 1024, 512, 16)
+  counts = np.diff(np.sort(rng.integers(0, 2 * T, E - 2)), prepend=0, append=2 * T)
+  counts = np.concatenate([[0], counts, [0]])[:E]  # an empty expert first
+  counts[-1] += 2 * T - counts.sum()
+  ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)
+  layout = build_grouped_layout(ids, E, 128)
+  act = acts.get_activation("swiglu")
+  h = jnp.asarray(rng.standard_normal((layout.num_rows, 2 * n)), jnp.bfloat16)
+  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
+  scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
+  config = dh.DhProjectionConfig(GroupedGemmConfig(cluster_m=cluster), block_n=block_n)
+  run = lambda write: jax.jit(lambda g, h, s, w: dh.dh_projection(
+      g, h, s, w, layout, act, config=config, gather=True, write_d_out_rows=write))(
+          d_out, h, scores, w2)
+  with kernel_mode(compiled, num_cores=4):
+    want = run(False)
+    *got, rows = run(True)
+  used = int(layout.num_tiles) * 128
+  np.testing.assert_array_equal(np.asarray(rows[:used], np.float32),
+                                np.asarray(d_out[layout.row_token[:used]], np.float32))
+  in_use = lambda v: v[:used] if v.shape[0] == layout.num_rows else v[:, :used]  # dS: (blocks, R)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(in_use(g), np.float32),
+                                  np.asarray(in_use(w), np.float32))
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -459,6 +500,10 @@ def _lowering_cases():
       lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
                                           gather=True),
       (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cases["dh-swiglu-gathered-writes-rows"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
+                                          gather=True, write_d_out_rows=True),
+      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
   cluster = GroupedGemmConfig(cluster_m=2)
   cases["up-swiglu-cluster"] = (
@@ -482,7 +527,7 @@ def _lowering_cases():
                                   "up-swiglu-4-epilogue-buffers", "up-relu_sq",
                                   "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
-                                  "dh-swiglu-wide",
+                                  "dh-swiglu-wide", "dh-swiglu-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):

@@ -92,7 +92,7 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   w1 = jnp.zeros((4, 256, 256), jnp.bfloat16)
   mosaic_backend.up_projection(x, w1, None, layout, acts.get_activation("swiglu"), "concat")
   mosaic_backend.dx_projection(jnp.zeros((layout.num_rows, 256), jnp.bfloat16), w1, layout)
-  mosaic_backend.weight_grads(x, x, jnp.zeros((layout.num_rows, 256), jnp.bfloat16),
+  mosaic_backend.weight_grads(x, x, None, jnp.zeros((layout.num_rows, 256), jnp.bfloat16),
                               jnp.zeros((layout.num_rows, 128), jnp.bfloat16),
                               jnp.zeros((layout.num_rows,)), layout, False, False)
   assert seen["up"].gemm == GroupedGemmConfig(grid_tile_width=2, num_stages=3)

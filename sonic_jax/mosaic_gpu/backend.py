@@ -4,7 +4,8 @@ Forward: up-projection with the activation epilogue, down-projection. Backward: 
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
 (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
 gather the rows of x inside the kernel; dH and dw2 gather the rows of dO inside theirs for narrow
-experts and read XLA-gathered rows for wide ones (`GATHER`). The
+experts; for wide ones dH gathers them and stores them for dw2 at large d, and both read one XLA
+gather at smaller d (`gather_source`). The
 aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
@@ -33,23 +34,30 @@ ROW_TILE = 128
 # Where the GEMMs' gathered rows (x in the up-projection and dw1, dO in dH and dw2) come from.
 # "fused": gathered by the kernels as they load their operands (cp.async, gather.py): no
 # (T*K, d) gathered copy is ever written. "xla": XLA gathers x[row_token] / dO[row_token] into
-# contiguous buffers first. "auto": the rows of x fused everywhere; those of dO fused for experts
-# of width n <= FUSED_BACKWARD_MAX_N, XLA-gathered (one gather that dH and dw2 share) for wider
-# ones. Measured on an H100 (BENCHMARKS.md, kernel table): the fused x gather costs dw1 0-17%,
-# always less than an XLA gather of the rows (0.1-3.7 ms); the fused dO gather costs dH 6-18% and
-# dw2 20-70%, more than the shared XLA gather once n >= 1024.
+# contiguous buffers first. "dh" (dO only): dH gathers the dO rows as it loads them and also
+# stores them (`dh_projection(write_d_out_rows=True)`); dw2 reads that copy contiguously.
+# "auto" (`gather_source`): x fused everywhere; dO fused for experts of width
+# n <= FUSED_BACKWARD_MAX_N, for wider ones written by dH once d >= DH_WRITES_ROWS_MIN_D, else
+# XLA-gathered. Measured on an H100 (BENCHMARKS.md, kernel table): the fused x gather costs dw1
+# 0-17%, always less than an XLA gather of the rows (0.1-3.7 ms); the fused dO gather costs dH
+# 6-18% and dw2 20-70%, more than the shared XLA gather once n >= 1024; there, at d = 4096, dH
+# storing the rows it gathers (+12-20% on dH) costs less than the XLA gather, while at d <= 1536
+# and for n <= 512 it costs more (benchmarks/NOTES.md, ninth session).
 GATHER = "auto"
 FUSED_BACKWARD_MAX_N = 512
+DH_WRITES_ROWS_MIN_D = 2048
 
 
-def uses_fused_gather(rows: str, n: int) -> bool:
-  """Whether the kernels gather the rows of `rows` ("x" or "d_out") themselves for experts of
-  width n."""
+def gather_source(rows: str, d: int, n: int) -> str:
+  """Where the kernels get the gathered rows of `rows` ("x" or "d_out") for a layer of model width
+  d and expert width n: "fused", "xla" or (d_out only) "dh"."""
   if rows not in ("x", "d_out"):
     raise ValueError(f"rows must be 'x' or 'd_out', got {rows!r}")
-  if GATHER == "auto":
-    return rows == "x" or n <= FUSED_BACKWARD_MAX_N
-  return GATHER == "fused"
+  if GATHER != "auto":
+    return GATHER if rows == "d_out" or GATHER != "dh" else "fused"
+  if rows == "x" or n <= FUSED_BACKWARD_MAX_N:
+    return "fused"
+  return "dh" if d >= DH_WRITES_ROWS_MIN_D else "xla"
 
 
 class FallbackWarning(UserWarning):
@@ -94,7 +102,7 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
   config = up_config(d, width, e)
-  if not uses_fused_gather("x", n=width):
+  if gather_source("x", d, n=width) == "xla":
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
@@ -113,38 +121,41 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  if not uses_fused_gather("d_out", n=n):
-    d_h, a_s, d_s_parts = dh.dh_projection(d_out[layout.row_token], h, row_scores, w2, layout,
-                                           activation, config=config,
-                                           gate_up_layout=gate_up_layout)
-  else:
-    d_h, a_s, d_s_parts = dh.dh_projection(d_out, h, row_scores, w2, layout, activation,
-                                           config=config, gather=True,
-                                           gate_up_layout=gate_up_layout)
+  source = gather_source("d_out", d, n)
+  d_out_rows = d_out[layout.row_token] if source == "xla" else None
+  outs = dh.dh_projection(d_out if d_out_rows is None else d_out_rows, h, row_scores, w2, layout,
+                          activation, config=config, gather=d_out_rows is None,
+                          gate_up_layout=gate_up_layout, write_d_out_rows=source == "dh")
+  d_h, a_s, d_s_parts = outs[:3]
+  if source == "dh":
+    d_out_rows = outs[3]  # rows of the tiles in use; the rest are never read
   d_s = jnp.sum(d_s_parts, axis=0)
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
     d_s = d_s + jnp.sum(d_out[layout.row_token].astype(jnp.float32)
                         * xla_backend._row_bias(b2, layout), axis=-1)
-  return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0)
+  return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0), d_out_rows
 
 
-def weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2):
+def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, with_b2):
   if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
-    return xla_backend.weight_grads(x, d_out, d_h, a_s, row_scores, layout, with_b1, with_b2)
+    return xla_backend.weight_grads(x, d_out, None, d_h, a_s, row_scores, layout, with_b1,
+                                    with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   n, d = a_s.shape[1], x.shape[1]
   config = weight_grad_config(d, n, layout.num_experts)
-  if uses_fused_gather("x", n=n):
+  if gather_source("x", d, n) == "fused":
     dw1 = wgrad.weight_grad(x, d_h, layout, config, gathered="lhs")
   else:
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
-  if uses_fused_gather("d_out", n=n):
+  if d_out_rows is not None:  # from dH: XLA's gather or the rows dH gathered and stored
+    dw2 = wgrad.weight_grad(a_s, d_out_rows, layout, config)
+  else:
     dw2 = wgrad.weight_grad(a_s, d_out, layout, config, gathered="rhs")
-  else:  # the dO rows: CSE'd with dH's gather
-    dw2 = wgrad.weight_grad(a_s, d_out[layout.row_token], layout, config)
-  # The bias gradients need the dO rows only when b2 exists (db2); XLA gathers them then.
-  d_out_rows = d_out[layout.row_token] if with_b2 else None
-  db1, db2 = xla_backend.bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)
+  # The bias gradients need the dO rows only when b2 exists (db2): dH's, else an XLA gather.
+  db2_rows = None
+  if with_b2:
+    db2_rows = d_out[layout.row_token] if d_out_rows is None else d_out_rows
+  db1, db2 = xla_backend.bias_grads(db2_rows, d_h, row_scores, layout, with_b1, with_b2)
   return dw1, dw2, db1, db2
 
 

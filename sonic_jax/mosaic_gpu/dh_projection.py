@@ -66,13 +66,15 @@ def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
 
 def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                   config: DhProjectionConfig = DhProjectionConfig(), gather: bool = False,
-                  gate_up_layout: str = "concat"):
+                  gate_up_layout: str = "concat", write_d_out_rows: bool = False):
   """Returns dH (R, 2n or n), A_s (R, n) in H's dtype and dS partials (n // bn, R) float32 (bn: the
-  tile's column block).
+  tile's column block); with write_d_out_rows also the gathered dO rows (R, d).
 
   d_out: the (R, d) grouped rows dO[layout.row_token], or with gather=True the (T, d) dO itself,
-  whose rows the kernel gathers as it loads them (no gathered copy in HBM). row_scores: (R,)
-  float32, 0 on padding rows. Rows of tiles past `layout.num_tiles` are left unwritten.
+  whose rows the kernel gathers as it loads them (no gathered copy in HBM unless
+  write_d_out_rows: then the kernel also stores the rows it gathered, for dw2 to read
+  contiguously; it needs gather=True). row_scores: (R,) float32, 0 on padding rows. Rows of
+  tiles past `layout.num_tiles` are left unwritten.
   gate_up_layout: where a GLU's gate and up columns sit in H and dH. The interleaved layout runs
   the 128-column tile whatever `config.block_n` says: its prefetched H pieces are read from SMEM
   as uint32 words, one (gate, up) pair each, and dH is written back the same way (a strided
@@ -221,6 +223,9 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                  jax.ShapeDtypeStruct((n // bn, layout.num_rows), jnp.float32)),
       rhs_transposed=True, epilogue_prefetch=prefetch if prefetched else None,
       prefetch_copies=h_pieces + 1 if prefetched else 0)
+  if write_d_out_rows and not gather:
+    raise ValueError("write_d_out_rows needs gather=True (contiguous dO rows are already in HBM)")
   return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
                       layout.row_token if gather else None, role,
-                      (h, row_scores.astype(jnp.float32)), config.gemm)
+                      (h, row_scores.astype(jnp.float32)), config.gemm,
+                      write_lhs_rows=write_d_out_rows)

@@ -25,7 +25,9 @@ multicast (each CTA loads half of each block for both) and the `empty` barriers 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
 memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the
-source is ever written to HBM.
+source is written to HBM unless asked for (`write_lhs_rows`): then the compute warpgroups also
+TMA-store each gathered A stage of a tile's first column block to a (rows, k) output, so that a
+later kernel reads the rows contiguously instead of gathering them again.
 Gathered rows are written through other views of the stage than the (8, 64)-tiled one wgmma reads
 (`RefUnion`): with 128-byte rows and the 128-byte swizzle, the (8, 64) and (1, 64) tilings both put
 row r at byte r * 128 and the swizzle is a function of the address, so the views are byte-identical.
@@ -231,16 +233,23 @@ def _at_warpgroup(refs, scratch, wg):
 
 
 def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
-                 extra_inputs: Sequence[jax.Array], config: GroupedGemmConfig):
+                 extra_inputs: Sequence[jax.Array], config: GroupedGemmConfig,
+                 write_lhs_rows: bool = False):
   """Runs `role` over the grouped layout. lhs: (rows, k) source of A; rhs: the role's weights.
 
   row_token: (R,) int32 gather indices into lhs, or None when lhs is the (R, k) grouped buffer.
-  Returns the role's outputs.
+  write_lhs_rows: also return the gathered A rows, (R, k) with row r = lhs[row_token[r]] on the
+  tiles in use (the rest unwritten); each compute warpgroup TMA-stores its half of every stage of
+  a tile's first column block once the stage's wgmmas are issued, and releases the stage only
+  after the store has read it.
+  Returns the role's outputs (then the A rows).
   """
   tm, tk, stages = config.tile_m, config.tile_k, config.num_stages
   k = lhs.shape[1]
   if k % tk:
     raise ValueError(f"the contraction dim ({k}) must be a multiple of tile_k={tk}")
+  if write_lhs_rows and row_token is None:
+    raise ValueError("write_lhs_rows needs row_token: contiguous A rows are already in HBM")
   k_iters = k // tk
   dtype = lhs.dtype
   gather_impl = None
@@ -255,8 +264,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   interpret_mode = interpreting()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
-    n_in = len(extra_inputs)
-    inputs, outputs = refs[:n_in], refs[n_in:]
+    n_in, n_out = len(extra_inputs), len(role.out_types)
+    inputs, outputs = refs[:n_in], refs[n_in:n_in + n_out]
+    lhs_rows_ref = refs[n_in + n_out] if write_lhs_rows else None
 
     def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready, prefetch_bar):
       a_rows, a_tiles, a_raw = a_union
@@ -353,6 +363,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               scratch=_at_warpgroup(epi_scratch, role.epilogue_scratch, wg),
               prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
 
+          # The first column block's tile writes its gathered A rows (write_lhs_rows).
+          write_rows = (active & (nb == 0)) if write_lhs_rows else None
+
           def acc_scope(*acc_refs):
             @pl.loop(0, k_iters)
             def _k(ki):
@@ -366,6 +379,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 if role.rhs_transposed:
                   b_block = b_block.transpose((1, 0))
                 plgpu.wgmma(acc_refs[j], a_half, b_block)
+              if write_lhs_rows:  # the stage landed (waited above): store this warpgroup's rows
+                pl.when(write_rows)(lambda: plgpu.copy_smem_to_gmem(
+                    a_half, lhs_rows_ref.at[pl.ds(ctx.row0, rows), pl.ds(ki * tk, tk)]))
               if role.epilogue_prefetch is not None:
                 # While the first wgmmas run: the previous tile's stores must have read the
                 # scratch before the prefetch overwrites it.
@@ -375,12 +391,16 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                   role.epilogue_prefetch(ctx, ctx.prefetched)
               plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
+              if write_lhs_rows:  # ... once its row store has read it (this step's may go on)
+                pl.when(write_rows)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
 
               @pl.when(ki > 0)
               def _():
                 plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
 
             plgpu.wgmma_wait(0)
+            if write_lhs_rows:
+              pl.when(write_rows)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
             plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
             return [r[...] for r in acc_refs]
 
@@ -419,11 +439,14 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
          if role.epilogue_prefetch is not None else None),
         collective_axes="wg")
 
+  out_types = tuple(role.out_types)
+  if write_lhs_rows:
+    out_types += (jax.ShapeDtypeStruct((m_tiles * tm, k), dtype),)
   if row_token is None:
     row_token = jnp.zeros((1,), jnp.int32)
   kernel = plgpu.kernel(
       body,
-      out_type=tuple(role.out_types),
+      out_type=out_types,
       grid=(num_sms() // cluster,),
       grid_names=("sm",),
       cluster=(cluster,) if cluster > 1 else (),
