@@ -370,9 +370,10 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
 - `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
-  x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512
-  (one XLA row gather for wider ones); the router's top-K as a Pallas kernel; the rest of the routing
-  metadata and the aggregations (gather-sums) are XLA operations.
+  x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512;
+  for wider ones, at d = 4096 dH gathers them and stores them for dw2, at smaller d one XLA row gather
+  feeds both; the router's top-K as a Pallas kernel; the rest of the routing metadata and the
+  aggregations (gather-sums) are XLA operations.
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 
