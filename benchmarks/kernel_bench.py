@@ -23,7 +23,6 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-import sonic_jax
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
 from sonic_jax import xla_backend
@@ -146,8 +145,8 @@ def summarize(res):
   t_count, d, n, _, k = res["config"]
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  x_source = mosaic_backend.gather_source("x", d, n)
-  d_out_source = mosaic_backend.gather_source("d_out", d, n)
+  x_source = mosaic_backend.gather_source("x", n)
+  d_out_source = mosaic_backend.gather_source("d_out", n)
   gather_ms = ms["xla gather x[rows]"]
   up_ms = ms["up (fused gather)"] if x_source == "fused" else gather_ms + ms["up (contiguous input)"]
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]

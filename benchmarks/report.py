@@ -317,9 +317,8 @@ achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: r
 up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
 backward GEMM kernels as the backend runs them (`gather_source`): dw1 with its fused gather of x ("x
 fused"); for experts of width n ≤ 512 dH and dw2 with their fused gathers of dO ("dO fused"); for
-wider ones at d = 4096 dH with its fused gather of dO, storing the rows it gathers, and dw2 on those
-rows ("dO dh"), at smaller d both on contiguous rows after one XLA row gather of dO ("dO xla"); and dX
-rows; without the gather-sums. The "contiguous input" kernels are the
+wider ones dH with its fused gather of dO, storing the rows it gathers, and dw2 on those rows ("dO
+dh"); and dX rows; without the gather-sums. The "contiguous input" kernels are the
 same kernels on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 
 {kernels_table(kernels)}
@@ -371,9 +370,8 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
 - `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
   x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512;
-  for wider ones, at d = 4096 dH gathers them and stores them for dw2, at smaller d one XLA row gather
-  feeds both; the router's top-K as a Pallas kernel; the rest of the routing metadata and the
-  aggregations (gather-sums) are XLA operations.
+  for wider ones dH gathers them and stores them for dw2; the router's top-K as a Pallas kernel; the
+  rest of the routing metadata and the aggregations (gather-sums) are XLA operations.
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 

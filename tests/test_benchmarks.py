@@ -64,9 +64,8 @@ def test_ep_bench_smoke_run(tmp_path):
 
 def test_kernel_bench_sums_follow_the_backends_gather_policy():
   """kernel_bench's forward/backward sums count the kernels the backend runs: the x rows gathered
-  inside dw1 always; the dO rows inside dH and dw2 for narrow experts; for wide ones one XLA row
-  gather that dH and dw2 read contiguous at small d, and at large d gathered by dH, which stores
-  them for dw2 to read contiguous."""
+  inside dw1; the dO rows inside dH and dw2 for narrow experts, for wide ones gathered by dH, which
+  stores them for dw2 to read contiguous; with GATHER="xla" one XLA row gather per operand."""
   sys.argv = sys.argv[:1]
   from benchmarks import kernel_bench
   from sonic_jax.mosaic_gpu import backend
@@ -76,17 +75,20 @@ def test_kernel_bench_sums_follow_the_backends_gather_policy():
         **{f"{r} (fused gather)": 3.0 for r in roles},
         **{f"{r} (contiguous input)": 2.0 for r in roles},
         "bwd dH (fused gather, writes dO rows)": 3.25, "bwd dX rows (dH w1^T)": 4.0}
-  small_d, large_d = 512, backend.DH_WRITES_ROWS_MIN_D
-  for d, n, d_out_rows, bwd_ms in (
-      (small_d, backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
-      (small_d, 2 * backend.FUSED_BACKWARD_MAX_N, "xla", 3.0 + 2 * 2.0 + 4.0 + 0.5),
-      (large_d, backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
-      (large_d, 2 * backend.FUSED_BACKWARD_MAX_N, "dh", 3.25 + 3.0 + 2.0 + 4.0)):
-    res = kernel_bench.summarize({"config": [1024, d, n, 8, 2],
-                                  "kernels": {k: {"ms": v} for k, v in ms.items()}})
-    assert res["backward_gathers"] == {"x": "fused", "d_out": d_out_rows}
+  cases = [("auto", backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
+           ("auto", 2 * backend.FUSED_BACKWARD_MAX_N, "dh", 3.25 + 3.0 + 2.0 + 4.0),
+           ("xla", 512, "xla", 3 * 2.0 + 4.0 + 2 * 0.5)]
+  for policy, n, d_out_rows, bwd_ms in cases:
+    backend.GATHER = policy
+    try:
+      res = kernel_bench.summarize({"config": [1024, 512, n, 8, 2],
+                                    "kernels": {k: {"ms": v} for k, v in ms.items()}})
+    finally:
+      backend.GATHER = "auto"
+    x_rows = "xla" if policy == "xla" else "fused"
+    assert res["backward_gathers"] == {"x": x_rows, "d_out": d_out_rows}
     assert res["backward_sum_ms"] == bwd_ms
-    assert res["forward_sum_ms"] == 1.0 + 2.0 + 1.0 + 0.25
+    assert res["forward_sum_ms"] == 1.0 + (2.0 if x_rows == "fused" else 1.5 + 0.5) + 1.0 + 0.25
     assert abs(res["gather_cost"]["up"] - (2.0 / 1.5 - 1)) < 1e-12
 
 

@@ -151,14 +151,15 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_u
 def test_moe_layer_backward_gather_policies_against_oracle(rng, compiled, d_out_source,
                                                            monkeypatch):
   """The other two places the backward's dO rows come from (the small layer tests gather them
-  inside dH and dw2): wide experts (n > FUSED_BACKWARD_MAX_N) read one XLA gather in dH and dw2;
-  large d has dH store the rows it gathers and dw2 read them. x rows gathered inside the
-  up-projection and dw1 in both."""
+  inside dH and dw2): for wide experts (n > FUSED_BACKWARD_MAX_N) dH stores the rows it gathers
+  and dw2 reads them (x rows gathered inside the up-projection and dw1); GATHER="xla" has XLA
+  gather the rows of x and dO once, for the up-projection and dw1, dH and dw2."""
   from sonic_jax.mosaic_gpu import backend
-  monkeypatch.setattr(backend, "FUSED_BACKWARD_MAX_N", 64)
-  monkeypatch.setattr(backend, "DH_WRITES_ROWS_MIN_D", 64 if d_out_source == "dh" else 1 << 30)
-  assert backend.gather_source("x", 64, 128) == "fused"
-  assert backend.gather_source("d_out", 64, 128) == d_out_source
+  monkeypatch.setattr(backend, "FUSED_BACKWARD_MAX_N", 64)  # n = 128 is then wide
+  if d_out_source == "xla":
+    monkeypatch.setattr(backend, "GATHER", "xla")  # (x rows too: the up-projection's TMA path)
+  assert backend.gather_source("x", 128) == ("xla" if d_out_source == "xla" else "fused")
+  assert backend.gather_source("d_out", 128) == d_out_source
   _check_layer(rng, compiled, "swiglu", True, jnp.bfloat16, "concat")
 
 

@@ -4,8 +4,7 @@ Forward: up-projection with the activation epilogue, down-projection. Backward: 
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
 (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
 gather the rows of x inside the kernel; dH and dw2 gather the rows of dO inside theirs for narrow
-experts; for wide ones dH gathers them and stores them for dw2 at large d, and both read one XLA
-gather at smaller d (`gather_source`). The
+experts; for wide ones dH gathers them and also stores them, for dw2 to read (`gather_source`). The
 aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
@@ -37,27 +36,25 @@ ROW_TILE = 128
 # contiguous buffers first. "dh" (dO only): dH gathers the dO rows as it loads them and also
 # stores them (`dh_projection(write_d_out_rows=True)`); dw2 reads that copy contiguously.
 # "auto" (`gather_source`): x fused everywhere; dO fused for experts of width
-# n <= FUSED_BACKWARD_MAX_N, for wider ones written by dH once d >= DH_WRITES_ROWS_MIN_D, else
-# XLA-gathered. Measured on an H100 (BENCHMARKS.md, kernel table): the fused x gather costs dw1
-# 0-17%, always less than an XLA gather of the rows (0.1-3.7 ms); the fused dO gather costs dH
-# 6-18% and dw2 20-70%, more than the shared XLA gather once n >= 1024; there, at d = 4096, dH
-# storing the rows it gathers (+12-20% on dH) costs less than the XLA gather, while at d <= 1536
-# and for n <= 512 it costs more (benchmarks/NOTES.md, ninth session).
+# n <= FUSED_BACKWARD_MAX_N, written by dH for wider ones. Measured on an H100 (BENCHMARKS.md,
+# kernel table): the fused x gather costs dw1 0-17%, always less than an XLA gather of the rows
+# (0.1-3.7 ms); the fused dO gather costs dH 6-18% and dw2 20-70%, more than the XLA gather once
+# n >= 1024; there dH storing the rows it gathers (+12-20% on dH) costs less than either, at every
+# d of the grid (dH + dw2 + gathers: 0.82 vs 0.86 ms at 40960,768,1024,32,2, 8.48 vs 9.23 ms at
+# 32768,4096,1024,128,8); for n <= 512 it costs more than the fused gathers at d = 4096
+# (benchmarks/NOTES.md, ninth session).
 GATHER = "auto"
 FUSED_BACKWARD_MAX_N = 512
-DH_WRITES_ROWS_MIN_D = 2048
 
 
-def gather_source(rows: str, d: int, n: int) -> str:
-  """Where the kernels get the gathered rows of `rows` ("x" or "d_out") for a layer of model width
-  d and expert width n: "fused", "xla" or (d_out only) "dh"."""
+def gather_source(rows: str, n: int) -> str:
+  """Where the kernels get the gathered rows of `rows` ("x" or "d_out") for experts of width n:
+  "fused", "xla" or (d_out only) "dh"."""
   if rows not in ("x", "d_out"):
     raise ValueError(f"rows must be 'x' or 'd_out', got {rows!r}")
   if GATHER != "auto":
     return GATHER if rows == "d_out" or GATHER != "dh" else "fused"
-  if rows == "x" or n <= FUSED_BACKWARD_MAX_N:
-    return "fused"
-  return "dh" if d >= DH_WRITES_ROWS_MIN_D else "xla"
+  return "fused" if rows == "x" or n <= FUSED_BACKWARD_MAX_N else "dh"
 
 
 class FallbackWarning(UserWarning):
@@ -102,7 +99,7 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
   config = up_config(d, width, e)
-  if gather_source("x", d, n=width) == "xla":
+  if gather_source("x", n=width) == "xla":
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
@@ -121,7 +118,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  source = gather_source("d_out", d, n)
+  source = gather_source("d_out", n)
   d_out_rows = d_out[layout.row_token] if source == "xla" else None
   outs = dh.dh_projection(d_out if d_out_rows is None else d_out_rows, h, row_scores, w2, layout,
                           activation, config=config, gather=d_out_rows is None,
@@ -143,7 +140,7 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, wi
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   n, d = a_s.shape[1], x.shape[1]
   config = weight_grad_config(d, n, layout.num_experts)
-  if gather_source("x", d, n) == "fused":
+  if gather_source("x", n) == "fused":
     dw1 = wgrad.weight_grad(x, d_h, layout, config, gathered="lhs")
   else:
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
