@@ -84,7 +84,7 @@ def _problem(cfg):
       # dw2 reads the dO rows that dH handed over (None: it gathers them), as in the layer.
       "weight_grad": (lambda x, g, g_rows, dh, a_s, s: b.weight_grads(
           x, g, g_rows, dh, a_s, s, layout, False, False)[:2],
-                      (x, d_out, d_out_rows, d_h, a_s, row_scores), n),
+          (x, d_out, d_out_rows, d_h, a_s, row_scores), n),
   }
   return roles, rows_in_use
 

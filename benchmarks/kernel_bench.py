@@ -148,7 +148,8 @@ def summarize(res):
   x_source = mosaic_backend.gather_source("x", n)
   d_out_source = mosaic_backend.gather_source("d_out", n)
   gather_ms = ms["xla gather x[rows]"]
-  up_ms = ms["up (fused gather)"] if x_source == "fused" else gather_ms + ms["up (contiguous input)"]
+  up_ms = (ms["up (fused gather)"] if x_source == "fused"
+           else gather_ms + ms["up (contiguous input)"])
   t_fwd = ms["route+layout"] + up_ms + ms["down"] + ms["aggregate (xla)"]
   label = lambda source: "fused gather" if source == "fused" else "contiguous input"
   dh_ms = (ms["bwd dH (fused gather, writes dO rows)"] if d_out_source == "dh"
