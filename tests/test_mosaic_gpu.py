@@ -21,8 +21,9 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 @contextlib.contextmanager
-def kernel_mode(compiled: bool, num_cores: int = 2):
-  """Compiled on the GPU, or interpreted on the CPU with a `num_cores`-SM abstract device."""
+def kernel_mode(compiled: bool, num_cores: int = 2, detect_races: bool = True):
+  """Compiled on the GPU, or interpreted on the CPU with a `num_cores`-SM abstract device (with
+  the interpreter's race detector unless detect_races=False)."""
   if compiled:
     if not ON_GPU:
       pytest.skip("needs a GPU")
@@ -35,7 +36,7 @@ def kernel_mode(compiled: bool, num_cores: int = 2):
   mesh = jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
   with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
-      plgpu.InterpretGPUParams(detect_races=True)):
+      plgpu.InterpretGPUParams(detect_races=detect_races)):
     yield
 
 
@@ -181,7 +182,9 @@ def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
                          backend="mosaic_gpu")
     return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), y
 
-  with kernel_mode(compiled):
+  # Every kernel's own interpret-mode test runs the race detector; the layer tests, which run the
+  # same kernels end to end, skip it (it multiplies the interpreter's time).
+  with kernel_mode(compiled, detect_races=False):
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(names))),
                                                has_aux=True))(*[cast[k] for k in names])
   ids = select_experts(seen["x"], seen["router_weight"], 2)
@@ -306,10 +309,8 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   assert _rows_err(jnp.sum(ds_parts, 0), d_s_ref, layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled,block_n,cluster", [
-    (False, 256, 2),  # the interpreter's 128-column case runs in the layer test of the policy
-    pytest.param(True, 128, 1, marks=pytest.mark.gpu),
-    pytest.param(True, 256, 2, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("block_n,cluster", [(128, 1), (256, 2)])
 def test_dh_projection_writes_gathered_d_out_rows(rng, compiled, block_n, cluster):
   """write_d_out_rows: the kernel also stores the dO rows it gathered (for dw2), row r =
   dO[row_token[r]] on every row of the tiles in use, skewed experts, one empty; its dH, A_s and dS
