@@ -127,9 +127,9 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if source == "dh":
     d_out_rows = outs[3]  # rows of the tiles in use; the rest are never read
   d_s = jnp.sum(d_s_parts, axis=0)
-  if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2
-    d_s = d_s + jnp.sum(d_out[layout.row_token].astype(jnp.float32)
-                        * xla_backend._row_bias(b2, layout), axis=-1)
+  if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2 (rows not in use: masked below)
+    rows = d_out[layout.row_token] if d_out_rows is None else d_out_rows
+    d_s = d_s + jnp.sum(rows.astype(jnp.float32) * xla_backend._row_bias(b2, layout), axis=-1)
   return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0), d_out_rows
 
 

@@ -162,6 +162,23 @@ def drain_ring(empty, total_steps, stages: int):
       plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
 
 
+def stage_release_barriers(cluster: int, stages: int):
+  """The operand ring's `empty` barriers, one per stage, completed by both compute warpgroups;
+  with a 2-CTA cluster by those of both CTAs (a multicast stage is rewritten in both at once)."""
+  if cluster == 1:
+    return plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages)
+  return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
+                              num_barriers=stages)
+
+
+def persistent_launch(cluster: int) -> dict:
+  """plgpu.kernel's grid arguments for a persistent kernel of one CTA per SM, as `cluster`-CTA
+  clusters along the axis "cluster"."""
+  return dict(grid=(num_sms() // cluster,), grid_names=("sm",),
+              cluster=(cluster,) if cluster > 1 else (),
+              cluster_names=("cluster",) if cluster > 1 else ())
+
+
 def unsupported_operands(a, b, multiples) -> str | None:
   """Why a kernel cannot take these operands, or None: both 16-bit floats of one dtype and every
   (name, size, multiple) of `multiples` divisible."""
@@ -431,9 +448,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-        (plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages) if cluster == 1 else
-         plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
-                              num_barriers=stages)),
+        stage_release_barriers(cluster, stages),
         epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
         (plgpu.Barrier(num_arrivals=role.prefetch_copies, num_barriers=_NUM_COMPUTE_WGS)
          if role.epilogue_prefetch is not None else None),
@@ -447,10 +462,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   kernel = plgpu.kernel(
       body,
       out_type=out_types,
-      grid=(num_sms() // cluster,),
-      grid_names=("sm",),
-      cluster=(cluster,) if cluster > 1 else (),
-      cluster_names=("cluster",) if cluster > 1 else (),
+      **persistent_launch(cluster),
       kernel_name=role.name,
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",

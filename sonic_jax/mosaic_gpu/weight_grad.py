@@ -23,7 +23,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax.backends import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
-from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, num_sms, register_split, tiled,
+from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, persistent_launch, register_split,
+                                                stage_release_barriers, tiled,
                                                 unsupported_operands)
 
 _NUM_COMPUTE_WGS = 2
@@ -232,10 +233,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         with_raw((stages, _NUM_COMPUTE_WGS, tk, half)),
         with_raw((stages, tk, bn)),
         plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
-        # With a cluster a stage is rewritten only once both CTAs released it (multicast).
-        (plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages) if cluster == 1 else
-         plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
-                              num_barriers=stages)),
+        stage_release_barriers(cluster, stages),
         plgpu.SMEM((_NUM_COMPUTE_WGS,) + staging.shape, dtype, transforms=staging.transforms),
         gather.stage_barriers(stages) if cp_async else None,
         collective_axes="wg")
@@ -243,10 +241,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((e_count, m, n), dtype),
-      grid=(num_sms() // cluster,),
-      grid_names=("sm",),
-      cluster=(cluster,) if cluster > 1 else (),
-      cluster_names=("cluster",) if cluster > 1 else (),
+      **persistent_launch(cluster),
       kernel_name="weight_grad" + (f"_gathered_{gathered}" if gathered else ""),
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
