@@ -147,3 +147,44 @@ def measure_variant(fn, args, compared, reference, flops, repeats):
     return {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}, reference
   except Exception as err:
     return {"error": f"{type(err).__name__}: {str(err)[:300]}"}, reference
+
+
+def time_interleaved(calls, *, repeats=10, min_sample_s=0.025, max_inner=200):
+  """Median seconds per call of each compiled function in `calls` ({name: (compiled, args)}),
+  sampled in rounds: every round takes one sample of each, in turn, so that a slow drift of the
+  GPU's clocks (power, temperature: +-5% between back-to-back runs of one kernel on the H100s
+  here) spreads over all of them instead of favouring whichever ran first.
+  Returns {name: (median seconds, samples)}."""
+  inner = {}
+  for name, (compiled, args) in calls.items():
+    jax.block_until_ready(compiled(*args))  # warm-up
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    inner[name] = max(1, min(max_inner, math.ceil(min_sample_s / max(time.perf_counter() - t0,
+                                                                     1e-6))))
+  samples = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, (compiled, args) in calls.items():
+      t0 = time.perf_counter()
+      out = None
+      for _ in range(inner[name]):
+        out = compiled(*args)
+      jax.block_until_ready(out)
+      samples[name].append((time.perf_counter() - t0) / inner[name])
+  return {name: (statistics.median(v), v) for name, v in samples.items()}
+
+
+def check_variants(variants, compared):
+  """Runs each variant once ({name: (fn, args)}), checks `compared(outputs)` bit for bit against
+  the first variant's and compiles it; returns ({name: record}, {name: (compiled, args)}) where a
+  record holds "exact", or "error" for a variant that failed (left out of the compiled ones)."""
+  records, calls, reference = {}, {}, None
+  for name, (fn, args) in variants.items():
+    try:
+      got = compared(jax.block_until_ready(jax.jit(fn)(*args)))
+      reference = got if reference is None else reference
+      records[name] = {"exact": all(np.array_equal(g, w) for g, w in zip(got, reference))}
+      calls[name] = (compile_fn(fn, *args)[0], args)
+    except Exception as err:
+      records[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+  return records, calls
