@@ -6,8 +6,9 @@ dA' in bfloat16, which bounds what any overlap of dH's epilogue with the mainloo
 
   python -m benchmarks.dh_variants [--thiek=T,d,n,E,K ...] [--out=dir]
 
-Every dH variant's dH and A_s are checked bit for bit against the first variant's before timing
-(the probes against the first probe's dA').
+Every dH variant's dH and A_s are checked bit for bit against the first variant's (the probes
+against the first probe's dA'); then each kind's variants are timed in interleaved rounds
+(`timing.measure_variants`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def run_config(cfg):
   base = mosaic_backend.dh_config(d, n, e)
   # The rows in use of dH and A_s (the dS partials' shape depends on the tile width), or dA'.
   compared = lambda o: tuple(np.asarray(v[:used], np.float32) for v in o[:2])
-  out, want = {"gathered dO rows": gathered}, {}
+  by_kind = {"dh": {}, "probe": {}}  # each kind checked against its own first variant
   for name, (kind, block_n, overrides) in VARIANTS.items():
     gemm = dataclasses.replace(base.gemm, **overrides)
     if kind == "dh":
@@ -95,9 +96,10 @@ def run_config(cfg):
     else:
       fn = lambda g, h, s, w2, gemm=gemm, block_n=block_n: mainloop_probe(
           g, w2, layout, block_n, gemm, gathered)
-    out[name], want[kind] = timing.measure_variant(fn, (rows, h, scores, w2), compared,
-                                                   want.get(kind), flops, FLAGS.repeats)
-    print(cfg, name, out[name], flush=True)
+    by_kind[kind][name] = (fn, (rows, h, scores, w2))
+  out = {"gathered dO rows": gathered}
+  for variants in by_kind.values():
+    out.update(timing.measure_variants(variants, compared, flops, FLAGS.repeats))
   return {"config": list(cfg), "variants": out}
 
 

@@ -3,7 +3,8 @@ the tuning knobs of `GroupedGemmConfig` (memory-warpgroup registers, ring depth)
 
   python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir]
 
-Every variant's H and A are checked bit for bit against the contiguous kernel's before timing.
+Every variant's H and A are checked bit for bit against the contiguous kernel's; then the variants
+are timed in interleaved rounds (`timing.measure_variants`).
 """
 
 from __future__ import annotations
@@ -44,16 +45,15 @@ def run_config(cfg):
   rows = int(layout.num_tiles) * 128
   flops = 2 * rows * d * 2 * n
   valid = np.asarray(layout.row_valid())
-  out, want = {}, None
+  variants = {}
   for name, (gathered, overrides) in VARIANTS.items():
     config = up.UpProjectionConfig(dataclasses.replace(GroupedGemmConfig(), **overrides))
     fn = lambda src, w1, lay, config=config, gathered=gathered: up.up_projection(
         src, w1, None, lay, act, "concat", config=config, gather=gathered)
-    src = x if gathered else x_rows
-    out[name], want = timing.measure_variant(
-        fn, (src, w1, layout), lambda o: tuple(np.asarray(v, np.float32)[valid] for v in o),
-        want, flops, FLAGS.repeats)
-    print(cfg, name, out[name], flush=True)
+    variants[name] = (fn, (x if gathered else x_rows, w1, layout))
+  out = timing.measure_variants(
+      variants, lambda o: tuple(np.asarray(v, np.float32)[valid] for v in o), flops,
+      FLAGS.repeats)
   return {"config": list(cfg), "variants": out}
 
 

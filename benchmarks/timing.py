@@ -134,21 +134,6 @@ def forward_and_backward(fn):
   return step
 
 
-def measure_variant(fn, args, compared, reference, flops, repeats):
-  """One kernel variant of a variant script: its outputs, `compared(outputs)` -> arrays, checked
-  bit for bit against `reference` (None: they become the reference), then its median time.
-  Returns (record, reference); a variant that fails (e.g. does not compile) is recorded with its
-  error, not raised."""
-  try:
-    got = compared(jax.block_until_ready(jax.jit(fn)(*args)))
-    reference = got if reference is None else reference
-    exact = all(np.array_equal(g, w) for g, w in zip(got, reference))
-    t = time_fn(fn, *args, repeats=repeats)
-    return {"ms": t * 1e3, "tflops": flops / t / 1e12, "exact": exact}, reference
-  except Exception as err:
-    return {"error": f"{type(err).__name__}: {str(err)[:300]}"}, reference
-
-
 def time_interleaved(calls, *, repeats=10, min_sample_s=0.025, max_inner=200):
   """Median seconds per call of each compiled function in `calls` ({name: (compiled, args)}),
   sampled in rounds: every round takes one sample of each, in turn, so that a slow drift of the
@@ -188,3 +173,15 @@ def check_variants(variants, compared):
     except Exception as err:
       records[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
   return records, calls
+
+
+def measure_variants(variants, compared, flops, repeats):
+  """Kernel variants of a variant script, {name: (fn, args)}: each one's outputs checked bit for
+  bit against the first's (`check_variants`), then all timed in interleaved rounds
+  (`time_interleaved`). Returns {name: record}: "exact", "ms", "tflops", "samples_ms", or "error"
+  for a variant that failed (e.g. does not compile)."""
+  records, calls = check_variants(variants, compared)
+  for name, (t, samples) in time_interleaved(calls, repeats=repeats).items():
+    records[name].update(ms=t * 1e3, tflops=flops / t / 1e12,
+                         samples_ms=[v * 1e3 for v in samples])
+  return records

@@ -444,50 +444,6 @@ def test_cluster_equals_unclustered(rng, compiled, role):
     np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("role", ["up", "down", "dh", "dx"])
-def test_store_paths_are_identical(rng, compiled, role):
-  """The epilogues' two store paths (`GroupedGemmConfig.store_path`: TMA stores from the staging
-  buffers, or plain global stores of the pieces read back in a copy layout) write the same bytes
-  on every row in use: ragged experts, an empty one, the 256-column dH tile (the one whose
-  epilogue stores through the staging buffers)."""
-  from sonic_jax.mosaic_gpu import dh_projection as dh
-  from sonic_jax.mosaic_gpu import down_projection as down
-  from sonic_jax.mosaic_gpu import dx_projection as dx
-  from sonic_jax.mosaic_gpu import up_projection as up
-  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
-  T, d, n, counts = ((150, 128, 256, [90, 0, 170, 40]) if not compiled else
-                     (5000, 512, 512, [3000, 1300, 2300, 0, 1000, 1200, 700, 500]))
-  if not compiled and role in ("down", "dx"):  # d is their output width: 256-column blocks
-    d = 256
-  E = len(counts)
-  x, w1, _, _ = _problem(rng, T, d, n, E, 2, "swiglu")
-  ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
-  act = acts.get_activation("swiglu")
-  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
-  rows = lambda w: jnp.asarray(rng.standard_normal((layout.num_rows, w)), jnp.bfloat16)
-  a, h, d_h = rows(n), rows(2 * n), rows(2 * n)
-  scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
-  run = {
-      "up": lambda c: up.up_projection(x, w1, None, layout, act, "concat",
-                                       config=up.UpProjectionConfig(c)),
-      "down": lambda c: down.down_projection(a, w2, None, layout, down.DownProjectionConfig(c)),
-      "dh": lambda c: dh.dh_projection(d_out, h, scores, w2, layout, act, gather=True,
-                                       config=dh.DhProjectionConfig(c, dh.WIDE_BLOCK_N))[:2],
-      "dx": lambda c: dx.dx_projection(d_h, w1, layout, dx.DxProjectionConfig(c)),
-  }[role]
-  with kernel_mode(compiled):
-    want = run(GroupedGemmConfig())
-    got = run(GroupedGemmConfig(store_path="lsu"))
-  valid = np.asarray(layout.row_valid())
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, w = np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid]
-    assert np.all(np.isfinite(w)) and np.abs(w).max() > 0
-    np.testing.assert_array_equal(g, w)
-
-
 def _lowering_cases():
   from sonic_jax.mosaic_gpu import dh_projection as dh
   from sonic_jax.mosaic_gpu import down_projection as down

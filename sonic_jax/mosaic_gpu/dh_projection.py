@@ -194,7 +194,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       stores = [(v.astype(dtype), dh_ref.at[rows, c]) for v, c in zip(d_h, columns)]
       stores.append((a_s.astype(dtype), as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols,
                                                                cols)]))
-      epi.store_tiles(stores, ctx.scratch, config.gemm.store_path)
+      epi.store_tiles(stores, ctx.scratch)
       ds = part if ds is None else ds + part
     return ds
 

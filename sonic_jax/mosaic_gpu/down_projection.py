@@ -46,7 +46,7 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
       (b_ref,) = ctx.inputs
       y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], y)
     epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
-                    ctx.scratch, config.gemm.store_path)
+                    ctx.scratch)
 
   role = GemmRole(
       name="down_projection",

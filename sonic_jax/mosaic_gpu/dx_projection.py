@@ -44,7 +44,7 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
     (acc,) = accs
     c0 = ctx.column_block * BLOCK_N
     epi.store_tiles([(acc.astype(dtype), dx_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
-                    ctx.scratch, config.gemm.store_path)
+                    ctx.scratch)
 
   role = GemmRole(
       name="dx_projection",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from jax import lax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.mosaic_gpu.grouped_gemm import tiled
@@ -73,19 +72,13 @@ def column_vector(ref, like):
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 
-def store_tiles(stores, staging, path: str = "tma"):
+def store_tiles(stores, staging):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
-  Each value is cut into 64-column pieces, one staging buffer each in turn.
-  path "tma": a buffer is reused only after the TMA store that read it has finished reading, so
-  stores overlap with the next pieces' register-to-SMEM copies.
-  path "lsu": each piece is read back from SMEM in a copy layout (16 contiguous bytes a thread,
-  whole 128-byte rows a warp instruction) and written with plain global stores, which the SM
-  issues and forgets: no TMA store queues in front of the memory warpgroup's operand loads, and no
-  buffer waits for a store to drain.
+  Each value is cut into 64-column pieces, one staging buffer each in turn; a buffer is reused
+  only after the TMA store that read it has finished reading, so stores overlap with the next
+  pieces' register-to-SMEM copies.
   """
-  if path == "lsu":
-    return _store_tiles_lsu(stores, staging)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
   slots = staging.shape[0]
   i = 0
@@ -97,21 +90,4 @@ def store_tiles(stores, staging, path: str = "tma"):
       staging[slot] = value[:, c:c + STORE_COLS]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[:, c:c + STORE_COLS])
-      i += 1
-
-
-def _store_tiles_lsu(stores, staging):
-  slots = staging.shape[0]
-  if slots < 2:  # a piece's buffer is rewritten two barriers after every thread read it
-    raise ValueError(f"the lsu store path needs at least 2 staging buffers, got {slots}")
-  rows = staging.shape[1]
-  copy_layout = plgpu.Layout.SMEM_GMEM_COPY((rows, STORE_COLS), staging.dtype, 128)
-  i = 0
-  for value, dst in stores:
-    for c in range(0, value.shape[1], STORE_COLS):
-      slot = i % slots
-      staging[slot] = value[:, c:c + STORE_COLS]
-      plgpu.commit_smem()  # a warpgroup barrier: the whole piece is in SMEM
-      piece = plgpu.load(staging.at[slot], layout=copy_layout)
-      dst.at[:, pl.ds(c, STORE_COLS)][...] = piece
       i += 1

@@ -42,7 +42,6 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax.backends import interpreting
@@ -85,14 +84,6 @@ class GroupedGemmConfig:
   # the weights' L2 -> SMEM traffic. The operand ring's `empty` barriers are then cluster-wide: a
   # stage is rewritten only once the compute warpgroups of both CTAs released it.
   cluster_m: int = 1
-  # How `epilogue.store_tiles` writes a piece from its staging buffer: "tma" (an async TMA store)
-  # or "lsu" (read back in a copy layout, plain 16-byte global stores by every thread).
-  store_path: str = "tma"
-  # Staggered starts: the compute warpgroups of SM (cluster) i start (i % stagger_groups) *
-  # stagger_ns nanoseconds late, so that the SMs' epilogues (HBM-write bound) do not all fall
-  # together while the tensor cores of every SM wait on them. 0: no stagger.
-  stagger_ns: int = 0
-  stagger_groups: int = 2
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
@@ -103,11 +94,6 @@ class GroupedGemmConfig:
       raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
     if self.cluster_m not in (1, 2):
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-    if self.stagger_ns < 0 or self.stagger_groups < 1:
-      raise ValueError(f"stagger_ns must be >= 0 and stagger_groups >= 1, got "
-                       f"{self.stagger_ns}, {self.stagger_groups}")
-    if self.store_path not in ("tma", "lsu"):
-      raise ValueError(f"store_path must be 'tma' or 'lsu', got {self.store_path!r}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
@@ -191,21 +177,6 @@ def persistent_launch(cluster: int) -> dict:
   return dict(grid=(num_sms() // cluster,), grid_names=("sm",),
               cluster=(cluster,) if cluster > 1 else (),
               cluster_names=("cluster",) if cluster > 1 else ())
-
-
-def sleep_ns(ns: int):
-  """The calling warpgroup idles for about `ns` nanoseconds (`nanosleep` in 1 us steps: each
-  sleeps between 0 and 2 us, per the PTX spec). The interpreter skips it."""
-  if interpreting():
-    return
-
-  @pl.loop(0, max(1, ns // 1000))
-  def _(_):
-    @plgpu.inline_mgpu()
-    def nap(ctx):
-      del ctx
-      mgpu_utils.inline_ptx("nanosleep.u32 1000;", has_side_effects=True)
-    nap()
 
 
 def unsupported_operands(a, b, multiples) -> str | None:
@@ -457,9 +428,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
           else:
             pl.when(active)(lambda: role.epilogue(accs, ctx))
 
-        for g in range(1, config.stagger_groups if config.stagger_ns else 0):
-          pl.when(lax.rem(lax.axis_index("sm"), config.stagger_groups) == g)(
-              lambda g=g: sleep_ns(g * config.stagger_ns))
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 

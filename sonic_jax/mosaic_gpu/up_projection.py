@@ -93,7 +93,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
     stores = [(hj, h_ref.at[rows, pl.ds(w1_column(ctx.column_block, j), bn)])
               for j, hj in enumerate(h)]
     stores.append((a.astype(dtype), a_ref.at[rows, pl.ds(c0, bn)]))
-    epi.store_tiles(stores, ctx.scratch, config.gemm.store_path)
+    epi.store_tiles(stores, ctx.scratch)
 
   def interleaved_epilogue(accs, ctx):
     """Per 64-column H piece: store it, read its pairs back from SMEM as words, store 32 columns
