@@ -14,8 +14,9 @@ search from the defaults: 2-CTA clusters (`cluster_m`; `cluster` for the weight 
 snake band width (`grid_tile_width`), then the ring depth (`num_stages`, for up and down together
 with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
 registers; `--fields=...` searches only those fields, starting from the problem's current entry.
-A candidate replaces the incumbent only when it is at least `--min_gain` faster (timing noise must
-not churn the table); every candidate's outputs must equal the starting configuration's bit for
+Each candidate is timed against the incumbent in alternating rounds (`timing.time_interleaved`: the
+H100's clocks drift by more than the gains sought) and replaces it only when at least `--min_gain`
+faster (timing noise must not churn the table); every candidate's outputs must equal the starting configuration's bit for
 bit, or it is discarded. Needs a GPU.
 """
 
@@ -89,12 +90,12 @@ def _problem(cfg):
   return roles, rows_in_use
 
 
-def _run(fn, args, entries):
-  """(seconds per call, outputs) with the table set to `entries` (a fresh trace per call)."""
+def _compiled(fn, args, entries):
+  """(compiled fn, its outputs) with the table set to `entries` (a fresh trace)."""
   tuning.set_table(entries)
   try:
     out = jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
-    return timing.time_fn(lambda *a: fn(*a), *args, repeats=FLAGS.repeats), out
+    return timing.compile_fn(lambda *a: fn(*a), *args)[0], out
   finally:
     tuning.set_table(None)
 
@@ -107,7 +108,8 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
   if FLAGS.fields:  # the current table's entry for exactly this problem, if any
     best_fields = next((dict(x["config"]) for x in tuning.table()
                         if tuning.same_problem(x, entry({})[0])), {})
-  best_t, want = _run(fn, args, entry(best_fields))
+  best, want = _compiled(fn, args, entry(best_fields))
+  best_t = timing.time_interleaved({"": (best, args)}, repeats=FLAGS.repeats)[""][0]
   trials = [{"config": best_fields, "ms": best_t * 1e3}]
   for field, values in SEARCH[role]:
     names = field if isinstance(field, tuple) else (field,)
@@ -117,16 +119,21 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
       step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
       fields = {**best_fields, **step}
       try:
-        t, got = _run(fn, args, entry(fields))
+        candidate, got = _compiled(fn, args, entry(fields))
       except Exception as err:  # a candidate that does not compile (e.g. shared memory) is skipped
         trials.append({"config": fields, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         continue
       same = all(np.array_equal(np.asarray(rows_in_use(u), np.float32),
                                 np.asarray(rows_in_use(v), np.float32), equal_nan=True)
                  for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-      trials.append({"config": fields, "ms": t * 1e3, "same_outputs": same})
-      if same and t < best_t * (1 - FLAGS.min_gain):
-        best_t, best_fields = t, fields
+      # Against the incumbent in alternating rounds: the clocks drift by more than min_gain.
+      times = timing.time_interleaved({"incumbent": (best, args), "candidate": (candidate, args)},
+                                      repeats=FLAGS.repeats)
+      t, t_incumbent = times["candidate"][0], times["incumbent"][0]
+      trials.append({"config": fields, "ms": t * 1e3, "incumbent_ms": t_incumbent * 1e3,
+                     "same_outputs": same})
+      if same and t < t_incumbent * (1 - FLAGS.min_gain):
+        best, best_t, best_fields = candidate, t, fields
   start = trials[0]
   print(f"{grid.config_name(cfg)} {role}: {best_fields or 'defaults'} {best_t * 1e3:.3f} ms "
         f"(start: {start['config'] or 'defaults'} {start['ms']:.3f} ms)", flush=True)

@@ -33,6 +33,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
@@ -48,12 +49,13 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+flags.DEFINE_bool("ring_study", False, "instead of the table: the ring-depth study (see ring_study)")
 flags.DEFINE_list("gather_impls", [], "GroupedGemmConfig.gather_impl values "
                   "to add as up-projection rows (outputs checked equal to the layer's kernel)")
 FLAGS = flags.FLAGS
 
 
-def _light_role(width, bn, blocks, column, out_types, store, tm, dtype):
+def _light_role(width, bn, blocks, column, out_types, store, tm, dtype, buffers=2):
   """A GemmRole reading B blocks like the real role, with a lighter epilogue `store`: "h" (the
   accumulators as bf16 through the staging buffers), "piece" (one 64-column piece per tile),
   "h_direct" / "full_direct" (H, or H and SwiGLU's A, stored from registers)."""
@@ -86,7 +88,8 @@ def _light_role(width, bn, blocks, column, out_types, store, tm, dtype):
 
   return GemmRole(block_n=bn, num_rhs_blocks=blocks, num_column_blocks=width // (bn * blocks),
                   rhs_copy=rhs_copy, epilogue=epilogue,
-                  epilogue_scratch=epi.staging_buffers(tm // 2, dtype), out_types=out_types)
+                  epilogue_scratch=epi.staging_buffers(tm // 2, dtype, buffers),
+                  out_types=out_types)
 
 
 def run_config(cfg):
@@ -190,6 +193,76 @@ def run_config(cfg):
   return res
 
 
+def ring_study(cfg):
+  """What an epilogue handed off to other warps could gain: up- (gather) and down-projection with
+  the full epilogue, H only, and one piece (the mainloop alone), each on a 4-stage ring with 2
+  staging buffers and on a 3-stage ring with a buffer for every piece of the tile (no store waits
+  inside a tile: what a 128 x 256 tile leaves room for next to a bf16 hand-over buffer). Timed in
+  interleaved rounds; outputs of the full kernels checked against the layer's."""
+  t_count, d, n, e, k = cfg
+  act = acts.get_activation("swiglu")
+  x, rw, w1, w2, _ = grid.random_problem(cfg)
+  _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  up_cfg, down_cfg = mosaic_backend.up_config(d, 2 * n, e), mosaic_backend.down_config(d, n, e)
+  _, a = jax.jit(lambda x, w1: up.up_projection(x, w1, None, layout, act, "concat",
+                                                config=up_cfg))(x, w1)
+  rows_total, tm, dt = layout.num_rows, 128, x.dtype
+  used = int(layout.num_tiles) * tm
+  rings = {"4 stages, 2 buffers": (4, 2), "3 stages, every piece buffered": (3, None)}
+  res = {"config": list(cfg)}
+  for kernel, pieces, cfg_gemm, flops in (("up", {"full": 6, "h": 4, "piece": 1}, up_cfg.gemm,
+                                           2 * used * d * 2 * n),
+                                          ("down", {"full": 4, "piece": 1}, down_cfg.gemm,
+                                           2 * used * n * d)):
+    variants = {}
+    for ring, (stages, buffers) in rings.items():
+      for store, count in pieces.items():
+        gemm = dataclasses.replace(cfg_gemm, num_stages=stages,
+                                   epilogue_buffers=buffers or max(2, count))
+        if kernel == "up" and store == "full":
+          fn = functools.partial(lambda x, w1, c: up.up_projection(x, w1, None, layout, act,
+                                                                   "concat", config=c),
+                                 c=up.UpProjectionConfig(gemm))
+          args = (x, w1)
+        elif kernel == "down" and store == "full":
+          fn = functools.partial(lambda a, w2, c: down.down_projection(a, w2, None, layout,
+                                                                       config=c),
+                                 c=down.DownProjectionConfig(gemm))
+          args = (a, w2)
+        elif kernel == "up":
+          role = _light_role(2 * n, up.GLU_BLOCK_N, 2, lambda nb, j: j * n + nb * up.GLU_BLOCK_N,
+                             (jax.ShapeDtypeStruct((rows_total, 2 * n), dt),), store, tm, dt,
+                             gemm.epilogue_buffers)
+          fn = functools.partial(lambda x, w1, role, g: grouped_gemm(
+              x, w1, layout.tile_expert, layout.num_tiles, layout.row_token, role, (), g),
+              role=role, g=gemm)
+          args = (x, w1)
+        else:
+          role = _light_role(d, down.BLOCK_N, 1, lambda nb, j: nb * down.BLOCK_N,
+                             (jax.ShapeDtypeStruct((rows_total, d), dt),), store, tm, dt,
+                             gemm.epilogue_buffers)
+          fn = functools.partial(lambda a, w2, role, g: grouped_gemm(
+              a, w2, layout.tile_expert, layout.num_tiles, None, role, (), g), role=role, g=gemm)
+          args = (a, w2)
+        variants[f"{kernel} {store}, {ring}"] = (fn, args)
+    # Only the full kernels compute the same outputs: those are checked, all are timed together.
+    full = {name: v for name, v in variants.items() if " full," in name}
+    records, calls = timing.check_variants(
+        full, lambda o: tuple(np.asarray(v[:used], np.float32) for v in jax.tree.leaves(o)))
+    light_records, light_calls = timing.check_variants(
+        {name: v for name, v in variants.items() if name not in full}, lambda o: ())
+    records.update({name: {k: v for k, v in r.items() if k != "exact"}
+                    for name, r in light_records.items()})
+    calls.update(light_calls)
+    for name, (t, samples) in timing.time_interleaved(calls, repeats=FLAGS.repeats).items():
+      records[name].update(ms=t * 1e3, tflops=flops / t / 1e12,
+                           samples_ms=[v * 1e3 for v in samples])
+    res[kernel] = records
+    for name, r in records.items():
+      print(cfg, name, r.get("ms"), r.get("exact", ""), flush=True)
+  return res
+
+
 def _layout_with_packed_key_sort(t_count, k, e):
   """build_grouped_layout with the expert sort of before (one int32 key id << b | pair, sorted
   keys-only), for the comparison."""
@@ -207,6 +280,19 @@ def _layout_with_packed_key_sort(t_count, k, e):
 def main(_):
   cfgs = grid.parse_configs(FLAGS.thiek, [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)])
   os.makedirs(FLAGS.out, exist_ok=True)
+  if FLAGS.ring_study:
+    results = [ring_study(cfg) for cfg in cfgs]
+    with open(os.path.join(FLAGS.out, "ring_study.json"), "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "results": results}, f, indent=1)
+    for r in results:
+      print(",".join(map(str, r["config"])))
+      for kernel in ("up", "down"):
+        for name, v in r[kernel].items():
+          cell = (f"{v['ms']:.3f} ms{'' if v.get('exact', True) else ' (DIFFERS)'}"
+                  if "ms" in v else v.get("error", "")[:100])
+          print(f"  {name:45s} {cell}")
+    return
   results = []
   for cfg in cfgs:
     results.append(run_config(cfg))

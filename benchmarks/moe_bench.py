@@ -81,12 +81,18 @@ def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
   row = {"name": name}
   try:
     c_fwd, row["compile_fwd_s"] = timing.compile_fn(fwd, *fwd_sets[0])
-    t_fwd, _ = timing.time_compiled(c_fwd, fwd_sets, repeats=FLAGS.repeats)
-    row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12)
+    calls = {"fwd": (c_fwd, fwd_sets)}
     c_fb = c_fwd
     if fwdbwd is not None:
       c_fb, row["compile_fwdbwd_s"] = timing.compile_fn(fwdbwd, *fwdbwd_sets[0])
-      t_fb, _ = timing.time_compiled(c_fb, fwdbwd_sets, repeats=FLAGS.repeats)
+      calls["fwdbwd"] = (c_fb, fwdbwd_sets)
+    # In alternating rounds: backward = fwd+bwd - fwd must not take the clocks' drift between two
+    # back-to-back timings with it.
+    times = timing.time_interleaved(calls, repeats=FLAGS.repeats)
+    t_fwd = times["fwd"][0]
+    row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12)
+    if fwdbwd is not None:
+      t_fb = times["fwdbwd"][0]
       t_bwd = max(t_fb - t_fwd, 1e-9)
       row.update(fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3, bwd_tflops=2 * flops / t_bwd / 1e12,
                  fwdbwd_tflops=3 * flops / t_fb / 1e12, temp_bytes=timing.temp_bytes(c_fb))

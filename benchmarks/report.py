@@ -362,7 +362,9 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 {notes}
 - Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, in the dtype each run line gives), x ~ N(0, 1).
 - Method: compile excluded (reported in the JSON); warm-up; median of repeated samples, each a batch of
-  back-to-back calls ended by one device synchronisation, rotating input sets; backward = (forward+backward) −
+  back-to-back calls ended by one device synchronisation, rotating input sets; the forward and the
+  forward+backward sampled in alternating rounds (runs from the tenth session on; earlier ones timed them one
+  after the other, which let the clocks' drift of a few percent into the difference); backward = (forward+backward) −
   forward, where the forward+backward step returns the layer's output with the gradients (as a training step
   uses it: an unused output would let XLA drop the down-projection and aggregation from the step);
   TFLOP/s with the paper's counts (forward 6·T·K·d·n for GLU, backward twice that).

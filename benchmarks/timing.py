@@ -5,6 +5,9 @@
 - Each sample times a batch of back-to-back calls (long enough to hide the host's dispatch gaps)
   ending in one device synchronisation, rotating through several input sets so that small cases do
   not run out of a warm L2 cache; the reported time is the median sample.
+- Functions that are compared (kernel variants, a forward against its forward+backward) are
+  sampled in interleaved rounds (`time_interleaved`): the GPU's clocks drift by several percent
+  within a run, which timing them one after the other would put into the comparison.
 - Per-kernel device times come from a `jax.profiler` trace of a few calls.
 """
 
@@ -31,23 +34,9 @@ def compile_fn(fn, *args):
 
 def time_compiled(compiled, arg_sets, *, repeats=10, min_sample_s=0.025, max_inner=200):
   """Median seconds per call of `compiled` over rotated `arg_sets` (see module doc)."""
-  for args in arg_sets:  # warm-up
-    jax.block_until_ready(compiled(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(compiled(*arg_sets[0]))
-  once = max(time.perf_counter() - t0, 1e-6)
-  inner = max(1, min(max_inner, math.ceil(min_sample_s / once)))
-  samples = []
-  i = 0
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(inner):
-      out = compiled(*arg_sets[i % len(arg_sets)])
-      i += 1
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / inner)
-  return statistics.median(samples), {"samples_s": samples, "inner": inner}
+  t, samples = time_interleaved({"": (compiled, arg_sets)}, repeats=repeats,
+                                min_sample_s=min_sample_s, max_inner=max_inner)[""]
+  return t, {"samples_s": samples}
 
 
 def time_fn(fn, *args, repeats=10, max_inner=200):
@@ -135,25 +124,32 @@ def forward_and_backward(fn):
 
 
 def time_interleaved(calls, *, repeats=10, min_sample_s=0.025, max_inner=200):
-  """Median seconds per call of each compiled function in `calls` ({name: (compiled, args)}),
-  sampled in rounds: every round takes one sample of each, in turn, so that a slow drift of the
-  GPU's clocks (power, temperature: +-5% between back-to-back runs of one kernel on the H100s
-  here) spreads over all of them instead of favouring whichever ran first.
-  Returns {name: (median seconds, samples)}."""
+  """Median seconds per call of each compiled function in `calls`, {name: (compiled, arg_sets)}
+  (arg_sets: a list of argument tuples, rotated through; a bare tuple is one set), sampled in
+  rounds: every round takes one sample of each function in turn, so that a drift of the GPU's
+  clocks (power, temperature: on the H100s here one kernel's samples span +-15% within a minute,
+  every few rounds slow for all alike) spreads over all of them instead of favouring whichever
+  ran first. A sample is a batch of back-to-back calls (at least `min_sample_s` long) ended by one
+  device synchronisation. Returns {name: (median seconds, samples)}."""
+  calls = {name: (c, sets if isinstance(sets, list) else [sets])
+           for name, (c, sets) in calls.items()}
   inner = {}
-  for name, (compiled, args) in calls.items():
-    jax.block_until_ready(compiled(*args))  # warm-up
+  for name, (compiled, arg_sets) in calls.items():
+    for args in arg_sets:  # warm-up
+      jax.block_until_ready(compiled(*args))
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    inner[name] = max(1, min(max_inner, math.ceil(min_sample_s / max(time.perf_counter() - t0,
-                                                                     1e-6))))
+    jax.block_until_ready(compiled(*arg_sets[0]))
+    once = max(time.perf_counter() - t0, 1e-6)
+    inner[name] = max(1, min(max_inner, math.ceil(min_sample_s / once)))
   samples = {name: [] for name in calls}
+  turn = dict.fromkeys(calls, 0)  # each function rotates through its own input sets
   for _ in range(repeats):
-    for name, (compiled, args) in calls.items():
+    for name, (compiled, arg_sets) in calls.items():
       t0 = time.perf_counter()
       out = None
       for _ in range(inner[name]):
-        out = compiled(*args)
+        out = compiled(*arg_sets[turn[name] % len(arg_sets)])
+        turn[name] += 1
       jax.block_until_ready(out)
       samples[name].append((time.perf_counter() - t0) / inner[name])
   return {name: (statistics.median(v), v) for name, v in samples.items()}

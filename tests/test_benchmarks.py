@@ -105,3 +105,22 @@ def test_forward_and_backward_keeps_the_forward_output():
   _, vjp = jax.vjp(fn, x, w)
   want_dx, want_dw = vjp(d_y)
   assert jnp.allclose(y, fn(x, w)) and jnp.allclose(d_x, want_dx) and jnp.allclose(d_w, want_dw)
+
+
+def test_time_interleaved_rounds_and_rotation():
+  """Every function gets one sample per round, and each call takes the next input set in turn."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import timing
+  seen = []
+
+  def fn(tag):
+    seen.append(tag)
+    return tag
+
+  times = timing.time_interleaved({"a": (fn, [("a0",), ("a1",)]), "b": (fn, ("b0",))},
+                                  repeats=3, min_sample_s=0.0, max_inner=1)
+  assert set(times) == {"a", "b"} and all(len(s) == 3 and t > 0 for t, s in times.values())
+  warm_up, timed = seen[:5], seen[5:]
+  # Per function: a warm-up call on every input set, then one call that sizes a sample.
+  assert warm_up == ["a0", "a1", "a0", "b0", "b0"]
+  assert timed == ["a0", "b0", "a1", "b0", "a0", "b0"]
