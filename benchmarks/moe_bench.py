@@ -90,9 +90,11 @@ def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
     # back-to-back timings with it.
     times = timing.time_interleaved(calls, repeats=FLAGS.repeats)
     t_fwd = times["fwd"][0]
-    row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12)
+    row.update(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12,
+               fwd_samples_ms=[v * 1e3 for v in times["fwd"][1]])
     if fwdbwd is not None:
       t_fb = times["fwdbwd"][0]
+      row["fwdbwd_samples_ms"] = [v * 1e3 for v in times["fwdbwd"][1]]
       t_bwd = max(t_fb - t_fwd, 1e-9)
       row.update(fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3, bwd_tflops=2 * flops / t_bwd / 1e12,
                  fwdbwd_tflops=3 * flops / t_fb / 1e12, temp_bytes=timing.temp_bytes(c_fb))
