@@ -1,0 +1,99 @@
+r"""Weight-gradient kernel variants on the GPU: dw2 = A_s^T gather(dO) and dw1 = gather(x)^T dH with
+the fused gather, with the gather's machinery over rows gathered beforehand read in order (what the
+cp.async path costs without scattered addresses), and on those rows through TMA.
+
+  python -m benchmarks.wgrad_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Each variant starts from the tuning table's configuration for the problem. Every variant's output
+is checked bit for bit against the first variant's of its product; then a product's variants are
+timed in interleaved rounds (`timing.measure_variants`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import grid, timing
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
+from sonic_jax.mosaic_gpu import weight_grad as wgrad
+
+grid.define_variant_flags()
+FLAGS = flags.FLAGS
+
+DEFAULT_CONFIGS = [(32768, 4096, 512, 256, 16), (32768, 4096, 256, 256, 16),
+                   (24576, 1536, 512, 64, 4), (40960, 768, 512, 64, 4)]
+
+# name: (True: the fused gather; "identity": the fused gather's machinery over the rows gathered
+# beforehand, read in order (row_token = iota, no scattered addresses); False: those rows through
+# TMA, WeightGradConfig overrides)
+VARIANTS = {
+    "fused gather, table config": (True, {}),
+    "identity gather of the grouped rows": ("identity", {}),
+    "fused gather, block_n 128": (True, {"block_n": 128}),
+    "fused gather, block_n 128, cluster 2": (True, {"block_n": 128, "cluster": 2}),
+    "fused gather, block_n 128, 3 stages": (True, {"block_n": 128, "num_stages": 3}),
+    "contiguous rows, table config": (False, {}),
+    "contiguous rows, block_n 128": (False, {"block_n": 128}),
+}
+flags.DEFINE_list("variants", None, "names of VARIANTS to run (default: all)")
+
+
+def run_config(cfg):
+  t_count, d, n, e, k = cfg
+  x, rw, _, _, d_out = grid.random_problem(cfg)
+  _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  rows = layout.num_rows
+  valid = layout.row_valid()[:, None]
+  key = jax.random.split(jax.random.key(7), 2)
+  # Padding rows of A_s and dH are zero in the layer (score 0): the same here.
+  a_s = jnp.where(valid, jax.random.normal(key[0], (rows, n), jnp.bfloat16), 0)
+  d_h = jnp.where(valid, jax.random.normal(key[1], (rows, 2 * n), jnp.bfloat16), 0)
+  gather_rows = jax.jit(lambda v: v[layout.row_token])
+  d_out_rows, x_rows = gather_rows(d_out), gather_rows(x)
+  base = mosaic_backend.weight_grad_config(d, n, e)
+  identity = layout._replace(row_token=jnp.arange(rows, dtype=jnp.int32))
+  used = int(layout.num_tiles) * 128
+  out = {}
+  products = {  # name: (lhs, rhs, gathered side, source of the gathered side, flops)
+      "dw2 = A_s^T dO": (a_s, d_out_rows, "rhs", d_out, 2 * used * n * d),
+      "dw1 = x^T dH": (x_rows, d_h, "lhs", x, 2 * used * d * 2 * n),
+  }
+  for product, (lhs, rhs, side, source, flops) in products.items():
+    variants = {}
+    for name, (fused, overrides) in VARIANTS.items():
+      if FLAGS.variants and name not in FLAGS.variants:
+        continue
+      config = dataclasses.replace(base, **overrides)
+      if fused is True:
+        args = (lhs, source) if side == "rhs" else (source, rhs)
+      else:
+        args = (lhs, rhs)
+      lay = identity if fused == "identity" else layout
+      variants[name] = (lambda l, r, config=config, fused=fused, lay=lay: wgrad.weight_grad(
+          l, r, lay, config, gathered=side if fused else None), args)
+    out[product] = timing.measure_variants(
+        variants, lambda o: (np.asarray(o, np.float32),), flops, FLAGS.repeats)
+    for name, record in out[product].items():
+      print(cfg, product, name, record.get("ms", record.get("error")), flush=True)
+  return {"config": list(cfg), "table_config": dataclasses.asdict(base), "variants": out}
+
+
+def main(_):
+  results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
+                                     "wgrad_variants.json")
+  for r in results["configs"]:
+    print(",".join(map(str, r["config"])), "table:", r["table_config"])
+    for product, variants in r["variants"].items():
+      for name, v in variants.items():
+        cell = (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s{'' if v['exact'] else ' (DIFFERS)'}"
+                if "ms" in v else v["error"][:100])
+        print(f"  {product:16s} {name:40s} {cell}")
+
+
+if __name__ == "__main__":
+  app.run(main)
