@@ -34,13 +34,17 @@ DEFAULT_CONFIGS = [(32768, 4096, 512, 256, 16), (32768, 4096, 256, 256, 16),
 VARIANTS = {
     "fused gather, table config": (True, {}),
     "identity gather of the grouped rows": ("identity", {}),
+    "fused gather, cluster 1": (True, {"cluster": 1}),
+    "fused gather, cluster 2": (True, {"cluster": 2}),
+    "identity gather, cluster 1": ("identity", {"cluster": 1}),
     "fused gather, block_n 128": (True, {"block_n": 128}),
     "fused gather, block_n 128, cluster 2": (True, {"block_n": 128, "cluster": 2}),
     "fused gather, block_n 128, 3 stages": (True, {"block_n": 128, "num_stages": 3}),
     "contiguous rows, table config": (False, {}),
     "contiguous rows, block_n 128": (False, {"block_n": 128}),
 }
-flags.DEFINE_list("variants", None, "names of VARIANTS to run (default: all)")
+flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: "
+                          "all)")
 
 
 def run_config(cfg):
