@@ -359,14 +359,16 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,gathered,cluster", [  # the interpreter copies gathered rows
-    (128, 256, False, None, 1), (256, 512, True, None, 1), (128, 256, True, "lhs", 1),  # one by one
-    (256, 256, True, None, 2), (128, 512, False, "rhs", 2)])
-def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster):
+@pytest.mark.parametrize("m,n,skew,gathered,cluster,block", [  # the interpreter copies gathered
+    (128, 256, False, None, 1, (128, 256)), (256, 512, True, None, 1, (128, 256)),  # rows one by
+    (128, 256, True, "lhs", 1, (128, 256)), (256, 256, True, None, 2, (128, 256)),  # one
+    (128, 512, False, "rhs", 2, (128, 256)), (256, 256, True, "rhs", 2, (256, 128))])
+def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster, block):
   """Varlen-K out[e] = lhs_e^T rhs_e, one operand optionally gathered by token inside the kernel
   (as dw1 = x_rows^T dH and dw2 = A_s^T dO_rows run); experts without rows get exact zeros.
   cluster=2: 2-CTA clusters multicasting the rhs tile (pairs of m blocks) or, when rhs is
-  gathered, the lhs tile (pairs of n blocks)."""
+  gathered, the lhs tile (pairs of n blocks). block (256, 128): dw2's blocks when it gathers dO
+  (each warpgroup two 64-row accumulators)."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E = (120, 4) if not compiled else (4000, 16)
   if compiled:
@@ -381,8 +383,9 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   lhs = source(m) if gathered == "lhs" else grouped(m)
   rhs = source(n) if gathered == "rhs" else grouped(n)
   with kernel_mode(compiled):
-    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, wg.WeightGradConfig(cluster=cluster),
-                                              gathered=gathered))(lhs, rhs)
+    got = jax.jit(lambda a, b: wg.weight_grad(
+        a, b, layout, wg.WeightGradConfig(block_m=block[0], block_n=block[1], cluster=cluster),
+        gathered=gathered))(lhs, rhs)
   rows = lambda v, side: v[layout.row_token] if gathered == side else v
   want = xla_backend.grouped_weight_grad(rows(lhs, "lhs"), rows(rhs, "rhs"), layout)
   assert got.shape == (E, m, n) and got.dtype == jnp.bfloat16
@@ -500,6 +503,9 @@ def _lowering_cases():
       lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
   cases["weight_grad-gathered_rhs"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, gathered="rhs"), (spec(R, n), spec(1000, d)))
+  cases["weight_grad-gathered_rhs-256x128-cluster"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
+          block_m=256, block_n=128, cluster=2), gathered="rhs"), (spec(R, n), spec(1000, d)))
   cases["dh-swiglu-gathered"] = (
       lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
                                           gather=True),
@@ -533,6 +539,7 @@ def _lowering_cases():
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
                                   "dh-swiglu-wide", "dh-swiglu-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
+                                  "weight_grad-gathered_rhs-256x128-cluster",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):
   """Each kernel lowers to Mosaic GPU for an H100 from this machine (`jax.export` for 'cuda'):

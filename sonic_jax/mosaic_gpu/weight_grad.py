@@ -32,8 +32,13 @@ _NUM_COMPUTE_WGS = 2
 
 @dataclasses.dataclass(frozen=True)
 class WeightGradConfig:
-  """block_m: output rows per work item (two warpgroups of 64); block_n: output columns;
+  """block_m: output rows per work item, split between the two compute warpgroups (128: 64 rows
+  each, one accumulator; 256: 128 rows each as two 64-row accumulators); block_n: output columns;
   tile_k: grouped rows per reduction step; num_stages: depth of the operand ring.
+  A gathered operand is re-gathered for every block along the other dimension, and the cp.async
+  gather moves about 3 TB/s over the whole H100 (identity-gather probe,
+  benchmarks/wgrad_variants.py): a gathered rhs (dw2's dO) wants block_m = 256 with block_n = 128,
+  half the gathered bytes per FLOP of 128 x 256.
   cluster: CTAs per cluster (1 or 2). With 2, the CTAs of a cluster take two blocks of one expert
   that share an operand tile (the rhs one, consecutive m blocks, unless rhs is gathered; else the
   lhs one, consecutive n blocks): each CTA TMA-loads half of that tile and multicasts it to both.
@@ -48,8 +53,10 @@ class WeightGradConfig:
   def __post_init__(self):
     if self.cluster not in (1, 2):
       raise ValueError(f"cluster must be 1 or 2, got {self.cluster}")
-    if self.block_m != 64 * _NUM_COMPUTE_WGS:
-      raise ValueError(f"block_m must be {64 * _NUM_COMPUTE_WGS}, got {self.block_m}")
+    if self.block_m not in (128, 256):
+      raise ValueError(f"block_m must be 128 or 256, got {self.block_m}")
+    if self.block_n not in (128, 256):
+      raise ValueError(f"block_n must be 128 or 256, got {self.block_n}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64, got {self.tile_k}")
 
@@ -76,7 +83,9 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   m, n = lhs_rows.shape[1], rhs_rows.shape[1]
   e_count = layout.num_experts
   bm, bn, tk, stages = config.block_m, config.block_n, config.tile_k, config.num_stages
-  half = bm // _NUM_COMPUTE_WGS
+  half = bm // _NUM_COMPUTE_WGS  # output rows per compute warpgroup
+  subs = half // 64  # its 64-row accumulators (one wgmma each per 16-deep slice)
+  lhs_boxes = bm // 64  # the lhs stage as (tk, 64) boxes, warpgroup w's are w*subs .. +subs
   m_blocks, n_blocks = m // bm, n // bn
   items = e_count * m_blocks * n_blocks
   dtype = lhs_rows.dtype
@@ -87,7 +96,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   # gathered operand in the interpreter; the cp.async gather signals `ready` instead.
   gathered_copies = 0 if not gathered or not interpreting() else tk * (bm if gathered == "lhs"
                                                                        else bn) // 64
-  full_arrivals = {None: 3, "lhs": 1, "rhs": 2}[gathered] + gathered_copies
+  full_arrivals = {None: lhs_boxes + 1, "lhs": 1, "rhs": lhs_boxes}[gathered] + gathered_copies
 
   interpret_mode = interpreting()
   cp_async = gathered is not None and not interpret_mode
@@ -170,13 +179,13 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
 
             # Group starts are multiples of the layout's row tile, hence of tile_k.
             rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
-            if gathered == "lhs":  # the two warpgroup halves are separate (tk, half) buffers
+            if gathered == "lhs":  # the 64-column boxes are separate (tk, 64) buffers
               load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot],
                         lambda r, j: a_smem.at[slot, j, pl.ds(r, 1)], a_raw,
-                        block_stride=tk * half * itemsize, group_stride=8 * half * itemsize)
+                        block_stride=tk * 64 * itemsize, group_stride=8 * 64 * itemsize)
             else:
-              for h in range(_NUM_COMPUTE_WGS):
-                plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * half, half)],
+              for h in range(lhs_boxes):
+                plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * 64, 64)],
                                         a_smem.at[slot, h], full.at[slot],
                                         **(multicast if shared == "lhs" else {}))
             if gathered == "rhs":
@@ -196,15 +205,17 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         def compute(e, mb, nb, first_row, steps, step):
           del first_row
 
-          def acc_scope(acc_ref):
+          def acc_scope(*acc_refs):
             @pl.loop(0, steps)
             def _k(ki):
               slot = lax.rem(step + ki, stages)
               plgpu.barrier_wait(full.at[slot])
               if cp_async:
                 gather.wait_stage(ready.at[slot], lax.rem((step + ki) // stages, 2))
-              plgpu.wgmma(acc_ref, a_smem.at[slot, wg].transpose((1, 0)), b_smem.at[slot])
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
+              for i, acc_ref in enumerate(acc_refs):
+                plgpu.wgmma(acc_ref, a_smem.at[slot, wg * subs + i].transpose((1, 0)),
+                            b_smem.at[slot])
+              plgpu.wgmma_wait(subs)  # the previous step's wgmmas are done: release its stage
 
               @pl.when(ki > 0)
               def _():
@@ -216,21 +227,24 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             def _():
               plgpu.barrier_arrive(empty.at[lax.rem(step + steps - 1, stages)])
 
-            return acc_ref[...]
+            return [r[...] for r in acc_refs]
 
-          acc = pl.run_scoped(acc_scope, plgpu.ACC((half, bn), jnp.float32))
-          dst = out_ref.at[e, pl.ds(mb * bm + wg * half, half), pl.ds(nb * bn, bn)]
-          epi.store_tiles([(acc.astype(dtype), dst)], staging.at[wg])
+          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((64, bn), jnp.float32)
+                                            for _ in range(subs)])
+          epi.store_tiles(
+              [(acc.astype(dtype),
+                out_ref.at[e, pl.ds(mb * bm + wg * half + i * 64, 64), pl.ds(nb * bn, bn)])
+               for i, acc in enumerate(accs)], staging.at[wg])
 
         walk_items(compute)
         plgpu.wait_smem_to_gmem(0)
 
-    staging = epi.staging_buffers(half, dtype)
+    staging = epi.staging_buffers(64, dtype)
     with_raw = lambda shape: plgpu.RefUnion(  # raw bytes: the cp.async gather's addressing
         plgpu.SMEM(shape, dtype, transforms=tiled(dtype)), plgpu.SMEM(shape, dtype))
     pl.run_scoped(
         scoped,
-        with_raw((stages, _NUM_COMPUTE_WGS, tk, half)),
+        with_raw((stages, lhs_boxes, tk, 64)),
         with_raw((stages, tk, bn)),
         plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
         stage_release_barriers(cluster, stages),
