@@ -103,7 +103,10 @@ def run_config(cfg, flops_rate, bw):
   dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg,
                                                            gather=gather, gate_up_layout=gate_up)
   d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
-  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, wgrad_cfg, gathered=gathered)
+  # dw2 gathering its dO rows takes the backend's blocks for that case (256 x 128).
+  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(
+      a, b, lay, mosaic_backend.gathered_rhs_config(wgrad_cfg, n, d) if gathered == "rhs"
+      else wgrad_cfg, gathered=gathered)
   dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16
   dw1_bytes, dw2_bytes = (rows * 2 * n + e * d * 2 * n) * b16, (rows * n + e * n * d) * b16
   for label, gathered in (("fused gather", True), ("contiguous input", False)):
