@@ -16,8 +16,8 @@ with the epilogue's staging buffers), then for roles that gather rows the memory
 registers; `--fields=...` searches only those fields, starting from the problem's current entry.
 Each candidate is timed against the incumbent in alternating rounds (`timing.time_interleaved`: the
 H100's clocks drift by more than the gains sought) and replaces it only when at least `--min_gain`
-faster (timing noise must not churn the table); every candidate's outputs must equal the starting configuration's bit for
-bit, or it is discarded. Needs a GPU.
+faster (timing noise must not churn the table); every candidate's outputs must equal the starting
+configuration's bit for bit, or it is discarded. Needs a GPU.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ Routing metadata: the expert sort of a packed int32 key (`id << b | pair`, sorte
 layout's sort until the seventh session) against stable (key, index) pair sorts with uint8 /
 uint16 / int32 keys, and the whole layout with its sort of now and with the packed key.
 Prints a table; writes `epilogue_probe.json` under --out.
+
+--ring_study instead runs `ring_study`: the up- and down-projection (full, H only, one piece) on a
+4-stage ring with 2 staging buffers against a 3-stage ring with a buffer per piece, in interleaved
+rounds; writes `ring_study.json`.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
-flags.DEFINE_bool("ring_study", False, "instead of the table: the ring-depth study (see ring_study)")
+flags.DEFINE_bool("ring_study", False,
+                  "instead of the table: the ring-depth study (see ring_study)")
 flags.DEFINE_list("gather_impls", [], "GroupedGemmConfig.gather_impl values "
                   "to add as up-projection rows (outputs checked equal to the layer's kernel)")
 FLAGS = flags.FLAGS
