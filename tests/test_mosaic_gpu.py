@@ -556,6 +556,19 @@ def test_kernel_lowers_for_sm90(role):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
+def test_dw2_gathering_d_out_takes_256_by_128_blocks():
+  """dw2 = A_s^T gather(dO) puts the gathered dO tile on the 128-wide side (half the gathered
+  bytes per FLOP) where n allows 256-row blocks; otherwise, and for dw1, the table's blocks."""
+  from sonic_jax.mosaic_gpu import backend as b
+  from sonic_jax.mosaic_gpu import weight_grad as wg
+  base = wg.WeightGradConfig(cluster=2, num_stages=3)
+  got = b.gathered_rhs_config(base, 512, 4096)
+  assert (got.block_m, got.block_n, got.cluster, got.num_stages) == (256, 128, 2, 3)
+  assert b.gathered_rhs_config(base, 128, 4096) == base  # n = 128: no 256-row block
+  with pytest.raises(ValueError, match="block_m"):
+    wg.WeightGradConfig(block_m=192)
+
+
 @pytest.mark.parametrize("gather_impl", [None, "row_tma", "cp_async"])
 def test_register_split_fits_the_launch(gather_impl):
   """setmaxnreg moves registers inside the pool the launch gave the CTA (168 per thread for
