@@ -94,8 +94,8 @@ def _compiled(fn, args, entries):
   """(compiled fn, its outputs) with the table set to `entries` (a fresh trace)."""
   tuning.set_table(entries)
   try:
-    out = jax.block_until_ready(jax.jit(lambda *a: fn(*a))(*args))
-    return timing.compile_fn(lambda *a: fn(*a), *args)[0], out
+    compiled = timing.compile_fn(lambda *a: fn(*a), *args)[0]
+    return compiled, jax.block_until_ready(compiled(*args))
   finally:
     tuning.set_table(None)
 

@@ -162,10 +162,11 @@ def check_variants(variants, compared):
   records, calls, reference = {}, {}, None
   for name, (fn, args) in variants.items():
     try:
-      got = compared(jax.block_until_ready(jax.jit(fn)(*args)))
+      compiled = compile_fn(fn, *args)[0]
+      got = compared(jax.block_until_ready(compiled(*args)))
       reference = got if reference is None else reference
       records[name] = {"exact": all(np.array_equal(g, w) for g, w in zip(got, reference))}
-      calls[name] = (compile_fn(fn, *args)[0], args)
+      calls[name] = (compiled, args)
     except Exception as err:
       records[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
   return records, calls
