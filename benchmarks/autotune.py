@@ -132,6 +132,8 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
       t, t_incumbent = times["candidate"][0], times["incumbent"][0]
       trials.append({"config": fields, "ms": t * 1e3, "incumbent_ms": t_incumbent * 1e3,
                      "same_outputs": same})
+      print(f"  {role} {fields}: {t * 1e3:.3f} ms against {t_incumbent * 1e3:.3f}"
+            f"{'' if same else ' (outputs differ: discarded)'}", flush=True)
       if same and t < t_incumbent * (1 - FLAGS.min_gain):
         best, best_t, best_fields = candidate, t, fields
   start = trials[0]

@@ -82,7 +82,7 @@ def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
 
 def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
   return dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts),
-                               dh.default_block_n(d, n))
+                               dh.default_block_n(n))
 
 
 def dx_config(d: int, width: int, num_experts: int) -> dx.DxProjectionConfig:

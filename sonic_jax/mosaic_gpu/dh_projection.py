@@ -35,9 +35,8 @@ WIDE_BLOCK_N = 256  # twice the columns per tile: half the A-operand traffic per
 @dataclasses.dataclass(frozen=True)
 class DhProjectionConfig:
   """block_n: hidden units per column block. 128: the tile's H columns are TMA-prefetched into
-  SMEM during the mainloop (short mainloops, small d, where the epilogue weighs). 256: a wider
-  tile that reads each dO tile half as often (long mainloops, large d, where the GEMM's L2 traffic
-  weighs); its epilogue reads H straight from GMEM, 64 columns at a time."""
+  SMEM during the mainloop. 256: a wider tile that reads each dO tile half as often; its epilogue
+  reads H straight from GMEM, 64 columns at a time (`default_block_n` picks)."""
 
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
   block_n: int = PREFETCH_BLOCK_N
@@ -47,12 +46,14 @@ class DhProjectionConfig:
       raise ValueError(f"block_n must be {PREFETCH_BLOCK_N} or {WIDE_BLOCK_N}, got {self.block_n}")
 
 
-def default_block_n(d: int, n: int) -> int:
-  """The wide tile once the mainloop is long. Measured on an H100 (d = 4096, n = 2048, contiguous
-  rows): 128-column tiles 4.9 ms (0.6 of the dense GEMM rate, prefetched epilogue or not),
-  256-column tiles 4.1 ms. At d <= 1536 the prefetch took the 128-column tile 3-10% down; the
-  wide tile was not measured there."""
-  return WIDE_BLOCK_N if d >= 2048 and n % WIDE_BLOCK_N == 0 else PREFETCH_BLOCK_N
+def default_block_n(n: int) -> int:
+  """The wide tile wherever n allows it. Measured on an H100 (`benchmarks/dh_variants.py`,
+  gathered dO, interleaved rounds): at d = 4096 the 128-column tile ran 18-25% slower
+  (4.9 against 4.1 ms at 32768,4096,2048,64,4); at d <= 1536 the wide tile is as fast at
+  40960,768,{256,512} (0.600 / 0.604 ms, 0.583 / 0.587) and 7-12% faster elsewhere (0.463 against
+  0.527 ms at 24576,1536,1024,32,2), though its H loads stall the epilogue and the prefetch
+  overlaps them with the mainloop: half the dO traffic per FLOP weighs more."""
+  return WIDE_BLOCK_N if n % WIDE_BLOCK_N == 0 else PREFETCH_BLOCK_N
 
 
 def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
