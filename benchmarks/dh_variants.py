@@ -5,6 +5,7 @@ mainloop probe: the same GEMM (dO rows times w2_e^T, same tile and ring) whose e
 dA' in bfloat16, which bounds what any overlap of dH's epilogue with the mainloop could gain.
 
   python -m benchmarks.dh_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+      [--gate_up_layout=interleaved] [--variants=NAME ...]
 
 Every dH variant's dH and A_s are checked bit for bit against the first variant's (the probes
 against the first probe's dA'); then each kind's variants are timed in interleaved rounds
@@ -29,6 +30,9 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 
 grid.define_variant_flags()
+flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
+                  "where the gate and up columns sit in H and dH")
+flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: all)")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),
@@ -76,8 +80,9 @@ def run_config(cfg):
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
   _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  layout_name = FLAGS.gate_up_layout
   h, _ = jax.jit(lambda x, w1: mosaic_backend.up_projection(x, w1, None, layout, act,
-                                                            "concat"))(x, w1)
+                                                            layout_name))(x, w1)
   scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
   gathered = mosaic_backend.gather_source("d_out", n) != "xla"
   rows = d_out if gathered else jax.jit(lambda g: g[layout.row_token])(d_out)
@@ -88,17 +93,19 @@ def run_config(cfg):
   compared = lambda o: tuple(np.asarray(v[:used], np.float32) for v in o[:2])
   by_kind = {"dh": {}, "probe": {}}  # each kind checked against its own first variant
   for name, (kind, block_n, overrides) in VARIANTS.items():
+    if FLAGS.variants and name not in FLAGS.variants:
+      continue
     gemm = dataclasses.replace(base.gemm, **overrides)
     if kind == "dh":
       config = dh.DhProjectionConfig(gemm, block_n)
-      fn = lambda g, h, s, w2, config=config: dh.dh_projection(g, h, s, w2, layout, act,
-                                                               config=config, gather=gathered)
+      fn = lambda g, h, s, w2, config=config: dh.dh_projection(
+          g, h, s, w2, layout, act, config=config, gather=gathered, gate_up_layout=layout_name)
     else:
       fn = lambda g, h, s, w2, gemm=gemm, block_n=block_n: mainloop_probe(
           g, w2, layout, block_n, gemm, gathered)
     by_kind[kind][name] = (fn, (rows, h, scores, w2))
   out = {"gathered dO rows": gathered}
-  for variants in by_kind.values():
+  for variants in filter(None, by_kind.values()):
     out.update(timing.measure_variants(variants, compared, flops, FLAGS.repeats))
   return {"config": list(cfg), "variants": out}
 
@@ -110,6 +117,8 @@ def main(_):
     print(",".join(map(str, r["config"])),
           "(gathered dO)" if r["variants"]["gathered dO rows"] else "(contiguous dO)")
     for name in VARIANTS:
+      if name not in r["variants"]:
+        continue
       v = r["variants"][name]
       cell = (f"{v['ms']:.3f} ms {v['tflops']:.0f} TF/s{'' if v['exact'] else ' (DIFFERS)'}"
               if "ms" in v else v["error"][:100])

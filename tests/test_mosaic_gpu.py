@@ -278,12 +278,14 @@ DH_CASES = [
 @pytest.mark.parametrize("compiled", MODES)
 @pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gate_up_layout,gather", [
     case + (gather,) for case in DH_CASES for gather in (False, True)  # gathered: GLU and plain
-    if not gather or (case[5], case[8]) in (("swiglu", "concat"), ("relu_sq", "concat"))])
+    if not gather or (case[5], case[8]) in (("swiglu", "concat"), ("relu_sq", "concat"),
+                                            ("geglu", "interleaved"))])
 def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, block_n,
                                          gate_up_layout, gather):
   """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
   rows gathered by the kernel, or given in grouped order; H prefetched into SMEM (128-column
-  blocks) or read from GMEM (256); both gate/up layouts."""
+  blocks) or read from GMEM (256; the interleaved layout's wide tile TMA-loads it a piece at a
+  time); both gate/up layouts."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   if compiled:
     T, d, E = T * 40, d * 4, E * 4
@@ -302,8 +304,7 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
             d_out if gather else d_out[layout.row_token], h, scores, w2)
   d_h_ref, a_s_ref, d_s_ref, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout,
                                                            act, gate_up_layout)
-  tile_n = 128 if gate_up_layout == "interleaved" else block_n  # its only tile (dh_projection)
-  assert ds_parts.shape == (n // tile_n, rows)
+  assert ds_parts.shape == (n // block_n, rows)
   assert _rows_err(d_h, d_h_ref, layout) < 1e-2
   assert _rows_err(a_s, a_s_ref, layout) < 1e-2
   assert _rows_err(jnp.sum(ds_parts, 0), d_s_ref, layout) < 1e-2
@@ -514,6 +515,11 @@ def _lowering_cases():
       lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
                                           gather=True, write_d_out_rows=True),
       (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cases["dh-swiglu-interleaved-256-gathered-writes-rows"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
+                                          config=dh.DhProjectionConfig(block_n=256), gather=True,
+                                          gate_up_layout="interleaved", write_d_out_rows=True),
+      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
   cluster = GroupedGemmConfig(cluster_m=2)
   cases["up-swiglu-cluster"] = (
@@ -537,6 +543,7 @@ def _lowering_cases():
                                   "up-swiglu-4-epilogue-buffers", "up-relu_sq",
                                   "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
+                                  "dh-swiglu-interleaved-256-gathered-writes-rows",
                                   "dh-swiglu-wide", "dh-swiglu-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "weight_grad-gathered_rhs-256x128-cluster",

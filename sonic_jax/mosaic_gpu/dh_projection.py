@@ -30,6 +30,7 @@ from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, chec
 
 PREFETCH_BLOCK_N = 128  # the column block whose H columns fit in SMEM next to a 4-stage ring
 WIDE_BLOCK_N = 256  # twice the columns per tile: half the A-operand traffic per FLOP
+STAGED_PAIRS_MAX_STAGES = 3  # ring depth next to the interleaved wide tile's epilogue buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,6 @@ def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
              block_n: int = PREFETCH_BLOCK_N) -> str | None:
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
-  if activation.is_glu and gate_up_layout == "interleaved":
-    block_n = PREFETCH_BLOCK_N  # the interleaved layout's tile (see dh_projection)
   return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], block_n)])
 
 
@@ -76,11 +75,13 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   write_d_out_rows: then the kernel also stores the rows it gathered, for dw2 to read
   contiguously; it needs gather=True). row_scores: (R,) float32, 0 on padding rows. Rows of
   tiles past `layout.num_tiles` are left unwritten.
-  gate_up_layout: where a GLU's gate and up columns sit in H and dH. The interleaved layout runs
-  the 128-column tile whatever `config.block_n` says: its prefetched H pieces are read from SMEM
-  as uint32 words, one (gate, up) pair each, and dH is written back the same way (a strided
-  register slice does not exist in Mosaic GPU, and a uint32 view of H in HBM would cost XLA a
-  copy each way).
+  gate_up_layout: where a GLU's gate and up columns sit in H and dH. The interleaved layout reads
+  its H pieces from SMEM as uint32 words, one (gate, up) pair each, and writes dH back the same
+  way (a strided register slice does not exist in Mosaic GPU, and a uint32 view of H in HBM would
+  cost XLA a copy each way): the 128-column tile prefetches them during the mainloop; the
+  256-column tile TMA-loads them a piece at a time in the epilogue, each next piece while the
+  current one is computed (two (rows, 128) H buffers and an A_s buffer per warpgroup: its ring is
+  at most 3 stages deep).
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
@@ -90,8 +91,13 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   interleaved = glu and gate_up_layout == "interleaved"
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)
   cols = epi.STORE_COLS
-  bn = PREFETCH_BLOCK_N if interleaved else config.block_n
+  bn = config.block_n
   prefetched = bn == PREFETCH_BLOCK_N
+  staged_pairs = interleaved and not prefetched  # the wide interleaved tile's epilogue
+  gemm_config = config.gemm
+  if staged_pairs:  # its H and A_s buffers take a stage's SMEM
+    gemm_config = dataclasses.replace(gemm_config, num_stages=min(gemm_config.num_stages,
+                                                                  STAGED_PAIRS_MAX_STAGES))
   pieces = bn // cols  # 64-column pieces of the column block
   # H pieces per column block: concat GLU the gate pieces, then the up pieces (64 columns each);
   # interleaved GLU one 128-column piece of (gate, up) pairs per 64 hidden units.
@@ -135,6 +141,49 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, i), h_cols)],
                               h_smem.at[i], barrier)
     plgpu.copy_gmem_to_smem(s_ref.at[rows], s_smem, barrier)
+
+  def prefetch_first_piece(ctx, barrier):
+    """The wide interleaved tile: its first H piece, TMA-copied into SMEM during the mainloop."""
+    h_ref, _ = ctx.inputs
+    plgpu.copy_gmem_to_smem(
+        h_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(h_column(ctx.column_block, 0), h_cols)],
+        ctx.scratch[0].at[0], barrier)
+
+  def staged_pairs_epilogue(acc, ctx, rows):
+    """The wide interleaved tile: H pieces TMA-loaded into two SMEM buffers in turn (the next
+    piece's load runs while this one is computed; one barrier phase outstanding at a time), read
+    as pair words; dH written back into the piece's buffer as words, A_s through its own buffer."""
+    dh_ref, as_ref, _ = ctx.outputs
+    h_ref, s_ref = ctx.inputs
+    h_smem, as_smem, h_words = ctx.scratch
+    s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    ds = None
+    for p in range(pieces):
+      slot = p % 2
+      plgpu.barrier_wait(ctx.prefetched)  # piece p landed
+      if p:  # the previous piece's stores have read its buffers (and the other H buffer)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if p + 1 < pieces:
+        plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, p + 1), h_cols)],
+                                h_smem.at[1 - slot], ctx.prefetched)
+      if interpreting():  # the interpreter does not alias the union's views: same values
+        pre = list(epi.split_pairs(h_smem[slot]))
+      else:
+        pre = list(epi.unpack_pairs(plgpu.load(h_words.at[slot], layout=plgpu.Layout.WGMMA),
+                                    dtype))
+      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, pre)
+      if interpreting():
+        h_smem[slot] = epi.merge_pairs(*d_h, dtype)
+      else:
+        h_words[slot] = epi.pack_pairs(*d_h, dtype)
+      as_smem[0] = a_s.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(h_smem.at[slot],
+                              dh_ref.at[rows, pl.ds(h_column(ctx.column_block, p), h_cols)])
+      plgpu.copy_smem_to_gmem(as_smem.at[0],
+                              as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols, cols)])
+      ds = part if ds is None else ds + part
+    return ds
 
   def read_h(ctx, p):
     """Piece p's pre-activations in float32, from the prefetched SMEM."""
@@ -202,7 +251,12 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   def epilogue(accs, ctx):
     (acc,) = accs
     rows = pl.ds(ctx.row0, ctx.rows)
-    ds = (prefetched_epilogue if prefetched else streamed_epilogue)(acc, ctx, rows)
+    if prefetched:
+      ds = prefetched_epilogue(acc, ctx, rows)
+    elif staged_pairs:
+      ds = staged_pairs_epilogue(acc, ctx, rows)
+    else:
+      ds = streamed_epilogue(acc, ctx, rows)
     ds_ref = ctx.outputs[2]
     ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
 
@@ -213,8 +267,19 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     if interleaved:  # + a uint32 view of the H pieces, (pieces, rows, 64): one word a pair
       scratch = plgpu.RefUnion(scratch, plgpu.SMEM((h_pieces, rows_per_wg, cols), jnp.uint32,
                                                    transforms=tiled(jnp.uint32)))
+  elif staged_pairs:  # two H pieces (bf16 and pair-word views) and one A_s piece
+    scratch = plgpu.RefUnion(
+        (plgpu.SMEM((2, rows_per_wg, h_cols), dtype, transforms=tiled(dtype)),
+         plgpu.SMEM((1, rows_per_wg, cols), dtype, transforms=tiled(dtype))),
+        plgpu.SMEM((2, rows_per_wg, cols), jnp.uint32, transforms=tiled(jnp.uint32)))
   else:
     scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
+  if prefetched:
+    prefetch, prefetch_copies = prefetch, h_pieces + 1
+  elif staged_pairs:
+    prefetch, prefetch_copies = prefetch_first_piece, 1
+  else:
+    prefetch, prefetch_copies = None, 0
   role = GemmRole(
       name="dh_projection",
       block_n=bn, num_rhs_blocks=1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
@@ -222,11 +287,10 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, h.shape[1]), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype),
                  jax.ShapeDtypeStruct((n // bn, layout.num_rows), jnp.float32)),
-      rhs_transposed=True, epilogue_prefetch=prefetch if prefetched else None,
-      prefetch_copies=h_pieces + 1 if prefetched else 0)
+      rhs_transposed=True, epilogue_prefetch=prefetch, prefetch_copies=prefetch_copies)
   if write_d_out_rows and not gather:
     raise ValueError("write_d_out_rows needs gather=True (contiguous dO rows are already in HBM)")
   return grouped_gemm(d_out, w2, layout.tile_expert, layout.num_tiles,
                       layout.row_token if gather else None, role,
-                      (h, row_scores.astype(jnp.float32)), config.gemm,
+                      (h, row_scores.astype(jnp.float32)), gemm_config,
                       write_lhs_rows=write_d_out_rows)
