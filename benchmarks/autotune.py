@@ -13,7 +13,8 @@ varlen-K kernel), through the backend's own entry points (so with its gather pol
 search from the defaults: 2-CTA clusters (`cluster_m`; `cluster` for the weight gradients), the
 snake band width (`grid_tile_width`), then the ring depth (`num_stages`, for up and down together
 with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
-registers; `--fields=...` searches only those fields, starting from the problem's current entry.
+registers, and for dH how its wide tile reads H (`wide_h_loads`); `--fields=...` searches only
+those fields, starting from the problem's current entry.
 Each candidate is timed against the incumbent in alternating rounds (`timing.time_interleaved`: the
 H100's clocks drift by more than the gains sought) and replaces it only when at least `--min_gain`
 faster (timing noise must not churn the table); every candidate's outputs must equal the starting
@@ -56,7 +57,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
            ("memory_registers", (40, 56, 80))],
     "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
     "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
-           ("memory_registers", (40, 56, 80))],
+           ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("registers",))],
     "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
     "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4))],
 }

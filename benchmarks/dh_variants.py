@@ -1,6 +1,6 @@
-r"""dH kernel variants on the GPU: the 256-column tile (H streamed from GMEM in the epilogue) against
-the 128-column tile (H TMA-prefetched into SMEM during the mainloop), with and without 2-CTA
-clusters, on dO rows gathered or not as the backend's policy says (`gather_source`); plus a
+r"""dH kernel variants on the GPU: the 256-column tile (H staged through SMEM a piece at a time, or
+loaded from GMEM into registers, in the epilogue) against the 128-column tile (H TMA-prefetched into
+SMEM during the mainloop), with and without 2-CTA clusters, on dO rows gathered or not as the backend's policy says (`gather_source`); plus a
 mainloop probe: the same GEMM (dO rows times w2_e^T, same tile and ring) whose epilogue only stores
 dA' in bfloat16, which bounds what any overlap of dH's epilogue with the mainloop could gain.
 
@@ -38,12 +38,14 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),
                    (32768, 4096, 512, 128, 8)]
 
-# name: (kind, block_n, GroupedGemmConfig overrides); kind "dh" runs dh_projection, "probe" the
-# mainloop probe.
+# name: (kind, block_n, GroupedGemmConfig overrides, plus DhProjectionConfig's wide_h_loads);
+# kind "dh" runs dh_projection, "probe" the mainloop probe.
 VARIANTS = {
-    "dH 256 cols, streamed H": ("dh", 256, {}),
-    "dH 256 cols, streamed H, cluster 2": ("dh", 256, {"cluster_m": 2}),
-    "dH 256 cols, streamed H, 3 stages": ("dh", 256, {"num_stages": 3}),
+    "dH 256 cols, staged H": ("dh", 256, {}),
+    "dH 256 cols, staged H, cluster 2": ("dh", 256, {"cluster_m": 2}),
+    "dH 256 cols, H in registers": ("dh", 256, {"wide_h_loads": "registers"}),
+    "dH 256 cols, H in registers, 3 stages": ("dh", 256, {"wide_h_loads": "registers",
+                                                          "num_stages": 3}),
     "dH 128 cols, prefetched H": ("dh", 128, {}),
     "dH 128 cols, prefetched H, cluster 2": ("dh", 128, {"cluster_m": 2}),
     "probe 256 cols": ("probe", 256, {}),
@@ -95,9 +97,11 @@ def run_config(cfg):
   for name, (kind, block_n, overrides) in VARIANTS.items():
     if FLAGS.variants and name not in FLAGS.variants:
       continue
+    overrides = dict(overrides)
+    h_loads = overrides.pop("wide_h_loads", "staged")
     gemm = dataclasses.replace(base.gemm, **overrides)
     if kind == "dh":
-      config = dh.DhProjectionConfig(gemm, block_n)
+      config = dh.DhProjectionConfig(gemm, block_n, h_loads)
       fn = lambda g, h, s, w2, config=config: dh.dh_projection(
           g, h, s, w2, layout, act, config=config, gather=gathered, gate_up_layout=layout_name)
     else:

@@ -311,6 +311,36 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
 
 
 @pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
+  """The 256-column tile's two ways of reading H in the epilogue (staged through SMEM, or loaded
+  into registers) give the same dH, A_s and dS partials bit for bit (they differ only in where H
+  and the outputs pass), with a skewed routing and an empty expert; the staged one also runs the
+  shallower ring it needs."""
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  T, d, n, E = (90, 64, 256, 3) if not compiled else (3600, 256, 512, 12)
+  act = acts.get_activation(activation)
+  _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew=True)
+  layout = build_grouped_layout(ids, E, 128)
+  h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)), jnp.bfloat16)
+  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
+  scores = jnp.where(layout.row_valid(), jnp.asarray(rng.uniform(0.1, 1.0, layout.num_rows),
+                                                     jnp.float32), 0.0)
+  run = lambda loads: jax.jit(lambda *a: dh.dh_projection(
+      *a, layout, act, config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads),
+      gather=True))(d_out, h, scores, w2)
+  with kernel_mode(compiled):
+    staged, registers = run("staged"), run("registers")
+  used = int(layout.num_tiles) * 128
+  in_use = lambda v: v[:used] if v.shape[0] == layout.num_rows else v[:, :used]  # dS: (blocks, R)
+  for g, w in zip(staged, registers):
+    g, w = np.asarray(in_use(g), np.float32), np.asarray(in_use(w), np.float32)
+    assert np.all(np.isfinite(w)) and np.abs(w).max() > 0
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("compiled", MODES)
 @pytest.mark.parametrize("block_n,cluster", [(128, 1), (256, 2)])
 def test_dh_projection_writes_gathered_d_out_rows(rng, compiled, block_n, cluster):
   """write_d_out_rows: the kernel also stores the dO rows it gathered (for dw2), row r =
@@ -491,10 +521,12 @@ def _lowering_cases():
       lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
                                        config=deep_epilogue),
       (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
-  cases["dh-swiglu-wide"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
-                                          config=dh.DhProjectionConfig(block_n=256)),
-      (spec(R, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  for loads in ("staged", "registers"):
+    cases[f"dh-swiglu-wide-{loads}"] = (
+        lambda a, h, s, w, loads=loads: dh.dh_projection(
+            a, h, s, w, layout, acts.get_activation("swiglu"),
+            config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads)),
+        (spec(R, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   cases["down"] = (lambda a, w, b: down.down_projection(a, w, b, layout),
                    (spec(R, n), spec(E, n, d), spec(E, d)))
   cases["dx"] = (lambda g, w: dx.dx_projection(g, w, layout), (spec(R, 2 * n), spec(E, d, 2 * n)))
@@ -544,7 +576,8 @@ def _lowering_cases():
                                   "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
                                   "dh-swiglu-interleaved-256-gathered-writes-rows",
-                                  "dh-swiglu-wide", "dh-swiglu-gathered-writes-rows",
+                                  "dh-swiglu-wide-staged", "dh-swiglu-wide-registers",
+                                  "dh-swiglu-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "weight_grad-gathered_rhs-256x128-cluster",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])

@@ -54,6 +54,8 @@ def test_bad_tables_are_refused():
     tuning.validate([_entry("weight_grad", 768, 256, 8, grid_tile_width=2)])
   with pytest.raises(ValueError, match="not tunable"):  # the core's field, not the varlen-K one's
     tuning.validate([_entry("weight_grad", 768, 256, 8, cluster_m=2)])
+  with pytest.raises(ValueError, match="not tunable"):  # dH's own field, on another role
+    tuning.validate([_entry("dx", 768, 256, 8, wide_h_loads="registers")])
   with pytest.raises(ValueError, match="lacks"):
     tuning.validate([{"role": "up", "config": {}}])
   with pytest.raises(ValueError, match="role must be one of"):
@@ -79,7 +81,8 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   monkeypatch.setattr(tuning, "_device_kind", lambda: H100)
   table([_entry("up", 256, 256, 4, grid_tile_width=2, num_stages=3),
          _entry("dx", 256, 256, 4, grid_tile_width=1, cluster_m=2),
-         _entry("weight_grad", 256, 128, 4, num_stages=3, cluster=2)])
+         _entry("weight_grad", 256, 128, 4, num_stages=3, cluster=2),
+         _entry("dh", 256, 256, 4, num_stages=3, wide_h_loads="registers")])
   seen = {}
   monkeypatch.setattr(mosaic_backend.up, "up_projection",
                       lambda *a, config, **k: seen.setdefault("up", config))
@@ -98,3 +101,6 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   assert seen["up"].gemm == GroupedGemmConfig(grid_tile_width=2, num_stages=3)
   assert seen["dx"].gemm == GroupedGemmConfig(grid_tile_width=1, cluster_m=2)
   assert seen["weight_grad"].num_stages == 3 and seen["weight_grad"].cluster == 2
+  dh_config = mosaic_backend.dh_config(d=256, n=256, num_experts=4)
+  assert dh_config.gemm == GroupedGemmConfig(num_stages=3)
+  assert (dh_config.block_n, dh_config.wide_h_loads) == (256, "registers")

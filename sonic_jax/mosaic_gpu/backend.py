@@ -81,8 +81,10 @@ def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
 
 
 def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
-  return dh.DhProjectionConfig(tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts),
-                               dh.default_block_n(n))
+  fields = tuning.tuned_fields("dh", d=d, n=n, num_experts=num_experts)
+  return dh.DhProjectionConfig(
+      tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts), dh.default_block_n(n),
+      **{k: v for k, v in fields.items() if k in tuning.DH_FIELDS})
 
 
 def dx_config(d: int, width: int, num_experts: int) -> dx.DxProjectionConfig:

@@ -30,21 +30,29 @@ from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, chec
 
 PREFETCH_BLOCK_N = 128  # the column block whose H columns fit in SMEM next to a 4-stage ring
 WIDE_BLOCK_N = 256  # twice the columns per tile: half the A-operand traffic per FLOP
-STAGED_PAIRS_MAX_STAGES = 3  # ring depth next to the interleaved wide tile's epilogue buffers
+STAGED_MAX_STAGES = 3  # ring depth next to the staged wide epilogue's buffers
 
 
 @dataclasses.dataclass(frozen=True)
 class DhProjectionConfig:
   """block_n: hidden units per column block. 128: the tile's H columns are TMA-prefetched into
   SMEM during the mainloop. 256: a wider tile that reads each dO tile half as often; its epilogue
-  reads H straight from GMEM, 64 columns at a time (`default_block_n` picks)."""
+  reads H 64 hidden units at a time (`default_block_n` picks).
+  wide_h_loads: how the 256-column tile's epilogue reads H: "staged" (each piece TMA-loaded into
+  one of two SMEM buffers, the next while the current one is computed; the ring is then at most
+  `STAGED_MAX_STAGES` deep) or "registers" (plgpu.load from GMEM, stalling on each piece; the
+  outputs go through the staging buffers). The interleaved layout needs "staged" (its pairs are
+  read as words from SMEM)."""
 
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
   block_n: int = PREFETCH_BLOCK_N
+  wide_h_loads: str = "staged"
 
   def __post_init__(self):
     if self.block_n not in (PREFETCH_BLOCK_N, WIDE_BLOCK_N):
       raise ValueError(f"block_n must be {PREFETCH_BLOCK_N} or {WIDE_BLOCK_N}, got {self.block_n}")
+    if self.wide_h_loads not in ("staged", "registers"):
+      raise ValueError(f"wide_h_loads must be 'staged' or 'registers', got {self.wide_h_loads!r}")
 
 
 def default_block_n(n: int) -> int:
@@ -78,10 +86,8 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   gate_up_layout: where a GLU's gate and up columns sit in H and dH. The interleaved layout reads
   its H pieces from SMEM as uint32 words, one (gate, up) pair each, and writes dH back the same
   way (a strided register slice does not exist in Mosaic GPU, and a uint32 view of H in HBM would
-  cost XLA a copy each way): the 128-column tile prefetches them during the mainloop; the
-  256-column tile TMA-loads them a piece at a time in the epilogue, each next piece while the
-  current one is computed (two (rows, 128) H buffers and an A_s buffer per warpgroup: its ring is
-  at most 3 stages deep).
+  cost XLA a copy each way): the 128-column tile prefetches them during the mainloop, the
+  256-column tile stages them (`DhProjectionConfig.wide_h_loads`).
   """
   _, n, _ = w2.shape
   tm = config.gemm.tile_m
@@ -93,11 +99,11 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   cols = epi.STORE_COLS
   bn = config.block_n
   prefetched = bn == PREFETCH_BLOCK_N
-  staged_pairs = interleaved and not prefetched  # the wide interleaved tile's epilogue
+  staged = not prefetched and (interleaved or config.wide_h_loads == "staged")
   gemm_config = config.gemm
-  if staged_pairs:  # its H and A_s buffers take a stage's SMEM
+  if staged:  # its H and A_s buffers take a stage's SMEM
     gemm_config = dataclasses.replace(gemm_config, num_stages=min(gemm_config.num_stages,
-                                                                  STAGED_PAIRS_MAX_STAGES))
+                                                                  STAGED_MAX_STAGES))
   pieces = bn // cols  # 64-column pieces of the column block
   # H pieces per column block: concat GLU the gate pieces, then the up pieces (64 columns each);
   # interleaved GLU one 128-column piece of (gate, up) pairs per 64 hidden units.
@@ -142,20 +148,27 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                               h_smem.at[i], barrier)
     plgpu.copy_gmem_to_smem(s_ref.at[rows], s_smem, barrier)
 
-  def prefetch_first_piece(ctx, barrier):
-    """The wide interleaved tile: its first H piece, TMA-copied into SMEM during the mainloop."""
-    h_ref, _ = ctx.inputs
-    plgpu.copy_gmem_to_smem(
-        h_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(h_column(ctx.column_block, 0), h_cols)],
-        ctx.scratch[0].at[0], barrier)
+  def copy_h_piece(ctx, p, dst, barrier):
+    """TMA-copies the H columns of hidden units [p * 64, (p + 1) * 64) of the column block into
+    dst ((h_halves, rows, h_cols)): one box per H piece they span (gate and up for concat GLU)."""
+    h_ref = ctx.inputs[0]
+    for j, i in enumerate(h_halves(p)):
+      plgpu.copy_gmem_to_smem(
+          h_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(h_column(ctx.column_block, i), h_cols)],
+          dst.at[j], barrier)
 
-  def staged_pairs_epilogue(acc, ctx, rows):
-    """The wide interleaved tile: H pieces TMA-loaded into two SMEM buffers in turn (the next
-    piece's load runs while this one is computed; one barrier phase outstanding at a time), read
-    as pair words; dH written back into the piece's buffer as words, A_s through its own buffer."""
+  def prefetch_first_piece(ctx, barrier):
+    """The staged wide tile: its first H piece, TMA-copied into SMEM during the mainloop."""
+    copy_h_piece(ctx, 0, ctx.scratch[0].at[0], barrier)
+
+  def staged_epilogue(acc, ctx, rows):
+    """The wide tile: H pieces TMA-loaded into two SMEM buffers in turn (the next piece's load
+    runs while this one is computed; one barrier phase outstanding at a time), dH written back
+    into the piece's buffer (interleaved: read and written as pair words), A_s through its own
+    buffer."""
     dh_ref, as_ref, _ = ctx.outputs
-    h_ref, s_ref = ctx.inputs
-    h_smem, as_smem, h_words = ctx.scratch
+    s_ref = ctx.inputs[1]
+    h_smem, as_smem = ctx.scratch[:2]
     s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     ds = None
     for p in range(pieces):
@@ -164,22 +177,28 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       if p:  # the previous piece's stores have read its buffers (and the other H buffer)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if p + 1 < pieces:
-        plgpu.copy_gmem_to_smem(h_ref.at[rows, pl.ds(h_column(ctx.column_block, p + 1), h_cols)],
-                                h_smem.at[1 - slot], ctx.prefetched)
-      if interpreting():  # the interpreter does not alias the union's views: same values
-        pre = list(epi.split_pairs(h_smem[slot]))
+        copy_h_piece(ctx, p + 1, h_smem.at[1 - slot], ctx.prefetched)
+      if not interleaved:
+        pre = [plgpu.load(h_smem.at[slot, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+               for j in range(len(h_halves(p)))]
+      elif interpreting():  # the interpreter does not alias the union's views: same values
+        pre = list(epi.split_pairs(h_smem[slot, 0]))
       else:
-        pre = list(epi.unpack_pairs(plgpu.load(h_words.at[slot], layout=plgpu.Layout.WGMMA),
-                                    dtype))
+        pre = list(epi.unpack_pairs(plgpu.load(ctx.scratch[2].at[slot],
+                                               layout=plgpu.Layout.WGMMA), dtype))
       d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, pre)
-      if interpreting():
-        h_smem[slot] = epi.merge_pairs(*d_h, dtype)
+      if not interleaved:
+        for j, v in enumerate(d_h):
+          h_smem[slot, j] = v.astype(dtype)
+      elif interpreting():
+        h_smem[slot, 0] = epi.merge_pairs(*d_h, dtype)
       else:
-        h_words[slot] = epi.pack_pairs(*d_h, dtype)
+        ctx.scratch[2][slot] = epi.pack_pairs(*d_h, dtype)
       as_smem[0] = a_s.astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(h_smem.at[slot],
-                              dh_ref.at[rows, pl.ds(h_column(ctx.column_block, p), h_cols)])
+      for j, i in enumerate(h_halves(p)):
+        plgpu.copy_smem_to_gmem(h_smem.at[slot, j],
+                                dh_ref.at[rows, pl.ds(h_column(ctx.column_block, i), h_cols)])
       plgpu.copy_smem_to_gmem(as_smem.at[0],
                               as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols, cols)])
       ds = part if ds is None else ds + part
@@ -253,8 +272,8 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     rows = pl.ds(ctx.row0, ctx.rows)
     if prefetched:
       ds = prefetched_epilogue(acc, ctx, rows)
-    elif staged_pairs:
-      ds = staged_pairs_epilogue(acc, ctx, rows)
+    elif staged:
+      ds = staged_epilogue(acc, ctx, rows)
     else:
       ds = streamed_epilogue(acc, ctx, rows)
     ds_ref = ctx.outputs[2]
@@ -267,17 +286,19 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     if interleaved:  # + a uint32 view of the H pieces, (pieces, rows, 64): one word a pair
       scratch = plgpu.RefUnion(scratch, plgpu.SMEM((h_pieces, rows_per_wg, cols), jnp.uint32,
                                                    transforms=tiled(jnp.uint32)))
-  elif staged_pairs:  # two H pieces (bf16 and pair-word views) and one A_s piece
-    scratch = plgpu.RefUnion(
-        (plgpu.SMEM((2, rows_per_wg, h_cols), dtype, transforms=tiled(dtype)),
-         plgpu.SMEM((1, rows_per_wg, cols), dtype, transforms=tiled(dtype))),
-        plgpu.SMEM((2, rows_per_wg, cols), jnp.uint32, transforms=tiled(jnp.uint32)))
+  elif staged:  # two H pieces (with the interleaved layout a pair-word view too), one A_s piece
+    halves = len(h_halves(0))
+    scratch = (plgpu.SMEM((2, halves, rows_per_wg, h_cols), dtype, transforms=tiled(dtype)),
+               plgpu.SMEM((1, rows_per_wg, cols), dtype, transforms=tiled(dtype)))
+    if interleaved:
+      scratch = plgpu.RefUnion(scratch, plgpu.SMEM((2, rows_per_wg, cols), jnp.uint32,
+                                                   transforms=tiled(jnp.uint32)))
   else:
     scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
   if prefetched:
     prefetch, prefetch_copies = prefetch, h_pieces + 1
-  elif staged_pairs:
-    prefetch, prefetch_copies = prefetch_first_piece, 1
+  elif staged:
+    prefetch, prefetch_copies = prefetch_first_piece, len(h_halves(0))
   else:
     prefetch, prefetch_copies = None, 0
   role = GemmRole(

@@ -4,8 +4,8 @@ Each entry names a role ("up", "down", "dh", "dx" on the grouped-GEMM core, "wei
 varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is the width of the
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
-`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; `WeightGradConfig`'s
-`num_stages`, `cluster`).
+`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; for "dh" also
+`DhProjectionConfig.wide_h_loads`; `WeightGradConfig`'s `num_stages`, `cluster`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.
@@ -31,6 +31,9 @@ ROLES = ("up", "down", "dh", "dx", "weight_grad")
 GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers",
                "cluster_m")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster")
+DH_FIELDS = ("wide_h_loads",)  # DhProjectionConfig's own, next to the grouped-GEMM fields
+ROLE_FIELDS = {"up": GEMM_FIELDS, "down": GEMM_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
+               "dx": GEMM_FIELDS, "weight_grad": WEIGHT_GRAD_FIELDS}
 _PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 _override: list[dict[str, Any]] | None = None
 
@@ -43,7 +46,7 @@ def validate(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
       raise ValueError(f"tuned config entry {i} lacks {sorted(missing)}")
     if entry["role"] not in ROLES:
       raise ValueError(f"tuned config entry {i}: role must be one of {ROLES}, got {entry['role']!r}")
-    allowed = WEIGHT_GRAD_FIELDS if entry["role"] == "weight_grad" else GEMM_FIELDS
+    allowed = ROLE_FIELDS[entry["role"]]
     unknown = set(entry["config"]) - set(allowed)
     if unknown:
       raise ValueError(f"tuned config entry {i}: fields {sorted(unknown)} are not tunable for "
@@ -107,5 +110,6 @@ def tuned_fields(role: str, *, d: int, n: int, num_experts: int) -> dict[str, An
 
 def gemm_config(role: str, *, d: int, n: int, num_experts: int,
                 base: GroupedGemmConfig = GroupedGemmConfig()) -> GroupedGemmConfig:
-  """`base` with the fields the table gives this problem and grouped-GEMM role."""
-  return dataclasses.replace(base, **tuned_fields(role, d=d, n=n, num_experts=num_experts))
+  """`base` with the grouped-GEMM fields the table gives this problem and role."""
+  fields = tuned_fields(role, d=d, n=n, num_experts=num_experts)
+  return dataclasses.replace(base, **{k: v for k, v in fields.items() if k in GEMM_FIELDS})
