@@ -248,7 +248,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
                               as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols, cols)])
     return ds
 
-  def streamed_epilogue(acc, ctx, rows):
+  def registers_epilogue(acc, ctx, rows):
     """H straight from GMEM and the outputs through the staging buffers, a piece at a time."""
     dh_ref, as_ref, _ = ctx.outputs
     h_ref, s_ref = ctx.inputs
@@ -275,7 +275,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     elif staged:
       ds = staged_epilogue(acc, ctx, rows)
     else:
-      ds = streamed_epilogue(acc, ctx, rows)
+      ds = registers_epilogue(acc, ctx, rows)
     ds_ref = ctx.outputs[2]
     ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
 
