@@ -57,7 +57,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
            ("memory_registers", (40, 56, 80))],
     "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
     "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
-           ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("registers",))],
+           ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("staged", "registers"))],
     "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
     "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4))],
 }

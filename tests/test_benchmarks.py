@@ -124,3 +124,18 @@ def test_time_interleaved_rounds_and_rotation():
   # Per function: a warm-up call on every input set, then one call that sizes a sample.
   assert warm_up == ["a0", "a1", "a0", "b0", "b0"]
   assert timed == ["a0", "b0", "a1", "b0", "a0", "b0"]
+
+
+def test_autotune_searches_only_tunable_fields():
+  """Every candidate the autotuner tries passes the tuning table's validation for its role (a
+  field the table refuses would make the candidate fail as if it did not compile, unnoticed)."""
+  sys.argv = sys.argv[:1]
+  from benchmarks import autotune
+  from sonic_jax.mosaic_gpu import tuning
+  assert set(autotune.SEARCH) == set(tuning.ROLES)
+  for role, steps in autotune.SEARCH.items():
+    for field, values in steps:
+      for value in values:
+        step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
+        tuning.validate([{"role": role, "device": "any", "d": 64, "n": 64, "E": 2,
+                          "config": step}])
