@@ -1,7 +1,8 @@
 r"""Up-projection variants on the GPU: the fused cp.async gather against the contiguous operand, with
-the tuning knobs of `GroupedGemmConfig` (memory-warpgroup registers, ring depth).
+the tuning knobs of `GroupedGemmConfig` (memory-warpgroup registers, ring depth) on top of the
+layer's configuration for the problem (the tuning table's).
 
-  python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+  python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir] [--variants=NAME ...]
 
 Every variant's H and A are checked bit for bit against the contiguous kernel's; then the variants
 are timed in interleaved rounds (`timing.measure_variants`).
@@ -17,10 +18,11 @@ import numpy as np
 
 from benchmarks import grid, timing
 from sonic_jax import activations as acts
+from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import up_projection as up
-from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
 
 grid.define_variant_flags()
+flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: all)")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),
@@ -28,6 +30,7 @@ DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),
 
 VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides)
     "contiguous": (False, {}),
+
     "contiguous, memory regs 80": (False, {"memory_registers": 80}),
     "cp_async": (True, {"gather_impl": "cp_async"}),
     "cp_async, memory regs 56": (True, {"gather_impl": "cp_async", "memory_registers": 56}),
@@ -47,7 +50,10 @@ def run_config(cfg):
   valid = np.asarray(layout.row_valid())
   variants = {}
   for name, (gathered, overrides) in VARIANTS.items():
-    config = up.UpProjectionConfig(dataclasses.replace(GroupedGemmConfig(), **overrides))
+    if FLAGS.variants and name not in FLAGS.variants:
+      continue
+    table = mosaic_backend.up_config(d, 2 * n, e).gemm  # the layer's configuration
+    config = up.UpProjectionConfig(dataclasses.replace(table, **overrides))
     fn = lambda src, w1, lay, config=config, gathered=gathered: up.up_projection(
         src, w1, None, lay, act, "concat", config=config, gather=gathered)
     variants[name] = (fn, (x if gathered else x_rows, w1, layout))
@@ -60,8 +66,8 @@ def run_config(cfg):
 def main(_):
   results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
                                      "gather_variants.json")
-  print(f"\n{'config':28s} " + " | ".join(VARIANTS))
   for r in results["configs"]:
+    print(f"\n{'config':28s} " + " | ".join(r["variants"]))
     cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
              for v in r["variants"].values()]
     print(f"{','.join(map(str, r['config'])):28s} " + " | ".join(cells))
