@@ -128,14 +128,19 @@ def test_time_interleaved_rounds_and_rotation():
 
 def test_autotune_searches_only_tunable_fields():
   """Every candidate the autotuner tries passes the tuning table's validation for its role (a
-  field the table refuses would make the candidate fail as if it did not compile, unnoticed)."""
-  sys.argv = sys.argv[:1]
-  from benchmarks import autotune
-  from sonic_jax.mosaic_gpu import tuning
-  assert set(autotune.SEARCH) == set(tuning.ROLES)
-  for role, steps in autotune.SEARCH.items():
-    for field, values in steps:
-      for value in values:
-        step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
-        tuning.validate([{"role": role, "device": "any", "d": 64, "n": 64, "E": 2,
-                          "config": step}])
+  field the table refuses would make the candidate fail as if it did not compile, unnoticed).
+  In a subprocess: the benchmark modules define absl flags of the same names."""
+  check = """
+from benchmarks import autotune
+from sonic_jax.mosaic_gpu import tuning
+assert set(autotune.SEARCH) == set(tuning.ROLES)
+for role, steps in autotune.SEARCH.items():
+  for field, values in steps:
+    for value in values:
+      step = dict(zip(field, value)) if isinstance(field, tuple) else {field: value}
+      tuning.validate([{"role": role, "device": "any", "d": 64, "n": 64, "E": 2, "config": step}])
+print("checked")
+"""
+  proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0 and "checked" in proc.stdout, proc.stderr[-3000:]
