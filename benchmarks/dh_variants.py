@@ -32,7 +32,6 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
 grid.define_variant_flags()
 flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
                   "where the gate and up columns sit in H and dH")
-flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: all)")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),

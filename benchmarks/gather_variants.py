@@ -22,7 +22,6 @@ from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import up_projection as up
 
 grid.define_variant_flags()
-flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: all)")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),

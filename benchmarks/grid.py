@@ -71,11 +71,13 @@ def parse_configs(thiek, default):
 
 
 def define_variant_flags(repeats: int = 7):
-  """The flags of the kernel-variant scripts (gather_variants, dh_variants)."""
+  """The flags of the kernel-variant scripts (gather_variants, dh_variants, wgrad_variants)."""
   from absl import flags
   flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_integer("repeats", repeats, "timed samples per variant")
+  flags.DEFINE_multi_string("variants", None, "a name of the script's VARIANTS to run "
+                            "(repeatable; default: all)")
 
 
 def run_variant_configs(run_config, thiek, default_configs, out_dir, filename):

@@ -48,8 +48,6 @@ VARIANTS = {
     "contiguous rows, table config": (False, {}),
     "contiguous rows, block_n 128": (False, {"block_n": 128}),
 }
-flags.DEFINE_multi_string("variants", None, "a name of VARIANTS to run (repeatable; default: "
-                          "all)")
 
 
 def run_config(cfg):

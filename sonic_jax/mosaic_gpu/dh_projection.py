@@ -178,22 +178,10 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       if p + 1 < pieces:
         copy_h_piece(ctx, p + 1, h_smem.at[1 - slot], ctx.prefetched)
-      if not interleaved:
-        pre = [plgpu.load(h_smem.at[slot, j], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-               for j in range(len(h_halves(p)))]
-      elif interpreting():  # the interpreter does not alias the union's views: same values
-        pre = list(epi.split_pairs(h_smem[slot, 0]))
-      else:
-        pre = list(epi.unpack_pairs(plgpu.load(ctx.scratch[2].at[slot],
-                                               layout=plgpu.Layout.WGMMA), dtype))
-      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, pre)
-      if not interleaved:
-        for j, v in enumerate(d_h):
-          h_smem[slot, j] = v.astype(dtype)
-      elif interpreting():
-        h_smem[slot, 0] = epi.merge_pairs(*d_h, dtype)
-      else:
-        ctx.scratch[2][slot] = epi.pack_pairs(*d_h, dtype)
+      h_refs = [h_smem.at[slot, j] for j in range(len(h_halves(p)))]
+      words = ctx.scratch[2].at[slot] if interleaved else None
+      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, read_h(h_refs, words))
+      write_dh(h_refs, words, d_h)
       as_smem[0] = a_s.astype(dtype)
       plgpu.commit_smem()
       for j, i in enumerate(h_halves(p)):
@@ -204,27 +192,25 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       ds = part if ds is None else ds + part
     return ds
 
-  def read_h(ctx, p):
-    """Piece p's pre-activations in float32, from the prefetched SMEM."""
-    h_smem = ctx.scratch[0]
+  def read_h(h_refs, words):
+    """A piece's pre-activations in float32 from SMEM: h_refs, one ref per H piece it spans (gate
+    and up for concat GLU); the interleaved layout's one piece of (gate, up) pairs is read through
+    `words`, its uint32 view."""
     if not interleaved:
-      return [plgpu.load(h_smem.at[i], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-              for i in h_halves(p)]
+      return [plgpu.load(r, layout=plgpu.Layout.WGMMA).astype(jnp.float32) for r in h_refs]
     if interpreting():  # the interpreter does not alias the union's views: same values
-      return list(epi.split_pairs(h_smem[p]))
-    return list(epi.unpack_pairs(plgpu.load(ctx.scratch[3].at[p], layout=plgpu.Layout.WGMMA),
-                                 dtype))
+      return list(epi.split_pairs(h_refs[0][...]))
+    return list(epi.unpack_pairs(plgpu.load(words, layout=plgpu.Layout.WGMMA), dtype))
 
-  def write_dh(ctx, p, d_h):
-    """dH of piece p in place of the H it came from (each thread rewrites what it read)."""
-    h_smem = ctx.scratch[0]
+  def write_dh(h_refs, words, d_h):
+    """A piece's dH in place of the H it came from (each thread rewrites what it read)."""
     if not interleaved:
-      for i, v in zip(h_halves(p), d_h):
-        h_smem[i] = v.astype(dtype)
+      for r, v in zip(h_refs, d_h):
+        r[...] = v.astype(dtype)
     elif interpreting():
-      h_smem[p] = epi.merge_pairs(*d_h, dtype)
+      h_refs[0][...] = epi.merge_pairs(*d_h, dtype)
     else:
-      ctx.scratch[3][p] = epi.pack_pairs(*d_h, dtype)
+      words[...] = epi.pack_pairs(*d_h, dtype)
 
   def prefetched_epilogue(acc, ctx, rows):
     """H from SMEM; dH overwrites the H piece it came from, A_s goes through its own SMEM
@@ -235,8 +221,10 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     s = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
     ds = None
     for p in range(pieces):
-      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, read_h(ctx, p))
-      write_dh(ctx, p, d_h)
+      h_refs = [h_smem.at[i] for i in h_halves(p)]
+      words = ctx.scratch[3].at[p] if interleaved else None
+      d_h, a_s, part = piece_outputs(acc[:, p * cols:(p + 1) * cols], s, read_h(h_refs, words))
+      write_dh(h_refs, words, d_h)
       as_smem[p] = a_s.astype(dtype)
       ds = part if ds is None else ds + part
     plgpu.commit_smem()
