@@ -4,6 +4,7 @@ detection) and compiled on an sm90 GPU (`-m gpu`)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,27 @@ def test_mosaic_backend_refuses_a_non_hopper_device():
     sonic_jax.moe(jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 4)),
                   jnp.zeros((4, 64, 256), jnp.bfloat16), jnp.zeros((4, 128, 64), jnp.bfloat16),
                   top_k=2, backend="mosaic_gpu")
+
+
+def test_interpreter_warns_when_the_cpu_pool_is_too_small(monkeypatch):
+  """A CPU client with fewer than 8 threads can hang the interpreter: the kernels say so when they
+  are traced for interpret mode (this suite runs with PJRT_NPROC=16, set in conftest.py)."""
+  from sonic_jax import backends
+  from sonic_jax.mosaic_gpu import down_projection as down
+  assert backends.cpu_client_threads() >= backends.INTERPRETER_MIN_CPU_THREADS
+  monkeypatch.setenv("PJRT_NPROC", "2")
+  assert backends.cpu_client_threads() == 2
+  if ON_GPU:
+    return
+  layout = build_grouped_layout(jnp.zeros((128, 1), jnp.int32), 1, 128)
+  a, w2 = jnp.zeros((layout.num_rows, 128), jnp.bfloat16), jnp.zeros((1, 128, 256), jnp.bfloat16)
+  trace = lambda: jax.eval_shape(lambda a, w2: down.down_projection(a, w2, None, layout), a, w2)
+  with kernel_mode(False), pytest.warns(RuntimeWarning, match="PJRT_NPROC=16"):
+    trace()
+  monkeypatch.setenv("PJRT_NPROC", "16")
+  with kernel_mode(False), warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    trace()
 
 
 @pytest.mark.parametrize("compiled", MODES)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sonic_jax.backends import interpreting
+from sonic_jax.backends import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import gather
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
@@ -279,6 +279,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   m_groups = pl.cdiv(m_tiles, cluster)
   walk_grid = (m_groups * role.num_column_blocks,)
   interpret_mode = interpreting()
+  if interpret_mode:
+    warn_if_interpreter_may_hang()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
     n_in, n_out = len(extra_inputs), len(role.out_types)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sonic_jax.backends import interpreting
+from sonic_jax.backends import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
 from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, persistent_launch, register_split,
@@ -100,6 +100,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   full_arrivals = {None: lhs_boxes + 1, "lhs": 1, "rhs": lhs_boxes}[gathered] + gathered_copies
 
   interpret_mode = interpreting()
+  if interpret_mode:
+    warn_if_interpreter_may_hang()
   cp_async = gathered is not None and not interpret_mode
   # The operand both CTAs of a cluster read (TMA multicast): never a gathered one.
   shared = "lhs" if gathered == "rhs" else "rhs"
