@@ -4,8 +4,10 @@ layer's configuration for the problem (the tuning table's).
 
   python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir] [--variants=NAME ...]
 
-Every variant's H and A are checked bit for bit against the contiguous kernel's; then the variants
-are timed in interleaved rounds (`timing.measure_variants`).
+Also the same weights in the interleaved gate/up layout (one 256-column B block and one wgmma per
+step, where concat reads a gate and an up block of 128 columns into two wgmmas). Every variant's A
+is checked bit for bit against the first variant's; then the variants are timed in interleaved
+rounds (`timing.measure_variants`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (24576, 1536, 512, 64, 4),
                    (32768, 4096, 256, 256, 16)]
 
-VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides)
+VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides, plus the gate/up layout)
     "contiguous": (False, {}),
+    "cp_async, table config": (True, {}),
+    "cp_async, interleaved w1": (True, {"gate_up_layout": "interleaved"}),
 
     "contiguous, memory regs 80": (False, {"memory_registers": 80}),
     "cp_async": (True, {"gather_impl": "cp_async"}),
@@ -47,18 +51,23 @@ def run_config(cfg):
   rows = int(layout.num_tiles) * 128
   flops = 2 * rows * d * 2 * n
   valid = np.asarray(layout.row_valid())
+  # The same weights in the interleaved layout: column 2i the gate of unit i, 2i + 1 its up.
+  w1_interleaved = jax.jit(lambda w: w.reshape(e, d, 2, n).swapaxes(2, 3).reshape(e, d, 2 * n))(w1)
   variants = {}
   for name, (gathered, overrides) in VARIANTS.items():
     if FLAGS.variants and name not in FLAGS.variants:
       continue
+    overrides = dict(overrides)
+    gate_up = overrides.pop("gate_up_layout", "concat")
     table = mosaic_backend.up_config(d, 2 * n, e).gemm  # the layer's configuration
     config = up.UpProjectionConfig(dataclasses.replace(table, **overrides))
-    fn = lambda src, w1, lay, config=config, gathered=gathered: up.up_projection(
-        src, w1, None, lay, act, "concat", config=config, gather=gathered)
-    variants[name] = (fn, (x if gathered else x_rows, w1, layout))
-  out = timing.measure_variants(
-      variants, lambda o: tuple(np.asarray(v, np.float32)[valid] for v in o), flops,
-      FLAGS.repeats)
+    fn = lambda src, w1, lay, config=config, gathered=gathered, gate_up=gate_up: (
+        up.up_projection(src, w1, None, lay, act, gate_up, config=config, gather=gathered))
+    weights = w1 if gate_up == "concat" else w1_interleaved
+    variants[name] = (fn, (x if gathered else x_rows, weights, layout))
+  # A is compared (the interleaved layout's H holds the same values in another column order).
+  out = timing.measure_variants(variants, lambda o: (np.asarray(o[1], np.float32)[valid],),
+                                flops, FLAGS.repeats)
   return {"config": list(cfg), "variants": out}
 
 
