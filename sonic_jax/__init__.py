@@ -1,6 +1,6 @@
 """sonic_jax: fast fine-grained Mixture-of-Experts layers for JAX (SonicMoE's algorithm)."""
 
-from sonic_jax.activations import ACTIVATIONS, GATE_UP_LAYOUTS
+from sonic_jax.activations import ACTIVATIONS, GATE_UP_LAYOUTS, convert_gate_up_layout
 from sonic_jax.backends import BACKENDS
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
@@ -11,6 +11,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ACTIVATIONS", "BACKENDS", "GATE_UP_LAYOUTS", "ROUTINGS", "TOKEN_ROUNDINGS", "GroupedLayout",
-    "MoEAux", "build_grouped_layout", "expert_mixture", "moe", "round_tokens", "route",
-    "router_logits",
+    "MoEAux", "build_grouped_layout", "convert_gate_up_layout", "expert_mixture", "moe",
+    "round_tokens", "route", "router_logits",
 ]

@@ -114,6 +114,19 @@ def merge_gate_up(gate: Array, up: Array, layout: str) -> Array:
   raise ValueError(f"gate_up_layout must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
 
 
+def convert_gate_up_layout(w: Array, source: str, target: str) -> Array:
+  """The GLU weights or bias `w` (..., 2n), gate and up columns in the `source` layout, rearranged
+  into the `target` layout: for permuting a checkpoint's w1 and b1 once, at load time (the
+  interleaved layout is the faster one for the mosaic_gpu up-projection)."""
+  for name, layout in (("source", source), ("target", target)):
+    if layout not in GATE_UP_LAYOUTS:
+      raise ValueError(f"{name} must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
+  if w.ndim < 1 or w.shape[-1] % 2:
+    raise ValueError(f"w must have an even last dimension (gate and up columns), got shape "
+                     f"{w.shape}")
+  return merge_gate_up(*split_gate_up(w, source), target)
+
+
 def compute_dtype(dtype):
   """Epilogue arithmetic dtype: float32, or float64 for float64 inputs."""
   return jnp.promote_types(dtype, jnp.float32)

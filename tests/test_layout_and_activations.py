@@ -91,6 +91,29 @@ def test_gate_up_split_and_merge_are_inverse(rng):
   np.testing.assert_array_equal(u, [[1, 3, 5]])
 
 
+def test_converted_weights_give_the_same_layer(rng):
+  """w1 and b1 permuted from concat to interleaved (and back) give the same layer output."""
+  import sonic_jax
+  from cases import make_problem
+  p, _ = make_problem(rng, T=40, d=32, n=16, E=4, K=2, bias=True)
+  p = {k: None if v is None else jnp.asarray(v, jnp.float32) for k, v in p.items()}
+  to_int = lambda w: sonic_jax.convert_gate_up_layout(w, "concat", "interleaved")
+  run = lambda w1, b1, layout: sonic_jax.moe(
+      p["x"], p["router_weight"], w1, p["w2"], b1=b1, b2=p["b2"], top_k=2,
+      gate_up_layout=layout, backend="xla")[0]
+  y = run(p["w1"], p["b1"], "concat")
+  w1_int, b1_int = to_int(p["w1"]), to_int(p["b1"])
+  assert not np.array_equal(w1_int, p["w1"])
+  np.testing.assert_allclose(run(w1_int, b1_int, "interleaved"), y, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(
+      sonic_jax.convert_gate_up_layout(w1_int, "interleaved", "concat"), p["w1"])
+  np.testing.assert_array_equal(w1_int[..., 0::2], p["w1"][..., :16])  # gate columns
+  with pytest.raises(ValueError, match="target"):
+    sonic_jax.convert_gate_up_layout(p["w1"], "concat", "blocked")
+  with pytest.raises(ValueError, match="even last dimension"):
+    sonic_jax.convert_gate_up_layout(jnp.zeros((2, 5)), "concat", "interleaved")
+
+
 def test_unknown_activation_and_layout():
   with pytest.raises(ValueError, match="activation"):
     acts.get_activation("tanh")
