@@ -9,6 +9,8 @@ configuration) against the same grouped GEMM with lighter epilogues:
   so no waiting for a staging buffer), H and SwiGLU's A, H only, or the down-projection's Y;
 - "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone);
   "identity gather": the same through the gather path over the contiguous grouped rows in order;
+  "one 256-column block": one B block and one wgmma per step, as the interleaved layout reads w1
+  (concat reads a gate and an up block of 128 columns into two wgmmas);
 - "(gather, IMPL)": the up-projection with another `gather_impl` (its outputs must equal the
   layer's kernel's on the rows in use).
 The gap between the full kernel and "one piece" is what the epilogue costs while the tensor cores
@@ -130,6 +132,15 @@ def run_config(cfg):
                           gemm or up_cfg.gemm)
     return fn
 
+  def up_light_one_block(store):
+    """The up-projection's mainloop with one 256-column B block and one wgmma per step (the
+    interleaved layout's; here over the gate block's and the up block's columns as they lie)."""
+    role = _light_role(2 * n, 2 * up_bn, 1, lambda nb, j: nb * 2 * up_bn,
+                       (jax.ShapeDtypeStruct((rows_total, 2 * n), dt),
+                        jax.ShapeDtypeStruct((rows_total, n), dt)), store, tm, dt)
+    return lambda src, w1, lay: grouped_gemm(src, w1, lay.tile_expert, lay.num_tiles,
+                                             lay.row_token, role, (), up_cfg.gemm)
+
   def down_light(store):
     role = _light_role(d, down_bn, 1, down_column,
                        (jax.ShapeDtypeStruct((rows_total, d), dt),), store, tm, dt)
@@ -146,6 +157,9 @@ def run_config(cfg):
       "up: H+A direct to GMEM (gather)": (up_light("full_direct", True), (x, w1, layout)),
       "up: H only direct to GMEM (gather)": (up_light("h_direct", True), (x, w1, layout)),
       "up: one piece (gather)": (up_light("piece", True), (x, w1, layout)),
+      "up: one piece, one 256-column block (gather)": (up_light_one_block("piece"),
+                                                       (x, w1, layout)),
+      "up: H only, one 256-column block (gather)": (up_light_one_block("h"), (x, w1, layout)),
       "up: full (contiguous)": (lambda xr, w1, lay: up.up_projection(
           xr, w1, None, lay, act, "concat", config=up_cfg, gather=False), (x_rows, w1, layout)),
       "up: one piece (contiguous)": (up_light("piece", False), (x_rows, w1, layout)),

@@ -1,0 +1,89 @@
+r"""Registers and spills of the layer's kernels, from ptxas (a GPU machine: Mosaic GPU compiles there).
+
+  python -m benchmarks.ptxas_report [--thiek=T,d,n,E,K ...] [--out=dir]
+
+Compiles the forward kernels of each configuration (the up-projection in both gate/up layouts,
+the down-projection) and the backward ones (dH in both layouts, dX, the weight gradients), as the
+backend configures them, with Mosaic GPU's `MOSAIC_GPU_DUMP_PTXAS` / `MOSAIC_GPU_DUMP_TO`, and
+prints each kernel's ptxas summary lines (registers used, spill stores and loads). A kernel that
+spills is a kernel whose epilogue or mainloop waits on local memory. Writes the lines to
+`ptxas_report.txt` under --out.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+
+from absl import app, flags
+
+flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+FLAGS = flags.FLAGS
+
+DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)]
+
+
+def kernels(cfg):
+  """{name: (fn, args)} of the layer's Mosaic GPU kernels for configuration `cfg`."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import grid
+  from sonic_jax import activations as acts
+  from sonic_jax.mosaic_gpu import backend as mb
+  _, _, n, _, _ = cfg
+  act = acts.get_activation("swiglu")
+  x, rw, w1, w2, d_out = grid.random_problem(cfg)
+  _, layout = jax.jit(grid.route_fn(cfg))(x, rw)
+  rows = layout.num_rows
+  h = jnp.zeros((rows, 2 * n), jnp.bfloat16)
+  a = jnp.zeros((rows, n), jnp.bfloat16)
+  scores = jnp.zeros((rows,), jnp.float32)
+  out = {}
+  for gate_up in acts.GATE_UP_LAYOUTS:
+    out[f"up ({gate_up})"] = (lambda x, w1, g=gate_up: mb.up_projection(x, w1, None, layout, act, g),
+                              (x, w1))
+    out[f"dH ({gate_up})"] = (
+        lambda g_, h, s, w2, g=gate_up: mb.dh_projection(g_, h, s, w2, None, layout, act, g),
+        (d_out, h, scores, w2))
+  out["down"] = (lambda a, w2: mb.down_projection(a, w2, None, layout), (a, w2))
+  out["dX rows"] = (lambda d_h, w1: mb.dx_projection(d_h, w1, layout), (h, w1))
+  out["weight grads"] = (
+      lambda x, g_, d_h, a_s, s: mb.weight_grads(x, g_, None, d_h, a_s, s, layout, False, False),
+      (x, d_out, h, a, scores))
+  return out
+
+
+def main(_):
+  import jax
+  from benchmarks import grid
+  os.makedirs(FLAGS.out, exist_ok=True)
+  lines = []
+  for cfg in grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS):
+    for name, (fn, args) in kernels(cfg).items():
+      with tempfile.TemporaryDirectory() as dump:
+        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+        os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+        try:
+          jax.jit(fn).lower(*args).compile()
+        finally:
+          del os.environ["MOSAIC_GPU_DUMP_PTXAS"], os.environ["MOSAIC_GPU_DUMP_TO"]
+        found = []
+        for path in sorted(glob.glob(os.path.join(dump, "**", "*"), recursive=True)):
+          if os.path.isfile(path) and "ptxas" in os.path.basename(path):
+            with open(path, errors="replace") as f:
+              found += [ln.strip() for ln in f
+                        if re.search(r"registers|spill|Compiling entry|injected", ln)]
+        if not found:
+          found = [f"(no ptxas dump; files: {os.listdir(dump)})"]
+      lines.append(f"{','.join(map(str, cfg))} {name}:")
+      lines += [f"  {ln}" for ln in found]
+      print("\n".join(lines[-len(found) - 1:]), flush=True)
+  with open(os.path.join(FLAGS.out, "ptxas_report.txt"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
