@@ -55,7 +55,9 @@ _CLUSTER = ("cluster_m", (2,))  # 1: the default
 SEARCH = {  # role: [(field or fields, candidate values)], searched one step at a time
     "up": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
            ("memory_registers", (40, 56, 80))],
-    "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE],
+    "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
+             # 128-column tiles: a stage of half the bytes, so a deeper ring fits.
+             (("block_n", "num_stages"), ((128, 4), (128, 6)))],
     "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
            ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("staged", "registers"))],
     "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],

@@ -72,13 +72,8 @@ def run_config(cfg):
 
 
 def main(_):
-  results = grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS, FLAGS.out,
-                                     "gather_variants.json")
-  for r in results["configs"]:
-    print(f"\n{'config':28s} " + " | ".join(r["variants"]))
-    cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
-             for v in r["variants"].values()]
-    print(f"{','.join(map(str, r['config'])):28s} " + " | ".join(cells))
+  grid.print_variant_table(grid.run_variant_configs(run_config, FLAGS.thiek, DEFAULT_CONFIGS,
+                                                    FLAGS.out, "gather_variants.json"))
 
 
 if __name__ == "__main__":

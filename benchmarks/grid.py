@@ -80,6 +80,16 @@ def define_variant_flags(repeats: int = 7):
                             "(repeatable; default: all)")
 
 
+def print_variant_table(results):
+  """One line of milliseconds per configuration, a column per variant (WRONG: its outputs
+  differed from the first variant's)."""
+  for r in results["configs"]:
+    print(f"\n{'config':28s} " + " | ".join(r["variants"]))
+    cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
+             for v in r["variants"].values()]
+    print(f"{','.join(map(str, r['config'])):28s} " + " | ".join(cells))
+
+
 def run_variant_configs(run_config, thiek, default_configs, out_dir, filename):
   """The variant scripts' main: run_config(cfg) for each configuration of --thiek (default
   `default_configs`), all results written to out_dir/filename; returns them."""

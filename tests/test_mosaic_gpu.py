@@ -112,8 +112,8 @@ def test_fused_gather_equals_contiguous_input(rng, compiled):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_down_projection_matches_reference(rng, compiled, bias):
+@pytest.mark.parametrize("bias,block_n", [(False, 256), (True, 256), (True, 128)])
+def test_down_projection_matches_reference(rng, compiled, bias, block_n):
   from sonic_jax.mosaic_gpu import down_projection as down
   T, n, d, E = (90, 128, 256, 3) if not compiled else (4000, 512, 1024, 16)
   ids = jnp.asarray(rng.integers(0, E, (T, 2)), jnp.int32)
@@ -121,8 +121,9 @@ def test_down_projection_matches_reference(rng, compiled, bias):
   a = jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
   b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16) if bias else None
+  config = down.DownProjectionConfig(block_n=block_n)
   with kernel_mode(compiled):
-    y = jax.jit(lambda a, w2, b2: down.down_projection(a, w2, b2, layout))(a, w2, b2)
+    y = jax.jit(lambda a, w2, b2: down.down_projection(a, w2, b2, layout, config))(a, w2, b2)
   assert _rows_err(y, xla_backend.down_projection(a, w2, b2, layout), layout) < 1e-2
 
 
@@ -449,7 +450,7 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   assert np.all(np.asarray(got, np.float32)[empty] == 0)
 
 
-CLUSTER_ROLES = ["up", "down", "dh", "dx"]
+CLUSTER_ROLES = ["up", "down", "down-128", "dh", "dx"]
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -486,6 +487,8 @@ def test_cluster_equals_unclustered(rng, compiled, role):
       "up": lambda c: up.up_projection(x, w1, None, layout, act, "concat",
                                        config=up.UpProjectionConfig(c)),
       "down": lambda c: down.down_projection(a, w2, None, layout, down.DownProjectionConfig(c)),
+      "down-128": lambda c: down.down_projection(a, w2, None, layout,
+                                                 down.DownProjectionConfig(c, block_n=128)),
       "dh": lambda c: dh.dh_projection(d_out, h, scores, w2, layout, act,
                                        config=dh.DhProjectionConfig(c), gather=True)[:2],
       "dx": lambda c: dx.dx_projection(d_h, w1, layout, dx.DxProjectionConfig(c)),

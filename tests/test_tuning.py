@@ -82,7 +82,8 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   table([_entry("up", 256, 256, 4, grid_tile_width=2, num_stages=3),
          _entry("dx", 256, 256, 4, grid_tile_width=1, cluster_m=2),
          _entry("weight_grad", 256, 128, 4, num_stages=3, cluster=2),
-         _entry("dh", 256, 256, 4, num_stages=3, wide_h_loads="registers")])
+         _entry("dh", 256, 256, 4, num_stages=3, wide_h_loads="registers"),
+         _entry("down", 256, 128, 4, num_stages=6, block_n=128)])
   seen = {}
   monkeypatch.setattr(mosaic_backend.up, "up_projection",
                       lambda *a, config, **k: seen.setdefault("up", config))
@@ -104,3 +105,5 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   dh_config = mosaic_backend.dh_config(d=256, n=256, num_experts=4)
   assert dh_config.gemm == GroupedGemmConfig(num_stages=3)
   assert (dh_config.block_n, dh_config.wide_h_loads) == (256, "registers")
+  down_config = mosaic_backend.down_config(d=256, n=128, num_experts=4)
+  assert down_config.gemm == GroupedGemmConfig(num_stages=6) and down_config.block_n == 128

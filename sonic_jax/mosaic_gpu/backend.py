@@ -77,7 +77,10 @@ def up_config(d: int, width: int, num_experts: int) -> up.UpProjectionConfig:
 
 
 def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
-  return down.DownProjectionConfig(tuning.gemm_config("down", d=d, n=n, num_experts=num_experts))
+  fields = tuning.tuned_fields("down", d=d, n=n, num_experts=num_experts)
+  return down.DownProjectionConfig(
+      tuning.gemm_config("down", d=d, n=n, num_experts=num_experts),
+      **{k: v for k, v in fields.items() if k in tuning.DOWN_FIELDS})
 
 
 def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:

@@ -20,7 +20,15 @@ BLOCK_N = 256
 
 @dataclasses.dataclass(frozen=True)
 class DownProjectionConfig:
+  """block_n: output columns per tile (256, or 128: half the B block, so a warpgroup's two
+  staging buffers hold its whole output and the stores drain under the next tile's mainloop)."""
+
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
+  block_n: int = BLOCK_N
+
+  def __post_init__(self):
+    if self.block_n not in (128, BLOCK_N):
+      raise ValueError(f"block_n must be 128 or {BLOCK_N}, got {self.block_n}")
 
 
 def supports(a, w2) -> str | None:
@@ -34,23 +42,25 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   check_layout_tile(layout, tm)
   dtype = a.dtype
 
+  bn = config.block_n
+
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
-    return w2_ref.at[expert, k_slice, pl.ds(nb * BLOCK_N, BLOCK_N)]
+    return w2_ref.at[expert, k_slice, pl.ds(nb * bn, bn)]
 
   def epilogue(accs, ctx):
     (y_ref,) = ctx.outputs
     (y,) = accs
-    c0 = ctx.column_block * BLOCK_N
+    c0 = ctx.column_block * bn
     if b2 is not None:  # a GMEM load per tile: skipped without a bias
       (b_ref,) = ctx.inputs
-      y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, BLOCK_N)], y)
-    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, BLOCK_N)])],
+      y = y + epi.column_vector(b_ref.at[ctx.expert, pl.ds(c0, bn)], y)
+    epi.store_tiles([(y.astype(dtype), y_ref.at[pl.ds(ctx.row0, ctx.rows), pl.ds(c0, bn)])],
                     ctx.scratch)
 
   role = GemmRole(
       name="down_projection",
-      block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
+      block_n=bn, num_rhs_blocks=1, num_column_blocks=d // bn, rhs_copy=rhs_copy,
       epilogue=epilogue,
       epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))

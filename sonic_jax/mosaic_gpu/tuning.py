@@ -5,7 +5,7 @@ varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is t
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
 `grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`; for "dh" also
-`DhProjectionConfig.wide_h_loads`; `WeightGradConfig`'s `num_stages`, `cluster`).
+`DhProjectionConfig.wide_h_loads`, for "down" `DownProjectionConfig.block_n`; `WeightGradConfig`'s `num_stages`, `cluster`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.
@@ -32,7 +32,8 @@ GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_bu
                "cluster_m")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster")
 DH_FIELDS = ("wide_h_loads",)  # DhProjectionConfig's own, next to the grouped-GEMM fields
-ROLE_FIELDS = {"up": GEMM_FIELDS, "down": GEMM_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
+DOWN_FIELDS = ("block_n",)  # DownProjectionConfig's own
+ROLE_FIELDS = {"up": GEMM_FIELDS, "down": GEMM_FIELDS + DOWN_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
                "dx": GEMM_FIELDS, "weight_grad": WEIGHT_GRAD_FIELDS}
 _PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 _override: list[dict[str, Any]] | None = None
