@@ -56,7 +56,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
     "up": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
            ("memory_registers", (40, 56, 80))],
     "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
-             # 128-column tiles: a stage of half the bytes, so a deeper ring fits.
+             # 128-column tiles: a stage of two thirds the bytes, so a deeper ring fits.
              (("block_n", "num_stages"), ((128, 4), (128, 6)))],
     "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
            ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("staged", "registers"))],

@@ -41,7 +41,6 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = a.dtype
-
   bn = config.block_n
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
