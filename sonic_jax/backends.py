@@ -89,8 +89,8 @@ def warn_if_interpreter_may_hang() -> None:
     warnings.warn(
         f"sonic_jax: Mosaic GPU interpret mode on a CPU client with {threads} threads can hang "
         f"(its warpgroups block XLA's CPU thread pool in barrier waits); set PJRT_NPROC="
-        f"{2 * INTERPRETER_MIN_CPU_THREADS} in the environment before JAX starts (tests/conftest.py "
-        "does).", RuntimeWarning, stacklevel=2)
+        f"{2 * INTERPRETER_MIN_CPU_THREADS} in the environment before JAX starts "
+        "(tests/conftest.py does).", RuntimeWarning, stacklevel=2)
 
 
 def _mosaic_gpu() -> Backend:
