@@ -18,6 +18,12 @@ import re
 import tempfile
 
 from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from benchmarks import grid
+from sonic_jax import activations as acts
+from sonic_jax.mosaic_gpu import backend as mb
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
@@ -28,11 +34,6 @@ DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)]
 
 def kernels(cfg):
   """{name: (fn, args)} of the layer's Mosaic GPU kernels for configuration `cfg`."""
-  import jax
-  import jax.numpy as jnp
-  from benchmarks import grid
-  from sonic_jax import activations as acts
-  from sonic_jax.mosaic_gpu import backend as mb
   _, _, n, _, _ = cfg
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
@@ -57,8 +58,6 @@ def kernels(cfg):
 
 
 def main(_):
-  import jax
-  from benchmarks import grid
   os.makedirs(FLAGS.out, exist_ok=True)
   lines = []
   for cfg in grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS):

@@ -77,17 +77,15 @@ def up_config(d: int, width: int, num_experts: int) -> up.UpProjectionConfig:
 
 
 def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
-  fields = tuning.tuned_fields("down", d=d, n=n, num_experts=num_experts)
   return down.DownProjectionConfig(
       tuning.gemm_config("down", d=d, n=n, num_experts=num_experts),
-      **{k: v for k, v in fields.items() if k in tuning.DOWN_FIELDS})
+      **tuning.role_fields("down", d=d, n=n, num_experts=num_experts))
 
 
 def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
-  fields = tuning.tuned_fields("dh", d=d, n=n, num_experts=num_experts)
   return dh.DhProjectionConfig(
       tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts), dh.default_block_n(n),
-      **{k: v for k, v in fields.items() if k in tuning.DH_FIELDS})
+      **tuning.role_fields("dh", d=d, n=n, num_experts=num_experts))
 
 
 def dx_config(d: int, width: int, num_experts: int) -> dx.DxProjectionConfig:

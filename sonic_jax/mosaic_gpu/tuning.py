@@ -115,3 +115,10 @@ def gemm_config(role: str, *, d: int, n: int, num_experts: int,
   """`base` with the grouped-GEMM fields the table gives this problem and role."""
   fields = tuned_fields(role, d=d, n=n, num_experts=num_experts)
   return dataclasses.replace(base, **{k: v for k, v in fields.items() if k in GEMM_FIELDS})
+
+
+def role_fields(role: str, *, d: int, n: int, num_experts: int) -> dict[str, Any]:
+  """The fields the table gives this problem that belong to the role's own configuration (e.g.
+  dH's `wide_h_loads`, the down-projection's `block_n`), not to its grouped-GEMM core."""
+  fields = tuned_fields(role, d=d, n=n, num_experts=num_experts)
+  return {k: v for k, v in fields.items() if k not in GEMM_FIELDS}
