@@ -39,7 +39,9 @@ DEFAULT_CONFIGS = [(32768, 4096, 2048, 64, 4), (32768, 4096, 1024, 128, 8),
 
 # name: (kind, block_n, GroupedGemmConfig overrides, plus DhProjectionConfig's wide_h_loads);
 # kind "dh" runs dh_projection, "probe" the mainloop probe.
-VARIANTS = {
+VARIANTS = {  # block_n None: the layer's table configuration for the problem
+    "dH table config": ("dh", None, {}),
+    "dH table config, sigmoid by division": ("dh", None, {"activation": "sigmoid_by_division"}),
     "dH 256 cols, staged H": ("dh", 256, {}),
     "dH 256 cols, staged H, cluster 2": ("dh", 256, {"cluster_m": 2}),
     "dH 256 cols, H in registers": ("dh", 256, {"wide_h_loads": "registers"}),
@@ -97,12 +99,15 @@ def run_config(cfg):
     if FLAGS.variants and name not in FLAGS.variants:
       continue
     overrides = dict(overrides)
-    h_loads = overrides.pop("wide_h_loads", "staged")
+    h_loads = overrides.pop("wide_h_loads", "staged" if block_n else base.wide_h_loads)
+    block_n = block_n or base.block_n
+    variant_act = (grid.swiglu_sigmoid_by_division()
+                   if overrides.pop("activation", None) == "sigmoid_by_division" else act)
     gemm = dataclasses.replace(base.gemm, **overrides)
     if kind == "dh":
       config = dh.DhProjectionConfig(gemm, block_n, h_loads)
-      fn = lambda g, h, s, w2, config=config: dh.dh_projection(
-          g, h, s, w2, layout, act, config=config, gather=gathered, gate_up_layout=layout_name)
+      fn = lambda g, h, s, w2, config=config, a=variant_act: dh.dh_projection(
+          g, h, s, w2, layout, a, config=config, gather=gathered, gate_up_layout=layout_name)
     else:
       fn = lambda g, h, s, w2, gemm=gemm, block_n=block_n: mainloop_probe(
           g, w2, layout, block_n, gemm, gathered)

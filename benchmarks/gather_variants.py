@@ -33,6 +33,9 @@ VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides, plus the gate/up 
     "contiguous": (False, {}),
     "cp_async, table config": (True, {}),
     "cp_async, interleaved w1": (True, {"gate_up_layout": "interleaved"}),
+    "sigmoid by division": (True, {"activation": "sigmoid_by_division"}),
+    "sigmoid by division, interleaved w1": (True, {"activation": "sigmoid_by_division",
+                                                   "gate_up_layout": "interleaved"}),
 
     "contiguous, memory regs 80": (False, {"memory_registers": 80}),
     "cp_async": (True, {"gather_impl": "cp_async"}),
@@ -59,10 +62,12 @@ def run_config(cfg):
       continue
     overrides = dict(overrides)
     gate_up = overrides.pop("gate_up_layout", "concat")
+    variant_act = (grid.swiglu_sigmoid_by_division()
+                   if overrides.pop("activation", None) == "sigmoid_by_division" else act)
     table = mosaic_backend.up_config(d, 2 * n, e).gemm  # the layer's configuration
     config = up.UpProjectionConfig(dataclasses.replace(table, **overrides))
-    fn = lambda src, w1, lay, config=config, gathered=gathered, gate_up=gate_up: (
-        up.up_projection(src, w1, None, lay, act, gate_up, config=config, gather=gathered))
+    fn = lambda src, w1, lay, config=config, gathered=gathered, gate_up=gate_up, a=variant_act: (
+        up.up_projection(src, w1, None, lay, a, gate_up, config=config, gather=gathered))
     weights = w1 if gate_up == "concat" else w1_interleaved
     variants[name] = (fn, (x if gathered else x_rows, weights, layout))
   # A is compared (the interleaved layout's H holds the same values in another column order).

@@ -65,6 +65,16 @@ def route_fn(cfg, row_tile: int = 128):
   return route
 
 
+def swiglu_sigmoid_by_division():
+  """SwiGLU with sigmoid(g) = 1 / (1 + exp(-g)) in the kernels' epilogues (what they ran before
+  the tanh form, `activations._sigmoid_kernel`): for A/B timings of the epilogue's arithmetic."""
+  from sonic_jax import activations as acts
+  sigmoid = lambda g: 1.0 / (1.0 + jnp.exp(-g))
+  fn = lambda g: g * sigmoid(g)
+  grad = lambda g: sigmoid(g) * (1.0 + g * (1.0 - sigmoid(g)))
+  return acts.Activation("swiglu", fn, grad, is_glu=True)
+
+
 def parse_configs(thiek, default):
   """Configurations from --thiek strings "T,d,n,E,K" (repeatable), or `default` without any."""
   return [tuple(int(v) for v in s.split(",")) for s in thiek] if thiek else list(default)

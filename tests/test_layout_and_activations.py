@@ -82,6 +82,23 @@ def test_activation_backward_matches_autodiff(rng, name, layout):
   np.testing.assert_allclose(d_h, vjp(d_a)[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(acts.ACTIVATIONS))
+def test_kernel_activations_match_the_reference(name):
+  """The kernels' forms of every activation and derivative (`kernel_fn`, `kernel_grad`: tanh for
+  the sigmoid, a polynomial for erf, rsqrt for the reciprocal) against `fn` and `grad`, over
+  [-30, 30] (saturated tails included), on the CPU where they evaluate exactly (a GPU kernel
+  evaluates tanh and rsqrt approximately: the compiled kernel and layer tests bound that)."""
+  act = acts.get_activation(name)
+  g = jnp.concatenate([jnp.linspace(-30.0, 30.0, 60001, dtype=jnp.float32),
+                       jnp.asarray([0.0, -0.0, 1e-30, -1e-30], jnp.float32)])
+  for kernel, ref in ((acts.kernel_fn(act), act.fn), (acts.kernel_grad(act), act.grad)):
+    got, want = np.asarray(jax.jit(kernel)(g)), np.asarray(jax.jit(ref)(g))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+  if name in ("swiglu", "silu"):  # the tanh form, not the reference's division
+    assert acts.kernel_fn(act) is not act.fn
+
+
 def test_gate_up_split_and_merge_are_inverse(rng):
   h = jnp.asarray(rng.standard_normal((3, 10)))
   for layout in acts.GATE_UP_LAYOUTS:
