@@ -1,8 +1,8 @@
 r"""Where a layer's training step spends its device time: one profiled fwd+bwd step of the
-`mosaic_gpu` layer (as `moe_bench` times it: output and gradients), per kernel in launch order,
-with the device's idle gaps between them.
+`mosaic_gpu` layer (as `moe_bench` times it: output and gradients), or its forward alone
+(`--forward_only`), per kernel in launch order, with the device's idle gaps between them.
 
-  python -m benchmarks.step_timeline [--thiek=T,d,n,E,K ...] [--out=dir]
+  python -m benchmarks.step_timeline [--thiek=T,d,n,E,K ...] [--out=dir] [--forward_only]
 
 Prints per configuration: the step's device span (first kernel start to last kernel end), the sum
 of kernel times, the idle time, the largest gaps (with the kernels around them) and the kernels
@@ -18,6 +18,7 @@ from collections import defaultdict
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 
 import sonic_jax
 from benchmarks import grid, timing
@@ -25,6 +26,10 @@ from benchmarks import grid, timing
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_string("backend", "mosaic_gpu", "sonic_jax backend")
+flags.DEFINE_integer("calls", 1, "back-to-back calls profiled (per-call figures are the "
+                     "span, kernel and idle times divided by this)")
+flags.DEFINE_bool("forward_only", False, "profile the layer's forward alone (as moe_bench's "
+                  "forward samples: output only) instead of the training step")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 2048, 64, 4)]
@@ -34,13 +39,20 @@ def profile_step(cfg):
   x, rw, w1, w2, d_out = grid.random_problem(cfg)
   fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
                                             backend=FLAGS.backend)[0]
-  step = jax.jit(timing.forward_and_backward(fwd))
-  args = (x, rw, w1, w2, d_out)
-  for _ in range(3):  # compile and warm up
-    jax.block_until_ready(step(*args))
+  if FLAGS.forward_only:
+    step, args = jax.jit(fwd), (x, rw, w1, w2)
+  else:
+    step, args = jax.jit(timing.forward_and_backward(fwd)), (x, rw, w1, w2, d_out)
+  # Back-to-back calls alternate between two input sets (new buffers each call, as moe_bench's
+  # rotating inputs), so that what XLA redoes per call when its buffers move is in the profile.
+  arg_sets = [args, tuple(jnp.copy(a) for a in args)]
+  for i in range(4):  # compile and warm up
+    jax.block_until_ready(step(*arg_sets[i % 2]))
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
-    jax.block_until_ready(step(*args))  # one step alone: its gaps are the step's own
+    # One step alone: its gaps are the step's own; several: the host may run ahead of the GPU.
+    results = [step(*arg_sets[i % 2]) for i in range(FLAGS.calls)]
+    jax.block_until_ready(results)
     jax.profiler.stop_trace()
     events = [(start, start + duration, name)
               for start, duration, name in timing.device_events(logdir)]
@@ -72,10 +84,15 @@ def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   for cfg in configs:
     r = profile_step(cfg)
-    with open(os.path.join(FLAGS.out, f"timeline_{r['config']}.json"), "w") as f:
+    kind = "fwd_" if FLAGS.forward_only else ""
+    with open(os.path.join(FLAGS.out, f"timeline_{kind}{r['config']}_{FLAGS.calls}.json"),
+              "w") as f:
       json.dump(r, f, indent=1)
+    r["calls"] = FLAGS.calls
     print(f"{r['config']}: span {r['span_us']:.0f} us, kernels {r['kernels_us']:.0f} us, "
-          f"idle {r['idle_us']:.0f} us over {r['num_events']} events")
+          f"idle {r['idle_us']:.0f} us over {r['num_events']} events"
+          + (f" ({FLAGS.calls} calls: per call span {r['span_us'] / FLAGS.calls:.0f} us, idle "
+             f"{r['idle_us'] / FLAGS.calls:.0f} us)" if FLAGS.calls > 1 else ""))
     for g, a, b in r["largest_gaps"]:
       print(f"  gap {g:8.1f} us  after {a}  before {b}")
     for name, t in r["by_kernel_us"]:
