@@ -1,13 +1,16 @@
 r"""Registers and spills of the layer's kernels, from ptxas (a GPU machine: Mosaic GPU compiles there).
 
-  python -m benchmarks.ptxas_report [--thiek=T,d,n,E,K ...] [--out=dir]
+  python -m benchmarks.ptxas_report [--thiek=T,d,n,E,K ...] [--out=dir] [--ptx_opcodes=tanh,...]
 
 Compiles the forward kernels of each configuration (the up-projection in both gate/up layouts,
 the down-projection) and the backward ones (dH in both layouts, dX, the weight gradients), as the
 backend configures them, with Mosaic GPU's `MOSAIC_GPU_DUMP_PTXAS` / `MOSAIC_GPU_DUMP_TO`, and
 prints each kernel's ptxas summary lines (registers used, spill stores and loads). A kernel that
 spills is a kernel whose epilogue or mainloop waits on local memory. Writes the lines to
-`ptxas_report.txt` under --out.
+`ptxas_report.txt` under --out. With --ptx_opcodes, also dumps each kernel's PTX
+(`MOSAIC_GPU_DUMP_PTX`; the device image has no nvdisasm for SASS) and counts the static
+instructions whose opcode starts with one of the given prefixes (e.g. tanh, ex2, rcp, div: what an
+epilogue, unrolled as it is, issues per tile).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sonic_jax.mosaic_gpu import backend as mb
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
+flags.DEFINE_list("ptx_opcodes", [], "PTX opcode prefixes to count per kernel (e.g. tanh,div)")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)]
@@ -57,18 +61,36 @@ def kernels(cfg):
   return out
 
 
+def ptx_counts(dump, prefixes):
+  """Lines 'PTX <opcode>: <static count>' for the opcodes with one of `prefixes`, over the PTX
+  files that Mosaic GPU dumped into `dump`."""
+  counts = {}
+  for path in sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)):
+    with open(path, errors="replace") as f:
+      for ln in f:
+        m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][a-z0-9_.:]*)", ln)
+        if m and m.group(1).startswith(tuple(prefixes)):
+          counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+  if not counts:
+    return [f"(no PTX instruction matched; files: {os.listdir(dump)})"]
+  return [f"PTX {op}: {n}" for op, n in sorted(counts.items())]
+
+
 def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   lines = []
   for cfg in grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS):
     for name, (fn, args) in kernels(cfg).items():
       with tempfile.TemporaryDirectory() as dump:
-        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-        os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+        dumps = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": dump}
+        if FLAGS.ptx_opcodes:
+          dumps["MOSAIC_GPU_DUMP_PTX"] = "1"
+        os.environ.update(dumps)
         try:
           jax.jit(fn).lower(*args).compile()
         finally:
-          del os.environ["MOSAIC_GPU_DUMP_PTXAS"], os.environ["MOSAIC_GPU_DUMP_TO"]
+          for key in dumps:
+            del os.environ[key]
         found = []
         for path in sorted(glob.glob(os.path.join(dump, "**", "*"), recursive=True)):
           if os.path.isfile(path) and "ptxas" in os.path.basename(path):
@@ -77,6 +99,8 @@ def main(_):
                         if re.search(r"registers|spill|Compiling entry|injected", ln)]
         if not found:
           found = [f"(no ptxas dump; files: {os.listdir(dump)})"]
+        if FLAGS.ptx_opcodes:
+          found += ptx_counts(dump, FLAGS.ptx_opcodes)
       lines.append(f"{','.join(map(str, cfg))} {name}:")
       lines += [f"  {ln}" for ln in found]
       print("\n".join(lines[-len(found) - 1:]), flush=True)
