@@ -84,11 +84,11 @@ def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   for cfg in configs:
     r = profile_step(cfg)
+    r["calls"] = FLAGS.calls
     kind = "fwd_" if FLAGS.forward_only else ""
     with open(os.path.join(FLAGS.out, f"timeline_{kind}{r['config']}_{FLAGS.calls}.json"),
               "w") as f:
       json.dump(r, f, indent=1)
-    r["calls"] = FLAGS.calls
     print(f"{r['config']}: span {r['span_us']:.0f} us, kernels {r['kernels_us']:.0f} us, "
           f"idle {r['idle_us']:.0f} us over {r['num_events']} events"
           + (f" ({FLAGS.calls} calls: per call span {r['span_us'] / FLAGS.calls:.0f} us, idle "
