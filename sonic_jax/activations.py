@@ -3,7 +3,9 @@
 Every backend evaluates activations through these functions, in float32: the forward epilogue
 (H -> A), and the backward epilogue that recomputes A from the stored pre-activation H and forms dH
 from dA (SonicMoE stores neither A nor Y). The derivatives are written out rather than taken with
-`jax.vjp` so that kernels can call the same elementwise code inside an epilogue.
+`jax.vjp` so that kernels can call the same elementwise code inside an epilogue; the Mosaic GPU
+kernels take them through `kernel_fn` / `kernel_grad`, the same functions written with what an
+epilogue lowers cheaply (a tanh for the sigmoid, a polynomial for erf, no IEEE division).
 
 GLU activations split H (2n wide) into a gate and an up half: A = act(gate) * up. Where the halves
 sit is the gate/up layout: "concat" (gate = H[:, :n], up = H[:, n:], Hugging Face order) or
