@@ -101,8 +101,7 @@ def run_config(cfg):
     overrides = dict(overrides)
     h_loads = overrides.pop("wide_h_loads", "staged" if block_n else base.wide_h_loads)
     block_n = block_n or base.block_n
-    variant_act = (grid.swiglu_sigmoid_by_division()
-                   if overrides.pop("activation", None) == "sigmoid_by_division" else act)
+    variant_act = grid.variant_activation(overrides, act)
     gemm = dataclasses.replace(base.gemm, **overrides)
     if kind == "dh":
       config = dh.DhProjectionConfig(gemm, block_n, h_loads)

@@ -62,8 +62,7 @@ def run_config(cfg):
       continue
     overrides = dict(overrides)
     gate_up = overrides.pop("gate_up_layout", "concat")
-    variant_act = (grid.swiglu_sigmoid_by_division()
-                   if overrides.pop("activation", None) == "sigmoid_by_division" else act)
+    variant_act = grid.variant_activation(overrides, act)
     table = mosaic_backend.up_config(d, 2 * n, e).gemm  # the layer's configuration
     config = up.UpProjectionConfig(dataclasses.replace(table, **overrides))
     fn = lambda src, w1, lay, config=config, gathered=gathered, gate_up=gate_up, a=variant_act: (

@@ -75,6 +75,17 @@ def swiglu_sigmoid_by_division():
   return acts.Activation("swiglu", fn, grad, is_glu=True)
 
 
+def variant_activation(overrides, default):
+  """The activation a variant names under the key "activation" of its overrides (popped from
+  them): "sigmoid_by_division", or `default` when it names none."""
+  name = overrides.pop("activation", None)
+  if name is None:
+    return default
+  if name != "sigmoid_by_division":
+    raise ValueError(f"unknown variant activation {name!r}")
+  return swiglu_sigmoid_by_division()
+
+
 def parse_configs(thiek, default):
   """Configurations from --thiek strings "T,d,n,E,K" (repeatable), or `default` without any."""
   return [tuple(int(v) for v in s.split(",")) for s in thiek] if thiek else list(default)
