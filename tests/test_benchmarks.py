@@ -44,6 +44,16 @@ def test_token_rounding_bench_smoke_run(tmp_path):
   assert "token rounding (up)" in (tmp_path / "token_rounding.md").read_text()
 
 
+def test_router_backward_smoke_run(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.router_backward", "--thiek=256,64,16,16,2",
+         "--repeats=2", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (cfg,) = json.load(open(tmp_path / "router_backward.json"))["configs"]
+  for name in ("16-bit backward", "float32 backward (autodiff)"):
+    assert cfg[name]["us"] > 0 and cfg[name]["rel_err_dx"] < 1e-2 and cfg[name]["rel_err_dw"] < 1e-2
+
+
 def test_ep_bench_smoke_run(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   cmd = [sys.executable, "-m", "benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",

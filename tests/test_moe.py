@@ -201,6 +201,35 @@ def test_backward_saves_only_x_h_scores_and_metadata(rng, activation):
       assert np.prod(s) <= T * max(K, E) or ("test_moe.py" in why and np.prod(s) == T * d), (s, why)
 
 
+def _eqns(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (custom_vjp, pjit, ...) included."""
+  from jax.extend.core import jaxprs_in_params
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def test_router_backward_runs_on_16bit_operands(rng):
+  """bfloat16 x and router weight: the router GEMM's backward takes the logits' gradient in
+  bfloat16 (float32 accumulation), not float32 copies of x and the weight; gradients still match
+  float64 (float32 inputs keep the float32 backward)."""
+  T, d, E = 96, 64, 16
+  x = rng.standard_normal((T, d))
+  w = rng.standard_normal((d, E)) / np.sqrt(d)
+  g = rng.standard_normal((T, E))
+  for dtype in (jnp.bfloat16, jnp.float32):
+    xs, ws = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    f = lambda x, w: jnp.sum(sonic_jax.router_logits(x, w) * jnp.asarray(g, jnp.float32))
+    grad = jax.grad(f, argnums=(0, 1))
+    operand_dtypes = {v.aval.dtype for e in _eqns(jax.make_jaxpr(grad)(xs, ws).jaxpr)
+                      if e.primitive.name == "dot_general" for v in e.invars}
+    assert operand_dtypes == {jnp.dtype(dtype)}, operand_dtypes
+    dx, dw = grad(xs, ws)
+    assert rel_err(dx, g @ w.T) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    assert rel_err(dw, x.T @ g) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
 def test_nan_in_x_propagates_to_its_token_only(rng):
   p, _ = make_problem(rng, T=16)
   x = np.array(p["x"])
