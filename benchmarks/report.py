@@ -289,8 +289,31 @@ ragged-all-to-all implementation:
   return text
 
 
+def router_backward_section(rb):
+  """BENCHMARKS.md section of a `benchmarks.router_backward` run."""
+  rows = ["| config (T,d,n,E,K) | 16-bit backward µs | float32 backward (autodiff) µs | saved µs "
+          "| rel. err. dx / dw, 16-bit | rel. err. dx / dw, float32 |", "|---|---|---|---|---|---|"]
+  for c in rb["configs"]:
+    new, old = c["16-bit backward"], c["float32 backward (autodiff)"]
+    rows.append(f"| {','.join(map(str, c['config']))} | {new['us']:.0f} | {old['us']:.0f} | "
+                f"{old['us'] - new['us']:.0f} | {new['rel_err_dx']:.1e} / {new['rel_err_dw']:.1e} | "
+                f"{old['rel_err_dx']:.1e} / {old['rel_err_dw']:.1e} |")
+  table = "\n".join(rows)
+  return f"""
+## Router GEMM: forward and backward
+
+`{rb['command']}` on {rb['device']}, jax {rb['jax']}, {rb['date']}: the router GEMM's forward and backward
+(logits = x @ router_weight with bfloat16 x and weight, float32 logits) as `sonic_jax.router_logits`
+runs it (the backward GEMMs take the logits' gradient in bfloat16, float32 accumulation) against
+plain autodiff of the float32-result dot (its backward GEMMs run on float32 copies of x and the
+weight); median µs per call, interleaved rounds; the gradients' error against float64.
+
+{table}
+"""
+
+
 def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_rounding=None,
-                        command=None, pretrain=None, expert_parallel=""):
+                        command=None, pretrain=None, expert_parallel="", router_backward=""):
   import shutil
   fig_dir = os.path.join(_ROOT, "benchmarks", "figures")
   os.makedirs(fig_dir, exist_ok=True)
@@ -385,7 +408,7 @@ SonicMoE on an H100: {sources['sonicmoe_measured'][:80]}…):
 {anchors_table(results)}
 
 """ + "\n".join(f"![{os.path.basename(r)}]({r})" for r in rel) + kernel_part + tr_part \
-      + expert_parallel + f"""
+      + router_backward + expert_parallel + f"""
 
 ## Slowest kernels per configuration (µs per step)
 
@@ -407,6 +430,7 @@ def main(argv):
   ap.add_argument("--pretrain", help="folder of the pretraining script's metrics CSVs")
   ap.add_argument("--ep", help="ep.json of a benchmarks.ep_bench run")
   ap.add_argument("--a2a_transport", help="a2a_transport.jsonl of benchmarks/a2a_transport.sh")
+  ap.add_argument("--router_backward", help="router_backward.json of benchmarks.router_backward")
   args = ap.parse_args(argv)
   runs = []
   for path in args.results:
@@ -424,7 +448,8 @@ def main(argv):
       with open(path) as f:
         return json.load(f)
 
-    kernels, token_rounding, ep = map(load_json, (args.kernels, args.token_rounding, args.ep))
+    kernels, token_rounding, ep, rb = map(load_json, (args.kernels, args.token_rounding, args.ep,
+                                                      args.router_backward))
     shown = [("'…'" if i and argv[i - 1] == "--notes" else a) for i, a in enumerate(argv)]
     command = "python -m benchmarks.report " + " ".join(shown)
     expert_parallel = ""
@@ -435,7 +460,8 @@ def main(argv):
           transports = [json.loads(line) for line in f if line.strip()]
       expert_parallel = expert_parallel_section(ep, transports)
     write_benchmarks_md(results, args.out, pngs, kernels, args.notes, token_rounding, command,
-                        args.pretrain and os.path.abspath(args.pretrain), expert_parallel)
+                        args.pretrain and os.path.abspath(args.pretrain), expert_parallel,
+                        router_backward_section(rb) if rb is not None else "")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ float64 computation.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import sys
 
 from absl import app, flags
 import jax
@@ -63,7 +65,10 @@ def main(_):
   results = [run_config(cfg) for cfg in configs]
   os.makedirs(FLAGS.out, exist_ok=True)
   with open(os.path.join(FLAGS.out, "router_backward.json"), "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind, "configs": results}, f, indent=1)
+    json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "command": "python -m benchmarks.router_backward " + " ".join(sys.argv[1:]),
+               "configs": results}, f, indent=1)
   for r in results:
     cells = " | ".join(f"{name}: {v['us']:.1f} us (dx {v['rel_err_dx']:.1e}, dw "
                        f"{v['rel_err_dw']:.1e})" for name, v in r.items() if name != "config")

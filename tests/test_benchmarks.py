@@ -49,9 +49,14 @@ def test_router_backward_smoke_run(tmp_path):
          "--repeats=2", f"--out={tmp_path}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  (cfg,) = json.load(open(tmp_path / "router_backward.json"))["configs"]
+  run = json.load(open(tmp_path / "router_backward.json"))
+  (cfg,) = run["configs"]
   for name in ("16-bit backward", "float32 backward (autodiff)"):
     assert cfg[name]["us"] > 0 and cfg[name]["rel_err_dx"] < 1e-2 and cfg[name]["rel_err_dw"] < 1e-2
+  sys.path.insert(0, ROOT)
+  from benchmarks.report import router_backward_section
+  section = router_backward_section(run)
+  assert "| 256,64,16,16,2 |" in section and run["jax"] in section and "--thiek=256,64" in section
 
 
 def test_ep_bench_smoke_run(tmp_path):
