@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax.pallas import router_topk
+from sonic_jax.precision import dot_f32
 
 Array = jax.Array
 
@@ -30,38 +31,10 @@ def router_logits(x: Array, router_weight: Array) -> Array:
   """logits = x @ router_weight with float32 (float64 for float64 inputs) accumulation and result.
 
   When x and the weight share a 16-bit dtype, the backward GEMMs take the logits' gradient in
-  that dtype too (float32 accumulation; `_logits_16bit`), as a 16-bit GEMM's backward does in
-  mixed-precision training; plain autodiff would run them on float32 operands.
+  that dtype too (float32 accumulation; `sonic_jax.precision.dot_f32`), as a 16-bit GEMM's
+  backward does in mixed-precision training; plain autodiff would run them on float32 operands.
   """
-  if x.dtype == router_weight.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
-    return _logits_16bit(x, router_weight)
-  acc = jnp.promote_types(jnp.promote_types(x.dtype, router_weight.dtype), jnp.float32)
-  return jnp.dot(x, router_weight, preferred_element_type=acc)
-
-
-@jax.custom_vjp
-def _logits_16bit(x: Array, router_weight: Array) -> Array:
-  return jnp.dot(x, router_weight, preferred_element_type=jnp.float32)
-
-
-def _logits_16bit_fwd(x, router_weight):
-  return _logits_16bit(x, router_weight), (x, router_weight)
-
-
-def _logits_16bit_bwd(residuals, d_logits):
-  """dx = dlogits @ w^T and dw = x^T @ dlogits on 16-bit operands: autodiff of the float32-result
-  dot would convert x and w to float32 (the router's backward took 110 us of a 3.1 ms training
-  step at 40960,768,256,128,8 on an H100, against about 55 us for the bytes it moves)."""
-  x, router_weight = residuals
-  g = d_logits.astype(x.dtype)
-  d_x = jax.lax.dot_general(g, router_weight, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32).astype(x.dtype)
-  d_w = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32).astype(router_weight.dtype)
-  return d_x, d_w
-
-
-_logits_16bit.defvjp(_logits_16bit_fwd, _logits_16bit_bwd)
+  return dot_f32(x, router_weight)
 
 
 def _top_k_ids(values: Array, top_k: int) -> Array:

@@ -13,6 +13,7 @@ from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
+from sonic_jax.precision import dot_f32
 
 Array = jax.Array
 P = jax.sharding.PartitionSpec
@@ -77,6 +78,8 @@ class MoE(nnx.Module):
       multiples of the balanced share; dropped pairs are counted in `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
+      The router weight is used as stored (not cast to `dtype`): float32 storage keeps the router
+      GEMM in float32; with 16-bit storage and compute it runs 16-bit, backward included.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
   """
 
@@ -154,10 +157,10 @@ class MoE(nnx.Module):
       y, stats = self._routed_shard_map(h, experts)
     if self.shared_in is not None:
       act = acts.get_activation(self.activation)
-      acc = acts.compute_dtype(dtype)  # float32 accumulation (float64 for float64 compute)
-      u = jnp.dot(h, cast(self.shared_in), preferred_element_type=acc)
+      # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute
+      u = dot_f32(h, cast(self.shared_in))
       a = acts.apply_activation(u, act, self.gate_up_layout).astype(dtype)
-      y = y + jnp.dot(a, cast(self.shared_out), preferred_element_type=acc).astype(dtype)
+      y = y + dot_f32(a, cast(self.shared_out)).astype(dtype)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
 
