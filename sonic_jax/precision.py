@@ -20,10 +20,13 @@ _16BIT = (jnp.bfloat16, jnp.float16)
 
 
 def dot_f32(a: Array, b: Array) -> Array:
-  """(m, k) @ (k, n) with float32 (float64 for float64 inputs) accumulation and result. When a and
-  b share a 16-bit dtype the backward's two GEMMs take the cotangent in that dtype too."""
+  """(..., k) @ (k, n) with float32 (float64 for float64 inputs) accumulation and result. When a
+  and b share a 16-bit dtype the backward's two GEMMs take the cotangent in that dtype too."""
+  if a.ndim < 1 or b.ndim != 2 or a.shape[-1] != b.shape[0]:
+    raise ValueError(f"dot_f32 takes a (..., k) and b (k, n), got shapes {a.shape} and {b.shape}")
   if a.dtype == b.dtype and a.dtype in _16BIT:
-    return _dot_16bit(a, b)
+    lead = a.shape[:-1]
+    return _dot_16bit(a.reshape(-1, a.shape[-1]), b).reshape(*lead, b.shape[1])
   acc = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
   return jnp.dot(a, b, preferred_element_type=acc)
 

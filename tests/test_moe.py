@@ -230,6 +230,21 @@ def test_router_backward_runs_on_16bit_operands(rng):
     assert rel_err(dw, x.T @ g) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
+def test_dot_f32_shapes(rng):
+  """dot_f32 takes leading dimensions on a (as jnp.dot) and names bad shapes."""
+  from sonic_jax.precision import dot_f32
+  a = jnp.asarray(rng.standard_normal((2, 5, 3)), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((3, 4)), jnp.bfloat16)
+  got = dot_f32(a, b)
+  assert got.shape == (2, 5, 4) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, np.asarray(a, np.float32) @ np.asarray(b, np.float32),
+                             rtol=1e-6, atol=1e-6)
+  g = jax.grad(lambda a: jnp.sum(dot_f32(a, b) ** 2))(a)
+  assert g.shape == a.shape and g.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"\(\.\.\., k\) and b \(k, n\).*\(4, 3\) and \(4, 2\)"):
+    dot_f32(jnp.ones((4, 3), jnp.bfloat16), jnp.ones((4, 2), jnp.bfloat16))
+
+
 def test_nan_in_x_propagates_to_its_token_only(rng):
   p, _ = make_problem(rng, T=16)
   x = np.array(p["x"])
