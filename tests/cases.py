@@ -1,4 +1,4 @@
-"""Random MoE problems at unit scale, for tests and the oracle."""
+"""Random MoE problems at unit scale, for tests and the oracle; what tests read off a jaxpr."""
 
 from __future__ import annotations
 
@@ -33,3 +33,17 @@ def make_problem(rng, T=48, d=32, n=16, E=8, K=2, activation="swiglu", bias=Fals
   }
   d_y = rng.standard_normal((T, d))
   return p, d_y
+
+
+def gemm_operand_dtypes(jaxpr):
+  """The operand dtypes of every GEMM (a dot_general without batch dimensions; the gather-sums'
+  per-token weighted sums over K are batched ones) in a jaxpr and its sub-jaxprs (custom_vjp,
+  pjit, ...)."""
+  from jax.extend.core import jaxprs_in_params
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]:
+      out |= {v.aval.dtype for v in eqn.invars}
+    for sub in jaxprs_in_params(eqn.params):
+      out |= gemm_operand_dtypes(sub)
+  return out

@@ -12,6 +12,7 @@ import pytest
 import sonic_jax
 from sonic_jax import activations as acts
 from sonic_jax.layers import MoE, RouterBias
+from cases import gemm_operand_dtypes
 from oracle import rel_err
 
 
@@ -40,19 +41,6 @@ def test_layer_equals_functional_op_with_biases_and_shared_experts(rng, activati
                              rtol=1e-6)
 
 
-def _gemm_operand_dtypes(jaxpr):
-  """The operand dtypes of every GEMM (a dot_general without batch dimensions; the gather-sums'
-  per-token weighted sums over K are batched ones) in a jaxpr and its sub-jaxprs."""
-  from jax.extend.core import jaxprs_in_params
-  out = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]:
-      out |= {v.aval.dtype for v in eqn.invars}
-    for sub in jaxprs_in_params(eqn.params):
-      out |= _gemm_operand_dtypes(sub)
-  return out
-
-
 def test_bfloat16_layer_runs_every_gemm_on_bfloat16_operands(rng):
   """A bfloat16 layer (router, experts and shared experts in bfloat16): no GEMM of its forward or
   backward takes float32 operands (autodiff of a float32-result dot would make the backward's
@@ -68,7 +56,7 @@ def test_bfloat16_layer_runs_every_gemm_on_bfloat16_operands(rng):
     return jax.grad(loss)
 
   step16 = grad_fn(graph16, jnp.bfloat16)
-  assert _gemm_operand_dtypes(jax.make_jaxpr(step16)(state16).jaxpr) == {jnp.dtype(jnp.bfloat16)}
+  assert gemm_operand_dtypes(jax.make_jaxpr(step16)(state16).jaxpr) == {jnp.dtype(jnp.bfloat16)}
   g16, g32 = step16(state16), grad_fn(graph32, jnp.float32)(state32)
   for name in ("router", "w1", "w2", "shared_in", "shared_out"):
     assert rel_err(g16[name][...], g32[name][...]) < 2e-2, name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sonic_jax
-from cases import GLU, make_problem
+from cases import GLU, gemm_operand_dtypes, make_problem
 from oracle import reference_values_and_grads, rel_err, select_experts
 
 ACTS = ["swiglu", "geglu", "reglu", "gelu", "relu", "relu_sq", "silu"]
@@ -201,15 +201,6 @@ def test_backward_saves_only_x_h_scores_and_metadata(rng, activation):
       assert np.prod(s) <= T * max(K, E) or ("test_moe.py" in why and np.prod(s) == T * d), (s, why)
 
 
-def _eqns(jaxpr):
-  """Every equation of a jaxpr, those of its sub-jaxprs (custom_vjp, pjit, ...) included."""
-  from jax.extend.core import jaxprs_in_params
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jaxprs_in_params(eqn.params):
-      yield from _eqns(sub)
-
-
 def test_router_backward_runs_on_16bit_operands(rng):
   """bfloat16 x and router weight: the router GEMM's backward takes the logits' gradient in
   bfloat16 (float32 accumulation), not float32 copies of x and the weight; gradients still match
@@ -222,8 +213,7 @@ def test_router_backward_runs_on_16bit_operands(rng):
     xs, ws = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
     f = lambda x, w: jnp.sum(sonic_jax.router_logits(x, w) * jnp.asarray(g, jnp.float32))
     grad = jax.grad(f, argnums=(0, 1))
-    operand_dtypes = {v.aval.dtype for e in _eqns(jax.make_jaxpr(grad)(xs, ws).jaxpr)
-                      if e.primitive.name == "dot_general" for v in e.invars}
+    operand_dtypes = gemm_operand_dtypes(jax.make_jaxpr(grad)(xs, ws).jaxpr)
     assert operand_dtypes == {jnp.dtype(dtype)}, operand_dtypes
     dx, dw = grad(xs, ws)
     assert rel_err(dx, g @ w.T) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
