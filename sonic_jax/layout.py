@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sonic_jax.pallas import layout_ranks, next_pow2
+
 Array = jax.Array
 
 
@@ -93,37 +95,41 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
   return order, sorted_ids.astype(jnp.int32)
 
 
-def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
-                         extra_tokens: Array | None = None,
-                         extra_experts: Array | None = None) -> GroupedLayout:
-  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
+LAYOUT_METHODS = ("auto", "sort", "block_ranks")
+# "auto" takes the block-rank kernel up to this many experts (E rounded up to a power of two): its
+# work per pair grows with E, the sort's does not. Measured on an H100 (benchmarks/NOTES.md,
+# fifteenth session), layout pass / layer forward: 42 -> 22 us / 1.049 -> 1.012 ms at
+# 24576,1536,512,64,4; 49 -> 47 us / 1.120 -> 1.104 ms at 40960,768,256,128,8 (E = 128, K = 8);
+# but 71 -> 91 us for the layout pass at E = 256, K = 16.
+AUTO_MAX_EXPERTS = 128
 
-  extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
-  expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
-  """
-  if expert_ids.ndim != 2:
-    raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
-  if row_tile < 1:
-    raise ValueError(f"row_tile must be >= 1, got {row_tile}")
-  if (extra_tokens is None) != (extra_experts is None):
-    raise ValueError("extra_tokens and extra_experts must be given together")
-  num_tokens, slots = expert_ids.shape
-  if extra_tokens is None:
-    extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
-  if extra_tokens.ndim != 1 or extra_tokens.shape != extra_experts.shape:
-    raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
-                     f"{extra_tokens.shape} and {extra_experts.shape}")
-  num_slot_pairs = num_tokens * slots
-  num_pairs = num_slot_pairs + extra_tokens.shape[0]
-  e_count = num_experts
-  rows = grouped_rows(num_pairs, e_count, row_tile)
 
-  flat = jnp.concatenate([expert_ids.reshape(-1), extra_experts]).astype(jnp.int32)
-  extra_used = (extra_experts >= 0) & (extra_experts < e_count)
-  pair_token = jnp.concatenate([
-      jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
-      jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
-  flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
+def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0) -> str | None:
+  """None when `build_grouped_layout(method="block_ranks")` handles this routing, else why not."""
+  if num_extra:
+    return "the block-rank kernel takes no extra pairs (token rounding)"
+  if not layout_ranks.AVAILABLE:
+    return "Pallas's Triton lowering is not available"
+  return layout_ranks.supports(expert_ids, num_experts)
+
+
+def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra: int) -> bool:
+  if method not in LAYOUT_METHODS:
+    raise ValueError(f"method must be one of {LAYOUT_METHODS}, got {method!r}")
+  if method == "sort":
+    return False
+  reason = block_ranks_unsupported(expert_ids, num_experts, num_extra)
+  if method == "block_ranks":
+    if reason is not None:
+      raise ValueError(f"build_grouped_layout(method='block_ranks'): {reason}")
+    return True
+  return (reason is None and jax.default_backend() == "gpu"
+          and next_pow2(num_experts) <= AUTO_MAX_EXPERTS)
+
+
+def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
+  """(pair_row (P,), row_pair (R,), counts (E,)) from a stable sort of the expert ids (E: none)."""
+  num_pairs = flat.shape[0]
   order, sorted_expert = _sort_by_expert(flat, e_count)
 
   # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
@@ -146,7 +152,95 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
 
   pair_row = jnp.full((num_pairs,), rows, jnp.int32).at[order].set(row_of_sorted)
   row_pair = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
-  row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0).astype(jnp.int32)
+  return pair_row, row_pair, counts
+
+
+def _exclusive_cumsum_rows(x: Array, group: int = 32) -> Array:
+  """Exclusive prefix sum down the rows of x (B, E) in two levels (within groups of `group` rows,
+  then over the groups' totals): XLA's GPU cumsum is a reduce-window over the whole axis, whose
+  cost grows with its square (12 us for 384 rows of 64 on an H100)."""
+  blocks = x.shape[0]
+  if blocks <= group:
+    return jnp.cumsum(x, axis=0) - x
+  padded = jnp.pad(x, ((0, -blocks % group), (0, 0))).reshape(-1, group, x.shape[1])
+  totals = jnp.sum(padded, axis=1)
+  before = (jnp.cumsum(padded, axis=1) - padded) + (jnp.cumsum(totals, axis=0) - totals)[:, None]
+  return before.reshape(-1, x.shape[1])[:blocks]
+
+
+def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: int):
+  """`_rows_by_sort` of the slot pairs alone as a counting sort: per token block, each expert's
+  pair count and each pair's rank among the block's pairs of its expert (one Pallas kernel,
+  `sonic_jax.pallas.layout_ranks`), then a prefix sum over blocks. Same layout, no sort."""
+  num_tokens, slots = expert_ids.shape
+  interpret = jax.default_backend() != "gpu"
+  ranks, block_counts = layout_ranks.block_ranks(expert_ids, e_count, interpret=interpret)
+  bt = layout_ranks.block_tokens(e_count)
+  counts = jnp.sum(block_counts, axis=0)
+  group_sizes = _round_up(counts, row_tile)
+  row_starts = jnp.cumsum(group_sizes) - group_sizes
+  block_starts = _exclusive_cumsum_rows(block_counts) + row_starts  # (blocks, E)
+  valid = (expert_ids >= 0) & (expert_ids < e_count)
+  block = jax.lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0) // bt
+  pair_row = block_starts[block, jnp.clip(expert_ids, 0, e_count - 1)] + ranks
+  pair = jnp.arange(num_tokens * slots, dtype=jnp.int32)
+  # Pairs routed nowhere point past the buffer, each at its own index: a scatter of unique
+  # indices needs no atomics.
+  target = jnp.where(valid.reshape(-1), pair_row.reshape(-1), rows + pair)
+  row_pair = jnp.full((rows,), -1, jnp.int32).at[target].set(
+      pair, mode="drop", unique_indices=True)
+  return jnp.where(valid, pair_row, rows).reshape(-1), row_pair, counts
+
+
+def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
+                         extra_tokens: Array | None = None,
+                         extra_experts: Array | None = None, *,
+                         method: str = "auto") -> GroupedLayout:
+  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
+
+  extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
+  expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
+  method: how pairs are grouped, the same layout either way. "sort": a stable sort of the expert
+  ids. "block_ranks": a counting sort whose per-block counts and ranks come from a Pallas kernel
+  (interpreted off the GPU; no extra pairs, E <= 1024, S <= 32). "auto" (default): "block_ranks"
+  on a GPU where it applies and E <= `AUTO_MAX_EXPERTS` (128; faster there: one kernel instead of a
+  radix sort and about ten small XLA kernels, benchmarks/NOTES.md), "sort" otherwise.
+  """
+  if expert_ids.ndim != 2:
+    raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
+  if row_tile < 1:
+    raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+  if (extra_tokens is None) != (extra_experts is None):
+    raise ValueError("extra_tokens and extra_experts must be given together")
+  num_tokens, slots = expert_ids.shape
+  if extra_tokens is None:
+    extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
+  if extra_tokens.ndim != 1 or extra_tokens.shape != extra_experts.shape:
+    raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
+                     f"{extra_tokens.shape} and {extra_experts.shape}")
+  num_slot_pairs = num_tokens * slots
+  num_extra = extra_tokens.shape[0]
+  num_pairs = num_slot_pairs + num_extra
+  e_count = num_experts
+  rows = grouped_rows(num_pairs, e_count, row_tile)
+  expert_ids = expert_ids.astype(jnp.int32)
+  extra_used = (extra_experts >= 0) & (extra_experts < e_count)
+
+  if _use_block_ranks(method, expert_ids, e_count, num_extra):
+    pair_row, row_pair, counts = _rows_by_block_ranks(expert_ids, e_count, row_tile, rows)
+  else:
+    flat = jnp.concatenate([expert_ids.reshape(-1), extra_experts]).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
+    pair_row, row_pair, counts = _rows_by_sort(flat, e_count, row_tile, rows)
+  group_sizes = _round_up(counts, row_tile)
+  if num_extra:
+    pair_token = jnp.concatenate([
+        jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
+        jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
+    row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0)
+  else:  # slot pairs only: the token is the pair index over S, no gather
+    row_token = jnp.maximum(row_pair, 0) // slots
+  row_token = row_token.astype(jnp.int32)
 
   num_tiles = jnp.sum(group_sizes) // row_tile
   tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e

@@ -47,3 +47,23 @@ def gemm_operand_dtypes(jaxpr):
     for sub in jaxprs_in_params(eqn.params):
       out |= gemm_operand_dtypes(sub)
   return out
+
+
+def h100_abstract_mesh(num_cores: int = 132):
+  """A mesh of no devices whose abstract device is an H100: under it, jax lowers (and Mosaic GPU
+  interprets) for sm90 on a machine without a GPU."""
+  import jax
+  from jax._src.mesh import AbstractDevice
+  return jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
+
+
+def export_for_h100(fn, *args) -> str:
+  """The MLIR module of `jax.export` of jit(fn) for 'cuda' on an H100, lowered on this machine
+  (Pallas Triton calls allowed)."""
+  import jax
+  with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
+    return jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            *args).mlir_module()

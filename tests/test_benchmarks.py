@@ -59,6 +59,18 @@ def test_router_backward_smoke_run(tmp_path):
   assert "| 256,64,16,16,2 |" in section and run["jax"] in section and "--thiek=256,64" in section
 
 
+def test_layout_bench_smoke_run(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.layout_bench", "--thiek=256,64,32,8,2",
+         "--layer_backend=xla", "--repeats=2", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  run = json.load(open(tmp_path / "layout.json"))
+  (cfg,) = run["results"]
+  # On a CPU only the sort applies ("block_ranks" is a GPU kernel; its tests interpret it).
+  assert set(cfg["methods_ms"]) == {"layout sort", "forward sort"} and cfg["same_layout"]
+  assert all(ms > 0 for ms in cfg["methods_ms"].values()) and "--thiek=256" in run["command"]
+
+
 def test_ep_bench_smoke_run(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   cmd = [sys.executable, "-m", "benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",

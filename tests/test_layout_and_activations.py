@@ -11,9 +11,10 @@ from sonic_jax import activations as acts
 from sonic_jax.layout import build_grouped_layout, grouped_rows
 
 
+@pytest.mark.parametrize("method", ["sort", "block_ranks"])
 @pytest.mark.parametrize("row_tile", [1, 4, 32, 128])
 @pytest.mark.parametrize("kind", ["random", "skewed", "with_unrouted"])
-def test_grouped_layout_invariants(rng, row_tile, kind):
+def test_grouped_layout_invariants(rng, row_tile, kind, method):
   T, S, E = 37, 3, 6
   ids = rng.integers(0, E, size=(T, S))
   if kind == "skewed":
@@ -21,7 +22,8 @@ def test_grouped_layout_invariants(rng, row_tile, kind):
     ids[ids == 4] = 1  # expert 4 gets nothing
   if kind == "with_unrouted":
     ids[rng.random((T, S)) < 0.3] = -1  # 'no expert'
-  lay = jax.jit(build_grouped_layout, static_argnums=(1, 2))(jnp.asarray(ids, jnp.int32), E, row_tile)
+  build = jax.jit(build_grouped_layout, static_argnums=(1, 2), static_argnames="method")
+  lay = build(jnp.asarray(ids, jnp.int32), E, row_tile, method=method)
   lay = jax.tree.map(np.asarray, lay)
   R = grouped_rows(T * S, E, row_tile)
   assert lay.row_token.shape == (R,) and R % row_tile == 0

@@ -15,7 +15,7 @@ import sonic_jax
 from sonic_jax import activations as acts
 from sonic_jax import xla_backend
 from sonic_jax.layout import build_grouped_layout
-from cases import make_problem
+from cases import h100_abstract_mesh, make_problem
 from oracle import reference_values_and_grads, rel_err, select_experts
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -32,11 +32,8 @@ def kernel_mode(compiled: bool, num_cores: int = 2, detect_races: bool = True):
     return
   if ON_GPU:
     pytest.skip("interpret-mode tests run on CPU machines")
-  from jax._src.mesh import AbstractDevice
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
-  with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
+  with jax.sharding.use_abstract_mesh(h100_abstract_mesh(num_cores)), plgpu.force_gpu_interpret_mode(
       plgpu.InterpretGPUParams(detect_races=detect_races)):
     yield
 
@@ -612,11 +609,8 @@ def test_kernel_lowers_for_sm90(role):
   interpreter cannot (the interpreter never lowers)."""
   if ON_GPU:
     pytest.skip("CPU-side check")
-  from jax._src.mesh import AbstractDevice
   fn, args = _lowering_cases()[role]
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
-  with jax.sharding.use_abstract_mesh(mesh):
+  with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
   assert "mosaic_gpu" in exported.mlir_module()
 

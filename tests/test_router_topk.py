@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cases import export_for_h100
 from sonic_jax.pallas import router_topk
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -54,12 +55,6 @@ def test_kernel_lowers_for_cuda():
   """The Triton kernel lowers for a GPU from this machine (`jax.export` for 'cuda')."""
   if ON_GPU:
     pytest.skip("CPU-side check")
-  from jax._src.mesh import AbstractDevice
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(
-        jax.jit(lambda v: router_topk.top_k(v, 8)), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            jax.ShapeDtypeStruct((1000, 128), jnp.float32))
-  assert "xla.gpu.triton" in exported.mlir_module()
+  module = export_for_h100(lambda v: router_topk.top_k(v, 8),
+                           jax.ShapeDtypeStruct((1000, 128), jnp.float32))
+  assert "xla.gpu.triton" in module

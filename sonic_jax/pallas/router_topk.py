@@ -20,6 +20,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sonic_jax.pallas import next_pow2
+
 try:  # Pallas's Triton lowering is deprecated in jax 0.11; without it routing uses lax.top_k.
   from jax.experimental.pallas import triton as pltriton
   AVAILABLE = True
@@ -48,10 +50,6 @@ def supports(values: jax.Array, k: int) -> str | None:
   if values.dtype != jnp.float32:
     return f"values dtype {values.dtype} (the kernel takes float32)"
   return None
-
-
-def _next_pow2(v: int) -> int:
-  return 1 << (v - 1).bit_length()
 
 
 def _order_keys(v):
@@ -87,7 +85,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
   t, e = values.shape
   bt = block_tokens(e, values_per_program)
   padded = jnp.pad(values, ((0, -t % bt), (0, 0))) if t % bt else values  # whole blocks only
-  k_block = _next_pow2(k)  # Triton blocks are powers of two; the extra slots are sliced off
+  k_block = next_pow2(k)  # Triton blocks are powers of two; the extra slots are sliced off
   rows = padded.shape[0]
   ids = pl.pallas_call(
       functools.partial(_kernel, k=k),
