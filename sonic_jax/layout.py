@@ -127,6 +127,12 @@ def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra
           and next_pow2(num_experts) <= AUTO_MAX_EXPERTS)
 
 
+def _expert_row_starts(counts: Array, row_tile: int) -> Array:
+  """First grouped row of each expert: its pairs padded to whole tiles, experts in order."""
+  group_sizes = _round_up(counts, row_tile)
+  return jnp.cumsum(group_sizes) - group_sizes
+
+
 def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
   """(pair_row (P,), row_pair (R,), counts (E,)) from a stable sort of the expert ids (E: none)."""
   num_pairs = flat.shape[0]
@@ -143,8 +149,7 @@ def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
   starts_all = jax.lax.cummin(first, reverse=True)  # (E + 1,), E: 'no expert'
   counts = starts_all[1:] - starts_all[:-1]
   starts = starts_all[:e_count]  # first sorted position of each expert
-  group_sizes = _round_up(counts, row_tile)
-  row_starts = jnp.cumsum(group_sizes) - group_sizes  # first grouped row of each expert
+  row_starts = _expert_row_starts(counts, row_tile)
 
   safe_expert = jnp.minimum(sorted_expert, e_count - 1)
   row_of_sorted = row_starts[safe_expert] + (position - starts[safe_expert])
@@ -177,9 +182,7 @@ def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: i
   ranks, block_counts = layout_ranks.block_ranks(expert_ids, e_count, interpret=interpret)
   bt = layout_ranks.block_tokens(e_count)
   counts = jnp.sum(block_counts, axis=0)
-  group_sizes = _round_up(counts, row_tile)
-  row_starts = jnp.cumsum(group_sizes) - group_sizes
-  block_starts = _exclusive_cumsum_rows(block_counts) + row_starts  # (blocks, E)
+  block_starts = _exclusive_cumsum_rows(block_counts) + _expert_row_starts(counts, row_tile)
   valid = (expert_ids >= 0) & (expert_ids < e_count)
   block = jax.lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0) // bt
   pair_row = block_starts[block, jnp.clip(expert_ids, 0, e_count - 1)] + ranks
