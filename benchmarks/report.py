@@ -312,6 +312,23 @@ weight); median µs per call, interleaved rounds; the gradients' error against f
 """
 
 
+def merge_kernel_runs(runs):
+  """kernel_bench runs (a grid split over device calls) -> one record: their configurations in
+  order, and `ceilings`, how each run's measured GEMM rate and copy bandwidth read."""
+  first = runs[0]
+  for r in runs[1:]:
+    if (r["device"], r["jax"], r["gate_up_layout"]) != (first["device"], first["jax"],
+                                                        first["gate_up_layout"]):
+      raise ValueError("kernel_bench runs of different devices, jax versions or layouts")
+  rate = lambda r: f"{r['dense_bf16_tflops']:.0f} TFLOP/s and {r['copy_gbps']:.0f} GB/s"
+  if len(runs) == 1:
+    ceilings = rate(first)
+  else:
+    ds = lambda r: ", ".join(str(d) for d in sorted({c["config"][1] for c in r["configs"]}))
+    ceilings = "; ".join(f"{rate(r)} in the run of the d = {ds(r)} rows" for r in runs)
+  return {**first, "configs": [c for r in runs for c in r["configs"]], "ceilings": ceilings}
+
+
 def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_rounding=None,
                         command=None, pretrain=None, expert_parallel="", router_backward=""):
   import shutil
@@ -334,8 +351,8 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 ## Kernels, one at a time
 
 `python -m benchmarks.kernel_bench` on {kernels['device']}, jax {kernels['jax']}: measured ceilings
-{kernels['dense_bf16_tflops']:.0f} TFLOP/s (8192³ bf16 GEMM) and {kernels['copy_gbps']:.0f} GB/s (device copy,
-bytes read + written). Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
+(8192³ bf16 GEMM; device copy, bytes read + written; each run measures its own and each kernel's
+roofline uses its run's) {kernels['ceilings']}. Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
 up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
 backward GEMM kernels as the backend runs them (`gather_source`): dw1 with its fused gather of x ("x
@@ -425,7 +442,9 @@ def main(argv):
   import argparse
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("results", nargs="+", help="results.json files of benchmarks.moe_bench runs")
-  ap.add_argument("--kernels", help="kernels.json of a benchmarks.kernel_bench run")
+  ap.add_argument("--kernels", action="append",
+                  help="kernels.json of a benchmarks.kernel_bench run (repeatable: a grid split "
+                       "over several runs)")
   ap.add_argument("--out", required=True, help="folder for results.md and the plots")
   ap.add_argument("--benchmarks_md", action="store_true", help="regenerate BENCHMARKS.md")
   ap.add_argument("--notes", default="", help="extra Markdown lines for BENCHMARKS.md")
@@ -451,8 +470,8 @@ def main(argv):
       with open(path) as f:
         return json.load(f)
 
-    kernels, token_rounding, ep, rb = map(load_json, (args.kernels, args.token_rounding, args.ep,
-                                                      args.router_backward))
+    token_rounding, ep, rb = map(load_json, (args.token_rounding, args.ep, args.router_backward))
+    kernels = merge_kernel_runs([load_json(p) for p in args.kernels]) if args.kernels else None
     shown = [("'…'" if i and argv[i - 1] == "--notes" else a) for i, a in enumerate(argv)]
     command = "python -m benchmarks.report " + " ".join(shown)
     expert_parallel = ""

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -171,3 +173,20 @@ print("checked")
   proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0 and "checked" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_report_merges_kernel_bench_runs():
+  """A kernel grid split over device calls: report takes each run's kernels.json, keeps their
+  configurations in order and names each run's ceilings; runs of different devices are refused."""
+  sys.path.insert(0, ROOT)
+  from benchmarks.report import merge_kernel_runs
+  run = lambda d, rate, device="H100": {
+      "device": device, "jax": "0.11.2", "gate_up_layout": "concat", "dense_bf16_tflops": rate,
+      "copy_gbps": 2900.0, "configs": [{"config": [1024, d, 256, 8, 2]}]}
+  merged = merge_kernel_runs([run(768, 681.0), run(4096, 715.0)])
+  assert [c["config"][1] for c in merged["configs"]] == [768, 4096]
+  assert "681 TFLOP/s" in merged["ceilings"] and "d = 768 rows" in merged["ceilings"]
+  assert "715 TFLOP/s" in merged["ceilings"] and "d = 4096 rows" in merged["ceilings"]
+  assert merge_kernel_runs([run(768, 681.0)])["ceilings"] == "681 TFLOP/s and 2900 GB/s"
+  with pytest.raises(ValueError, match="different devices"):
+    merge_kernel_runs([run(768, 681.0), run(4096, 715.0, device="H200")])
