@@ -1,6 +1,8 @@
 r"""dH kernel variants on the GPU: the 256-column tile (H staged through SMEM a piece at a time, or
 loaded from GMEM into registers, in the epilogue) against the 128-column tile (H TMA-prefetched into
-SMEM during the mainloop), with and without 2-CTA clusters, on dO rows gathered or not as the backend's policy says (`gather_source`); plus a
+SMEM during the mainloop), with and without 2-CTA clusters, and the pingpong schedule (each
+compute warpgroup a whole 128 x 128 tile in turn, H in registers), on dO rows gathered or not as
+the backend's policy says (`gather_source`); plus a
 mainloop probe: the same GEMM (dO rows times w2_e^T, same tile and ring) whose epilogue only stores
 dA' in bfloat16, which bounds what any overlap of dH's epilogue with the mainloop could gain.
 
@@ -27,7 +29,7 @@ from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, grouped_gemm
+from sonic_jax.mosaic_gpu.grouped_gemm import GemmRole, GroupedGemmConfig, grouped_gemm
 
 grid.define_variant_flags()
 flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
@@ -47,6 +49,15 @@ VARIANTS = {  # block_n None: the layer's table configuration for the problem
     "dH 256 cols, H in registers": ("dh", 256, {"wide_h_loads": "registers"}),
     "dH 256 cols, H in registers, 3 stages": ("dh", 256, {"wide_h_loads": "registers",
                                                           "num_stages": 3}),
+    # Pingpong: each compute warpgroup a whole 128 x 128 tile in turn, H read into registers, so
+    # one warpgroup's epilogue runs under the other's mainloop (decoupled where a tile's k-steps
+    # use every ring slot an even number of times).
+    "dH pingpong, 3 stages": ("dh", 128, {"schedule": "pingpong", "num_stages": 3,
+                                           "cluster_m": 1}),
+    "dH pingpong, 4 stages": ("dh", 128, {"schedule": "pingpong", "num_stages": 4,
+                                           "cluster_m": 1}),
+    "dH pingpong, 6 stages": ("dh", 128, {"schedule": "pingpong", "num_stages": 6,
+                                           "cluster_m": 1}),
     "dH 128 cols, prefetched H": ("dh", 128, {}),
     "dH 128 cols, prefetched H, cluster 2": ("dh", 128, {"cluster_m": 2}),
     "probe 256 cols": ("probe", 256, {}),
@@ -91,7 +102,7 @@ def run_config(cfg):
   rows = d_out if gathered else jax.jit(lambda g: g[layout.row_token])(d_out)
   used = int(layout.num_tiles) * 128
   flops = 2 * used * d * n
-  base = mosaic_backend.dh_config(d, n, e)
+  base = mosaic_backend.dh_config(d, n, e, layout_name)
   # The rows in use of dH and A_s (the dS partials' shape depends on the tile width), or dA'.
   compared = lambda o: tuple(np.asarray(v[:used], np.float32) for v in o[:2])
   by_kind = {"dh": {}, "probe": {}}  # each kind checked against its own first variant
@@ -100,9 +111,14 @@ def run_config(cfg):
       continue
     overrides = dict(overrides)
     h_loads = overrides.pop("wide_h_loads", "staged" if block_n else base.wide_h_loads)
+    # A variant that names its tile starts from the cooperative defaults where the table's
+    # configuration is a pingpong one (whose ring depth a cooperative tile may not fit).
+    table_gemm = base.gemm
+    if block_n and table_gemm.schedule == "pingpong" and "schedule" not in overrides:
+      table_gemm = GroupedGemmConfig()
     block_n = block_n or base.block_n
     variant_act = grid.variant_activation(overrides, act)
-    gemm = dataclasses.replace(base.gemm, **overrides)
+    gemm = dataclasses.replace(table_gemm, **overrides)
     if kind == "dh":
       config = dh.DhProjectionConfig(gemm, block_n, h_loads)
       fn = lambda g, h, s, w2, config=config, a=variant_act: dh.dh_projection(

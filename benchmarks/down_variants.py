@@ -35,6 +35,13 @@ VARIANTS = {  # name: (DownProjectionConfig.block_n, GroupedGemmConfig overrides
     "128 cols, 6 stages": (128, {"num_stages": 6}),
     "128 cols, 3 buffers": (128, {"epilogue_buffers": 3}),
     "128 cols, cluster 2": (128, {"cluster_m": 2}),
+    "pingpong, 2 stages": (128, {"schedule": "pingpong", "num_stages": 2, "cluster_m": 1}),
+    "pingpong, 4 stages": (128, {"schedule": "pingpong", "num_stages": 4, "cluster_m": 1}),
+    "pingpong, 5 stages": (128, {"schedule": "pingpong", "num_stages": 5, "cluster_m": 1}),
+    "pingpong, 6 stages, 1 buffer": (128, {"schedule": "pingpong", "num_stages": 6,
+                                           "epilogue_buffers": 1, "cluster_m": 1}),
+    "pingpong, 5 stages, cluster 2": (128, {"schedule": "pingpong", "num_stages": 5,
+                                            "cluster_m": 2}),
 }
 
 

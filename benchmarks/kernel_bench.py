@@ -98,7 +98,8 @@ def run_config(cfg, flops_rate, bw):
   # the kernels), and on pre-gathered contiguous rows (what the fused gathers cost).
   d_out_rows = rows_of(d_out, layout)
   row_scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  dh_cfg, dx_cfg = mosaic_backend.dh_config(d, n, e), mosaic_backend.dx_config(d, 2 * n, e)
+  dh_cfg = mosaic_backend.dh_config(d, n, e, gate_up)
+  dx_cfg = mosaic_backend.dx_config(d, 2 * n, e)
   wgrad_cfg = mosaic_backend.weight_grad_config(d, n, e)
   dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg,
                                                            gather=gather, gate_up_layout=gate_up)

@@ -124,6 +124,109 @@ def test_down_projection_matches_reference(rng, compiled, bias, block_n):
   assert _rows_err(y, xla_backend.down_projection(a, w2, b2, layout), layout) < 1e-2
 
 
+PINGPONG_CASES = [
+    # (role, activation or None, gate/up layout, bias, skew)
+    ("up", "swiglu", "concat", True, True),
+    ("up", "geglu", "interleaved", False, False),
+    ("up", "gelu", "concat", True, False),
+    ("down", None, None, True, True),
+    ("dh", "swiglu", "concat", False, True),
+    ("dh", "gelu", "concat", False, False),
+]
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("role,activation,gate_up_layout,bias,skew", PINGPONG_CASES)
+def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, role, activation,
+                                             gate_up_layout, bias, skew):
+  """The pingpong schedule (the compute warpgroups take whole tiles in turn): up-projection (with
+  its gather), down-projection and dH (gathered dO, H read into registers by 64-row blocks, dS
+  partials) against the XLA reference, on an odd number of tiles per CTA and an expert without
+  rows; compiled, also bit for bit against the cooperative schedule."""
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  from sonic_jax.mosaic_gpu import down_projection as down
+  from sonic_jax.mosaic_gpu import up_projection as up
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+  T, d, n, E = (150, 256, 256, 3) if not compiled else (6000, 1024, 512, 12)
+  # Decoupled when a tile's k-steps use every ring slot an even number of times: 4 (interpreted)
+  # or 16 / 8 (compiled) k-steps on 2 or 4 stages; coupled on 5.
+  stages = (4 if compiled else 2) if decoupled else 5
+  pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=stages)
+  if role == "up":
+    x, w1, b1, ids = _problem(rng, T, d, n, E, 2, activation, skew)
+    b1 = b1 if bias else None
+    act = acts.get_activation(activation)
+    layout = build_grouped_layout(ids, E, 128)
+    run = lambda gemm: up.up_projection(x, w1, b1, layout, act, gate_up_layout,
+                                        config=up.UpProjectionConfig(gemm))
+    want = xla_backend.up_projection(x, w1, b1, layout, act, gate_up_layout)
+  elif role == "dh":
+    _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew)
+    act = acts.get_activation(activation)
+    layout = build_grouped_layout(ids, E, 128)
+    h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)),
+                    jnp.bfloat16)
+    d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
+    scores = jnp.where(layout.row_valid(),
+                       jnp.asarray(rng.uniform(0.1, 1.0, layout.num_rows), jnp.float32), 0.0)
+
+    def run(gemm):
+      d_h, a_s, ds_parts = dh.dh_projection(d_out, h, scores, w2, layout, act, gather=True,
+                                            config=dh.DhProjectionConfig(gemm, block_n=128))
+      return d_h, a_s, ds_parts.T  # dS partials as (rows, column blocks)
+
+    d_h, a_s, d_s, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
+                                                 gate_up_layout)
+    want = (d_h, a_s, None)
+  else:
+    ids = rng.integers(0, E, (T, 2))
+    if skew:
+      ids[: 3 * T // 4, 0], ids[ids == E - 1] = 0, 1
+    layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), E, 128)
+    a = jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
+    b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16) if bias else None
+    run = lambda gemm: (down.down_projection(a, w2, b2, layout, down.DownProjectionConfig(
+        gemm, block_n=128)),)
+    want = (xla_backend.down_projection(a, w2, b2, layout),)
+  with kernel_mode(compiled):
+    got = jax.jit(lambda: run(pingpong))()
+    cooperative = jax.jit(lambda: run(GroupedGemmConfig()))() if compiled else None
+  valid = np.asarray(layout.row_valid())
+  if role == "dh":
+    assert _rows_err(jnp.sum(got[2], 1), d_s, layout) < 1e-2
+  for i, (g, w) in enumerate(zip(got, want)):
+    if w is not None:
+      assert _rows_err(g, w, layout) < 1e-2
+    if compiled:
+      np.testing.assert_array_equal(np.asarray(g, np.float32)[valid],
+                                    np.asarray(cooperative[i], np.float32)[valid])
+
+
+def test_pingpong_takes_whole_tiles_and_halved_blocks():
+  """A pingpong warpgroup holds a whole tile's rows: the roles halve their column blocks (same
+  accumulator registers); the roles without a pingpong form refuse it by name."""
+  from sonic_jax.mosaic_gpu import down_projection as down
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  from sonic_jax.mosaic_gpu import dx_projection as dx
+  from sonic_jax.mosaic_gpu import up_projection as up
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+  pingpong = GroupedGemmConfig(schedule="pingpong")
+  assert pingpong.rows_per_warpgroup == 128 and GroupedGemmConfig().rows_per_warpgroup == 64
+  assert up.block_n(True, "pingpong") * 2 == up.block_n(True, "cooperative") == 128
+  assert up.block_n(False, "pingpong") == 128
+  with pytest.raises(ValueError, match="block_n=128"):
+    down.DownProjectionConfig(pingpong)
+  with pytest.raises(ValueError, match="block_n=128"):
+    dh.DhProjectionConfig(gemm=pingpong, block_n=256)
+  with pytest.raises(ValueError, match="cooperative"):
+    dx.DxProjectionConfig(pingpong)
+  with pytest.raises(ValueError, match="schedule"):
+    GroupedGemmConfig(schedule="alternate")
+
+
 LAYER_CASES = [("swiglu", True, jnp.bfloat16, "concat"),
                ("relu", False, jnp.bfloat16, "concat"),
                ("geglu", False, jnp.float16, "interleaved")]
@@ -538,6 +641,17 @@ def _lowering_cases():
       lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
                                        config=cp_async),
       (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+  pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=5)
+  for gate_up in ("concat", "interleaved"):
+    cases[f"up-swiglu-{gate_up}-pingpong"] = (
+        lambda x, w, b, gate_up=gate_up: up.up_projection(
+            x, w, b, layout, acts.get_activation("swiglu"), gate_up,
+            config=up.UpProjectionConfig(pingpong)),
+        (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+  cases["down-pingpong"] = (
+      lambda a, w, b: down.down_projection(a, w, b, layout,
+                                           down.DownProjectionConfig(pingpong, block_n=128)),
+      (spec(R, n), spec(E, n, d), spec(E, d)))
   deep_epilogue = up.UpProjectionConfig(GroupedGemmConfig(num_stages=3, epilogue_buffers=4))
   cases["up-swiglu-4-epilogue-buffers"] = (
       lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
@@ -574,6 +688,12 @@ def _lowering_cases():
                                           config=dh.DhProjectionConfig(block_n=256), gather=True,
                                           gate_up_layout="interleaved", write_d_out_rows=True),
       (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cases["dh-swiglu-pingpong-gathered-writes-rows"] = (
+      lambda a, h, s, w: dh.dh_projection(
+          a, h, s, w, layout, acts.get_activation("swiglu"), gather=True, write_d_out_rows=True,
+          config=dh.DhProjectionConfig(GroupedGemmConfig(schedule="pingpong", num_stages=4),
+                                       block_n=128)),
+      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
   # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
   cluster = GroupedGemmConfig(cluster_m=2)
   cases["up-swiglu-cluster"] = (
@@ -595,11 +715,13 @@ def _lowering_cases():
 @pytest.mark.parametrize("role", ["up-swiglu-cluster", "down-cluster",
                                   "dh-swiglu-gathered-cluster", "dx-cluster", "up-swiglu", "up-swiglu-interleaved", "up-gelu",
                                   "up-swiglu-4-epilogue-buffers", "up-relu_sq",
-                                  "up-swiglu-cp_async", "dh-swiglu", "dh-swiglu-interleaved-128",
+                                  "up-swiglu-cp_async", "dh-swiglu", "up-swiglu-concat-pingpong",
+                                  "up-swiglu-interleaved-pingpong", "down-pingpong", "dh-swiglu-interleaved-128",
                                   "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
                                   "dh-swiglu-interleaved-256-gathered-writes-rows",
                                   "dh-swiglu-wide-staged", "dh-swiglu-wide-registers",
                                   "dh-swiglu-gathered-writes-rows",
+                                  "dh-swiglu-pingpong-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
                                   "weight_grad-gathered_rhs-256x128-cluster",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])

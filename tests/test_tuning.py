@@ -107,3 +107,17 @@ def test_backend_passes_the_tuned_config_to_the_kernels(table, monkeypatch):
   assert (dh_config.block_n, dh_config.wide_h_loads) == (256, "registers")
   down_config = mosaic_backend.down_config(d=256, n=128, num_experts=4)
   assert down_config.gemm == GroupedGemmConfig(num_stages=6) and down_config.block_n == 128
+
+
+def test_a_pingpong_dh_entry_is_for_the_concat_layout(table, monkeypatch):
+  """The table's pingpong dH configuration runs with the concat layout; the interleaved layout
+  (its H pairs read from SMEM, which only the cooperative tile has room for) runs the defaults."""
+  from sonic_jax.mosaic_gpu import dh_projection as dh
+  monkeypatch.setattr(tuning, "_device_kind", lambda: H100)
+  table([_entry("dh", 256, 256, 4, schedule="pingpong", num_stages=6, block_n=128)])
+  concat = mosaic_backend.dh_config(d=256, n=256, num_experts=4)
+  interleaved = mosaic_backend.dh_config(d=256, n=256, num_experts=4,
+                                         gate_up_layout="interleaved")
+  assert concat.gemm == GroupedGemmConfig(schedule="pingpong", num_stages=6)
+  assert concat.block_n == 128
+  assert interleaved == dh.DhProjectionConfig(block_n=256)

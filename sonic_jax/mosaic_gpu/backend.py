@@ -82,10 +82,16 @@ def down_config(d: int, n: int, num_experts: int) -> down.DownProjectionConfig:
       **tuning.role_fields("down", d=d, n=n, num_experts=num_experts))
 
 
-def dh_config(d: int, n: int, num_experts: int) -> dh.DhProjectionConfig:
-  return dh.DhProjectionConfig(
-      tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts), dh.default_block_n(n),
-      **tuning.role_fields("dh", d=d, n=n, num_experts=num_experts))
+def dh_config(d: int, n: int, num_experts: int,
+              gate_up_layout: str = "concat") -> dh.DhProjectionConfig:
+  """The tuning table's dH configuration for the problem. A pingpong entry is for the concat
+  layout (the interleaved layout reads H's pairs from SMEM, which only the cooperative schedule
+  has room for): with the interleaved layout such a problem runs the defaults."""
+  gemm = tuning.gemm_config("dh", d=d, n=n, num_experts=num_experts)
+  fields = tuning.role_fields("dh", d=d, n=n, num_experts=num_experts)
+  if gemm.schedule == "pingpong" and gate_up_layout == "interleaved":
+    return dh.DhProjectionConfig(block_n=dh.default_block_n(n))
+  return dh.DhProjectionConfig(gemm, **{"block_n": dh.default_block_n(n), **fields})
 
 
 def dx_config(d: int, width: int, num_experts: int) -> dx.DxProjectionConfig:
@@ -126,7 +132,7 @@ def down_projection(a, w2, b2, layout):
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout):
   e, n, d = w2.shape
-  config = dh_config(d, n, e)
+  config = dh_config(d, n, e, gate_up_layout)
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)

@@ -8,6 +8,11 @@ block_n hidden units; the epilogue reads the matching H columns (gate and up for
 recomputes A from them in float32 and writes dH, A_s and one float32 partial of dS per row and
 column block, so neither Y nor A was stored by the forward. With 128-column blocks the H columns
 and row scores are TMA-copied into SMEM while the tile's mainloop runs (`DhProjectionConfig`).
+Under the core's pingpong schedule (`GroupedGemmConfig.schedule`) a warpgroup takes a whole
+128 x 128 tile and reads its H straight into registers, 64 rows at a time: the other warpgroup's
+mainloop hides the loads, and the whole tile's H would not fit in SMEM next to the ring. Measured
+on an H100 it pays where the epilogue and the mainloop are of a size (d = 1536: 5-7% on dH) and
+loses at d = 768 and d = 4096 (`benchmarks/dh_variants.py`); the tuning table picks it.
 Reference: `sonic_jax.xla_backend.dh_projection` (without the b2 term of dS, which the backend
 adds).
 """
@@ -31,6 +36,7 @@ from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, chec
 PREFETCH_BLOCK_N = 128  # the column block whose H columns fit in SMEM next to a 4-stage ring
 WIDE_BLOCK_N = 256  # twice the columns per tile: half the A-operand traffic per FLOP
 STAGED_MAX_STAGES = 3  # ring depth next to the staged wide epilogue's buffers
+ROW_BLOCK = 64  # rows of one wgmma accumulator block: the register epilogue's unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +48,18 @@ class DhProjectionConfig:
   one of two SMEM buffers, the next while the current one is computed; the ring is then at most
   `STAGED_MAX_STAGES` deep) or "registers" (plgpu.load from GMEM, stalling on each piece; the
   outputs go through the staging buffers). The interleaved layout needs "staged" (its pairs are
-  read as words from SMEM)."""
+  read as words from SMEM).
+  With `gemm.schedule="pingpong"`: block_n must be 128 and H is read into registers (the concat
+  layout only; wide_h_loads does not apply)."""
 
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
   block_n: int = PREFETCH_BLOCK_N
   wide_h_loads: str = "staged"
 
   def __post_init__(self):
+    if self.gemm.schedule == "pingpong" and self.block_n != PREFETCH_BLOCK_N:
+      raise ValueError(f"a pingpong dH takes block_n={PREFETCH_BLOCK_N} (a warpgroup holds a whole "
+                       f"tile's rows), got {self.block_n}")
     if self.block_n not in (PREFETCH_BLOCK_N, WIDE_BLOCK_N):
       raise ValueError(f"block_n must be {PREFETCH_BLOCK_N} or {WIDE_BLOCK_N}, got {self.block_n}")
     if self.wide_h_loads not in ("staged", "registers"):
@@ -98,8 +109,14 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   act_fn, act_grad = acts.kernel_fn(activation), acts.kernel_grad(activation)
   cols = epi.STORE_COLS
   bn = config.block_n
-  prefetched = bn == PREFETCH_BLOCK_N
-  staged = not prefetched and (interleaved or config.wide_h_loads == "staged")
+  pingpong = config.gemm.schedule == "pingpong"
+  if pingpong and interleaved:
+    raise ValueError("a pingpong dH takes the concat gate/up layout (the interleaved layout reads "
+                     "its pairs from SMEM)")
+  # Pingpong: H read into registers (the other warpgroup's mainloop hides the loads' latency; a
+  # whole tile's H does not fit in SMEM next to the ring).
+  prefetched = bn == PREFETCH_BLOCK_N and not pingpong
+  staged = not prefetched and not pingpong and (interleaved or config.wide_h_loads == "staged")
   gemm_config = config.gemm
   if staged:  # its H and A_s buffers take a stage's SMEM
     gemm_config = dataclasses.replace(gemm_config, num_stages=min(gemm_config.num_stages,
@@ -109,7 +126,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   # interleaved GLU one 128-column piece of (gate, up) pairs per 64 hidden units.
   h_pieces = 2 * pieces if glu and not interleaved else pieces
   h_cols = 2 * cols if interleaved else cols
-  rows_per_wg = tm // 2
+  rows_per_wg = config.gemm.rows_per_warpgroup
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
@@ -237,23 +254,27 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     return ds
 
   def registers_epilogue(acc, ctx, rows):
-    """H straight from GMEM and the outputs through the staging buffers, a piece at a time."""
-    dh_ref, as_ref, _ = ctx.outputs
+    """H straight from GMEM and the outputs through the staging buffers, a (64 rows, 64 columns)
+    piece at a time (a pingpong warpgroup's 128 rows in two blocks: one piece's H, 64 rows, in
+    registers at a time). Writes the dS partials itself; returns None."""
+    dh_ref, as_ref, ds_ref = ctx.outputs
     h_ref, s_ref = ctx.inputs
-    s = plgpu.load(s_ref.at[rows], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-    ds = None
-    for p in range(pieces):
-      columns = [pl.ds(h_column(ctx.column_block, i), cols) for i in h_halves(p)]
-      d_h, a_s, part = piece_outputs(
-          acc[:, p * cols:(p + 1) * cols], s,
-          [plgpu.load(h_ref.at[rows, c], layout=plgpu.Layout.WGMMA,
-                      optimized=False).astype(jnp.float32) for c in columns])
-      stores = [(v.astype(dtype), dh_ref.at[rows, c]) for v, c in zip(d_h, columns)]
-      stores.append((a_s.astype(dtype), as_ref.at[rows, pl.ds(ctx.column_block * bn + p * cols,
-                                                               cols)]))
-      epi.store_tiles(stores, ctx.scratch)
-      ds = part if ds is None else ds + part
-    return ds
+    for r0 in range(0, ctx.rows, ROW_BLOCK):
+      block = pl.ds(rows.start + r0, ROW_BLOCK)
+      s = plgpu.load(s_ref.at[block], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+      ds = None
+      for p in range(pieces):
+        columns = [pl.ds(h_column(ctx.column_block, i), cols) for i in h_halves(p)]
+        d_h, a_s, part = piece_outputs(
+            acc[r0:r0 + ROW_BLOCK, p * cols:(p + 1) * cols], s,
+            [plgpu.load(h_ref.at[block, c], layout=plgpu.Layout.WGMMA,
+                        optimized=False).astype(jnp.float32) for c in columns])
+        stores = [(v.astype(dtype), dh_ref.at[block, c]) for v, c in zip(d_h, columns)]
+        stores.append((a_s.astype(dtype), as_ref.at[block, pl.ds(ctx.column_block * bn + p * cols,
+                                                                 cols)]))
+        epi.store_tiles(stores, ctx.scratch)
+        ds = part if ds is None else ds + part
+      ds_ref.at[ctx.column_block, block][...] = ds
 
   def epilogue(accs, ctx):
     (acc,) = accs
@@ -263,7 +284,8 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     elif staged:
       ds = staged_epilogue(acc, ctx, rows)
     else:
-      ds = registers_epilogue(acc, ctx, rows)
+      registers_epilogue(acc, ctx, rows)
+      return
     ds_ref = ctx.outputs[2]
     ds_ref.at[ctx.column_block, rows][...] = ds  # 256 bytes: straight from registers
 
@@ -282,7 +304,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
       scratch = plgpu.RefUnion(scratch, plgpu.SMEM((2, rows_per_wg, cols), jnp.uint32,
                                                    transforms=tiled(jnp.uint32)))
   else:
-    scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
+    scratch = epi.staging_buffers(ROW_BLOCK, dtype, config.gemm.epilogue_buffers)
   if prefetched:
     prefetch, prefetch_copies = prefetch, h_pieces + 1
   elif staged:

@@ -29,6 +29,9 @@ class DownProjectionConfig:
   def __post_init__(self):
     if self.block_n not in (128, BLOCK_N):
       raise ValueError(f"block_n must be 128 or {BLOCK_N}, got {self.block_n}")
+    if self.gemm.schedule == "pingpong" and self.block_n != 128:
+      raise ValueError("a pingpong down-projection takes block_n=128 (a warpgroup holds a whole "
+                       f"tile's rows), got {self.block_n}")
 
 
 def supports(a, w2) -> str | None:
@@ -61,7 +64,8 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
       name="down_projection",
       block_n=bn, num_rhs_blocks=1, num_column_blocks=d // bn, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
+      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype,
+                                           config.gemm.epilogue_buffers),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role,
                       () if b2 is None else (b2,), config.gemm)

@@ -22,6 +22,10 @@ BLOCK_N = 256
 class DxProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
 
+  def __post_init__(self):
+    if self.gemm.schedule != "cooperative":
+      raise ValueError(f"dX runs the cooperative schedule only, got {self.gemm.schedule!r}")
+
 
 def supports(d_h, w1) -> str | None:
   return unsupported_operands(d_h, w1, [("w1's width", w1.shape[2], 64),

@@ -18,6 +18,18 @@ rather than columns lets the warpgroups share B and keeps each wgmma N = block_n
 completes when the stage's copies landed, `empty[s]` when both compute warpgroups finished the
 wgmma that read it.
 
+With `schedule="pingpong"` the compute warpgroups take the CTA's tiles in turn instead, each a whole
+tile (tile_m rows; roles halve their column blocks so the accumulators still fit), so that one
+warpgroup's epilogue (activation, conversion, stores: no wgmma) runs while the other's mainloop
+keeps the tensor cores busy. The ring stays one sequence. Where each tile uses every ring slot an
+even number of times (k-steps a multiple of 2 * num_stages, no cluster) the schedule is decoupled:
+the owner alone waits for and releases a tile's stages; elsewhere, and always in the interpreter
+(which checks that every thread that waits on a barrier sees each of its phases), the other
+warpgroup waits for and releases them too, without reading them. On an H100 a warpgroup's
+128 x 128 tile moves more operand bytes per FLOP than the cooperative 64 x 256 one: the up- and
+down-projections lost 10-30% with it; dH, whose epilogue is the heaviest, gains 5-7% at d = 1536
+(the tuning table picks it there; benchmarks/NOTES.md, thirteenth to sixteenth sessions).
+
 With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
 consecutive row tiles (one per CTA) of a column block: where the pair shares its expert, B is TMA-
 multicast (each CTA loads half of each block for both) and the `empty` barriers are cluster-wide.
@@ -49,6 +61,7 @@ from sonic_jax.mosaic_gpu import gather
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
 _NUM_COMPUTE_WGS = 2
+SCHEDULES = ("cooperative", "pingpong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +97,15 @@ class GroupedGemmConfig:
   # the weights' L2 -> SMEM traffic. The operand ring's `empty` barriers are then cluster-wide: a
   # stage is rewritten only once the compute warpgroups of both CTAs released it.
   cluster_m: int = 1
+  # How the two compute warpgroups share a tile: "cooperative" (each takes half of every tile's
+  # rows; both run the epilogue at once, with no wgmma in flight) or "pingpong" (each takes every
+  # other tile whole, so one warpgroup's epilogue runs under the other's mainloop). A pingpong
+  # warpgroup holds a whole tile's accumulators: roles halve their column blocks for it.
+  schedule: str = "cooperative"
+
+  @property
+  def rows_per_warpgroup(self) -> int:
+    return self.tile_m if self.schedule == "pingpong" else self.tile_m // _NUM_COMPUTE_WGS
 
   def __post_init__(self):
     if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
@@ -94,6 +116,8 @@ class GroupedGemmConfig:
       raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
     if self.cluster_m not in (1, 2):
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
@@ -162,12 +186,13 @@ def drain_ring(empty, total_steps, stages: int):
       plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
 
 
-def stage_release_barriers(cluster: int, stages: int):
-  """The operand ring's `empty` barriers, one per stage, completed by both compute warpgroups;
-  with a 2-CTA cluster by those of both CTAs (a multicast stage is rewritten in both at once)."""
+def stage_release_barriers(cluster: int, stages: int, consumers: int = _NUM_COMPUTE_WGS):
+  """The operand ring's `empty` barriers, one per stage, completed by the `consumers` compute
+  warpgroups that read a stage; with a 2-CTA cluster by those of both CTAs (a multicast stage is
+  rewritten in both at once)."""
   if cluster == 1:
-    return plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages)
-  return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=_NUM_COMPUTE_WGS,
+    return plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+  return plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=consumers,
                               num_barriers=stages)
 
 
@@ -278,6 +303,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   cluster = config.cluster_m
   m_groups = pl.cdiv(m_tiles, cluster)
   walk_grid = (m_groups * role.num_column_blocks,)
+  pingpong = config.schedule == "pingpong"
+  decoupled = (pingpong and cluster == 1 and k_iters % (2 * stages) == 0
+               and not interpreting())
   interpret_mode = interpreting()
   if interpret_mode:
     warn_if_interpreter_may_hang()
@@ -287,7 +315,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     inputs, outputs = refs[:n_in], refs[n_in:n_in + n_out]
     lhs_rows_ref = refs[n_in + n_out] if write_lhs_rows else None
 
-    def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready, prefetch_bar):
+    def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready, prefetch_bar, order):
       a_rows, a_tiles, a_raw = a_union
       if gather_impl == "cp_async":
         gather.init_stage_barriers(a_ready)
@@ -371,13 +399,16 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
       @pl.when(wg < _NUM_COMPUTE_WGS)
       def _compute_wg():
         plgpu.set_max_registers(compute_regs, action="increase")
+        if decoupled:  # warpgroup 0's first tile needs no other mainloop to have gone first
+          pl.when(wg == 1)(lambda: plgpu.barrier_arrive(order.at[0]))
 
         def compute_tile(mi, nb, expert, step, active, shared):
           del shared
-          rows = tm // _NUM_COMPUTE_WGS
+          rows = config.rows_per_warpgroup
+          first_row = 0 if pingpong else wg * rows  # of this warpgroup's rows in the tile
           blocks = role.num_rhs_blocks
           ctx = EpilogueContext(
-              row0=mi * tm + wg * rows, rows=rows, expert=expert, column_block=nb,
+              row0=mi * tm + first_row, rows=rows, expert=expert, column_block=nb,
               inputs=inputs, outputs=outputs,
               scratch=_at_warpgroup(epi_scratch, role.epilogue_scratch, wg),
               prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
@@ -386,13 +417,16 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
           write_rows = (active & (nb == 0)) if write_lhs_rows else None
 
           def acc_scope(*acc_refs):
+            if decoupled:  # the other warpgroup's mainloop waited for all its stages
+              plgpu.barrier_wait(order.at[wg])
+
             @pl.loop(0, k_iters)
             def _k(ki):
               slot = lax.rem(step + ki, stages)
               plgpu.barrier_wait(full.at[slot])
               if gather_impl == "cp_async":
                 gather.wait_stage(a_ready.at[slot], lax.rem((step + ki) // stages, 2))
-              a_half = a_tiles.at[slot, pl.ds(wg * rows, rows)]
+              a_half = a_tiles.at[slot, pl.ds(first_row, rows)]
               for j in range(blocks):
                 b_block = b_smem.at[slot, j]
                 if role.rhs_transposed:
@@ -417,18 +451,46 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               def _():
                 plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
 
+            if decoupled:
+              plgpu.barrier_arrive(order.at[1 - wg])
             plgpu.wgmma_wait(0)
             if write_lhs_rows:
               pl.when(write_rows)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
             plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
             return [r[...] for r in acc_refs]
 
-          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
-                                            for _ in range(blocks)])
-          if cluster == 1:
-            role.epilogue(accs, ctx)
-          else:
-            pl.when(active)(lambda: role.epilogue(accs, ctx))
+          def run_tile():
+            accs = pl.run_scoped(acc_scope, *[plgpu.ACC((rows, role.block_n), jnp.float32)
+                                              for _ in range(blocks)])
+            if cluster == 1:
+              role.epilogue(accs, ctx)
+            else:
+              pl.when(active)(lambda: role.epilogue(accs, ctx))
+
+          if not pingpong:
+            run_tile()
+            return
+          # Pingpong: the CTA's tiles alternate between the warpgroups (step // k_iters counts
+          # its tiles). Decoupled (each tile uses every ring slot an even number of times): the
+          # owner alone waits for and releases a tile's stages; the other warpgroup skips them,
+          # and the parity it tracks per barrier (one flip per wait) is still right when its next
+          # tile comes, since the barrier completed an even number of phases meanwhile. A parity
+          # wait cannot tell phase p from p + 2, so a warpgroup starts a mainloop only once the
+          # other's previous one waited for all its stages (`order`). Else the
+          # other warpgroup waits for and releases them too (coupled: a warpgroup's epilogue runs
+          # under at most `stages` k-steps of the other's mainloop).
+          mine = lax.rem(step // k_iters, _NUM_COMPUTE_WGS) == wg
+          pl.when(mine)(run_tile)
+          if decoupled:
+            return
+
+          @pl.when(~mine)
+          def _pass():
+            @pl.loop(0, k_iters)
+            def _k(ki):
+              slot = lax.rem(step + ki, stages)
+              plgpu.barrier_wait(full.at[slot])
+              plgpu.barrier_arrive(empty.at[slot])
 
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
@@ -450,10 +512,11 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
     pl.run_scoped(
         scoped, a_union, b_smem,
         plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-        stage_release_barriers(cluster, stages),
+        stage_release_barriers(cluster, stages, 1 if decoupled else _NUM_COMPUTE_WGS),
         epi, gather.stage_barriers(stages) if gather_impl == "cp_async" else None,
         (plgpu.Barrier(num_arrivals=role.prefetch_copies, num_barriers=_NUM_COMPUTE_WGS)
          if role.epilogue_prefetch is not None else None),
+        plgpu.Barrier(num_arrivals=1, num_barriers=_NUM_COMPUTE_WGS) if decoupled else None,
         collective_axes="wg")
 
   out_types = tuple(role.out_types)

@@ -35,6 +35,12 @@ GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 co
 PLAIN_BLOCK_N = 256
 
 
+def block_n(glu: bool, schedule: str) -> int:
+  """Columns per B block: a pingpong warpgroup holds a whole tile's rows, so half as many."""
+  bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
+  return bn // 2 if schedule == "pingpong" else bn
+
+
 @dataclasses.dataclass(frozen=True)
 class UpProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
@@ -64,7 +70,8 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   interleaved = glu and gate_up_layout == "interleaved"
   n = width // 2 if glu else width
   act_fn = acts.kernel_fn(activation)
-  bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
+  bn = block_n(glu, config.gemm.schedule)
+  rows = config.gemm.rows_per_warpgroup
   cols = epi.STORE_COLS
 
   def w1_column(nb, j):  # first w1 / H column of B block j (0: gate or all, 1: up)
@@ -127,9 +134,9 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(unit, cols // 2)])
 
   if interleaved:
-    scratch = epi.pair_staging_buffers(tm // 2, dtype, epi.half_staging_buffers(tm // 2, dtype))
+    scratch = epi.pair_staging_buffers(rows, dtype, epi.half_staging_buffers(rows, dtype))
   else:
-    scratch = epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers)
+    scratch = epi.staging_buffers(rows, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
       name="up_projection",
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
