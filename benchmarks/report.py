@@ -416,7 +416,9 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   for E ≤ 128 the routing metadata's per-block counts and ranks (a counting sort, from the fifteenth
   session's rows on; a radix sort before and at E = 256); the rest of the routing metadata and the
   aggregations (gather-sums) are XLA operations (the router GEMM's backward on bfloat16 operands
-  from the fourteenth session's rows on).
+  from the fourteenth session's rows on); each kernel's tile configuration from the tuning table of
+  its session (from the sixteenth session's rows on, dH at 24576,1536,256,128,8 and
+  24576,1536,512,64,4 under a pingpong schedule with the concat layout).
 - `sonic_jax[xla]` is the pure-JAX reference path (a scan over row tiles): a correctness path, not a GPU path.
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 
