@@ -11,7 +11,7 @@ and row scores are TMA-copied into SMEM while the tile's mainloop runs (`DhProje
 Under the core's pingpong schedule (`GroupedGemmConfig.schedule`) a warpgroup takes a whole
 128 x 128 tile and reads its H straight into registers, 64 rows at a time: the other warpgroup's
 mainloop hides the loads, and the whole tile's H would not fit in SMEM next to the ring. Measured
-on an H100 it pays where the epilogue and the mainloop are of a size (d = 1536: 5-7% on dH) and
+on an H100 it pays where the epilogue and the mainloop are of a size (d = 1536: 2-9% on dH) and
 loses at d = 768 and d = 4096 (`benchmarks/dh_variants.py`); the tuning table picks it.
 Reference: `sonic_jax.xla_backend.dh_projection` (without the b2 term of dS, which the backend
 adds).

@@ -27,7 +27,7 @@ the owner alone waits for and releases a tile's stages; elsewhere, and always in
 (which checks that every thread that waits on a barrier sees each of its phases), the other
 warpgroup waits for and releases them too, without reading them. On an H100 a warpgroup's
 128 x 128 tile moves more operand bytes per FLOP than the cooperative 64 x 256 one: the up- and
-down-projections lost 10-30% with it; dH, whose epilogue is the heaviest, gains 5-7% at d = 1536
+down-projections lost 10-30% with it; dH, whose epilogue is the heaviest, gains 2-9% at d = 1536
 (the tuning table picks it there; benchmarks/NOTES.md, thirteenth to sixteenth sessions).
 
 With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
