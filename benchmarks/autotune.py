@@ -108,6 +108,9 @@ def _compiled(fn, args, entries):
     tuning.set_table(None)
 
 
+_DH_DS_LEAF = 2  # backend.dh_projection returns (dH, A_s, dS, dO rows or None)
+
+
 def _same(got, want, reduced=False):
   """Bit for bit; `reduced`: dH's dS, a float32 sum over column blocks whose count follows the
   tile width (`block_n`), so its rounding may move in the last bits (relative 1e-5)."""
@@ -140,7 +143,7 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use):
         trials.append({"config": fields, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         continue
       same = all(_same(np.asarray(rows_in_use(u), np.float32),
-                       np.asarray(rows_in_use(v), np.float32), reduced=role == "dh" and i == 2)
+                       np.asarray(rows_in_use(v), np.float32), reduced=role == "dh" and i == _DH_DS_LEAF)
                  for i, (u, v) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))))
       # Against the incumbent in alternating rounds: the clocks drift by more than min_gain.
       times = timing.time_interleaved({"incumbent": (best, args), "candidate": (candidate, args)},

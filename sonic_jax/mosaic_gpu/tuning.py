@@ -5,8 +5,8 @@ varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is t
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
 `grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`, `schedule`; for "dh" also
-`DhProjectionConfig.wide_h_loads` and `block_n`, for "down" `DownProjectionConfig.block_n`; `WeightGradConfig`'s
-`num_stages`, `cluster`).
+`DhProjectionConfig.wide_h_loads` and `block_n`, for "down" `DownProjectionConfig.block_n`;
+`WeightGradConfig`'s `num_stages`, `cluster`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.

@@ -71,7 +71,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   n = width // 2 if glu else width
   act_fn = acts.kernel_fn(activation)
   bn = block_n(glu, config.gemm.schedule)
-  rows = config.gemm.rows_per_warpgroup
+  rows_per_wg = config.gemm.rows_per_warpgroup
   cols = epi.STORE_COLS
 
   def w1_column(nb, j):  # first w1 / H column of B block j (0: gate or all, 1: up)
@@ -134,9 +134,10 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(unit, cols // 2)])
 
   if interleaved:
-    scratch = epi.pair_staging_buffers(rows, dtype, epi.half_staging_buffers(rows, dtype))
+    scratch = epi.pair_staging_buffers(rows_per_wg, dtype,
+                                       epi.half_staging_buffers(rows_per_wg, dtype))
   else:
-    scratch = epi.staging_buffers(rows, dtype, config.gemm.epilogue_buffers)
+    scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
   role = GemmRole(
       name="up_projection",
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
