@@ -146,14 +146,15 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   impl = resolve_backend(backend)
   e_count = router_weight.shape[1]
 
-  logits = routing_lib.router_logits(x, router_weight)
   if selection_bias is not None:
     _check_float("selection_bias", selection_bias)
     if tuple(selection_bias.shape) != (e_count,):
       raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
                        f"{tuple(selection_bias.shape)}")
+  logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
+                                                  selection_bias)
   routed, _ = routing_lib.route_tokens(logits, top_k, routing, selection_bias, token_rounding,
-                                       impl.row_tile)
+                                       impl.row_tile, ids)
   layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
                                 routed.extra_experts)
   y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1, w2,

@@ -77,9 +77,10 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   act = _validate(x_all, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
   impl = resolve_backend(backend)
-  logits = routing_lib.router_logits(x_all, router_weight)
+  logits, ids = routing_lib.router_logits_and_ids(x_all, router_weight, top_k, routing,
+                                                  selection_bias)
   rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias,
-                                             token_rounding, impl.row_tile)
+                                             token_rounding, impl.row_tile, ids)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
@@ -210,11 +211,13 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   e_count, t_local = e_local * p, x.shape[0]
   me = jax.lax.axis_index(axis_name)
 
-  logits = routing_lib.router_logits(x, router_weight)
   if token_rounding is None:
+    logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
+                                                    selection_bias)
     rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias, None,
-                                               impl.row_tile)
+                                               impl.row_tile, ids)
   else:
+    logits = routing_lib.router_logits(x, router_weight)
     rounded, routed = _local_rounding(logits, top_k, routing, selection_bias, token_rounding,
                                       impl.row_tile, axis_name)
   # The sender's pairs in expert order, then moved into one slot per receiving device.

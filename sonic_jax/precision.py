@@ -41,7 +41,12 @@ def _dot_16bit_fwd(a, b):
 
 
 def _dot_16bit_bwd(residuals, g):
-  a, b = residuals
+  return dot_16bit_grads(*residuals, g)
+
+
+def dot_16bit_grads(a: Array, b: Array, g: Array) -> tuple[Array, Array]:
+  """(d_a, d_b) of a @ b (16-bit a, b; float32 result) for the result's cotangent g: both GEMMs
+  on g cast to a's dtype, with float32 accumulation."""
   g = g.astype(a.dtype)
   d_a = jax.lax.dot_general(g, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   d_b = jax.lax.dot_general(a, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)

@@ -1,9 +1,10 @@
 """Token-choice routers: logits, top-K scores and the auxiliary losses.
 
 A router maps logits (T, E) to `scores` (T, K) float32 and `expert_ids` (T, K) int32. Everything here
-is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient), so the
-router's backward (softmax or sigmoid backward, then the router GEMM's
-backward) is JAX autodiff fed by the score gradient dS that the expert op returns.
+is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient; for
+'softmax_topk' one kernel runs the router GEMM and the selection, `router_logits_and_ids`), so the
+router's backward (softmax or sigmoid backward, then the router GEMM's backward) is JAX autodiff
+fed by the score gradient dS that the expert op returns.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax.pallas import router_topk
+from sonic_jax import precision
 from sonic_jax.precision import dot_f32
 
 Array = jax.Array
@@ -46,6 +48,76 @@ def _top_k_ids(values: Array, top_k: int) -> Array:
   return jax.lax.top_k(jax.lax.stop_gradient(values), top_k)[1]
 
 
+# The router GEMM with the top-K in its epilogue (`router_logits_and_ids`) is used up to this many
+# experts on a GPU (`sonic_jax.pallas.router_topk.logits_top_k`). Measured on an H100
+# (benchmarks/router_variants.py, GEMM + top-K kernel / fused, us): 65 / 58 at T=40960, d=768,
+# E=128; 49 / 41 at 24576, 1536, E=32; 112 / 108 at 32768, 4096, E=64; but 186 / 247 at E=256,
+# where the (tokens, E) selection leaves few tokens per program and each reads the whole weight.
+FUSED_TOP_K_MAX_EXPERTS = 128
+
+
+def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing: str,
+                            gpu_only: bool = True) -> str | None:
+  """None when `router_logits_and_ids` computes the logits and the expert ids in one kernel (by
+  default only on a GPU; gpu_only=False: whether the interpreter can run it elsewhere)."""
+  if routing != "softmax_topk":
+    return f"routing {routing!r} (the fused kernel selects on the logits: 'softmax_topk')"
+  if not router_topk.AVAILABLE:
+    return "Pallas's Triton lowering is not available"
+  if gpu_only and jax.default_backend() != "gpu":
+    return "not on a GPU"
+  if x.ndim != 2:
+    return f"x must be (T, d), got shape {x.shape}"
+  if router_weight.shape[-1] > FUSED_TOP_K_MAX_EXPERTS:
+    return f"E={router_weight.shape[-1]} > {FUSED_TOP_K_MAX_EXPERTS}"
+  return router_topk.logits_supports(x, router_weight, top_k)
+
+
+def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: str,
+                          selection_bias: Array | None = None,
+                          fused: bool | None = None) -> tuple[Array, Array | None]:
+  """(logits, expert ids or None): `router_logits(x, router_weight)` and, where one kernel can
+  give them with the logits (`fused_top_k_unsupported` is None: a GPU, 16-bit x and weight,
+  'softmax_topk'), the ids that `route` would select, for `route(..., expert_ids=ids)`. The fused
+  kernel saves the top-K's pass over the logits and a launch; the gradients are those of
+  `router_logits` (16-bit GEMMs, float32 accumulation; none into the selection bias).
+  fused: None (where it applies), False (never: ids None), True (always; interpreted off a GPU;
+  a ValueError where it does not apply)."""
+  reason = fused_top_k_unsupported(x, router_weight, top_k, routing, gpu_only=fused is None)
+  if fused is False or (reason is not None and not fused):
+    return router_logits(x, router_weight), None
+  if reason is not None:
+    raise ValueError(f"router_logits_and_ids(fused=True): {reason}")
+  # The kernel runs on stopped inputs, so autodiff never differentiates it (nor, through its integer
+  # ids, the layout's kernels: a custom_vjp's integer output would carry a float0 tangent into
+  # them); the logits get the router GEMM's gradient from `_with_router_gradient`.
+  stop = jax.lax.stop_gradient
+  logits, ids = router_topk.logits_top_k(
+      stop(x), stop(router_weight), top_k, None if selection_bias is None else stop(selection_bias),
+      interpret=jax.default_backend() != "gpu")
+  return _with_router_gradient(x, router_weight, logits), ids
+
+
+@jax.custom_vjp
+def _with_router_gradient(x, router_weight, logits):
+  """logits, computed elsewhere as x @ router_weight, with that product's gradient (16-bit GEMMs,
+  float32 accumulation: `precision.dot_16bit_grads`)."""
+  del x, router_weight
+  return logits
+
+
+def _with_router_gradient_fwd(x, router_weight, logits):
+  return logits, (x, router_weight)
+
+
+def _with_router_gradient_bwd(residuals, g):
+  d_x, d_w = precision.dot_16bit_grads(*residuals, g)
+  return d_x, d_w, jnp.zeros_like(g)
+
+
+_with_router_gradient.defvjp(_with_router_gradient_fwd, _with_router_gradient_bwd)
+
+
 def _select(values: Array, top_k: int, selection_bias: Array | None):
   """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids)."""
   biased = values
@@ -56,7 +128,7 @@ def _select(values: Array, top_k: int, selection_bias: Array | None):
 
 
 def route(logits: Array, top_k: int, routing: str,
-          selection_bias: Array | None = None) -> RouterOutput:
+          selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
   """Selects K experts per token and their scores.
 
   selection_bias (E,), optional: added to the routing values (logits for "softmax_topk",
@@ -68,10 +140,22 @@ def route(logits: Array, top_k: int, routing: str,
   - "topk_softmax": softmax over all E, top-K, renormalised to sum to one (Qwen3 style).
   - "topk_softmax_raw": softmax over all E, top-K, not renormalised (Switch / Gemma style).
   - "sigmoid_topk": sigmoid scores, top-K, renormalised (DeepSeek-V3 style, without bias).
+
+  expert_ids (T, K), optional ("softmax_topk" only): the selection, already made
+  (`router_logits_and_ids`); the scores come from these logits.
   """
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  if expert_ids is not None and routing != "softmax_topk":
+    raise ValueError(f"expert_ids are taken with routing='softmax_topk' only, got {routing!r}")
   if routing == "softmax_topk":
-    top_logits, ids = _select(logits, top_k, selection_bias)
+    if expert_ids is None:
+      top_logits, ids = _select(logits, top_k, selection_bias)
+    else:
+      if expert_ids.shape != logits.shape[:-1] + (top_k,):
+        raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
+                         f"{expert_ids.shape}")
+      ids = expert_ids.astype(jnp.int32)
+      top_logits = jnp.take_along_axis(logits, ids, axis=-1)
     return RouterOutput(jax.nn.softmax(top_logits, axis=-1), ids, jax.nn.softmax(logits, axis=-1))
   if routing in ("topk_softmax", "topk_softmax_raw"):
     probs = jax.nn.softmax(logits, axis=-1)
@@ -207,10 +291,11 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
 
 
 def route_tokens(logits: Array, top_k: int, routing: str, selection_bias: Array | None,
-                 token_rounding: str | None, tile: int) -> tuple[RoundedRouting, RouterOutput]:
+                 token_rounding: str | None, tile: int,
+                 expert_ids: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
   """`route`, then `round_tokens` when token_rounding is not None (an empty extra-pair list
   otherwise). Returns (the routing the experts see, the token-choice routing it started from)."""
-  routed = route(logits, top_k, routing, selection_bias)
+  routed = route(logits, top_k, routing, selection_bias, expert_ids)
   if token_rounding is None:
     empty = jnp.zeros((0,), jnp.int32)
     return RoundedRouting(routed.scores, routed.expert_ids, empty, empty,

@@ -59,12 +59,14 @@ def _order_keys(v):
   return jnp.where(v != v, jnp.int32(0x7FFFFFFF), keys)
 
 
-def _kernel(values_ref, ids_ref, *, k: int):
-  keys = _order_keys(values_ref[...])
+def _select_ids(values, k: int, k_block: int):
+  """(tokens, k_block) int32: the ids of each row's k largest values (lax.top_k's order and ties);
+  slots past k hold 0."""
+  keys = _order_keys(values)
   e = keys.shape[1]
   expert = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
-  slot = lax.broadcasted_iota(jnp.int32, ids_ref.shape, 1)
-  ids = jnp.zeros(ids_ref.shape, jnp.int32)
+  slot = lax.broadcasted_iota(jnp.int32, (keys.shape[0], k_block), 1)
+  ids = jnp.zeros((keys.shape[0], k_block), jnp.int32)
   for j in range(k):
     best = jnp.max(keys, axis=1)
     pick = jnp.min(jnp.where(keys == best[:, None], expert, e), axis=1)  # ties: lowest id
@@ -72,7 +74,11 @@ def _kernel(values_ref, ids_ref, *, k: int):
     # -inf), the lowest id not yet taken still wins the tie among them.
     keys = jnp.where(expert == pick[:, None], jnp.iinfo(jnp.int32).min, keys)
     ids = jnp.where(slot == j, pick[:, None], ids)
-  ids_ref[...] = ids
+  return ids
+
+
+def _kernel(values_ref, ids_ref, *, k: int):
+  ids_ref[...] = _select_ids(values_ref[...], k, ids_ref.shape[1])
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program"))
@@ -97,3 +103,92 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
       interpret=interpret,
   )(padded)[:t, :k]
   return jnp.take_along_axis(values, ids, axis=1), ids
+
+
+# The router GEMM with the top-K in its epilogue (`logits_top_k`).
+LOGITS_BLOCK_D = 64  # reduction step of the router GEMM
+LOGITS_MAX_EXPERTS = 256
+
+
+def logits_block_tokens(e: int) -> int:
+  """Tokens per program of `logits_top_k`: 64 (every program reads all of the router weight, from
+  L2), fewer where the (tokens, E) logits would not stay in the registers of 4 warps. Measured on
+  an H100 (benchmarks/router_variants.py --sweep, kernel alone): 49 us at T=40960, d=768, E=128
+  with 64 tokens and 4 warps against 59 with 128 tokens and 8; E=32 and 64 within 5% either way."""
+  return max(16, min(64, 8192 // e))
+
+
+def logits_supports(x: jax.Array, w: jax.Array, k: int) -> str | None:
+  """None when `logits_top_k` handles x (T, d) @ w (d, E) with top-k, else the reason."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    return f"x (T, d) and w (d, E) expected, got shapes {x.shape} and {w.shape}"
+  if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"dtypes {x.dtype}, {w.dtype} (the kernel takes bfloat16 or float16, both the same)"
+  e = w.shape[1]
+  if e & (e - 1) or not 2 <= e <= LOGITS_MAX_EXPERTS:
+    return f"E={e} is not a power of two in [2, {LOGITS_MAX_EXPERTS}]"
+  if x.shape[1] % LOGITS_BLOCK_D:
+    return f"d={x.shape[1]} is not a multiple of {LOGITS_BLOCK_D}"
+  if not 1 <= k <= min(e, MAX_K):
+    return f"k={k} is not in [1, min(E, {MAX_K})]"
+  if x.shape[0] < 1:
+    return "no tokens"
+  return None
+
+
+def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bias: bool):
+  bias_ref = refs[0] if has_bias else None
+  logits_ref, ids_ref = refs[-2:]
+  t0 = pl.program_id(0) * bt
+  token = t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
+  in_range = token < num_tokens  # the last block's rows past T are masked, not padded
+  e = w_ref.shape[1]
+  bd = LOGITS_BLOCK_D
+
+  def step(i, acc):
+    d0 = pl.multiple_of(i * bd, bd)
+    xs = pltriton.load(x_ref.at[pl.ds(t0, bt), pl.ds(d0, bd)],
+                       mask=jnp.broadcast_to(in_range, (bt, bd)), other=0.0)
+    return acc + jnp.dot(xs, w_ref[pl.ds(d0, bd), :], preferred_element_type=jnp.float32)
+
+  logits = lax.fori_loop(0, x_ref.shape[1] // bd, step, jnp.zeros((bt, e), jnp.float32))
+  pltriton.store(logits_ref.at[pl.ds(t0, bt), :], logits, mask=jnp.broadcast_to(in_range, (bt, e)))
+  values = logits + bias_ref[...] if has_bias else logits  # as routing adds the selection bias
+  k_block = ids_ref.shape[1]
+  pltriton.store(ids_ref.at[pl.ds(t0, bt), :], _select_ids(values, k, k_block),
+                 mask=jnp.broadcast_to(in_range, (bt, k_block)))
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "block_tokens", "num_warps",
+                                             "num_stages"))
+def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = None,
+                 interpret: bool = False, block_tokens: int | None = None, num_warps: int = 4,
+                 num_stages: int = 3):
+  """(logits (T, E) float32, ids (T, k) int32): logits = x @ w with float32 accumulation, ids the
+  experts of each token's k largest logits (+ bias (E,) float32, which moves the selection only),
+  as `jax.lax.top_k` picks them from these logits.
+
+  One Pallas (Triton) program per block of tokens runs the router GEMM over d in steps of
+  LOGITS_BLOCK_D and selects the top-k from the logits in its registers: one kernel instead of a
+  GEMM and the top-K kernel, and the logits are not read back. x is read once; every program reads
+  all of w (from L2). block_tokens (default `logits_block_tokens(E)`), num_warps, num_stages:
+  the programs' shape (Triton's warps and software-pipelining depth of the GEMM loop).
+  """
+  reason = logits_supports(x, w, k)
+  if reason is not None:
+    raise ValueError(f"router logits + top-K kernel: {reason}")
+  t, e = x.shape[0], w.shape[1]
+  bt = block_tokens or logits_block_tokens(e)
+  k_block = next_pow2(k)
+  blocks = pl.cdiv(t, bt)
+  has_bias = bias is not None
+  operands = (x, w) + ((bias.astype(jnp.float32).reshape(1, e),) if has_bias else ())
+  logits, ids = pl.pallas_call(
+      functools.partial(_logits_kernel, k=k, bt=bt, num_tokens=t, has_bias=has_bias),
+      out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32),
+                 jax.ShapeDtypeStruct((t, k_block), jnp.int32)),
+      grid=(blocks,),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+  )(*operands)
+  return logits, ids[:, :k] if k_block != k else ids
