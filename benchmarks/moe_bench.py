@@ -149,6 +149,8 @@ def _sonic_rows(cfg, dtype, glu, sets, weights):
       # FLOPs of the pairs actually computed (SonicMoE's token-rounding benchmark does the same).
       flops = grid.forward_flops(cfg, glu) * stats["pairs"] / (cfg[0] * k)
       name = f"sonic_jax[{resolved}]" + (f"+tr_{rounding}" if rounding else "")
+      if FLAGS.gate_up_layout == "interleaved" and glu:  # its own row next to concat's
+        name += ", interleaved w1"
       row = _measure(name, fwd, None if only_fwd else fwdbwd, fwd_sets, fb_sets, flops,
                      residual_fn=fwd)
       row.update(stats)

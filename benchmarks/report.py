@@ -412,7 +412,8 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
 - `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
   x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512;
-  for wider ones dH gathers them and stores them for dw2; the router's top-K as a Pallas kernel, and
+  for wider ones dH gathers them and stores them for dw2; the router's top-K as a Pallas kernel (from
+  the seventeenth session's rows on, for E ≤ 128 one kernel for the router GEMM and the top-K), and
   for E ≤ 128 the routing metadata's per-block counts and ranks (a counting sort, from the fifteenth
   session's rows on; a radix sort before and at E = 256); the rest of the routing metadata and the
   aggregations (gather-sums) are XLA operations (the router GEMM's backward on bfloat16 operands
