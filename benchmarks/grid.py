@@ -60,7 +60,8 @@ def route_fn(cfg, row_tile: int = 128):
   _, _, _, e, k = cfg
 
   def route(x, router_weight):
-    r = routing.route(routing.router_logits(x, router_weight), k, "softmax_topk")
+    logits, ids = routing.router_logits_and_ids(x, router_weight, k, "softmax_topk")
+    r = routing.route(logits, k, "softmax_topk", expert_ids=ids)
     return r, build_grouped_layout(r.expert_ids, e, row_tile)
   return route
 

@@ -50,9 +50,10 @@ def _top_k_ids(values: Array, top_k: int) -> Array:
 
 # The router GEMM with the top-K in its epilogue (`router_logits_and_ids`) is used up to this many
 # experts on a GPU (`sonic_jax.pallas.router_topk.logits_top_k`). Measured on an H100
-# (benchmarks/router_variants.py, GEMM + top-K kernel / fused, us): 65 / 58 at T=40960, d=768,
-# E=128; 49 / 41 at 24576, 1536, E=32; 112 / 108 at 32768, 4096, E=64; but 186 / 247 at E=256,
-# where the (tokens, E) selection leaves few tokens per program and each reads the whole weight.
+# (benchmarks/router_variants.py, GEMM + top-K kernel / fused, us): 64 / 50 at T=40960, d=768,
+# E=128; 76 / 62 at 24576, 1536, E=128; 60 / 52 at 24576, 1536, E=32; 129 / 135 at 32768, 4096,
+# E=128 (the layer's forward still 0.7% faster there); but 186 / 247 at E=256, where the (tokens,
+# E) selection leaves few tokens per program and each program reads the whole weight.
 FUSED_TOP_K_MAX_EXPERTS = 128
 
 
