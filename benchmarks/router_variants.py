@@ -28,6 +28,8 @@ FLAGS = flags.FLAGS
 
 SHAPES = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 3),
           (256, 8, 3)]  # (tokens per program, warps, stages)
+flags.DEFINE_bool("device_times", False, "also each router variant's device time per call, from a "
+                  "profiler trace (host-timed batches of work this short are dispatch-bound)")
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (40960, 768, 1024, 32, 2),
                    (24576, 1536, 256, 128, 8), (24576, 1536, 1024, 32, 2),
@@ -73,6 +75,14 @@ def run_config(cfg):
           x, rw, k, block_tokens=bt, num_warps=warps, num_stages=stages)
       variants[f"fused {bt} tokens, {warps} warps, {stages} stages"] = (fn, (x, rw))
   router = timing.measure_variants(variants, ids, 2 * x.size * rw.shape[1], FLAGS.repeats)
+  if FLAGS.device_times:
+    for name, (fn, args) in variants.items():
+      if "error" not in router[name]:
+        kernels = timing.kernel_times(timing.compile_fn(fn, *args)[0], args, calls=20, top=None)
+        router[name]["device_us"] = sum(us for _, us in kernels)
+        router[name]["kernels_us"] = kernels
+    print("device us per call: " + ", ".join(f"{name}: {r.get('device_us', 0):.1f}"
+                                             for name, r in router.items()))
   if not FLAGS.layer:
     return {"config": list(cfg), "variants": router}
   layer = timing.measure_variants(
