@@ -50,10 +50,11 @@ def _top_k_ids(values: Array, top_k: int) -> Array:
 
 # The router GEMM with the top-K in its epilogue (`router_logits_and_ids`) is used up to this many
 # experts on a GPU (`sonic_jax.pallas.router_topk.logits_top_k`). Measured on an H100
-# (benchmarks/router_variants.py, GEMM + top-K kernel / fused, us): 64 / 50 at T=40960, d=768,
-# E=128; 76 / 62 at 24576, 1536, E=128; 60 / 52 at 24576, 1536, E=32; 129 / 135 at 32768, 4096,
-# E=128 (the layer's forward still 0.7% faster there); but 186 / 247 at E=256, where the (tokens,
-# E) selection leaves few tokens per program and each program reads the whole weight.
+# (benchmarks/router_variants.py): the router's device time 48.4 -> 46.1 us at T=40960, d=768,
+# E=128, 45.0 -> 44.5 at 24576, 1536, 128, 104.4 -> 100.9 at 32768, 4096, 64 (one kernel instead
+# of two: no logits read back); the layer's forward 0.7-1.4% and its training step 0.8-1.5%
+# faster on five configurations with E <= 128; but at E=256 the router alone took 247 against 186
+# us (host-timed): few tokens per program there, and each program reads the whole weight.
 FUSED_TOP_K_MAX_EXPERTS = 128
 
 
