@@ -50,18 +50,19 @@ ROW_TILE = 128
 
 
 @contextlib.contextmanager
-def _layout_method(method):
-  """The layer (`sonic_jax.moe`) traced with `build_grouped_layout(method=method)`."""
+def _layout_method(method, build=build_grouped_layout):
+  """The layer (`sonic_jax.moe`) traced with `build(method=method)` as its layout."""
   saved = ops.build_grouped_layout
-  ops.build_grouped_layout = functools.partial(build_grouped_layout, method=method)
+  ops.build_grouped_layout = functools.partial(build, method=method)
   try:
     yield
   finally:
     ops.build_grouped_layout = saved
 
 
-def compare_methods(cfg, x, rw, ids):
-  """Each applicable layout method alone and in the layer's forward, interleaved rounds."""
+def compare_methods(cfg, x, rw, ids, baselines=None):
+  """Each applicable layout method alone and in the layer's forward, interleaved rounds; also the
+  layer's forward with each baseline layout.py ("auto" method)."""
   _, _, _, e, k = cfg
   on_gpu = jax.default_backend() == "gpu"
   methods = ["sort"] + (["block_ranks"] if on_gpu and layout_lib.block_ranks_unsupported(ids, e) is None
@@ -76,6 +77,11 @@ def compare_methods(cfg, x, rw, ids):
     for m in methods:
       with _layout_method(m):
         calls[f"forward {m}"] = (timing.compile_fn(
+            lambda *a: sonic_jax.moe(*a, top_k=k, backend=FLAGS.layer_backend)[0],
+            x, rw, w1, w2)[0], [(x, rw, w1, w2)])
+    for name, baseline in (baselines or {}).items():
+      with _layout_method("auto", baseline.build_grouped_layout):
+        calls[f"forward baseline {name}"] = (timing.compile_fn(
             lambda *a: sonic_jax.moe(*a, top_k=k, backend=FLAGS.layer_backend)[0],
             x, rw, w1, w2)[0], [(x, rw, w1, w2)])
   # Rounds in both orders: a GPU that heats during one function's batch slows the next one, which
@@ -126,13 +132,18 @@ def run_config(cfg, baselines):
             lambda i, v=v: layout_ranks.block_ranks(i, e, values_per_program=v), ids)[0],
             (ids,), top=None))
         for v in (2048, 4096, 8192)}
-  res.update(compare_methods(cfg, x, rw, ids))
+  res.update(compare_methods(cfg, x, rw, ids, baselines))
   res["baselines"] = {}
   for name, baseline in baselines.items():
     fn = lambda i, b=baseline: b.build_grouped_layout(i, e, ROW_TILE)
     a = jax.jit(lambda i: build_grouped_layout(i, e, ROW_TILE))(ids)
     same = all(bool(jnp.array_equal(u, v)) for u, v in zip(a, jax.jit(fn)(ids)))
     res["baselines"][name] = {"layout_ms": time(fn, ids), "same_layout": same}
+    if FLAGS.trace:  # its layout pass's kernels and their device time
+      kernels = timing.kernel_times(timing.compile_fn(fn, ids)[0], (ids,), top=None)
+      res["baselines"][name]["layout_kernels_us"] = kernels
+      print(f"  baseline {os.path.basename(name)} layout: {len(kernels)} kernels, "
+            f"{sum(u for _, u in kernels):.1f} us", flush=True)
   return res
 
 
