@@ -23,13 +23,13 @@ from sonic_jax.pallas import router_topk
 grid.define_variant_flags(repeats=9)
 flags.DEFINE_bool("sweep", False, "also time the fused kernel's program shapes (tokens per "
                   "program, warps, pipelining stages), router alone")
+flags.DEFINE_bool("device_times", False, "also each router variant's device time per call, from a "
+                  "profiler trace (host-timed batches of work this short are dispatch-bound)")
 flags.DEFINE_bool("layer", True, "also time the layer's forward with and without the fused kernel")
 FLAGS = flags.FLAGS
 
 SHAPES = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 3),
           (256, 8, 3)]  # (tokens per program, warps, stages)
-flags.DEFINE_bool("device_times", False, "also each router variant's device time per call, from a "
-                  "profiler trace (host-timed batches of work this short are dispatch-bound)")
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (40960, 768, 1024, 32, 2),
                    (24576, 1536, 256, 128, 8), (24576, 1536, 1024, 32, 2),
@@ -43,7 +43,7 @@ def _router(k, fused):
   return fn
 
 
-def _layer(k, kernels, step=False):
+def _layer(k, fused, step=False):
   """The layer's forward (y, expert ids), or its training step (y, gradients) with step=True,
   with or without the fused router kernel."""
   def forward(x, rw, w1, w2):
@@ -51,7 +51,7 @@ def _layer(k, kernels, step=False):
 
   def fn(*args):
     saved = routing.FUSED_TOP_K_MAX_EXPERTS  # read when the layer is traced
-    if not kernels:
+    if not fused:
       routing.FUSED_TOP_K_MAX_EXPERTS = 0
     try:
       if step:
@@ -86,12 +86,12 @@ def run_config(cfg):
   if not FLAGS.layer:
     return {"config": list(cfg), "variants": router}
   layer = timing.measure_variants(
-      {"layer fwd, XLA router": (_layer(k, False), (x, rw, w1, w2)),
-       "layer fwd, router kernels": (_layer(k, True), (x, rw, w1, w2))},
+      {"layer fwd, GEMM + top-K": (_layer(k, False), (x, rw, w1, w2)),
+       "layer fwd, fused": (_layer(k, True), (x, rw, w1, w2))},
       ids, grid.forward_flops(cfg), FLAGS.repeats)
   step = timing.measure_variants(
-      {"layer step, XLA router": (_layer(k, False, True), (x, rw, w1, w2, d_out)),
-       "layer step, router kernels": (_layer(k, True, True), (x, rw, w1, w2, d_out))},
+      {"layer step, GEMM + top-K": (_layer(k, False, True), (x, rw, w1, w2, d_out)),
+       "layer step, fused": (_layer(k, True, True), (x, rw, w1, w2, d_out))},
       lambda out: (), 3 * grid.forward_flops(cfg), FLAGS.repeats)
   return {"config": list(cfg), "variants": {**router, **layer, **step}}
 
