@@ -68,8 +68,6 @@ def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing:
     return "Pallas's Triton lowering is not available"
   if gpu_only and jax.default_backend() != "gpu":
     return "not on a GPU"
-  if x.ndim != 2:
-    return f"x must be (T, d), got shape {x.shape}"
   if router_weight.shape[-1] > FUSED_TOP_K_MAX_EXPERTS:
     return f"E={router_weight.shape[-1]} > {FUSED_TOP_K_MAX_EXPERTS}"
   return router_topk.logits_supports(x, router_weight, top_k)

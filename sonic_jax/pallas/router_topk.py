@@ -38,15 +38,22 @@ def block_tokens(e: int, values_per_program: int = VALUES_PER_PROGRAM) -> int:
   return max(1, min(64, values_per_program // e))
 
 
+def _selection_unsupported(e: int, k: int, max_experts: int) -> str | None:
+  """Why the selection cannot pick k of E per token (E a power of two: Triton blocks), or None."""
+  if e & (e - 1) or not 2 <= e <= max_experts:
+    return f"E={e} is not a power of two in [2, {max_experts}]"
+  if not 1 <= k <= min(e, MAX_K):
+    return f"k={k} is not in [1, min(E, {MAX_K})]"
+  return None
+
+
 def supports(values: jax.Array, k: int) -> str | None:
   """None when the kernel handles this problem, else the reason it does not."""
   if values.ndim != 2:
     return f"values must be (T, E), got shape {values.shape}"
-  e = values.shape[1]
-  if e & (e - 1) or not 2 <= e <= MAX_EXPERTS:
-    return f"E={e} is not a power of two in [2, {MAX_EXPERTS}]"
-  if not 1 <= k <= min(e, MAX_K):
-    return f"k={k} is not in [1, min(E, {MAX_K})]"
+  reason = _selection_unsupported(values.shape[1], k, MAX_EXPERTS)
+  if reason is not None:
+    return reason
   if values.dtype != jnp.float32:
     return f"values dtype {values.dtype} (the kernel takes float32)"
   return None
@@ -125,13 +132,11 @@ def logits_supports(x: jax.Array, w: jax.Array, k: int) -> str | None:
     return f"x (T, d) and w (d, E) expected, got shapes {x.shape} and {w.shape}"
   if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
     return f"dtypes {x.dtype}, {w.dtype} (the kernel takes bfloat16 or float16, both the same)"
-  e = w.shape[1]
-  if e & (e - 1) or not 2 <= e <= LOGITS_MAX_EXPERTS:
-    return f"E={e} is not a power of two in [2, {LOGITS_MAX_EXPERTS}]"
+  reason = _selection_unsupported(w.shape[1], k, LOGITS_MAX_EXPERTS)
+  if reason is not None:
+    return reason
   if x.shape[1] % LOGITS_BLOCK_D:
     return f"d={x.shape[1]} is not a multiple of {LOGITS_BLOCK_D}"
-  if not 1 <= k <= min(e, MAX_K):
-    return f"k={k} is not in [1, min(E, {MAX_K})]"
   if x.shape[0] < 1:
     return "no tokens"
   return None
