@@ -58,6 +58,8 @@ VARIANTS = {  # block_n None: the layer's table configuration for the problem
                                            "cluster_m": 1}),
     "dH pingpong, 6 stages": ("dh", 128, {"schedule": "pingpong", "num_stages": 6,
                                            "cluster_m": 1}),
+    "dH pingpong, 4 stages, cluster 2": ("dh", 128, {"schedule": "pingpong", "num_stages": 4,
+                                                     "cluster_m": 2}),
     "dH 128 cols, prefetched H": ("dh", 128, {}),
     "dH 128 cols, prefetched H, cluster 2": ("dh", 128, {"cluster_m": 2}),
     "probe 256 cols": ("probe", 256, {}),

@@ -139,14 +139,15 @@ INTERPRETED_PINGPONG = [("up", "swiglu"), ("down", None), ("dh", "swiglu")]
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("decoupled,cluster", [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize("role,activation,gate_up_layout,bias,skew", PINGPONG_CASES)
-def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, role, activation,
+def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, cluster, role, activation,
                                              gate_up_layout, bias, skew):
   """The pingpong schedule (the compute warpgroups take whole tiles in turn): up-projection (with
   its gather), down-projection and dH (gathered dO, H read into registers by 64-row blocks, dS
   partials) against the XLA reference, on an odd number of tiles per CTA and an expert without
-  rows; compiled, also bit for bit against the cooperative schedule."""
+  rows, alone and in 2-CTA clusters (B multicast); compiled, also bit for bit against the
+  cooperative schedule."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   from sonic_jax.mosaic_gpu import down_projection as down
   from sonic_jax.mosaic_gpu import up_projection as up
@@ -158,7 +159,7 @@ def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, role, act
   # Decoupled when a tile's k-steps use every ring slot an even number of times: 16 / 8 k-steps
   # (compiled) on 4 stages; coupled on 5 (and always in the interpreter).
   stages = 4 if decoupled else 5
-  pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=stages)
+  pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=stages, cluster_m=cluster)
   if role == "up":
     x, w1, b1, ids = _problem(rng, T, d, n, E, 2, activation, skew)
     b1 = b1 if bias else None

@@ -22,8 +22,9 @@ With `schedule="pingpong"` the compute warpgroups take the CTA's tiles in turn i
 tile (tile_m rows; roles halve their column blocks so the accumulators still fit), so that one
 warpgroup's epilogue (activation, conversion, stores: no wgmma) runs while the other's mainloop
 keeps the tensor cores busy. The ring stays one sequence. Where each tile uses every ring slot an
-even number of times (k-steps a multiple of 2 * num_stages, no cluster) the schedule is decoupled:
-the owner alone waits for and releases a tile's stages; elsewhere, and always in the interpreter
+even number of times (k-steps a multiple of 2 * num_stages) the schedule is decoupled: the owner
+alone waits for and releases a tile's stages (in a 2-CTA cluster, the owners in both CTAs: they
+walk the same tiles in step); elsewhere, and always in the interpreter
 (which checks that every thread that waits on a barrier sees each of its phases), the other
 warpgroup waits for and releases them too, without reading them. On an H100 a warpgroup's
 128 x 128 tile moves more operand bytes per FLOP than the cooperative 64 x 256 one: the up- and
@@ -304,8 +305,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   m_groups = pl.cdiv(m_tiles, cluster)
   walk_grid = (m_groups * role.num_column_blocks,)
   pingpong = config.schedule == "pingpong"
-  decoupled = (pingpong and cluster == 1 and k_iters % (2 * stages) == 0
-               and not interpreting())
+  decoupled = pingpong and k_iters % (2 * stages) == 0 and not interpreting()
   interpret_mode = interpreting()
   if interpret_mode:
     warn_if_interpreter_may_hang()
