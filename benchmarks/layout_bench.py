@@ -74,14 +74,12 @@ def compare_methods(cfg, x, rw, ids, baselines=None):
   layouts = {m: calls[f"layout {m}"][0](ids) for m in methods}
   if FLAGS.layer_backend:
     _, _, w1, w2, _ = grid.random_problem(cfg)
-    for m in methods:
-      with _layout_method(m):
-        calls[f"forward {m}"] = (timing.compile_fn(
-            lambda *a: sonic_jax.moe(*a, top_k=k, backend=FLAGS.layer_backend)[0],
-            x, rw, w1, w2)[0], [(x, rw, w1, w2)])
-    for name, baseline in (baselines or {}).items():
-      with _layout_method("auto", baseline.build_grouped_layout):
-        calls[f"forward baseline {name}"] = (timing.compile_fn(
+    forwards = {f"forward {m}": (m, build_grouped_layout) for m in methods}
+    forwards.update({f"forward baseline {name}": ("auto", baseline.build_grouped_layout)
+                     for name, baseline in (baselines or {}).items()})
+    for name, (method, build) in forwards.items():
+      with _layout_method(method, build):
+        calls[name] = (timing.compile_fn(
             lambda *a: sonic_jax.moe(*a, top_k=k, backend=FLAGS.layer_backend)[0],
             x, rw, w1, w2)[0], [(x, rw, w1, w2)])
   # Rounds in both orders: a GPU that heats during one function's batch slows the next one, which
