@@ -66,7 +66,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
            (("schedule", "block_n", "cluster_m", "num_stages"),
             (("pingpong", 128, 1, 4), ("pingpong", 128, 1, 6)))],
     "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
-    "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4))],
+    "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4)), ("indices_before_wait", (False,))],
 }
 
 

@@ -100,7 +100,7 @@ def run_config(cfg):
   h, _ = jax.jit(lambda x, w1: mosaic_backend.up_projection(x, w1, None, layout, act,
                                                             layout_name))(x, w1)
   scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  gathered = mosaic_backend.gather_source("d_out", n) != "xla"
+  gathered = mosaic_backend.gather_source("d_out") != "xla"
   rows = d_out if gathered else jax.jit(lambda g: g[layout.row_token])(d_out)
   used = int(layout.num_tiles) * 128
   flops = 2 * used * d * n

@@ -104,10 +104,11 @@ def run_config(cfg, flops_rate, bw):
   dh_fn = lambda g, h, s, w, lay, gather: dh.dh_projection(g, h, s, w, lay, act, config=dh_cfg,
                                                            gather=gather, gate_up_layout=gate_up)
   d_h, a_s, _ = jax.jit(functools.partial(dh_fn, gather=True))(d_out, h, row_scores, w2, layout)
-  # dw2 gathering its dO rows takes the backend's blocks for that case (256 x 128).
-  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(
-      a, b, lay, mosaic_backend.gathered_rhs_config(wgrad_cfg, n, d) if gathered == "rhs"
-      else wgrad_cfg, gathered=gathered)
+  wgrad_fn = lambda a, b, lay, gathered: wgrad.weight_grad(a, b, lay, wgrad_cfg, gathered=gathered)
+  # dw2 gathering its dO rows runs as the backend runs it: dO on the wgmma's M side.
+  dw2_fn = lambda a, g, lay, gathered: (
+      mosaic_backend.dw2_gathering_d_out(g, a, lay, wgrad_cfg) if gathered
+      else wgrad.weight_grad(a, g, lay, wgrad_cfg))
   dh_flops, dh_bytes = 2 * rows * d * n, (e * n * d + 2 * rows * 2 * n + rows * n) * b16
   dw1_bytes, dw2_bytes = (rows * 2 * n + e * d * 2 * n) * b16, (rows * n + e * n * d) * b16
   for label, gathered in (("fused gather", True), ("contiguous input", False)):
@@ -120,7 +121,7 @@ def run_config(cfg, flops_rate, bw):
             functools.partial(wgrad_fn, gathered="lhs" if gathered else None),
             (x_src, d_h, layout), 2 * rows * d * 2 * n, dw1_bytes + src_rows),
         f"bwd dw2 = A_s^T dO ({label})": (
-            functools.partial(wgrad_fn, gathered="rhs" if gathered else None),
+            functools.partial(dw2_fn, gathered=gathered),
             (a_s, g_src, layout), 2 * rows * n * d, dw2_bytes + src_rows),
     })
   kernels["bwd dH (fused gather, writes dO rows)"] = (
@@ -149,8 +150,8 @@ def summarize(res):
   t_count, d, n, _, k = res["config"]
   fwd_flops = 6 * t_count * k * d * n
   ms = {kname: r["ms"] for kname, r in res["kernels"].items()}
-  x_source = mosaic_backend.gather_source("x", n)
-  d_out_source = mosaic_backend.gather_source("d_out", n)
+  x_source = mosaic_backend.gather_source("x")
+  d_out_source = mosaic_backend.gather_source("d_out")
   gather_ms = ms["xla gather x[rows]"]
   up_ms = (ms["up (fused gather)"] if x_source == "fused"
            else gather_ms + ms["up (contiguous input)"])

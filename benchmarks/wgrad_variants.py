@@ -1,6 +1,8 @@
 r"""Weight-gradient kernel variants on the GPU: dw2 = A_s^T gather(dO) and dw1 = gather(x)^T dH with
-the fused gather, with the gather's machinery over rows gathered beforehand read in order (what the
-cp.async path costs without scattered addresses), and on those rows through TMA.
+the fused gather (as the backend runs them, and with other configurations; dw2 also with the
+gathered dO on the wgmma's N side), with the gather's machinery over rows gathered beforehand read
+in order (what the cp.async path costs without scattered addresses), and on those rows through
+TMA.
 
   python -m benchmarks.wgrad_variants [--thiek=T,d,n,E,K ...] [--out=dir]
 
@@ -28,25 +30,23 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIGS = [(32768, 4096, 512, 256, 16), (32768, 4096, 256, 256, 16),
                    (24576, 1536, 512, 64, 4), (40960, 768, 512, 64, 4)]
 
-# name: (True: the fused gather; "identity": the fused gather's machinery over the rows gathered
-# beforehand, read in order (row_token = iota, no scattered addresses); False: those rows through
-# TMA, WeightGradConfig overrides)
+# name: (True: the fused gather, as the backend runs it (dw2: `dw2_gathering_d_out`, the dO rows
+# on the wgmma's M side); "n side" (dw2 only): A_s^T dO with the gathered dO as the rhs, on the
+# N side; "identity": the fused gather's machinery over the rows gathered beforehand, read in order
+# (row_token = iota, no scattered addresses); False: those rows through TMA;
+# WeightGradConfig overrides)
 VARIANTS = {
     "fused gather, table config": (True, {}),
     "identity gather of the grouped rows": ("identity", {}),
+    "fused gather, indices after the stage wait": (True, {"indices_before_wait": False}),
     "fused gather, cluster 1": (True, {"cluster": 1}),
     "fused gather, cluster 2": (True, {"cluster": 2}),
-    "identity gather, cluster 1": ("identity", {"cluster": 1}),
-    "fused gather, block 256 x 128": (True, {"block_m": 256, "block_n": 128}),
-    "fused gather, block 256 x 128, cluster 1": (True, {"block_m": 256, "block_n": 128,
-                                                        "cluster": 1}),
-    "fused gather, block 256 x 128, cluster 2": (True, {"block_m": 256, "block_n": 128,
-                                                        "cluster": 2}),
-    "fused gather, block_n 128": (True, {"block_n": 128}),
-    "fused gather, block_n 128, cluster 2": (True, {"block_n": 128, "cluster": 2}),
-    "fused gather, block_n 128, 3 stages": (True, {"block_n": 128, "num_stages": 3}),
+    "fused gather, 3 stages": (True, {"num_stages": 3}),
+    "fused gather, 4 stages": (True, {"num_stages": 4}),
+    "dw2: gathered dO on the N side, blocks 256 x 128": ("n side", {"block_m": 256,
+                                                                   "block_n": 128}),
+    "dw2: gathered dO on the N side, blocks 128 x 256": ("n side", {}),
     "contiguous rows, table config": (False, {}),
-    "contiguous rows, block_n 128": (False, {"block_n": 128}),
 }
 
 
@@ -66,23 +66,32 @@ def run_config(cfg):
   identity = layout._replace(row_token=jnp.arange(rows, dtype=jnp.int32))
   used = int(layout.num_tiles) * 128
   out = {}
-  products = {  # name: (lhs, rhs, gathered side, source of the gathered side, flops)
-      "dw2 = A_s^T dO": (a_s, d_out_rows, "rhs", d_out, 2 * used * n * d),
-      "dw1 = x^T dH": (x_rows, d_h, "lhs", x, 2 * used * d * 2 * n),
+  products = {  # name: (lhs, rhs, gathered side, its grouped rows, their source, flops)
+      "dw2 = A_s^T dO": (a_s, d_out_rows, "rhs", d_out_rows, d_out, 2 * used * n * d),
+      "dw1 = x^T dH": (x_rows, d_h, "lhs", x_rows, x, 2 * used * d * 2 * n),
   }
-  for product, (lhs, rhs, side, source, flops) in products.items():
+  for product, (lhs, rhs, side, grouped, source, flops) in products.items():
     variants = {}
     for name, (fused, overrides) in VARIANTS.items():
       if FLAGS.variants and name not in FLAGS.variants:
         continue
+      if fused == "n side" and side != "rhs":
+        continue
       config = dataclasses.replace(base, **overrides)
-      if fused is True:
-        args = (lhs, source) if side == "rhs" else (source, rhs)
-      else:
-        args = (lhs, rhs)
       lay = identity if fused == "identity" else layout
-      variants[name] = (lambda l, r, config=config, fused=fused, lay=lay: wgrad.weight_grad(
-          l, r, lay, config, gathered=side if fused else None), args)
+      src = grouped if fused == "identity" else source
+      if fused is False:
+        variants[name] = (lambda l, r, config=config: wgrad.weight_grad(l, r, layout, config),
+                          (lhs, rhs))
+      elif side == "lhs":  # dw1 = x_rows^T dH
+        variants[name] = (lambda s, r, config=config, lay=lay: wgrad.weight_grad(
+            s, r, lay, config, gathered="lhs"), (src, rhs))
+      elif fused == "n side":
+        variants[name] = (lambda l, s, config=config: wgrad.weight_grad(
+            l, s, layout, config, gathered="rhs"), (lhs, source))
+      else:  # dw2 = A_s^T dO_rows as the backend runs it
+        variants[name] = (lambda l, s, config=config, lay=lay: mosaic_backend.dw2_gathering_d_out(
+            s, l, lay, config), (lhs, src))
     out[product] = timing.measure_variants(
         variants, lambda o: (np.asarray(o, np.float32),), flops, FLAGS.repeats)
     for name, record in out[product].items():

@@ -93,8 +93,8 @@ def test_ep_bench_smoke_run(tmp_path):
 
 def test_kernel_bench_sums_follow_the_backends_gather_policy():
   """kernel_bench's forward/backward sums count the kernels the backend runs: the x rows gathered
-  inside dw1; the dO rows inside dH and dw2 for narrow experts, for wide ones gathered by dH, which
-  stores them for dw2 to read contiguous; with GATHER="xla" one XLA row gather per operand."""
+  inside dw1, the dO rows inside dH and dw2; with GATHER="dh" gathered by dH, which stores them
+  for dw2 to read contiguous; with GATHER="xla" one XLA row gather per operand."""
   sys.argv = sys.argv[:1]
   from benchmarks import kernel_bench
   from sonic_jax.mosaic_gpu import backend
@@ -104,16 +104,15 @@ def test_kernel_bench_sums_follow_the_backends_gather_policy():
         **{f"{r} (fused gather)": 3.0 for r in roles},
         **{f"{r} (contiguous input)": 2.0 for r in roles},
         "bwd dH (fused gather, writes dO rows)": 3.25, "bwd dX rows (dH w1^T)": 4.0}
-  cases = [("auto", backend.FUSED_BACKWARD_MAX_N, "fused", 3 * 3.0 + 4.0),
-           ("auto", 2 * backend.FUSED_BACKWARD_MAX_N, "dh", 3.25 + 3.0 + 2.0 + 4.0),
-           ("xla", 512, "xla", 3 * 2.0 + 4.0 + 2 * 0.5)]
-  for policy, n, d_out_rows, bwd_ms in cases:
+  cases = [("fused", "fused", 3 * 3.0 + 4.0), ("dh", "dh", 3.25 + 3.0 + 2.0 + 4.0),
+           ("xla", "xla", 3 * 2.0 + 4.0 + 2 * 0.5)]
+  for policy, d_out_rows, bwd_ms in cases:
     backend.GATHER = policy
     try:
-      res = kernel_bench.summarize({"config": [1024, 512, n, 8, 2],
+      res = kernel_bench.summarize({"config": [1024, 512, 1024, 8, 2],
                                     "kernels": {k: {"ms": v} for k, v in ms.items()}})
     finally:
-      backend.GATHER = "auto"
+      backend.GATHER = "fused"
     x_rows = "xla" if policy == "xla" else "fused"
     assert res["backward_gathers"] == {"x": x_rows, "d_out": d_out_rows}
     assert res["backward_sum_ms"] == bwd_ms

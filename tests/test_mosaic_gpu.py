@@ -269,17 +269,25 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_u
 @pytest.mark.parametrize("d_out_source", ["xla", "dh"])
 def test_moe_layer_backward_gather_policies_against_oracle(rng, compiled, d_out_source,
                                                            monkeypatch):
-  """The other two places the backward's dO rows come from (the small layer tests gather them
-  inside dH and dw2): for wide experts (n > FUSED_BACKWARD_MAX_N) dH stores the rows it gathers
-  and dw2 reads them (x rows gathered inside the up-projection and dw1); GATHER="xla" has XLA
-  gather the rows of x and dO once, for the up-projection and dw1, dH and dw2."""
+  """The other two places the backward's dO rows can come from (the other layer tests gather
+  them inside dH and dw2): GATHER="dh" has dH store the rows it gathers and dw2 read them (x rows
+  still gathered inside the up-projection and dw1); GATHER="xla" has XLA gather the rows of x and
+  dO once, for the up-projection and dw1, dH and dw2."""
   from sonic_jax.mosaic_gpu import backend
-  monkeypatch.setattr(backend, "FUSED_BACKWARD_MAX_N", 64)  # n = 128 is then wide
-  if d_out_source == "xla":
-    monkeypatch.setattr(backend, "GATHER", "xla")  # (x rows too: the up-projection's TMA path)
-  assert backend.gather_source("x", 128) == ("xla" if d_out_source == "xla" else "fused")
-  assert backend.gather_source("d_out", 128) == d_out_source
+  monkeypatch.setattr(backend, "GATHER", d_out_source)
+  assert backend.gather_source("x") == ("xla" if d_out_source == "xla" else "fused")
+  assert backend.gather_source("d_out") == d_out_source
   _check_layer(rng, compiled, "swiglu", True, jnp.bfloat16, "concat")
+
+
+def test_gather_source_rejects_unknown_policies(monkeypatch):
+  from sonic_jax.mosaic_gpu import backend
+  assert backend.gather_source("x") == backend.gather_source("d_out") == "fused"
+  with pytest.raises(ValueError, match="rows"):
+    backend.gather_source("y")
+  monkeypatch.setattr(backend, "GATHER", "auto")
+  with pytest.raises(ValueError, match="GATHER"):
+    backend.gather_source("x")
 
 
 def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
@@ -529,16 +537,20 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,gathered,cluster,block", [  # the interpreter copies gathered
-    (128, 256, False, None, 1, (128, 256)), (256, 512, True, None, 1, (128, 256)),  # rows one by
-    (128, 256, True, "lhs", 1, (128, 256)), (256, 256, True, None, 2, (128, 256)),  # one
-    (128, 512, False, "rhs", 2, (128, 256)), (256, 256, True, "rhs", 2, (256, 128))])
-def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster, block):
+@pytest.mark.parametrize("m,n,skew,gathered,cluster,block,transposed", [  # the interpreter
+    (128, 256, False, None, 1, (128, 256), False),  # copies gathered rows one by one
+    (256, 512, True, None, 1, (128, 256), False), (128, 256, True, "lhs", 1, (128, 256), False),
+    (256, 256, True, None, 2, (128, 256), False),
+    (256, 256, True, "rhs", 2, (256, 128), False), (256, 256, True, "lhs", 2, (128, 256), True),
+    (128, 256, False, None, 1, (128, 256), True)])
+def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster, block,
+                                       transposed):
   """Varlen-K out[e] = lhs_e^T rhs_e, one operand optionally gathered by token inside the kernel
-  (as dw1 = x_rows^T dH and dw2 = A_s^T dO_rows run); experts without rows get exact zeros.
-  cluster=2: 2-CTA clusters multicasting the rhs tile (pairs of m blocks) or, when rhs is
-  gathered, the lhs tile (pairs of n blocks). block (256, 128): dw2's blocks when it gathers dO
-  (each warpgroup two 64-row accumulators)."""
+  (as dw1 = x_rows^T dH runs); experts without rows get exact zeros. cluster=2: 2-CTA clusters
+  multicasting the rhs tile (pairs of m blocks) or, when rhs is gathered, the lhs tile (pairs of
+  n blocks). block (256, 128): each warpgroup two 64-row accumulators. transposed: out[e]^T
+  stored (E, n, m), the accumulators written through transposed staging buffers (as dw2 =
+  (dO_rows^T A_s)^T runs with dO gathered)."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E = (120, 4) if not compiled else (4000, 16)
   if compiled:
@@ -555,10 +567,13 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   with kernel_mode(compiled):
     got = jax.jit(lambda a, b: wg.weight_grad(
         a, b, layout, wg.WeightGradConfig(block_m=block[0], block_n=block[1], cluster=cluster),
-        gathered=gathered))(lhs, rhs)
+        gathered=gathered, transpose_out=transposed))(lhs, rhs)
   rows = lambda v, side: v[layout.row_token] if gathered == side else v
   want = xla_backend.grouped_weight_grad(rows(lhs, "lhs"), rows(rhs, "rhs"), layout)
-  assert got.shape == (E, m, n) and got.dtype == jnp.bfloat16
+  if transposed:
+    want = want.swapaxes(1, 2)
+  assert got.shape == want.shape == ((E, n, m) if transposed else (E, m, n))
+  assert got.dtype == jnp.bfloat16
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
   assert rel_err(got, want) < 1e-2
   empty = np.asarray(layout.expert_counts) == 0
@@ -688,6 +703,12 @@ def _lowering_cases():
       lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
   cases["weight_grad-gathered_rhs"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, gathered="rhs"), (spec(R, n), spec(1000, d)))
+  cases["weight_grad-gathered_lhs-indices_after_wait"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
+          indices_before_wait=False), gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
+  cases["weight_grad-gathered_lhs-transposed"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs", transpose_out=True),
+      (spec(1000, d), spec(R, n)))
   cases["weight_grad-gathered_rhs-256x128-cluster"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
           block_m=256, block_n=128, cluster=2), gathered="rhs"), (spec(R, n), spec(1000, d)))
@@ -739,6 +760,8 @@ def _lowering_cases():
                                   "dh-swiglu-gathered-writes-rows",
                                   "dh-swiglu-pingpong-gathered-writes-rows",
                                   "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
+                                  "weight_grad-gathered_lhs-transposed",
+                                  "weight_grad-gathered_lhs-indices_after_wait",
                                   "weight_grad-gathered_rhs-256x128-cluster",
                                   "dh-relu_sq", "down", "dx", "weight_grad"])
 def test_kernel_lowers_for_sm90(role):
@@ -753,17 +776,28 @@ def test_kernel_lowers_for_sm90(role):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
-def test_dw2_gathering_d_out_takes_256_by_128_blocks():
-  """dw2 = A_s^T gather(dO) puts the gathered dO tile on the 128-wide side (half the gathered
-  bytes per FLOP) where n allows 256-row blocks; otherwise, and for dw1, the table's blocks."""
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("n", [256, 384])
+def test_dw2_gathering_d_out_matches_reference(rng, compiled, n):
+  """The backend's dw2 with the dO rows gathered on the wgmma's M side (dO_rows^T A_s stored
+  transposed): (E, n, d) = A_s^T dO_rows per expert, 128 x 256 (d, n) blocks where n allows,
+  else 128 x 128; experts without rows get zeros."""
   from sonic_jax.mosaic_gpu import backend as b
   from sonic_jax.mosaic_gpu import weight_grad as wg
-  base = wg.WeightGradConfig(cluster=2, num_stages=3)
-  got = b.gathered_rhs_config(base, 512, 4096)
-  assert (got.block_m, got.block_n, got.cluster, got.num_stages) == (256, 128, 2, 3)
-  assert b.gathered_rhs_config(base, 128, 4096) == base  # n = 128: no 256-row block
-  with pytest.raises(ValueError, match="block_m"):
-    wg.WeightGradConfig(block_m=192)
+  T, E, d = (120, 4, 128) if not compiled else (3000, 8, 512)
+  ids = np.stack([rng.integers(0, E - 1, T), rng.integers(0, E - 1, T)], 1)  # the last: empty
+  layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), E, 128)
+  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  a_s = jnp.where(layout.row_valid()[:, None],
+                  jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16), 0)
+  with kernel_mode(compiled):
+    got = jax.jit(lambda g, a: b.dw2_gathering_d_out(g, a, layout, wg.WeightGradConfig()))(
+        d_out, a_s)
+  want = xla_backend.grouped_weight_grad(a_s, d_out[layout.row_token], layout)
+  assert got.shape == want.shape == (E, n, d) and got.dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  assert rel_err(got, want) < 1e-2
+  assert not np.any(np.asarray(got[E - 1], np.float32))
 
 
 @pytest.mark.parametrize("gather_impl", [None, "row_tma", "cp_async"])

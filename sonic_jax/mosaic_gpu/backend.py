@@ -3,8 +3,7 @@
 Forward: up-projection with the activation epilogue, down-projection. Backward: the dH role
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
 (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
-gather the rows of x inside the kernel; dH and dw2 gather the rows of dO inside theirs for narrow
-experts; for wide ones dH gathers them and also stores them, for dw2 to read (`gather_source`). The
+gather the rows of x inside the kernel, dH and dw2 those of dO inside theirs (`gather_source`). The
 aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
@@ -35,26 +34,24 @@ ROW_TILE = 128
 # (T*K, d) gathered copy is ever written. "xla": XLA gathers x[row_token] / dO[row_token] into
 # contiguous buffers first. "dh" (dO only): dH gathers the dO rows as it loads them and also
 # stores them (`dh_projection(write_d_out_rows=True)`); dw2 reads that copy contiguously.
-# "auto" (`gather_source`): x fused everywhere; dO fused for experts of width
-# n <= FUSED_BACKWARD_MAX_N, written by dH for wider ones. Measured on an H100 (BENCHMARKS.md,
-# kernel table): the fused x gather costs dw1 0-17%, always less than an XLA gather of the rows
-# (0.1-3.7 ms); the fused dO gather costs dH 6-18% and dw2 20-70%, more than the XLA gather once
-# n >= 1024; there dH storing the rows it gathers (+12-20% on dH) costs less than either, at every
-# d of the grid (dH + dw2 + gathers: 0.82 vs 0.86 ms at 40960,768,1024,32,2, 8.48 vs 9.23 ms at
-# 32768,4096,1024,128,8); for n <= 512 it costs more than the fused gathers at d = 4096
-# (benchmarks/NOTES.md, ninth session).
-GATHER = "auto"
-FUSED_BACKWARD_MAX_N = 512
+# Measured on an H100 (benchmarks/NOTES.md, nineteenth session): with dw2's gathered dO on the
+# wgmma's M side (`dw2_gathering_d_out`) and the weight-gradient kernel's row indices loaded
+# before its stage waits, dw2 with its fused gather takes 0.9-1.15x the time of dw2 on
+# contiguous rows, less than what dH's store of those rows costs dH (0.9 ms of 5.0 at
+# 32768,4096,1024,128,8): the training step is 0.9-1.7% shorter than with "dh" (35.21 against
+# 35.82 ms there, 3.007 against 3.033 at 24576,1536,1024,32,2); an XLA gather of the rows cost
+# more than either (ninth session).
+GATHER = "fused"
 
 
-def gather_source(rows: str, n: int) -> str:
-  """Where the kernels get the gathered rows of `rows` ("x" or "d_out") for experts of width n:
-  "fused", "xla" or (d_out only) "dh"."""
+def gather_source(rows: str) -> str:
+  """Where the kernels get the gathered rows of `rows` ("x" or "d_out"): "fused", "xla" or
+  (d_out only) "dh"."""
   if rows not in ("x", "d_out"):
     raise ValueError(f"rows must be 'x' or 'd_out', got {rows!r}")
-  if GATHER != "auto":
-    return GATHER if rows == "d_out" or GATHER != "dh" else "fused"
-  return "fused" if rows == "x" or n <= FUSED_BACKWARD_MAX_N else "dh"
+  if GATHER not in ("fused", "xla", "dh"):
+    raise ValueError(f"GATHER must be 'fused', 'xla' or 'dh', got {GATHER!r}")
+  return "fused" if rows == "x" and GATHER == "dh" else GATHER
 
 
 class FallbackWarning(UserWarning):
@@ -103,13 +100,15 @@ def weight_grad_config(d: int, n: int, num_experts: int) -> wgrad.WeightGradConf
       "weight_grad", d=d, n=n, num_experts=num_experts))
 
 
-def gathered_rhs_config(config: wgrad.WeightGradConfig, m: int, n: int) -> wgrad.WeightGradConfig:
-  """dw2's blocks when it gathers its dO rows itself: 256 x 128 (the gathered side 128 wide, half
-  the gathered bytes per FLOP of 128 x 256; the cp.async gather moves ~3 TB/s over an H100) where
-  the widths allow it, else `config`."""
-  if m % 256 or n % 128:
-    return config
-  return dataclasses.replace(config, block_m=256, block_n=128)
+def dw2_gathering_d_out(d_out, a_s, layout, config: wgrad.WeightGradConfig):
+  """dw2 = A_s^T dO (E, n, d) with the rows of dO gathered inside the kernel, run as dO_rows^T A_s
+  with the accumulators stored transposed, so that the gathered dO is on the wgmma's M side:
+  128 x 256 (d, n) blocks, one 64 x 256 wgmma a warpgroup per 16-deep slice, as SonicMoE's dw2
+  does. On the N side (A_s^T dO with 256 x 128 (n, d) blocks, two 64 x 128 wgmmas) it measured
+  20-45% slower on an H100 (`benchmarks/wgrad_variants.py`)."""
+  block_n = 256 if a_s.shape[1] % 256 == 0 else 128
+  config = dataclasses.replace(config, block_m=128, block_n=block_n)
+  return wgrad.weight_grad(d_out, a_s, layout, config, gathered="lhs", transpose_out=True)
 
 
 def up_projection(x, w1, b1, layout, activation, gate_up_layout):
@@ -117,7 +116,7 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout):
     return xla_backend.up_projection(x, w1, b1, layout, activation, gate_up_layout)
   e, d, width = w1.shape
   config = up_config(d, width, e)
-  if gather_source("x", n=width) == "xla":
+  if gather_source("x") == "xla":
     return up.up_projection(x[layout.row_token], w1, b1, layout, activation, gate_up_layout,
                             config=config, gather=False)
   return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=config)
@@ -136,7 +135,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  source = gather_source("d_out", n)
+  source = gather_source("d_out")
   d_out_rows = d_out[layout.row_token] if source == "xla" else None
   outs = dh.dh_projection(d_out if d_out_rows is None else d_out_rows, h, row_scores, w2, layout,
                           activation, config=config, gather=d_out_rows is None,
@@ -158,15 +157,14 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, wi
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   n, d = a_s.shape[1], x.shape[1]
   config = weight_grad_config(d, n, layout.num_experts)
-  if gather_source("x", n) == "fused":
+  if gather_source("x") == "fused":
     dw1 = wgrad.weight_grad(x, d_h, layout, config, gathered="lhs")
   else:
     dw1 = wgrad.weight_grad(x[layout.row_token], d_h, layout, config)
   if d_out_rows is not None:  # from dH: XLA's gather or the rows dH gathered and stored
     dw2 = wgrad.weight_grad(a_s, d_out_rows, layout, config)
   else:
-    dw2 = wgrad.weight_grad(a_s, d_out, layout, gathered_rhs_config(config, n, d),
-                            gathered="rhs")
+    dw2 = dw2_gathering_d_out(d_out, a_s, layout, config)
   # The bias gradients need the dO rows only when b2 exists (db2): dH's, else an XLA gather.
   db2_rows = None
   if with_b2:

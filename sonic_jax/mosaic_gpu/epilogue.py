@@ -72,13 +72,17 @@ def column_vector(ref, like):
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 
-def store_tiles(stores, staging):
+def store_tiles(stores, staging, transposed: bool = False):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
   Each value is cut into 64-column pieces, one staging buffer each in turn; a buffer is reused
   only after the TMA store that read it has finished reading, so stores overlap with the next
-  pieces' register-to-SMEM copies.
+  pieces' register-to-SMEM copies. transposed: the views are (c, rows) and take each value
+  transposed, 64 rows a value, through the transpose of square (64, 64) staging buffers (each
+  piece first converted to the transposed WGMMA register layout: a shuffle within lane pairs).
   """
+  if transposed and staging.shape[1:] != (STORE_COLS, STORE_COLS):
+    raise ValueError(f"transposed stores take square ({STORE_COLS}, {STORE_COLS}) staging buffers")
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
   slots = staging.shape[0]
   i = 0
@@ -87,7 +91,12 @@ def store_tiles(stores, staging):
       slot = i % slots
       if i >= slots:
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-      staging[slot] = value[:, c:c + STORE_COLS]
+      piece = value[:, c:c + STORE_COLS]
+      if transposed:
+        staging.at[slot].T[...] = plgpu.layout_cast(piece, plgpu.Layout.WGMMA_TRANSPOSED)
+      else:
+        staging[slot] = piece
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[:, c:c + STORE_COLS])
+      cols = slice(c, c + STORE_COLS)
+      plgpu.copy_smem_to_gmem(staging.at[slot], dst.at[cols, :] if transposed else dst.at[:, cols])
       i += 1

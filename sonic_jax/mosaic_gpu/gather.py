@@ -22,10 +22,12 @@ kernels copy gathered rows one TMA per row instead.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm
+from jaxlib.mlir.dialects import arith, gpu, llvm, memref, nvvm, vector
+import numpy as np
 
 ROW_BYTES = 128  # one swizzle span: 64 elements of a 16-bit operand, one tiled SMEM row
 TILE_BYTES = 8 * ROW_BYTES  # one (8, 64) tile
@@ -33,9 +35,57 @@ CHUNK = 16  # bytes per cp.async
 _THREADS = 128
 
 
+def _passes(rows: int, width: int, dtype) -> tuple[int, int]:
+  """(pieces per row, rows per pass) of the gather's thread assignment: consecutive threads copy
+  consecutive 16-byte pieces of a row, `_THREADS // pieces_per_row` rows per pass."""
+  pieces_per_row = width * jnp.dtype(dtype).itemsize // CHUNK
+  if _THREADS % pieces_per_row or rows % (_THREADS // pieces_per_row):
+    raise ValueError(f"cannot split {rows} rows of {width} elements over {_THREADS} threads")
+  return pieces_per_row, _THREADS // pieces_per_row
+
+
+def _loaded_index_layout(rows: int, width: int, dtype):
+  """Layout of `load_row_indices`' result: one int32 register per pass in each thread."""
+  _, rows_per_pass = _passes(rows, width, dtype)
+  return plgpu.Layout.WG_STRIDED(((rows // rows_per_pass) * _THREADS,), vec_size=1)
+
+
+def load_row_indices(row_index, *, width: int, dtype):
+  """The source rows that a `cp_async_rows` call of `width` columns will copy, loaded ahead of
+  it: register p of a thread holds the index of the row it copies in pass p. Loaded before the
+  producer waits for the stage to be free and passed as `cp_async_rows(..., loaded_indices=...)`
+  after that wait, the index loads' latency is off the path from the wait to the copies (the
+  weight-gradient kernel's gathers: 5-7% faster at d = 4096 on an H100). Must run on a whole
+  warpgroup."""
+  rows = row_index.shape[0]
+  pieces_per_row, rows_per_pass = _passes(rows, width, dtype)
+  passes = rows // rows_per_pass
+  layout = _loaded_index_layout(rows, width, dtype)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),),
+                     return_type=plgpu.ShapeDtypeStruct((passes * _THREADS,), jnp.int32,
+                                                        layout=layout))
+  def load(ctx, idx_ref):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    c = mgpu_utils.c
+    lane = arith.remui(mgpu_utils.thread_idx(), c(_THREADS, i32))
+    first_row = arith.divui(lane, c(pieces_per_row, i32))
+    registers = []
+    for p in range(passes):
+      row = arith.addi(first_row, c(p * rows_per_pass, i32))
+      token = memref.load(idx_ref, [arith.index_castui(ir.IndexType.get(), row)])
+      registers.append(vector.broadcast(ir.VectorType.get((1,), i32), token))
+    return mgpu.FragmentedArray(_registers=np.array(registers, dtype=object),
+                                _layout=mgpu.WGStridedFragLayout((passes * _THREADS,), 1),
+                                _is_signed=True)
+
+  return load(row_index)
+
+
 def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
                   block_stride: int = TILE_BYTES, group_stride: int | None = None,
-                  next_row_index=None):
+                  next_row_index=None, loaded_indices=None):
   """Issues the gather of `rows` rows into a swizzled stage; `ready` (a `stage_barriers` slot)
   receives one arrival per thread once that thread's copies have landed.
 
@@ -48,6 +98,7 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
   Must run on a whole warpgroup; rows * width / 8 a multiple of 128 threads.
   next_row_index: optional GMEM ref of the indices the next call will read; they are prefetched
   into L1, so that the next call's index loads (the only synchronous step) do not wait for L2.
+  loaded_indices: `load_row_indices(row_index, ...)` of an earlier point: no index loads here.
 
   Consecutive threads copy consecutive 16-byte pieces of a row, so a warp instruction reads whole
   128-byte rows (one thread per row made every instruction touch 32 rows, half a sector each: the
@@ -56,18 +107,19 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
   rows = row_index.shape[0]
   width = src.shape[1]
   elem_bytes = jnp.dtype(src.dtype).itemsize
-  pieces_per_row = width * elem_bytes // CHUNK
-  if _THREADS % pieces_per_row or rows % (_THREADS // pieces_per_row):
-    raise ValueError(f"cannot split {rows} rows of {width} elements over {_THREADS} threads")
-  rows_per_pass = _THREADS // pieces_per_row
+  pieces_per_row, rows_per_pass = _passes(rows, width, src.dtype)
   chunks_per_span = ROW_BYTES // CHUNK
   if group_stride is None:
     group_stride = (width * elem_bytes // ROW_BYTES) * TILE_BYTES
 
-  refs = (src, row_index, dst, ready) + ((next_row_index,) if next_row_index is not None else ())
+  index_arg, index_type = row_index, plgpu.RefType()
+  if loaded_indices is not None:
+    index_arg, index_type = loaded_indices, _loaded_index_layout(rows, width, src.dtype)
+  args = (src, dst, ready, index_arg) + ((next_row_index,) if next_row_index is not None else ())
+  arg_types = (plgpu.RefType(),) * 3 + (index_type,) + (plgpu.RefType(),) * (len(args) - 4)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs))
-  def issue(ctx, src_ref, idx_ref, dst_ref, ready_ref, next_idx_ref=None):
+  @plgpu.inline_mgpu(arg_types=arg_types)
+  def issue(ctx, src_ref, dst_ref, ready_ref, index, next_idx_ref=None):
     del ctx
     i8 = ir.IntegerType.get_signless(8)
     i32 = ir.IntegerType.get_signless(32)
@@ -86,7 +138,11 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
     tokens = []
     for p in range(rows // rows_per_pass):  # all index loads first: their latencies overlap
       row = arith.addi(first_row, c(p * rows_per_pass, i32))
-      tokens.append((row, memref.load(idx_ref, [arith.index_castui(ir.IndexType.get(), row)])))
+      if loaded_indices is None:
+        token = memref.load(index, [arith.index_castui(ir.IndexType.get(), row)])
+      else:
+        token = vector.extract(index.registers.flat[p], [], [0])
+      tokens.append((row, token))
     for row, token in tokens:
       row_bytes = arith.muli(arith.extui(i64, token), c(source_row_stride * elem_bytes, i64))
       src_ptr = mgpu_utils.getelementptr(src_base, [arith.addi(row_bytes, src_piece)], i8)
@@ -112,7 +168,7 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
           mgpu_utils.getelementptr(next_base, [arith.muli(line, c(ROW_BYTES, i32))], i8),
           has_side_effects=True)
 
-  issue(*refs)
+  issue(*args)
 
 
 # One mbarrier per ring stage, in plain SMEM (8 bytes each, as two int32): Pallas barriers cannot be

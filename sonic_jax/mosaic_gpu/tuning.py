@@ -6,7 +6,7 @@ role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "d
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
 `grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`, `schedule`; for "dh" also
 `DhProjectionConfig.wide_h_loads` and `block_n`, for "down" `DownProjectionConfig.block_n`;
-`WeightGradConfig`'s `num_stages`, `cluster`).
+`WeightGradConfig`'s `num_stages`, `cluster`, `indices_before_wait`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
 keep their defaults, and a role without entries runs the defaults.
@@ -31,7 +31,7 @@ from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig, target_device
 ROLES = ("up", "down", "dh", "dx", "weight_grad")
 GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers",
                "cluster_m", "schedule")
-WEIGHT_GRAD_FIELDS = ("num_stages", "cluster")
+WEIGHT_GRAD_FIELDS = ("num_stages", "cluster", "indices_before_wait")
 DH_FIELDS = ("wide_h_loads", "block_n")  # DhProjectionConfig's own, next to the GEMM fields
 DOWN_FIELDS = ("block_n",)  # DownProjectionConfig's own
 ROLE_FIELDS = {"up": GEMM_FIELDS, "down": GEMM_FIELDS + DOWN_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,

@@ -8,7 +8,9 @@ exact zeros. Same warp specialisation as the varlen-M core (`grouped_gemm.py`): 
 fills a ring of stages with TMA, two compute warpgroups each own half of the block's rows (64, or
 128 as two 64-row accumulators in 256-row blocks) and read their part of the A tile transposed
 (wgmma transposes 16-bit SMEM operands for free), so no transposed copy of the activations is ever
-made. Reference: `xla_backend.grouped_weight_grad`.
+made. Either operand can be gathered by token as it loads (`gather.py`); `transpose_out` stores
+each block transposed, so that dw2 = A_s^T dO runs as (dO_rows^T A_s)^T with the gathered dO on
+the wgmma's M side (`backend.dw2_gathering_d_out`). Reference: `xla_backend.grouped_weight_grad`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class WeightGradConfig:
   tile_k: int = 64
   num_stages: int = 4
   cluster: int = 1
+  # The cp.async gather: load a k-step's row indices before waiting for its stage to be free,
+  # not after (their latency off the path from that wait to the copies): 5-7% faster dw1 and dw2
+  # at d = 4096 on an H100, within +-2% at d <= 1536 (benchmarks/wgrad_variants.py).
+  indices_before_wait: bool = True
 
   def __post_init__(self):
     if self.cluster not in (1, 2):
@@ -69,13 +75,16 @@ def supports(lhs_rows, rhs_rows, config: WeightGradConfig = WeightGradConfig()) 
 
 
 def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig(),
-                gathered: str | None = None):
+                gathered: str | None = None, transpose_out: bool = False):
   """(E, m, n) in lhs's dtype, float32 accumulation; lhs_rows (R, m), rhs_rows (R, n) grouped rows
   whose padding rows are zero in at least one of the two.
 
   gathered="lhs" / "rhs": that operand is instead the (T, m) / (T, n) source whose row
   `layout.row_token[r]` is grouped row r, gathered as the reduction runs (cp.async on the GPU;
   `gather.py`); no gathered copy is written to HBM.
+  transpose_out: return (E, n, m), each block's accumulators stored transposed, so that a product
+  wanted as rhs^T lhs (dw2 = A_s^T dO) can put a gathered operand on the wgmma's M side (128-wide
+  gathered tiles with the 64 x 256 wgmmas of 128 x 256 blocks).
   """
   if layout.row_tile % config.tile_k:
     raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of tile_k")
@@ -145,7 +154,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           return step + steps
         return _items
 
-      def load_rows(src, rows, cols, slot, barrier, dst_tiles, dst_raw, block_stride, group_stride):
+      def load_rows(src, rows, cols, slot, barrier, dst_tiles, dst_raw, indices, block_stride,
+                    group_stride):
         """Gathers the grouped rows `rows` of the (T, .) source `src`, columns `cols`, into the
         stage; dst_tiles(r, j) is the (1, 64) view of row r, 64-column span j (interpreter)."""
         if cp_async:
@@ -154,7 +164,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           gather.cp_async_rows(src.at[:, cols], row_token_ref.at[rows], dst_raw.at[slot],
                                ready.at[slot], source_row_stride=src.shape[1],
                                block_stride=block_stride, group_stride=group_stride,
-                               next_row_index=row_token_ref.at[next_rows])
+                               next_row_index=row_token_ref.at[next_rows],
+                               loaded_indices=indices)
           return
 
         @pl.loop(0, tk)
@@ -175,16 +186,21 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           def _k(ki):
             s = step + ki
             slot = lax.rem(s, stages)
+            # Group starts are multiples of the layout's row tile, hence of tile_k.
+            rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
+            indices = None
+            if cp_async and config.indices_before_wait:
+              indices = gather.load_row_indices(row_token_ref.at[rows],
+                                                width=bm if gathered == "lhs" else bn,
+                                                dtype=dtype)
 
             @pl.when(s >= stages)
             def _():
               plgpu.barrier_wait(empty.at[slot])
 
-            # Group starts are multiples of the layout's row tile, hence of tile_k.
-            rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
             if gathered == "lhs":  # the 64-column boxes are separate (tk, 64) buffers
               load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot],
-                        lambda r, j: a_smem.at[slot, j, pl.ds(r, 1)], a_raw,
+                        lambda r, j: a_smem.at[slot, j, pl.ds(r, 1)], a_raw, indices,
                         block_stride=tk * 64 * itemsize, group_stride=8 * 64 * itemsize)
             else:
               for h in range(lhs_boxes):
@@ -194,7 +210,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             if gathered == "rhs":
               load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot],
                         lambda r, j: b_smem.at[slot, pl.ds(r, 1), pl.ds(j * 64, 64)], b_raw,
-                        block_stride=8 * 64 * itemsize, group_stride=8 * bn * itemsize)
+                        indices, block_stride=8 * 64 * itemsize, group_stride=8 * bn * itemsize)
             else:
               plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
                                       full.at[slot], **(multicast if shared == "rhs" else {}))
@@ -234,10 +250,12 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
 
           accs = pl.run_scoped(acc_scope, *[plgpu.ACC((64, bn), jnp.float32)
                                             for _ in range(subs)])
+          out_rows = lambda i: pl.ds(mb * bm + wg * half + i * 64, 64)
+          out_cols = pl.ds(nb * bn, bn)
           epi.store_tiles(
-              [(acc.astype(dtype),
-                out_ref.at[e, pl.ds(mb * bm + wg * half + i * 64, 64), pl.ds(nb * bn, bn)])
-               for i, acc in enumerate(accs)], staging.at[wg])
+              [(acc.astype(dtype), out_ref.at[e, out_cols, out_rows(i)] if transpose_out
+                else out_ref.at[e, out_rows(i), out_cols]) for i, acc in enumerate(accs)],
+              staging.at[wg], transposed=transpose_out)
 
         walk_items(compute)
         plgpu.wait_smem_to_gmem(0)
@@ -257,7 +275,7 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
 
   kernel = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((e_count, m, n), dtype),
+      out_type=jax.ShapeDtypeStruct((e_count, n, m) if transpose_out else (e_count, m, n), dtype),
       **persistent_launch(cluster),
       kernel_name="weight_grad" + (f"_gathered_{gathered}" if gathered else ""),
       num_threads=_NUM_COMPUTE_WGS + 1,
