@@ -355,10 +355,10 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 roofline uses its run's) {kernels['ceilings']}. Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
 up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
-backward GEMM kernels as the backend runs them (`gather_source`): dw1 with its fused gather of x ("x
-fused"); for experts of width n ≤ 512 dH and dw2 with their fused gathers of dO ("dO fused"); for
-wider ones dH with its fused gather of dO, storing the rows it gathers, and dw2 on those rows ("dO
-dh"); and dX rows; without the gather-sums. The "contiguous input" kernels are the
+backward GEMM kernels as the backend ran them in that run (its `gather_source`, named in the last
+column: "x fused" / "dO fused": the rows gathered inside the kernels; "dO dh": dH gathered the dO
+rows and stored them, dw2 read them contiguous), and dX rows; without the gather-sums. The
+"contiguous input" kernels are the
 same kernels on rows gathered beforehand (the XLA gather that this needs is timed in the forward table).
 
 {kernels_table(kernels)}
@@ -411,8 +411,10 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   "residuals" are the bytes that autodiff keeps from the forward for the backward, not counting the layer's
   own inputs (x, weights); "step temp" is XLA's temporary memory for the forward+backward program.
 - `sonic_jax[mosaic_gpu]`: Hopper kernels for all six GEMM roles (up, down, dH, dw1, dw2, dX); the rows of
-  x gathered inside the up-projection and dw1, those of dO inside dH and dw2 for experts of width n ≤ 512;
-  for wider ones dH gathers them and stores them for dw2; the router's top-K as a Pallas kernel (from
+  x gathered inside the up-projection and dw1, those of dO inside dH and dw2 (from the nineteenth
+  session's rows on at every width, dw2 with the gathered dO on the wgmma's M side; before, only for
+  experts of width n ≤ 512, for wider ones dH stored the rows it gathered for dw2); the router's
+  top-K as a Pallas kernel (from
   the seventeenth session's rows on, for E ≤ 128 one kernel for the router GEMM and the top-K), and
   for E ≤ 128 the routing metadata's per-block counts and ranks (a counting sort, from the fifteenth
   session's rows on; a radix sort before and at E = 256); the rest of the routing metadata and the

@@ -36,7 +36,7 @@ ROW_TILE = 128
 # stores them (`dh_projection(write_d_out_rows=True)`); dw2 reads that copy contiguously.
 # Measured on an H100 (benchmarks/NOTES.md, nineteenth session): with dw2's gathered dO on the
 # wgmma's M side (`dw2_gathering_d_out`) and the weight-gradient kernel's row indices loaded
-# before its stage waits, dw2 with its fused gather takes 0.9-1.15x the time of dw2 on
+# before its stage waits, dw2 with its fused gather takes 0.8-1.15x the time of dw2 on
 # contiguous rows, less than what dH's store of those rows costs dH (0.9 ms of 5.0 at
 # 32768,4096,1024,128,8): the training step is 0.9-1.7% shorter than with "dh" (35.21 against
 # 35.82 ms there, 3.007 against 3.033 at 24576,1536,1024,32,2); an XLA gather of the rows cost
