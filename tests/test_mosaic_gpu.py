@@ -800,6 +800,14 @@ def test_dw2_gathering_d_out_matches_reference(rng, compiled, n):
   assert not np.any(np.asarray(got[E - 1], np.float32))
 
 
+@pytest.mark.parametrize("field,value", [("block_m", 192), ("block_n", 64), ("cluster", 4),
+                                         ("tile_k", 128)])
+def test_weight_grad_config_rejects_unsupported_fields(field, value):
+  from sonic_jax.mosaic_gpu import weight_grad as wg
+  with pytest.raises(ValueError, match=field):
+    wg.WeightGradConfig(**{field: value})
+
+
 @pytest.mark.parametrize("gather_impl", [None, "row_tma", "cp_async"])
 def test_register_split_fits_the_launch(gather_impl):
   """setmaxnreg moves registers inside the pool the launch gave the CTA (168 per thread for

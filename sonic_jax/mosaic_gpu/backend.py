@@ -105,7 +105,8 @@ def dw2_gathering_d_out(d_out, a_s, layout, config: wgrad.WeightGradConfig):
   with the accumulators stored transposed, so that the gathered dO is on the wgmma's M side:
   128 x 256 (d, n) blocks, one 64 x 256 wgmma a warpgroup per 16-deep slice, as SonicMoE's dw2
   does. On the N side (A_s^T dO with 256 x 128 (n, d) blocks, two 64 x 128 wgmmas) it measured
-  20-45% slower on an H100 (`benchmarks/wgrad_variants.py`)."""
+  22-24% slower on an H100 at d = 4096, and 1.3-1.6x with 128 x 256 blocks
+  (`benchmarks/wgrad_variants.py`)."""
   block_n = 256 if a_s.shape[1] % 256 == 0 else 128
   config = dataclasses.replace(config, block_m=128, block_n=block_n)
   return wgrad.weight_grad(d_out, a_s, layout, config, gathered="lhs", transpose_out=True)

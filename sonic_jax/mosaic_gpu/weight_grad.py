@@ -54,7 +54,8 @@ class WeightGradConfig:
   cluster: int = 1
   # The cp.async gather: load a k-step's row indices before waiting for its stage to be free,
   # not after (their latency off the path from that wait to the copies): 5-7% faster dw1 and dw2
-  # at d = 4096 on an H100, within +-2% at d <= 1536 (benchmarks/wgrad_variants.py).
+  # at d = 4096 on an H100; at d <= 1536 between 2% faster and 4% slower, and off in the tuning
+  # table where slower (benchmarks/wgrad_variants.py, autotune.py).
   indices_before_wait: bool = True
 
   def __post_init__(self):
