@@ -42,6 +42,10 @@ flags.DEFINE_enum("gate_up_layout", "concat", list(sonic_jax.activations.GATE_UP
 flags.DEFINE_enum("routing", "softmax_topk", list(sonic_jax.ROUTINGS), "routing")
 flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
                   "logits accumulate in float32 either way; SonicMoE's benchmark keeps it in bfloat16)")
+flags.DEFINE_enum("data", "unit", ["unit", "sonicmoe"], "input scales: unit (x, dO ~ N(0, 1), "
+                  "weights of std 1/sqrt(fan-in)) or sonicmoe (as SonicMoE's benchmark, "
+                  "../shared/bench/sonic_ref.py: x, dO ~ 0.2 N(0, 1), every weight of std 0.02; "
+                  "the GPU's power draw, so its clocks under load, depend on the data)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
 flags.DEFINE_integer("input_sets", 3, "input sets rotated between calls")
 flags.DEFINE_integer("xla_max_pairs", 1 << 30, "skip the xla backend when T*K exceeds this")
@@ -49,6 +53,9 @@ flags.DEFINE_list("forward_only", [], "sonic_jax backends measured forward only 
                   "backward still runs the slow xla reference path)")
 flags.DEFINE_list("token_rounding", [], "token-rounding modes (down, up, nearest) measured as "
                   "extra rows of every sonic_jax backend; their FLOPs count the pairs after rounding")
+flags.DEFINE_bool("do_bench", False, "also time each row as SonicMoE's anchors were timed "
+                  "(triton do_bench style: `timing.time_do_bench`), right after compiling it, "
+                  "before the interleaved samples; recorded under the row's \"do_bench\"")
 flags.DEFINE_bool("kernel_trace", True, "per-kernel device times from a profiler trace")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_bool("benchmarks_md", False, "regenerate BENCHMARKS.md from this run")
@@ -60,18 +67,20 @@ FLAGS = flags.FLAGS
 def _inputs(cfg, dtype, seed, glu):
   t, d, n, e, _ = cfg
   ks = jax.random.split(jax.random.key(seed), 5)
-  x = jax.random.normal(ks[0], (t, d), dtype)
-  d_y = jax.random.normal(ks[1], (t, d), dtype)
+  scale = 0.2 if FLAGS.data == "sonicmoe" else 1.0
+  x = (scale * jax.random.normal(ks[0], (t, d), jnp.float32)).astype(dtype)
+  d_y = (scale * jax.random.normal(ks[1], (t, d), jnp.float32)).astype(dtype)
   return x, d_y
 
 
 def _weights(cfg, dtype, glu):
   t, d, n, e, _ = cfg
   ks = jax.random.split(jax.random.key(1234), 3)
-  router_weight = (jax.random.normal(ks[0], (d, e), jnp.float32) / np.sqrt(d)).astype(
+  std = lambda fan_in: 0.02 if FLAGS.data == "sonicmoe" else 1 / np.sqrt(fan_in)
+  router_weight = (jax.random.normal(ks[0], (d, e), jnp.float32) * std(d)).astype(
       FLAGS.router_dtype)
-  w1 = (jax.random.normal(ks[1], (e, d, (2 if glu else 1) * n), jnp.float32) / np.sqrt(d)).astype(dtype)
-  w2 = (jax.random.normal(ks[2], (e, n, d), jnp.float32) / np.sqrt(n)).astype(dtype)
+  w1 = (jax.random.normal(ks[1], (e, d, (2 if glu else 1) * n), jnp.float32) * std(d)).astype(dtype)
+  w2 = (jax.random.normal(ks[2], (e, n, d), jnp.float32) * std(n)).astype(dtype)
   return router_weight, w1, w2
 
 
@@ -86,6 +95,9 @@ def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
     if fwdbwd is not None:
       c_fb, row["compile_fwdbwd_s"] = timing.compile_fn(fwdbwd, *fwdbwd_sets[0])
       calls["fwdbwd"] = (c_fb, fwdbwd_sets)
+    if FLAGS.do_bench:  # first, on a GPU that sat idle while compiling, as sonic_ref.py's
+      row["do_bench"] = _do_bench(c_fwd, fwd_sets[0], c_fb if fwdbwd is not None else None,
+                                  fwdbwd_sets[0], flops)
     # In alternating rounds: backward = fwd+bwd - fwd must not take the clocks' drift between two
     # back-to-back timings with it.
     times = timing.time_interleaved(calls, repeats=FLAGS.repeats)
@@ -109,6 +121,21 @@ def _measure(name, fwd, fwdbwd, fwd_sets, fwdbwd_sets, flops, residual_fn=None):
     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     traceback.print_exc()
   return row
+
+
+def _do_bench(c_fwd, fwd_args, c_fb, fb_args, flops):
+  """The forward, then the forward+backward, each timed as `timing.time_do_bench` times (the
+  method of SonicMoE's measured anchors; backward = fwd+bwd - fwd as there)."""
+  t_fwd, info = timing.time_do_bench(c_fwd, fwd_args)
+  out = dict(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12, fwd_calls=info["calls"],
+             per_call=info["per_call"], fwd_samples_ms=[v * 1e3 for v in info["samples_s"]])
+  if c_fb is not None:
+    t_fb, info = timing.time_do_bench(c_fb, fb_args)
+    t_bwd = max(t_fb - t_fwd, 1e-9)
+    out.update(fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3, bwd_tflops=2 * flops / t_bwd / 1e12,
+               fwdbwd_tflops=3 * flops / t_fb / 1e12, fwdbwd_calls=info["calls"],
+               fwdbwd_samples_ms=[v * 1e3 for v in info["samples_s"]])
+  return out
 
 
 def _routing_stats(cfg, sets, weights, backend, token_rounding):
@@ -214,7 +241,7 @@ def _environment():
           "command": "python -m benchmarks.moe_bench " + " ".join(sys.argv[1:]),
           "dtype": FLAGS.dtype, "activation": FLAGS.activation, "routing": FLAGS.routing,
           "gate_up_layout": FLAGS.gate_up_layout,
-          "router_dtype": FLAGS.router_dtype,
+          "router_dtype": FLAGS.router_dtype, "data": FLAGS.data,
           "tokamax": baselines.tokamax_available()}
 
 

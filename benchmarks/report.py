@@ -25,9 +25,12 @@ def row_summary(row):
   if "fwdbwd_ms" not in row:
     return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5} TFLOP/s ({row['fwd_ms']:.3f} ms, "
             f"forward only)  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
+  db = row.get("do_bench")
+  db = (f"  do_bench {db['fwd_ms']:.3f} / {db['fwdbwd_ms']:.3f} ms" if db and "fwdbwd_ms" in db
+        else "")
   return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5}  bwd {_tf(row['bwd_tflops']):>5}  "
           f"fwd+bwd {_tf(row['fwdbwd_tflops']):>5} TFLOP/s  ({row['fwd_ms']:.3f} / {row['fwdbwd_ms']:.3f} ms)"
-          f"  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
+          f"  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB" + db)
 
 
 def _sonic_best(anchor, key):
@@ -64,6 +67,33 @@ def results_table(results):
           f"{_f(None if row.get('temp_bytes') is None else row['temp_bytes'] / 2**30, '{:.2f}')} | "
           f"{ratio(row['fwd_tflops'], best_fwd)} | {ratio(row.get('bwd_tflops'), best_bwd)} |")
   return "\n".join(lines)
+
+
+def do_bench_table(results):
+  """The rows that a run also timed as SonicMoE's anchors were timed (`moe_bench --do_bench`),
+  against SonicMoE's best and against its measured figure (the same method); "" if none."""
+  anchors, _ = grid.load_anchors()
+  lines = ["| config (T,d,n,E,K) | row | fwd TF/s | bwd TF/s | fwd ms | fwd+bwd ms | calls timed "
+           "fwd / fwd+bwd | fwd / SonicMoE best | bwd / SonicMoE best | fwd / SonicMoE measured | "
+           "bwd / SonicMoE measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for res in results["configs"]:
+    cfg = tuple(res["config"])
+    anchor = anchors.get(cfg, {})
+    measured = anchor.get("sonicmoe_measured", {})
+    for row in res["rows"]:
+      db = row.get("do_bench")
+      if not db:
+        continue
+      ratio = lambda v, b: f"{v / b:.2f}" if (b and v is not None) else ""
+      bwd = db.get("bwd_tflops")
+      lines.append(
+          f"| {','.join(map(str, cfg))} | {row['name']} | {_tf(db['fwd_tflops'])} | "
+          f"{'–' if bwd is None else _tf(bwd)} | {db['fwd_ms']:.3f} | "
+          f"{_f(db.get('fwdbwd_ms'), '{:.3f}')} | {db['fwd_calls']} / {db.get('fwdbwd_calls', '–')} | "
+          f"{ratio(db['fwd_tflops'], _sonic_best(anchor, 'fwd'))} | "
+          f"{ratio(bwd, _sonic_best(anchor, 'bwd'))} | {ratio(db['fwd_tflops'], measured.get('fwd'))} | "
+          f"{ratio(bwd, measured.get('bwd'))} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def anchors_table(results):
@@ -159,7 +189,9 @@ def plot(results, out_dir):
 
 
 def markdown(results):
-  return (results_table(results) + "\n\nReference figures for the same configurations "
+  db = do_bench_table(results)
+  db = f"\n\nTimed as SonicMoE's anchors were (do_bench style):\n\n{db}" if db else ""
+  return (results_table(results) + db + "\n\nReference figures for the same configurations "
           "(`benchmarks/data/sonicmoe_h100.json`):\n\n" + anchors_table(results) + "\n")
 
 
@@ -389,6 +421,22 @@ the preset's schedule (warm-up 200), the `*_100steps` pair `--steps=100 --warmup
 
 {pretrain_table(pretrain)}
 """
+  do_bench_part = ""
+  if do_bench_table(results):
+    do_bench_part = f"""
+### Timed as SonicMoE's anchors were
+
+The rows of runs with `--do_bench`, timed again as `../shared/bench/sonic_ref.py` timed SonicMoE
+for its measured anchors (`timing.time_do_bench`, triton's `do_bench(warmup=5, rep=200)`: the
+forward, then the forward+backward, each right after compiling, in a 200 ms burst of calls with an
+L2 flush before each, every call's device span from a profiler trace, the median; backward =
+forward+backward − forward). With the `--data=sonicmoe` inputs this is the anchor's method and
+data on an H100 of the same kind (not the same one). The main table above is a sustained load, in
+which the H100's power cap lowers its clocks: a burst's first calls run 8–10% faster than its
+median, the sustained samples' median slower again.
+
+{do_bench_table(results)}
+"""
   command = command or "python -m benchmarks.report ..."
   text = f"""# Benchmarks
 
@@ -400,7 +448,7 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 
 {run_lines}
 {notes}
-- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, random router weights (std 1/√d, in the dtype each run line gives), x ~ N(0, 1).
+- Problem: {env['dtype']}, {env['activation']}, routing `{env['routing']}`, router weights in the dtype each run line gives; inputs as each run line's `--data` says: `sonicmoe`, SonicMoE's benchmark scales (x and dO ~ 0.2·N(0, 1), every weight, the router's too, of std 0.02, as `../shared/bench/sonic_ref.py`); without it, unit scale (x and dO ~ N(0, 1), weights of std 1/√fan-in).
 - Method: compile excluded (reported in the JSON); warm-up; median of repeated samples, each a batch of
   back-to-back calls ended by one device synchronisation, rotating input sets; the forward and the
   forward+backward sampled in alternating rounds (runs from the tenth session on; earlier ones timed them one
@@ -426,7 +474,7 @@ Runs (a later run's row replaces an earlier run's row of the same name):
 - The uniform upper bound has no router, gather or aggregation: batched GEMMs with T·K/E rows per expert.
 
 {results_table(results)}
-
+{do_bench_part}
 Reference figures (`benchmarks/data/sonicmoe_h100.json`; {sources['sonicmoe_published'][:60]}…;
 SonicMoE on an H100: {sources['sonicmoe_measured'][:80]}…):
 

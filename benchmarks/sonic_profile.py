@@ -35,7 +35,9 @@ def kernel_times(prof, calls):
   return {name: (total[name] / calls, count[name] / calls) for name, _ in total.most_common()}
 
 
-def profile_config(cfg, calls, save):
+def sonicmoe_layer(cfg):
+  """(forward, step) of SonicMoE's layer for configuration `cfg`, built as sonic_ref.py builds it:
+  forward() returns the output, step() runs forward and backward from a fixed dO."""
   import torch
   from sonicmoe import MoE
   from sonicmoe.enums import ActivationType
@@ -58,6 +60,12 @@ def profile_config(cfg, calls, save):
     forward().backward(d_out)
     x.grad = w1.grad = w2.grad = rw.grad = None
 
+  return forward, step
+
+
+def profile_config(cfg, calls, save):
+  import torch
+  forward, step = sonicmoe_layer(cfg)
   result = {}
   for name, fn in (("forward", forward), ("step", step)):
     for _ in range(2):

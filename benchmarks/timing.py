@@ -9,6 +9,9 @@
   sampled in interleaved rounds (`time_interleaved`): the GPU's clocks drift by several percent
   within a run, which timing them one after the other would put into the comparison.
 - Per-kernel device times come from a `jax.profiler` trace of a few calls.
+- `time_do_bench` measures the way SonicMoE's anchors were measured (triton's `do_bench`: a short
+  burst of calls, each after an L2 flush, timed one by one, the median), so that our figures and
+  theirs come from the same method; the interleaved samples above are a harsher, sustained load.
 """
 
 from __future__ import annotations
@@ -153,6 +156,96 @@ def time_interleaved(calls, *, repeats=10, min_sample_s=0.025, max_inner=200):
       jax.block_until_ready(out)
       samples[name].append((time.perf_counter() - t0) / inner[name])
   return {name: (statistics.median(v), v) for name, v in samples.items()}
+
+
+def _flush_fn(flush_bytes):
+  """(flush, buffer): flush(buffer) overwrites `flush_bytes` of device memory in place, as triton's
+  do_bench zeroes a 256 MB buffer before each call so that no call finds its data in L2."""
+  import jax.numpy as jnp
+  flush = jax.jit(lambda b: jnp.zeros_like(b), donate_argnums=0)
+  return flush, jnp.ones((flush_bytes // 4,), jnp.int32)
+
+
+def per_call_spans(events, flush_events, call_events, calls):
+  """Device time of each call in a trace of `calls` rounds of (flush, call): `events`
+  [(start_ns, duration_ns, name)] in start order, `flush_events` and `call_events` the number of
+  events that one flush and one call put on the stream (from traces of each alone). A call's time
+  runs from its first event's start to its last event's end (what CUDA events recorded around it
+  on the stream measure; the flush before it is not counted). None where the events do not come in
+  that pattern (then the caller falls back to host timing)."""
+  per_round = flush_events + call_events
+  if call_events < 1 or len(events) != calls * per_round:
+    return None
+  spans = []
+  for r in range(calls):
+    mine = events[r * per_round + flush_events:(r + 1) * per_round]
+    spans.append(max(s + d for s, d, _ in mine) - mine[0][0])
+  return [s / 1e9 for s in spans]
+
+
+def _traced_events(run):
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready(run())
+    jax.profiler.stop_trace()
+    return device_events(logdir)
+
+
+def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=None):
+  """Seconds per call of `compiled(*args)` measured as triton.testing.do_bench(warmup=5, rep=200,
+  return_mode="median") measures (SonicMoE's anchors, `../shared/bench/sonic_ref.py`): the number
+  of calls sized from 5 flushed calls, `warmup_ms` of warm-up calls, then `rep_ms` of calls each
+  after an L2 flush, each timed alone, the median. Each call's time is its device span in a
+  profiler trace (as CUDA events around it on the stream); where the trace has no device events
+  (CPU) or an unexpected pattern, the mean host time per call with the flushes' time taken out.
+  `flush_bytes`: 256 MB (do_bench's) on a GPU, 4 MB elsewhere (a CPU run is a smoke test).
+  Returns (median seconds, {"calls", "samples_s", "per_call": "device" | "host"})."""
+  if flush_bytes is None:
+    flush_bytes = (256 if jax.devices()[0].platform == "gpu" else 4) << 20
+  flush, buf = _flush_fn(flush_bytes)
+  buf = jax.block_until_ready(flush(buf))
+  jax.block_until_ready(compiled(*args))
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(5):
+    buf = flush(buf)
+    out = compiled(*args)
+  jax.block_until_ready((out, buf))
+  estimate = (time.perf_counter() - t0) / 5
+  warmup = max(1, int(warmup_ms * 1e-3 / estimate))
+  calls = max(1, int(rep_ms * 1e-3 / estimate))
+  for _ in range(warmup):
+    out = compiled(*args)
+  jax.block_until_ready(out)
+  holder = [buf]
+
+  def flush_once():
+    holder[0] = flush(holder[0])
+    return holder[0]
+
+  flush_events = len(_traced_events(flush_once))
+  call_events = len(_traced_events(lambda: compiled(*args)))
+
+  def rounds():
+    result = None
+    for _ in range(calls):
+      holder[0] = flush(holder[0])
+      result = compiled(*args)
+    return result, holder[0]
+
+  spans = per_call_spans(_traced_events(rounds), flush_events, call_events, calls)
+  if spans is not None:
+    return statistics.median(spans), {"calls": calls, "samples_s": spans, "per_call": "device"}
+  t0 = time.perf_counter()
+  jax.block_until_ready(rounds())
+  host_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    holder[0] = flush(holder[0])
+  jax.block_until_ready(holder[0])
+  flush_s = time.perf_counter() - t0
+  mean = max(host_s - flush_s, 1e-9) / calls
+  return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
 
 
 def check_variants(variants, compared):

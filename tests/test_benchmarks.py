@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_harness_smoke_run(tmp_path):
   cmd = [sys.executable, "-m", "benchmarks.moe_bench", "--thiek=128,32,16,4,2", "--repeats=2",
-         "--input_sets=2", f"--out={tmp_path}"]
+         "--input_sets=2", "--do_bench", f"--out={tmp_path}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.load(open(tmp_path / "results.json"))
@@ -25,6 +25,9 @@ def test_harness_smoke_run(tmp_path):
     expected = 6 * 128 * 2 * 32 * 16 / (row["fwd_ms"] * 1e-3) / 1e12
     assert abs(row["fwd_tflops"] - expected) < 1e-6 * max(1.0, expected)
   ours = rows["sonic_jax[xla]"]
+  db = ours["do_bench"]  # timed again as SonicMoE's anchors were
+  assert db["fwd_ms"] > 0 and db["fwdbwd_ms"] > 0 and db["fwd_calls"] >= 1, db
+  assert abs(db["fwd_tflops"] - 6 * 128 * 2 * 32 * 16 / (db["fwd_ms"] * 1e-3) / 1e12) < 1e-9
   # Residuals: H is the only activation-sized tensor kept (rows x 2n bf16), plus O(T*K) metadata.
   assert 0 < ours["residual_bytes"] < 128 * 2 * 2 * 16 * 2 * 3 + 64 * 1024, ours["residuals"]
   assert cfg["expert_counts"]["mean"] == 128 * 2 / 4
@@ -152,6 +155,21 @@ def test_time_interleaved_rounds_and_rotation():
   # Per function: a warm-up call on every input set, then one call that sizes a sample.
   assert warm_up == ["a0", "a1", "a0", "b0", "b0"]
   assert timed == ["a0", "b0", "a1", "b0", "a0", "b0"]
+
+
+def test_per_call_spans_splits_flush_and_call_rounds():
+  """do_bench-style timing: each call's span starts at its own first event (not the flush's) and
+  ends at its last event's end; an unexpected event count gives None (host-time fallback)."""
+  sys.path.insert(0, ROOT)
+  from benchmarks import timing
+  events = []
+  for r in range(3):  # a round: one flush event, then a call of two events, the second longer
+    base = r * 1000
+    events += [(base, 100, "flush"), (base + 120, 200, "a"), (base + 330, 300 + 10 * r, "b")]
+  spans = timing.per_call_spans(events, 1, 2, 3)
+  assert spans == [(330 + 300 + 10 * r - 120) / 1e9 for r in range(3)]
+  assert timing.per_call_spans(events[:-1], 1, 2, 3) is None
+  assert timing.per_call_spans(events, 1, 0, 3) is None
 
 
 def test_autotune_searches_only_tunable_fields():
