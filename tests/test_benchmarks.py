@@ -157,6 +157,21 @@ def test_time_interleaved_rounds_and_rotation():
   assert timed == ["a0", "b0", "a1", "b0", "a0", "b0"]
 
 
+def test_table_ab_smoke_run(tmp_path):
+  """The table A/B script end to end on CPU (the xla backend reads no table: both agree)."""
+  table = tmp_path / "t.json"
+  table.write_text(json.dumps({"entries": [{"role": "up", "device": "x", "d": 64, "n": 64,
+                                            "E": 4, "config": {"num_stages": 3}}]}))
+  cmd = [sys.executable, "-m", "benchmarks.table_ab", f"--tables=packaged,{table}",
+         "--thiek=128,32,16,4,2", "--repeats=2", "--backend=xla", f"--out={tmp_path}"]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (res,) = json.load(open(tmp_path / "table_ab.json"))["configs"]
+  assert res["agree"] == {"packaged": True, "t.json": True}
+  assert set(res["ms"]) == {"packaged forward", "packaged step", "t.json forward", "t.json step"}
+  assert all(v > 0 for v in res["ms"].values())
+
+
 def test_per_call_spans_splits_flush_and_call_rounds():
   """do_bench-style timing: each call's span starts at its own first event (not the flush's) and
   ends at its last event's end; an unexpected event count gives None (host-time fallback)."""
