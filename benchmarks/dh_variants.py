@@ -131,7 +131,7 @@ def run_config(cfg):
     by_kind[kind][name] = (fn, (rows, h, scores, w2))
   out = {"gathered dO rows": gathered}
   for variants in filter(None, by_kind.values()):
-    out.update(timing.measure_variants(variants, compared, flops, FLAGS.repeats))
+    out.update(timing.measure_variants(variants, compared, flops, FLAGS.repeats, FLAGS.cool_calls))
   return {"config": list(cfg), "variants": out}
 
 

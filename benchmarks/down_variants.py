@@ -61,7 +61,7 @@ def run_config(cfg):
     fn = lambda a, w2, lay, config=config: down.down_projection(a, w2, None, lay, config=config)
     variants[name] = (fn, (a, w2, layout))
   out = timing.measure_variants(variants, lambda o: (np.asarray(o, np.float32)[:rows],), flops,
-                                FLAGS.repeats)
+                                FLAGS.repeats, FLAGS.cool_calls)
   return {"config": list(cfg), "variants": out}
 
 

@@ -79,7 +79,7 @@ def run_config(cfg):
     variants[name] = (fn, (x if gathered else x_rows, weights, layout))
   # A is compared (the interleaved layout's H holds the same values in another column order).
   out = timing.measure_variants(variants, lambda o: (np.asarray(o[1], np.float32)[valid],),
-                                flops, FLAGS.repeats)
+                                flops, FLAGS.repeats, FLAGS.cool_calls)
   return {"config": list(cfg), "variants": out}
 
 

@@ -100,14 +100,17 @@ def define_variant_flags(repeats: int = 7):
   flags.DEFINE_integer("repeats", repeats, "timed samples per variant")
   flags.DEFINE_multi_string("variants", None, "a name of the script's VARIANTS to run "
                             "(repeatable; default: all)")
+  flags.DEFINE_integer("cool_calls", 0, "also profile this many calls of each variant after 2 s "
+                       "idle: device time near boost clocks, beside the sustained samples")
 
 
 def print_variant_table(results):
   """One line of milliseconds per configuration, a column per variant (WRONG: its outputs
-  differed from the first variant's)."""
+  differed from the first variant's; "cool" the device time near boost clocks, --cool_calls)."""
+  cool = lambda v: f" (cool {v['cool_device_us'] / 1e3:.3f})" if "cool_device_us" in v else ""
   for r in results["configs"]:
     print(f"\n{'config':28s} " + " | ".join(r["variants"]))
-    cells = [f"{v['ms']:.3f}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
+    cells = [f"{v['ms']:.3f}{cool(v)}{'' if v['exact'] else ' (WRONG)'}" if "ms" in v else "error"
              for v in r["variants"].values()]
     print(f"{','.join(map(str, r['config'])):28s} " + " | ".join(cells))
 

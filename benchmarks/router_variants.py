@@ -74,7 +74,8 @@ def run_config(cfg):
       fn = lambda x, rw, bt=bt, warps=warps, stages=stages: router_topk.logits_top_k(
           x, rw, k, block_tokens=bt, num_warps=warps, num_stages=stages)
       variants[f"fused {bt} tokens, {warps} warps, {stages} stages"] = (fn, (x, rw))
-  router = timing.measure_variants(variants, ids, 2 * x.size * rw.shape[1], FLAGS.repeats)
+  router = timing.measure_variants(variants, ids, 2 * x.size * rw.shape[1], FLAGS.repeats,
+                                   FLAGS.cool_calls)
   if FLAGS.device_times:
     for name, (fn, args) in variants.items():
       if "error" not in router[name]:
@@ -88,11 +89,11 @@ def run_config(cfg):
   layer = timing.measure_variants(
       {"layer fwd, GEMM + top-K": (_layer(k, False), (x, rw, w1, w2)),
        "layer fwd, fused": (_layer(k, True), (x, rw, w1, w2))},
-      ids, grid.forward_flops(cfg), FLAGS.repeats)
+      ids, grid.forward_flops(cfg), FLAGS.repeats, FLAGS.cool_calls)
   step = timing.measure_variants(
       {"layer step, GEMM + top-K": (_layer(k, False, True), (x, rw, w1, w2, d_out)),
        "layer step, fused": (_layer(k, True, True), (x, rw, w1, w2, d_out))},
-      lambda out: (), 3 * grid.forward_flops(cfg), FLAGS.repeats)
+      lambda out: (), 3 * grid.forward_flops(cfg), FLAGS.repeats, FLAGS.cool_calls)
   return {"config": list(cfg), "variants": {**router, **layer, **step}}
 
 

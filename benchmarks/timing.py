@@ -265,13 +265,20 @@ def check_variants(variants, compared):
   return records, calls
 
 
-def measure_variants(variants, compared, flops, repeats):
+def measure_variants(variants, compared, flops, repeats, cool_calls=0, idle_s=2.0):
   """Kernel variants of a variant script, {name: (fn, args)}: each one's outputs checked bit for
   bit against the first's (`check_variants`), then all timed in interleaved rounds
   (`time_interleaved`). Returns {name: record}: "exact", "ms", "tflops", "samples_ms", or "error"
-  for a variant that failed (e.g. does not compile)."""
+  for a variant that failed (e.g. does not compile). cool_calls > 0: then, variant by variant,
+  `idle_s` seconds idle and a profiler trace of `cool_calls` calls: "cool_device_us", the device
+  time per call of a GPU that has not yet reached its power cap (the interleaved samples are a
+  sustained load, at lower clocks)."""
   records, calls = check_variants(variants, compared)
   for name, (t, samples) in time_interleaved(calls, repeats=repeats).items():
     records[name].update(ms=t * 1e3, tflops=flops / t / 1e12,
                          samples_ms=[v * 1e3 for v in samples])
+  for name, (compiled, args) in calls.items() if cool_calls else ():
+    time.sleep(idle_s)
+    kernels = kernel_times(compiled, args, calls=cool_calls, top=None)
+    records[name]["cool_device_us"] = sum(us for _, us in kernels)
   return records

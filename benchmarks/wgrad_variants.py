@@ -93,7 +93,7 @@ def run_config(cfg):
         variants[name] = (lambda l, s, config=config, lay=lay: mosaic_backend.dw2_gathering_d_out(
             s, l, lay, config), (lhs, src))
     out[product] = timing.measure_variants(
-        variants, lambda o: (np.asarray(o, np.float32),), flops, FLAGS.repeats)
+        variants, lambda o: (np.asarray(o, np.float32),), flops, FLAGS.repeats, FLAGS.cool_calls)
     for name, record in out[product].items():
       print(cfg, product, name, record.get("ms", record.get("error")), flush=True)
   return {"config": list(cfg), "table_config": dataclasses.asdict(base), "variants": out}

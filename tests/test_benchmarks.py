@@ -187,6 +187,20 @@ def test_per_call_spans_splits_flush_and_call_rounds():
   assert timing.per_call_spans(events, 1, 0, 3) is None
 
 
+def test_measure_variants_checks_outputs_and_adds_cool_device_times():
+  """Variants are checked bit for bit against the first; with cool_calls each also gets a device
+  time from a profiler trace (no device kernels on CPU: 0)."""
+  sys.path.insert(0, ROOT)
+  import jax.numpy as jnp
+  from benchmarks import timing
+  x = jnp.arange(8.0)
+  out = timing.measure_variants({"a": (lambda v: v * 2, (x,)), "b": (lambda v: v + v, (x,)),
+                                 "c": (lambda v: v * 3, (x,))}, lambda o: (o,), 8, 2,
+                                cool_calls=2, idle_s=0.0)
+  assert [out[n]["exact"] for n in "abc"] == [True, True, False]
+  assert all(out[n]["cool_device_us"] == 0 and out[n]["ms"] > 0 for n in "abc")
+
+
 def test_autotune_searches_only_tunable_fields():
   """Every candidate the autotuner tries passes the tuning table's validation for its role (a
   field the table refuses would make the candidate fail as if it did not compile, unnoticed).

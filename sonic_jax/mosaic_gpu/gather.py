@@ -8,9 +8,10 @@ Each thread then arms `cp.async.mbarrier.arrive.noinc` on the stage's own barrie
 consumers wait on that barrier next to the TMA barrier of the other operand, and fence the async
 proxy before wgmma reads the stage.
 
-Measured on an H100 over the paper's grid (`benchmarks/kernel_bench.py`): the up-projection with
-its gather takes -3% to +14% more time than the same kernel on pre-gathered rows, while an XLA
-gather of those rows alone costs 13-103% of the kernel. Two earlier versions and what they taught:
+Measured on an H100 over the paper's grid (`benchmarks/kernel_bench.py`, sustained load): the
+up-projection with its gather takes -4% to +13% more time than the same kernel on pre-gathered
+rows (+6% to +13% at d = 4096), while an XLA gather of those rows alone costs 14-106% of the
+kernel. Two earlier versions and what they taught:
 one thread per row (each warp instruction touched 32 rows, half a sector each: +58-87%), and
 completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrier arrive in the
 producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The
