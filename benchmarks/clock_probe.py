@@ -12,7 +12,10 @@ std 1/sqrt(fan-in)), "sonicmoe" as `../shared/bench/sonic_ref.py` (x and dO ~ 0.
 weight of std 0.02). `--impl=sonicmoe` needs PyTorch and the SonicMoE bundle (see
 `sonic_profile.py`) and always uses SonicMoE's data. Prints per configuration and phase (forward,
 forward+backward): the median, first and last call, and the median SM clock and power while it
-ran; writes every sample to `out/clock_probe_<impl>.json`.
+ran; writes every sample to `out/clock_probe_<impl>.json`. nvidia-smi's power reading is an
+average over about a second, so over a 200 ms burst it reads low: the clock is the column to
+trust. (`--impl=sonicmoe` has not yet finished on a GPU: on a fresh machine SonicMoE's kernels
+compile for minutes; restore its caches first, as `sonic_same_gpu.sh` does.)
 """
 
 from __future__ import annotations
