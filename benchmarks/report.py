@@ -421,8 +421,8 @@ the preset's schedule (warm-up 200), the `*_100steps` pair `--steps=100 --warmup
 
 {pretrain_table(pretrain)}
 """
-  do_bench_part = ""
-  if do_bench_table(results):
+  do_bench_part = do_bench_table(results)
+  if do_bench_part:
     do_bench_part = f"""
 ### Timed as SonicMoE's anchors were
 
@@ -435,7 +435,7 @@ data on an H100 of the same kind (not the same one). The main table above is a s
 which the H100's power cap lowers its clocks: a burst's first calls run 8–10% faster than its
 median, the sustained samples' median slower again.
 
-{do_bench_table(results)}
+{do_bench_part}
 """
   command = command or "python -m benchmarks.report ..."
   text = f"""# Benchmarks

@@ -83,15 +83,10 @@ def kernel_times(compiled, args, calls=3, top=12):
   Empty where the platform reports no device kernels (e.g. on CPU).
   """
   jax.block_until_ready(compiled(*args))
-  with tempfile.TemporaryDirectory() as logdir:
-    jax.profiler.start_trace(logdir)
-    for _ in range(calls):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
-    totals = defaultdict(float)
-    for _, duration_ns, name in device_events(logdir, memcpy=False):
-      totals[name] += duration_ns / 1e3 / calls
+  totals = defaultdict(float)
+  for _, duration_ns, name in _traced_events(lambda: [compiled(*args) for _ in range(calls)],
+                                             memcpy=False):
+    totals[name] += duration_ns / 1e3 / calls
   return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
 
 
@@ -183,12 +178,13 @@ def per_call_spans(events, flush_events, call_events, calls):
   return [s / 1e9 for s in spans]
 
 
-def _traced_events(run):
+def _traced_events(run, memcpy=True):
+  """`device_events` of a profiler trace of run() (its result waited for)."""
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
     jax.block_until_ready(run())
     jax.profiler.stop_trace()
-    return device_events(logdir)
+    return device_events(logdir, memcpy=memcpy)
 
 
 def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=None):
