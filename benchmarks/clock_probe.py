@@ -70,8 +70,6 @@ class SmiSampler:
 
 def sonic_jax_phases(cfg, datas):
   """{(data, phase): (compiled, args)} for sonic_jax's layer (mosaic_gpu backend), compiled once."""
-  import jax
-  import jax.numpy as jnp
   import sonic_jax
   from benchmarks import grid, timing
   fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
@@ -81,12 +79,7 @@ def sonic_jax_phases(cfg, datas):
   c_step = timing.compile_fn(timing.forward_and_backward(fwd), *ours)[0]
   phases = {}
   for data in datas:
-    args = ours
-    if data == "sonicmoe":  # sonic_ref.py's scales: x, dO 0.2 N(0, 1), weights std 0.02
-      keys = jax.random.split(jax.random.key(7), 5)
-      draw = lambda key, like, std: (std * jax.random.normal(key, like.shape, jnp.float32)
-                                     ).astype(like.dtype)
-      args = tuple(draw(k, a, s) for k, a, s in zip(keys, ours, (0.2, 0.02, 0.02, 0.02, 0.2)))
+    args = ours if data == "ours" else grid.random_problem(cfg, seed=7, data=data)
     phases[(data, "forward")] = (c_fwd, args[:4])
     phases[(data, "forward+backward")] = (c_step, args)
   return phases

@@ -39,12 +39,24 @@ def forward_flops(cfg, glu=True):
   return (6 if glu else 4) * t * k * d * n
 
 
-def random_problem(cfg, seed: int = 0):
-  """(x, router_weight, w1, w2, d_out) for a SwiGLU layer of configuration `cfg`: unit-scale x and
-  dO, weights of std 1/sqrt(fan-in), all bfloat16 (the router weight too, as in SonicMoE's
-  benchmark)."""
+DATA_SCALES = ("unit", "sonicmoe")
+
+
+def random_problem(cfg, seed: int = 0, data: str = "unit"):
+  """(x, router_weight, w1, w2, d_out) for a SwiGLU layer of configuration `cfg`, all bfloat16 (the
+  router weight too, as in SonicMoE's benchmark). data="unit": unit-scale x and dO, weights of std
+  1/sqrt(fan-in); "sonicmoe": SonicMoE's benchmark's scales (../shared/bench/sonic_ref.py: x, dO ~
+  0.2 N(0, 1), every weight of std 0.02), which draw less power on an H100."""
+  if data not in DATA_SCALES:
+    raise ValueError(f"data must be one of {DATA_SCALES}, got {data!r}")
   t_count, d, n, e, _ = cfg
   keys = jax.random.split(jax.random.key(seed), 5)
+  if data == "sonicmoe":
+    normal = lambda key, shape, scale: (
+        scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+    return (normal(keys[0], (t_count, d), 0.2), normal(keys[1], (d, e), 0.02),
+            normal(keys[2], (e, d, 2 * n), 0.02), normal(keys[3], (e, n, d), 0.02),
+            normal(keys[4], (t_count, d), 0.2))
   scaled = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32)
                                        / fan_in ** 0.5).astype(jnp.bfloat16)
   return (jax.random.normal(keys[0], (t_count, d), jnp.bfloat16), scaled(keys[1], (d, e), d),

@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import traceback
@@ -127,14 +128,18 @@ def _do_bench(c_fwd, fwd_args, c_fb, fb_args, flops):
   """The forward, then the forward+backward, each timed as `timing.time_do_bench` times (the
   method of SonicMoE's measured anchors; backward = fwd+bwd - fwd as there)."""
   t_fwd, info = timing.time_do_bench(c_fwd, fwd_args)
+  idle_ms = lambda info: (statistics.median(info["idle_s"]) * 1e3 if info.get("idle_s")
+                         else None)  # the device waiting inside a call (median)
   out = dict(fwd_ms=t_fwd * 1e3, fwd_tflops=flops / t_fwd / 1e12, fwd_calls=info["calls"],
-             per_call=info["per_call"], fwd_samples_ms=[v * 1e3 for v in info["samples_s"]])
+             per_call=info["per_call"], fwd_samples_ms=[v * 1e3 for v in info["samples_s"]],
+             fwd_idle_ms=idle_ms(info))
   if c_fb is not None:
     t_fb, info = timing.time_do_bench(c_fb, fb_args)
     t_bwd = max(t_fb - t_fwd, 1e-9)
     out.update(fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3, bwd_tflops=2 * flops / t_bwd / 1e12,
                fwdbwd_tflops=3 * flops / t_fb / 1e12, fwdbwd_calls=info["calls"],
-               fwdbwd_samples_ms=[v * 1e3 for v in info["samples_s"]])
+               fwdbwd_samples_ms=[v * 1e3 for v in info["samples_s"]],
+               fwdbwd_idle_ms=idle_ms(info))
   return out
 
 

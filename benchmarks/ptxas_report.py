@@ -1,6 +1,7 @@
 r"""Registers and spills of the layer's kernels, from ptxas (a GPU machine: Mosaic GPU compiles there).
 
   python -m benchmarks.ptxas_report [--thiek=T,d,n,E,K ...] [--out=dir] [--ptx_opcodes=tanh,...]
+      [--keep_ptx=down,...]
 
 Compiles the forward kernels of each configuration (the up-projection in both gate/up layouts,
 the down-projection) and the backward ones (dH in both layouts, dX, the weight gradients), as the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import tempfile
 
 from absl import app, flags
@@ -31,6 +33,8 @@ from sonic_jax.mosaic_gpu import backend as mb
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_list("ptx_opcodes", [], "PTX opcode prefixes to count per kernel (e.g. tanh,div)")
+flags.DEFINE_list("keep_ptx", [], "kernels (names as printed, e.g. down) whose PTX is copied to "
+                  "--out (ptx_<config>_<kernel>.ptx), to read what the compiler made of them")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)]
@@ -83,7 +87,7 @@ def main(_):
     for name, (fn, args) in kernels(cfg).items():
       with tempfile.TemporaryDirectory() as dump:
         dumps = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_TO": dump}
-        if FLAGS.ptx_opcodes:
+        if FLAGS.ptx_opcodes or name in FLAGS.keep_ptx:
           dumps["MOSAIC_GPU_DUMP_PTX"] = "1"
         os.environ.update(dumps)
         try:
@@ -101,6 +105,11 @@ def main(_):
           found = [f"(no ptxas dump; files: {os.listdir(dump)})"]
         if FLAGS.ptx_opcodes:
           found += ptx_counts(dump, FLAGS.ptx_opcodes)
+        if name in FLAGS.keep_ptx:
+          for i, path in enumerate(sorted(glob.glob(os.path.join(dump, "**", "*.ptx"),
+                                                    recursive=True))):
+            tag = re.sub(r"\W+", "_", f"{'_'.join(map(str, cfg))}_{name}_{i}")
+            shutil.copy(path, os.path.join(FLAGS.out, f"ptx_{tag}.ptx"))
       lines.append(f"{','.join(map(str, cfg))} {name}:")
       lines += [f"  {ln}" for ln in found]
       print("\n".join(lines[-len(found) - 1:]), flush=True)

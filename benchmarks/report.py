@@ -26,8 +26,11 @@ def row_summary(row):
     return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5} TFLOP/s ({row['fwd_ms']:.3f} ms, "
             f"forward only)  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB")
   db = row.get("do_bench")
-  db = (f"  do_bench {db['fwd_ms']:.3f} / {db['fwdbwd_ms']:.3f} ms" if db and "fwdbwd_ms" in db
-        else "")
+  idle = (f" (idle {db['fwd_idle_ms']:.3f} / {db['fwdbwd_idle_ms']:.3f})"
+          if db and db.get("fwd_idle_ms") is not None and db.get("fwdbwd_idle_ms") is not None
+          else "")
+  db = (f"  do_bench {db['fwd_ms']:.3f} / {db['fwdbwd_ms']:.3f} ms{idle}"
+        if db and "fwdbwd_ms" in db else "")
   return (f"{row['name']:<22} fwd {_tf(row['fwd_tflops']):>5}  bwd {_tf(row['bwd_tflops']):>5}  "
           f"fwd+bwd {_tf(row['fwdbwd_tflops']):>5} TFLOP/s  ({row['fwd_ms']:.3f} / {row['fwdbwd_ms']:.3f} ms)"
           f"  residuals {_f(row.get('residual_bytes', 0) / 2**20, '{:.1f}')} MiB" + db)

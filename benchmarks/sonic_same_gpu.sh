@@ -13,15 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 indices="$1"
 sonic_s="${2:-330}"
-out="${OUT:-bench_out}"
-mkdir -p "$out" /tmp/site /tmp/root
-tar xJf .sonic/cdsl.tar.xz -C /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .sonic/*.whl
-[ -f .sonic/cache/sonic_cache.tgz ] && tar xzf .sonic/cache/sonic_cache.tgz -C /tmp/root
-filter='^[IWE][0-9]{4}|Warning|warn'
-OUT="$out" PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages PYTHONUNBUFFERED=1 \
-  timeout "$sonic_s" python3 .sonic/sonic_ref.py "$indices" 2>&1 | grep -E "^T|first|Error"
-tar czf "$out/sonic_cache.tgz" -C /tmp/root quack_cache cutlass_python_cache 2>/dev/null
+source benchmarks/sonic_env.sh
+OUT="$out" sonic_python .sonic/sonic_ref.py "$indices" 2>&1 | grep -E "^T|first|Error"
+save_sonic_cache "$out"
 # Our rows for the configurations SonicMoE finished.
 thiek=$(python3 - "$out/sonic_ref.json" <<'EOF'
 import json, re, sys

@@ -3,6 +3,7 @@ r"""Where a layer's training step spends its device time: one profiled fwd+bwd s
 (`--forward_only`), per kernel in launch order, with the device's idle gaps between them.
 
   python -m benchmarks.step_timeline [--thiek=T,d,n,E,K ...] [--out=dir] [--forward_only]
+      [--calls=N] [--data=unit|sonicmoe]
 
 Prints per configuration: the step's device span (first kernel start to last kernel end), the sum
 of kernel times, the idle time, the largest gaps (with the kernels around them) and the kernels
@@ -30,13 +31,15 @@ flags.DEFINE_integer("calls", 1, "back-to-back calls profiled (per-call figures 
                      "span, kernel and idle times divided by this)")
 flags.DEFINE_bool("forward_only", False, "profile the layer's forward alone (as moe_bench's "
                   "forward samples: output only) instead of the training step")
+flags.DEFINE_enum("data", "unit", list(grid.DATA_SCALES), "input scales (grid.random_problem): "
+                  "unit, or sonicmoe as SonicMoE's benchmark draws them")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 2048, 64, 4)]
 
 
 def profile_step(cfg):
-  x, rw, w1, w2, d_out = grid.random_problem(cfg)
+  x, rw, w1, w2, d_out = grid.random_problem(cfg, data=FLAGS.data)
   fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
                                             backend=FLAGS.backend)[0]
   if FLAGS.forward_only:
@@ -85,7 +88,8 @@ def main(_):
   for cfg in configs:
     r = profile_step(cfg)
     r["calls"] = FLAGS.calls
-    kind = "fwd_" if FLAGS.forward_only else ""
+    kind = ("fwd_" if FLAGS.forward_only else "") + ("" if FLAGS.data == "unit" else
+                                                      f"{FLAGS.data}_data_")
     with open(os.path.join(FLAGS.out, f"timeline_{kind}{r['config']}_{FLAGS.calls}.json"),
               "w") as f:
       json.dump(r, f, indent=1)

@@ -161,6 +161,15 @@ def _flush_fn(flush_bytes):
   return flush, jnp.ones((flush_bytes // 4,), jnp.int32)
 
 
+def _call_rounds(events, flush_events, call_events, calls):
+  """Each call's events in a trace of `calls` rounds of (flush, call), or None where the events do
+  not come in that pattern."""
+  per_round = flush_events + call_events
+  if call_events < 1 or len(events) != calls * per_round:
+    return None
+  return [events[r * per_round + flush_events:(r + 1) * per_round] for r in range(calls)]
+
+
 def per_call_spans(events, flush_events, call_events, calls):
   """Device time of each call in a trace of `calls` rounds of (flush, call): `events`
   [(start_ns, duration_ns, name)] in start order, `flush_events` and `call_events` the number of
@@ -168,14 +177,26 @@ def per_call_spans(events, flush_events, call_events, calls):
   runs from its first event's start to its last event's end (what CUDA events recorded around it
   on the stream measure; the flush before it is not counted). None where the events do not come in
   that pattern (then the caller falls back to host timing)."""
-  per_round = flush_events + call_events
-  if call_events < 1 or len(events) != calls * per_round:
+  rounds = _call_rounds(events, flush_events, call_events, calls)
+  if rounds is None:
     return None
-  spans = []
-  for r in range(calls):
-    mine = events[r * per_round + flush_events:(r + 1) * per_round]
-    spans.append(max(s + d for s, d, _ in mine) - mine[0][0])
-  return [s / 1e9 for s in spans]
+  return [(max(s + d for s, d, _ in mine) - mine[0][0]) / 1e9 for mine in rounds]
+
+
+def idle_in_calls(events, flush_events, call_events, calls):
+  """Seconds of each call's span (as `per_call_spans`) in which none of its events ran: the
+  device waiting inside a call (e.g. for the host to launch its next kernel); None as there."""
+  rounds = _call_rounds(events, flush_events, call_events, calls)
+  if rounds is None:
+    return None
+  idle = []
+  for mine in rounds:
+    gaps, end = 0, mine[0][0]
+    for s, d, _ in sorted(mine):
+      gaps += max(0, s - end)
+      end = max(end, s + d)
+    idle.append(gaps / 1e9)
+  return idle
 
 
 def _traced_events(run, memcpy=True):
@@ -195,7 +216,8 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
   profiler trace (as CUDA events around it on the stream); where the trace has no device events
   (CPU) or an unexpected pattern, the mean host time per call with the flushes' time taken out.
   `flush_bytes`: 256 MB (do_bench's) on a GPU, 4 MB elsewhere (a CPU run is a smoke test).
-  Returns (median seconds, {"calls", "samples_s", "per_call": "device" | "host"})."""
+  Returns (median seconds, {"calls", "samples_s", "per_call": "device" | "host"}, and with
+  device spans "idle_s": the time within each span in which none of the call's events ran)."""
   if flush_bytes is None:
     flush_bytes = (256 if jax.devices()[0].platform == "gpu" else 4) << 20
   flush, buf = _flush_fn(flush_bytes)
@@ -229,9 +251,12 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
       result = compiled(*args)
     return result, holder[0]
 
-  spans = per_call_spans(_traced_events(rounds), flush_events, call_events, calls)
+  events = _traced_events(rounds)
+  spans = per_call_spans(events, flush_events, call_events, calls)
   if spans is not None:
-    return statistics.median(spans), {"calls": calls, "samples_s": spans, "per_call": "device"}
+    return statistics.median(spans), {
+        "calls": calls, "samples_s": spans, "per_call": "device",
+        "idle_s": idle_in_calls(events, flush_events, call_events, calls)}
   t0 = time.perf_counter()
   jax.block_until_ready(rounds())
   host_s = time.perf_counter() - t0

@@ -158,18 +158,22 @@ def test_time_interleaved_rounds_and_rotation():
 
 
 def test_table_ab_smoke_run(tmp_path):
-  """The table A/B script end to end on CPU (the xla backend reads no table: both agree)."""
+  """The table A/B script end to end on CPU (the xla backend reads no table: both agree), each
+  table also with the epilogues' old store rule (--wait_all_first)."""
   table = tmp_path / "t.json"
   table.write_text(json.dumps({"entries": [{"role": "up", "device": "x", "d": 64, "n": 64,
                                             "E": 4, "config": {"num_stages": 3}}]}))
   cmd = [sys.executable, "-m", "benchmarks.table_ab", f"--tables=packaged,{table}",
-         "--thiek=128,32,16,4,2", "--repeats=2", "--backend=xla", f"--out={tmp_path}"]
+         "--thiek=128,32,16,4,2", "--repeats=2", "--backend=xla", "--wait_all_first", "--do_bench",
+         f"--out={tmp_path}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (res,) = json.load(open(tmp_path / "table_ab.json"))["configs"]
-  assert res["agree"] == {"packaged": True, "t.json": True}
-  assert set(res["ms"]) == {"packaged forward", "packaged step", "t.json forward", "t.json step"}
+  names = [t + r for t in ("packaged", "t.json") for r in ("", " (wait for all first)")]
+  assert res["agree"] == {name: True for name in names}
+  assert set(res["ms"]) == {f"{name} {phase}" for name in names for phase in ("forward", "step")}
   assert all(v > 0 for v in res["ms"].values())
+  assert set(res["do_bench_ms"]) == set(res["ms"]) and all(v > 0 for v in res["do_bench_ms"].values())
 
 
 def test_per_call_spans_splits_flush_and_call_rounds():
@@ -185,6 +189,9 @@ def test_per_call_spans_splits_flush_and_call_rounds():
   assert spans == [(330 + 300 + 10 * r - 120) / 1e9 for r in range(3)]
   assert timing.per_call_spans(events[:-1], 1, 2, 3) is None
   assert timing.per_call_spans(events, 1, 0, 3) is None
+  # Idle inside a call: the gap between its two events (330 - (120 + 200) = 10 ns), not the flush's.
+  assert timing.idle_in_calls(events, 1, 2, 3) == [10 / 1e9] * 3
+  assert timing.idle_in_calls(events[:-1], 1, 2, 3) is None
 
 
 def test_measure_variants_checks_outputs_and_adds_cool_device_times():
