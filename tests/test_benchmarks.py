@@ -194,6 +194,24 @@ def test_per_call_spans_splits_flush_and_call_rounds():
   assert timing.idle_in_calls(events[:-1], 1, 2, 3) is None
 
 
+def test_random_problem_draws_both_data_scales():
+  """unit: x and dO ~ N(0, 1), weights of std 1/sqrt(fan-in); sonicmoe: SonicMoE's benchmark's
+  0.2 and 0.02; anything else is refused."""
+  sys.path.insert(0, ROOT)
+  import numpy as np
+  from benchmarks import grid
+  cfg = (256, 128, 64, 8, 2)
+  std = lambda v: float(np.std(np.asarray(v, np.float32)))
+  unit, sonic = grid.random_problem(cfg), grid.random_problem(cfg, data="sonicmoe")
+  assert [a.shape for a in unit] == [a.shape for a in sonic]
+  for got, want in zip(map(std, unit), (1, 128 ** -0.5, 128 ** -0.5, 64 ** -0.5, 1)):
+    assert abs(got / want - 1) < 0.1
+  for got, want in zip(map(std, sonic), (0.2, 0.02, 0.02, 0.02, 0.2)):
+    assert abs(got / want - 1) < 0.1
+  with pytest.raises(ValueError, match="data must be one of"):
+    grid.random_problem(cfg, data="ones")
+
+
 def test_measure_variants_checks_outputs_and_adds_cool_device_times():
   """Variants are checked bit for bit against the first; with cool_calls each also gets a device
   time from a profiler trace (no device kernels on CPU: 0)."""
