@@ -14,8 +14,10 @@ weight of std 0.02). `--impl=sonicmoe` needs PyTorch and the SonicMoE bundle (se
 forward+backward): the median, first and last call, and the median SM clock and power while it
 ran; writes every sample to `out/clock_probe_<impl>.json`. nvidia-smi's power reading is an
 average over about a second, so over a 200 ms burst it reads low: the clock is the column to
-trust. (`--impl=sonicmoe` has not yet finished on a GPU: on a fresh machine SonicMoE's kernels
-compile for minutes; restore its caches first, as `sonic_same_gpu.sh` does.)
+trust. With `--impl=sonicmoe`, restore SonicMoE's compile caches first (on a fresh machine its
+kernels compile for minutes): from the repository root,
+`source benchmarks/sonic_env.sh; sonic_python -m benchmarks.clock_probe --impl=sonicmoe ...`
+(as the twenty-first session ran it, results/h100_clock_probe_sonicmoe_twentyfirst.json).
 """
 
 from __future__ import annotations
