@@ -42,6 +42,16 @@ def forward_flops(cfg, glu=True):
 DATA_SCALES = ("unit", "sonicmoe")
 
 
+def input_std(data: str) -> float:
+  """Standard deviation of x and dO: 1 (unit), or SonicMoE's benchmark's 0.2."""
+  return 0.2 if data == "sonicmoe" else 1.0
+
+
+def weight_std(data: str, fan_in: int) -> float:
+  """Standard deviation of a weight: 1/sqrt(fan-in) (unit), or SonicMoE's benchmark's 0.02."""
+  return 0.02 if data == "sonicmoe" else fan_in ** -0.5
+
+
 def random_problem(cfg, seed: int = 0, data: str = "unit"):
   """(x, router_weight, w1, w2, d_out) for a SwiGLU layer of configuration `cfg`, all bfloat16 (the
   router weight too, as in SonicMoE's benchmark). data="unit": unit-scale x and dO, weights of std
@@ -54,9 +64,11 @@ def random_problem(cfg, seed: int = 0, data: str = "unit"):
   if data == "sonicmoe":
     normal = lambda key, shape, scale: (
         scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
-    return (normal(keys[0], (t_count, d), 0.2), normal(keys[1], (d, e), 0.02),
-            normal(keys[2], (e, d, 2 * n), 0.02), normal(keys[3], (e, n, d), 0.02),
-            normal(keys[4], (t_count, d), 0.2))
+    return (normal(keys[0], (t_count, d), input_std(data)),
+            normal(keys[1], (d, e), weight_std(data, d)),
+            normal(keys[2], (e, d, 2 * n), weight_std(data, d)),
+            normal(keys[3], (e, n, d), weight_std(data, n)),
+            normal(keys[4], (t_count, d), input_std(data)))
   scaled = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32)
                                        / fan_in ** 0.5).astype(jnp.bfloat16)
   return (jax.random.normal(keys[0], (t_count, d), jnp.bfloat16), scaled(keys[1], (d, e), d),

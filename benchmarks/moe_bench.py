@@ -43,7 +43,7 @@ flags.DEFINE_enum("gate_up_layout", "concat", list(sonic_jax.activations.GATE_UP
 flags.DEFINE_enum("routing", "softmax_topk", list(sonic_jax.ROUTINGS), "routing")
 flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
                   "logits accumulate in float32 either way; SonicMoE's benchmark keeps it in bfloat16)")
-flags.DEFINE_enum("data", "unit", ["unit", "sonicmoe"], "input scales: unit (x, dO ~ N(0, 1), "
+flags.DEFINE_enum("data", "unit", list(grid.DATA_SCALES), "input scales: unit (x, dO ~ N(0, 1), "
                   "weights of std 1/sqrt(fan-in)) or sonicmoe (as SonicMoE's benchmark, "
                   "../shared/bench/sonic_ref.py: x, dO ~ 0.2 N(0, 1), every weight of std 0.02; "
                   "the GPU's power draw, so its clocks under load, depend on the data)")
@@ -68,7 +68,7 @@ FLAGS = flags.FLAGS
 def _inputs(cfg, dtype, seed, glu):
   t, d, n, e, _ = cfg
   ks = jax.random.split(jax.random.key(seed), 5)
-  scale = 0.2 if FLAGS.data == "sonicmoe" else 1.0
+  scale = grid.input_std(FLAGS.data)
   x = (scale * jax.random.normal(ks[0], (t, d), jnp.float32)).astype(dtype)
   d_y = (scale * jax.random.normal(ks[1], (t, d), jnp.float32)).astype(dtype)
   return x, d_y
@@ -77,7 +77,7 @@ def _inputs(cfg, dtype, seed, glu):
 def _weights(cfg, dtype, glu):
   t, d, n, e, _ = cfg
   ks = jax.random.split(jax.random.key(1234), 3)
-  std = lambda fan_in: 0.02 if FLAGS.data == "sonicmoe" else 1 / np.sqrt(fan_in)
+  std = lambda fan_in: grid.weight_std(FLAGS.data, fan_in)
   router_weight = (jax.random.normal(ks[0], (d, e), jnp.float32) * std(d)).astype(
       FLAGS.router_dtype)
   w1 = (jax.random.normal(ks[1], (e, d, (2 if glu else 1) * n), jnp.float32) * std(d)).astype(dtype)

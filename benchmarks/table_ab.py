@@ -90,10 +90,11 @@ def main(_):
     raise SystemExit("table_ab: --tables needs at least two tables (one with --wait_all_first)")
   tables = {}
   for spec in FLAGS.tables:
-    tables[os.path.basename(spec)] = (_entries(spec), None)
+    entries, name = _entries(spec), os.path.basename(spec)
+    tables[name] = (entries, None)
     if FLAGS.wait_all_first:
-      tables[f"{os.path.basename(spec)} (wait for all first)"] = (
-          _entries(spec), functools.partial(epi.store_tiles, wait_all_first=True))
+      tables[f"{name} (wait for all first)"] = (
+          entries, functools.partial(epi.store_tiles, wait_all_first=True))
   os.makedirs(FLAGS.out, exist_ok=True)
   results = []
   for cfg in grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS):
