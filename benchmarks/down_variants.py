@@ -44,6 +44,14 @@ VARIANTS = {
     "128 cols, 6 stages": (128, {"num_stages": 6}),
     "128 cols, 3 buffers": (128, {"epilogue_buffers": 3}),
     "128 cols, cluster 2": (128, {"cluster_m": 2}),
+    "128 cols, 6 stages, cluster 2": (128, {"num_stages": 6, "cluster_m": 2}),
+    # 256-column tiles (wgmma N = 256: the fewest shared-memory operand bytes per FLOP).
+    "256 cols, 4 stages": (256, {"num_stages": 4, "cluster_m": 1}),
+    "256 cols, 4 stages, band 8": (256, {"num_stages": 4, "cluster_m": 1, "grid_tile_width": 8}),
+    "256 cols, 4 stages, cluster 2": (256, {"num_stages": 4, "cluster_m": 2}),
+    "256 cols, 3 stages, cluster 2": (256, {"num_stages": 3, "cluster_m": 2}),
+    "256 cols, 4 stages, cluster 2, band 8": (256, {"num_stages": 4, "cluster_m": 2,
+                                                    "grid_tile_width": 8}),
     # A buffer for each of a warpgroup's pieces: a tile's stores drain under the next mainloop.
     "256 cols, 3 stages, 4 buffers": (256, {"num_stages": 3, "epilogue_buffers": 4}),
     "128 cols, 5 stages, 4 buffers": (128, {"num_stages": 5, "epilogue_buffers": 4}),
