@@ -3,7 +3,8 @@ r"""The router's forward on the GPU: the router GEMM followed by the top-K kerne
 epilogue (`routing.router_logits_and_ids`), alone, and the layer's forward and training step with
 and without it.
 
-  python -m benchmarks.router_variants [--thiek=T,d,n,E,K ...] [--out=dir]
+  python -m benchmarks.router_variants [--thiek=T,d,n,E,K ...] [--out=dir] [--sweep]
+      [--topk_sweep] [--device_times] [--nolayer]
 
 The expert ids of every variant are checked bit for bit against the first's (the logits may differ
 in their last bits: another summation order); the variants of each group are timed in
@@ -25,11 +26,16 @@ flags.DEFINE_bool("sweep", False, "also time the fused kernel's program shapes (
                   "program, warps, pipelining stages), router alone")
 flags.DEFINE_bool("device_times", False, "also each router variant's device time per call, from a "
                   "profiler trace (host-timed batches of work this short are dispatch-bound)")
+flags.DEFINE_bool("topk_sweep", False, "also time the top-K kernel's program shapes (values per "
+                  "program, warps) on the router's logits")
 flags.DEFINE_bool("layer", True, "also time the layer's forward with and without the fused kernel")
 FLAGS = flags.FLAGS
 
 SHAPES = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 3),
           (256, 8, 3)]  # (tokens per program, warps, stages)
+
+TOPK_SHAPES = [(2048, 4), (1024, 4), (4096, 4), (4096, 8), (8192, 8), (2048, 2), (1024, 2),
+               (1024, 1), (512, 1)]  # (values per program, warps) of router_topk.top_k
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (40960, 768, 1024, 32, 2),
                    (24576, 1536, 256, 128, 8), (24576, 1536, 1024, 32, 2),
@@ -74,6 +80,12 @@ def run_config(cfg):
       fn = lambda x, rw, bt=bt, warps=warps, stages=stages: router_topk.logits_top_k(
           x, rw, k, block_tokens=bt, num_warps=warps, num_stages=stages)
       variants[f"fused {bt} tokens, {warps} warps, {stages} stages"] = (fn, (x, rw))
+  if FLAGS.topk_sweep:
+    logits = routing.router_logits_and_ids(x, rw, k, "softmax_topk", fused=False)[0]
+    for values, warps in TOPK_SHAPES:
+      fn = lambda lg, values=values, warps=warps: router_topk.top_k(
+          lg, k, values_per_program=values, num_warps=warps)
+      variants[f"top-K {values} values, {warps} warps"] = (fn, (logits,))
   router = timing.measure_variants(variants, ids, 2 * x.size * rw.shape[1], FLAGS.repeats,
                                    FLAGS.cool_calls)
   if FLAGS.device_times:

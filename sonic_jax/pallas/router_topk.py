@@ -88,10 +88,12 @@ def _kernel(values_ref, ids_ref, *, k: int):
   ids_ref[...] = _select_ids(values_ref[...], k, ids_ref.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program"))
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps"))
 def top_k(values: jax.Array, k: int, interpret: bool = False,
-          values_per_program: int = VALUES_PER_PROGRAM):
-  """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E)."""
+          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = 4):
+  """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E).
+  values_per_program, num_warps: the programs' shape (block_tokens(E, values_per_program) tokens,
+  Triton's warps)."""
   reason = supports(values, k)
   if reason is not None:
     raise ValueError(f"router top-K kernel: {reason}")
@@ -106,7 +108,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
       grid=(rows // bt,),
       in_specs=[pl.BlockSpec((bt, e), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((bt, k_block), lambda i: (i, 0)),
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(padded)[:t, :k]
   return jnp.take_along_axis(values, ids, axis=1), ids
