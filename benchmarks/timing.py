@@ -269,16 +269,38 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
   return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
 
 
+def poison_like(outputs):
+  """Arrays shaped like `outputs` (a pytree of arrays), filled with NaN (floats) or the dtype's
+  minimum (integers), on the device."""
+  jnp = jax.numpy
+
+  def fill(x):
+    value = jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else (
+        False if x.dtype == jnp.bool_ else jnp.iinfo(x.dtype).min)
+    return jnp.full(x.shape, value, x.dtype)
+  return jax.tree.map(fill, outputs)
+
+
 def check_variants(variants, compared):
   """Runs each variant once ({name: (fn, args)}), checks `compared(outputs)` bit for bit against
   the first variant's and compiles it; returns ({name: record}, {name: (compiled, args)}) where a
-  record holds "exact", or "error" for a variant that failed (left out of the compiled ones)."""
-  records, calls, reference = {}, {}, None
+  record holds "exact", or "error" for a variant that failed (left out of the compiled ones).
+
+  A kernel that leaves part of its output unwritten must not pass on a buffer that still holds an
+  earlier variant's equal result: the first variant's outputs stay alive (so no later output lands
+  in them), and before each later run buffers of the outputs' shapes are filled with NaN (integer
+  minimum) and freed, the blocks the allocator most likely hands to that run's outputs."""
+  records, calls, reference, first_outputs = {}, {}, None, None
   for name, (fn, args) in variants.items():
     try:
       compiled = compile_fn(fn, *args)[0]
-      got = compared(jax.block_until_ready(compiled(*args)))
-      reference = got if reference is None else reference
+      if first_outputs is not None:
+        for poison in jax.tree.leaves(jax.block_until_ready(poison_like(first_outputs))):
+          poison.delete()
+      outputs = jax.block_until_ready(compiled(*args))
+      got = compared(outputs)
+      if reference is None:
+        reference, first_outputs = got, outputs
       records[name] = {"exact": all(np.array_equal(g, w) for g, w in zip(got, reference))}
       calls[name] = (compiled, args)
     except Exception as err:

@@ -4,7 +4,10 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,6 +227,28 @@ def test_measure_variants_checks_outputs_and_adds_cool_device_times():
                                 cool_calls=2, idle_s=0.0)
   assert [out[n]["exact"] for n in "abc"] == [True, True, False]
   assert all(out[n]["cool_device_us"] == 0 and out[n]["ms"] > 0 for n in "abc")
+
+
+def test_check_variants_poisons_the_next_outputs():
+  """Before a later variant runs, buffers of the first variant's output shapes are filled with NaN
+  (integers: their minimum) and freed, and the first variant's outputs stay alive; a mixed pytree
+  of outputs keeps its structure, shapes and dtypes."""
+  sys.path.insert(0, ROOT)
+  import jax.numpy as jnp
+  from benchmarks import timing
+  outputs = (jnp.ones((3, 4), jnp.bfloat16), {"ids": jnp.zeros((5,), jnp.int32)})
+  poison = timing.poison_like(outputs)
+  assert jax.tree.structure(poison) == jax.tree.structure(outputs)
+  assert poison[0].dtype == jnp.bfloat16 and bool(jnp.all(jnp.isnan(poison[0])))
+  assert poison[1]["ids"].dtype == jnp.int32 and bool(jnp.all(poison[1]["ids"] == -2**31))
+  made = []
+  real = timing.poison_like
+  with mock.patch.object(timing, "poison_like", lambda o: made.append(o) or real(o)):
+    records, _ = timing.check_variants({"a": (lambda v: v * 2, (outputs[0],)),
+                                        "b": (lambda v: v + v, (outputs[0],))},
+                                       lambda o: (np.asarray(o, np.float32),))
+  assert [r["exact"] for r in records.values()] == [True, True]
+  assert len(made) == 1 and not made[0].is_deleted()  # poisoned once, for b; a's output alive
 
 
 def test_autotune_searches_only_tunable_fields():
