@@ -201,7 +201,6 @@ def test_random_problem_draws_both_data_scales():
   """unit: x and dO ~ N(0, 1), weights of std 1/sqrt(fan-in); sonicmoe: SonicMoE's benchmark's
   0.2 and 0.02; anything else is refused."""
   sys.path.insert(0, ROOT)
-  import numpy as np
   from benchmarks import grid
   cfg = (256, 128, 64, 8, 2)
   std = lambda v: float(np.std(np.asarray(v, np.float32)))
@@ -241,14 +240,16 @@ def test_check_variants_poisons_the_next_outputs():
   assert jax.tree.structure(poison) == jax.tree.structure(outputs)
   assert poison[0].dtype == jnp.bfloat16 and bool(jnp.all(jnp.isnan(poison[0])))
   assert poison[1]["ids"].dtype == jnp.int32 and bool(jnp.all(poison[1]["ids"] == -2**31))
-  made = []
+  made, poisons = [], []
   real = timing.poison_like
-  with mock.patch.object(timing, "poison_like", lambda o: made.append(o) or real(o)):
+  with mock.patch.object(timing, "poison_like",
+                         lambda o: made.append(o) or poisons.append(real(o)) or poisons[-1]):
     records, _ = timing.check_variants({"a": (lambda v: v * 2, (outputs[0],)),
                                         "b": (lambda v: v + v, (outputs[0],))},
                                        lambda o: (np.asarray(o, np.float32),))
   assert [r["exact"] for r in records.values()] == [True, True]
   assert len(made) == 1 and not made[0].is_deleted()  # poisoned once, for b; a's output alive
+  assert all(p.is_deleted() for p in jax.tree.leaves(poisons))  # freed for b's outputs to take
 
 
 def test_autotune_searches_only_tunable_fields():
