@@ -3,8 +3,9 @@
 Forward: up-projection with the activation epilogue, down-projection. Backward: the dH role
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
 (dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
-gather the rows of x inside the kernel, dH and dw2 those of dO inside theirs (`gather_source`). The
-aggregations (gather-sums), the bias gradients and the dS bias term run on the `xla` path, on the
+gather the rows of x inside the kernel, dH and dw2 those of dO inside theirs (`gather_source`).
+The aggregations (gather-sums) run on the `xla` path, but for the forward's weighted sum where the
+gather-sum kernel is faster (`AGGREGATION`); so do the bias gradients and the dS bias term, on the
 same layout and with the same residuals. A role whose shape or dtype its kernel does not take
 (each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
 the role and the reason.
@@ -22,6 +23,7 @@ from sonic_jax import xla_backend
 from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import down_projection as down
 from sonic_jax.mosaic_gpu import dx_projection as dx
+from sonic_jax.mosaic_gpu import gather_sum as gs
 from sonic_jax.mosaic_gpu import tuning
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
@@ -181,8 +183,42 @@ def dx_projection(d_h, w1, layout):
   return dx.dx_projection(d_h, w1, layout, config=dx_config(d, width, e))
 
 
+# How the aggregations run: the forward's y = sum_k s_k Y[row(t, k)] (weighted) and the backward's
+# dX sum (unweighted). "kernel": the gather-sum kernel (`gather_sum.py`) for both; "forward": for
+# the forward's only; "xla": XLA's gather fusion for both; "auto" (default): the kernel for the
+# forward's sum where S >= KERNEL_MIN_SLOTS and d >= KERNEL_MIN_D, XLA elsewhere. Token rounding's
+# extra pairs, and operands the kernel does not take, go to XLA either way. Measured on an H100
+# (benchmarks/gather_sum_bench.py, benchmarks/NOTES.md, twenty-third session), device time, XLA /
+# kernel: 1592 / 1556 us at 32768,4096,*,256,16 (the kernel at 2.93 TB/s), 798 / 806 at K = 8,
+# 447 / 447 at K = 4, but 193 / 220 at 40960,768,256,128,8 and 84 / 105 at 24576,1536,1024,32,2
+# (small pieces: the per-item overhead shows). The backward's unweighted sum stays XLA's, which
+# fuses it with the router's input gradient (the training step was 0.3-2.7% slower with the
+# kernel there).
+AGGREGATION = "auto"
+AGGREGATIONS = ("auto", "kernel", "forward", "xla")
+KERNEL_MIN_SLOTS = 16
+KERNEL_MIN_D = 4096
+
+
+def _aggregation_kernel(rows, layout, pair_weights) -> bool:
+  if AGGREGATION not in AGGREGATIONS:
+    raise ValueError(f"AGGREGATION must be one of {AGGREGATIONS}, got {AGGREGATION!r}")
+  if layout.num_extra or gs.supports(rows, layout.pair_row, pair_weights) is not None:
+    return False
+  if AGGREGATION == "auto":
+    return (pair_weights is not None and layout.pair_row.shape[1] >= KERNEL_MIN_SLOTS
+            and rows.shape[1] >= KERNEL_MIN_D)
+  return AGGREGATION == "kernel" or (AGGREGATION == "forward" and pair_weights is not None)
+
+
+def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None):
+  if not _aggregation_kernel(rows, layout, pair_weights):
+    return xla_backend.gather_sum(rows, layout, pair_weights, out_dtype, extra_weights)
+  return gs.gather_sum(rows, layout.pair_row, pair_weights, out_dtype)
+
+
 def make_backend(base):
   return dataclasses.replace(base, name="mosaic_gpu", row_tile=ROW_TILE,
                              up_projection=up_projection, down_projection=down_projection,
-                             dh_projection=dh_projection, weight_grads=weight_grads,
-                             dx_projection=dx_projection)
+                             gather_sum=gather_sum, dh_projection=dh_projection,
+                             weight_grads=weight_grads, dx_projection=dx_projection)

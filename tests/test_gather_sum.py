@@ -1,0 +1,162 @@
+"""The aggregation's gather-sum kernel (`sonic_jax.mosaic_gpu.gather_sum`) against a float64
+reference, and the mosaic_gpu backend's aggregation against XLA's: interpreted on CPU (with race
+detection), compiled on an sm90 GPU (-m gpu)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cases import export_for_h100
+from oracle import rel_err
+from sonic_jax import xla_backend
+from sonic_jax.layout import build_grouped_layout
+from sonic_jax.mosaic_gpu import gather_sum as gs
+from test_mosaic_gpu import MODES, kernel_mode
+
+
+def _problem(rng, r, d, t, s, used):
+  """rows (R, d) bfloat16 whose rows from `used` on are NaN (as rows no GEMM wrote may be: the
+  sum must leave them out), pair rows with pairs routed nowhere (R and -1), weights."""
+  rows = rng.standard_normal((r, d)).astype(np.float32)
+  rows[used:] = np.nan
+  pair_row = rng.integers(0, used, (t, s)).astype(np.int32)
+  pair_row[rng.random((t, s)) < 0.1] = r
+  pair_row[rng.random((t, s)) < 0.05] = -1
+  weights = rng.uniform(0.1, 1.0, (t, s)).astype(np.float32)
+  return jnp.asarray(rows, jnp.bfloat16), jnp.asarray(pair_row), jnp.asarray(weights)
+
+
+# (R, d, T, S, config): S = 1 and not a power of two; pieces of a whole row and of part of one;
+# views 256 and 128 columns wide; rings of 2 and 4 stages.
+SHAPES = [(300, 512, 37, 3, None), (64, 128, 9, 1, gs.GatherSumConfig(128, 2)),
+          (200, 768, 21, 8, gs.GatherSumConfig(256, 4)), (90, 384, 13, 2, None)]
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("r,d,t,s,config", SHAPES)
+def test_gather_sum_matches_reference(rng, compiled, weighted, out_dtype, r, d, t, s, config):
+  if compiled:
+    r, t = r * 40, t * 200
+  rows, pair_row, weights = _problem(rng, r, d, t, s, used=r - 20)
+  weights = weights if weighted else None
+  want = gs.reference(rows, pair_row, weights)
+  with kernel_mode(compiled):
+    got = jax.jit(lambda a, b, c: gs.gather_sum(a, b, c, out_dtype, config))(
+        rows, pair_row, weights)
+  got = np.asarray(got, np.float32)
+  assert got.shape == (t, d) and np.all(np.isfinite(got))
+  assert rel_err(got, want) < (1e-2 if out_dtype == jnp.bfloat16 else 1e-6)
+
+
+def test_default_config_fills_the_ring():
+  c = gs.default_config(4096, 16)
+  assert (c.block_columns, c.num_stages) == (1024, 6)  # 32 KB stages
+  assert gs.default_config(4096, 4).block_columns == 4096
+  assert gs.default_config(768, 8).block_columns == 768
+  assert gs.default_config(4096, 32).block_columns == 512
+  assert gs.default_config(384, 2).block_columns == 384
+  for d, s in [(4096, 16), (1536, 2), (768, 32), (128, 1), (4096, 32)]:
+    cfg = gs.default_config(d, s)
+    assert d % cfg.block_columns == 0 and cfg.num_stages % 2 == 0
+    assert cfg.num_stages * s * cfg.block_columns * 2 <= gs.SMEM_BYTES
+
+
+def test_gather_sum_names_what_it_does_not_take():
+  rows = jnp.zeros((10, 192), jnp.bfloat16)
+  pair_row = jnp.zeros((4, 2), jnp.int32)
+  assert "d=192" in gs.supports(rows, pair_row)
+  assert "int32" in gs.supports(rows[:, :128], pair_row.astype(jnp.int16))
+  assert "float32" in gs.supports(rows[:, :128].astype(jnp.float32), pair_row)
+  assert "slots" in gs.supports(rows[:, :128], jnp.zeros((4, gs.MAX_SLOTS + 1), jnp.int32))
+  with pytest.raises(ValueError, match="gather-sum kernel: d=192"):
+    gs.gather_sum(rows, pair_row, None, jnp.float32)
+  with pytest.raises(ValueError, match="weights must be"):
+    gs.gather_sum(rows[:, :128], pair_row, jnp.ones((4, 3)), jnp.float32)
+  with pytest.raises(ValueError, match="block_columns=256 must divide d=384"):
+    gs.gather_sum(jnp.zeros((10, 384), jnp.bfloat16), pair_row, None, jnp.float32,
+                  gs.GatherSumConfig(256, 2))
+  with pytest.raises(ValueError, match="num_stages must be even"):
+    gs.GatherSumConfig(256, 3)
+
+
+def test_gather_sum_lowers_for_sm90():
+  """The kernel lowers to Mosaic GPU for an H100 from this machine (layout inference and the
+  kernel's static checks, which the interpreter skips)."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("CPU-side check")
+  for r, d, t, s, config in [(300, 4096, 70, 16, None), (300, 4096, 70, 2, None)] + SHAPES:
+    rows, pair_row, weights = _problem(np.random.default_rng(0), r, d, t, s, r - 20)
+    for w, out in ((weights, jnp.bfloat16), (None, jnp.float32)):
+      module = export_for_h100(
+          lambda a, i, w=w, out=out, config=config: gs.gather_sum(a, i, w, out, config), rows,
+          pair_row)
+      assert "mosaic_gpu" in module
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("aggregation", ["kernel", "forward", "xla"])
+@pytest.mark.parametrize("extras", [False, True])
+def test_backend_aggregation_equals_xla(rng, compiled, aggregation, extras, monkeypatch):
+  """The mosaic_gpu backend's aggregation, weighted and not, under each AGGREGATION choice equals
+  the XLA gather-sum on a grouped layout (skewed, an expert without pairs); with token rounding's
+  extra pairs it is the XLA gather-sum itself."""
+  from sonic_jax.mosaic_gpu import backend as mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "AGGREGATION", aggregation)
+  t, d, e, k = (40, 256, 4, 2) if not compiled else (4000, 1536, 16, 4)
+  ids = rng.integers(0, e, (t, k))
+  ids[: t // 2, 0] = 0
+  ids[ids == e - 1] = 1
+  extra = (jnp.asarray(rng.integers(0, t, 5), jnp.int32),
+           jnp.asarray([0, 2, -1, 1, 0], jnp.int32)) if extras else (None, None)
+  layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), e, 128, *extra)
+  rows = jnp.asarray(rng.standard_normal((layout.num_rows, d)), jnp.bfloat16)
+  rows = jnp.where(layout.row_valid()[:, None], rows, jnp.nan)  # padding rows: NaN
+  scores = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+  extra_scores = jnp.asarray(rng.uniform(0.1, 1.0, 5), jnp.float32) if extras else None
+  for w, xw in ((scores, extra_scores), (None, None)):
+    with kernel_mode(compiled):
+      got = jax.jit(lambda r, lay, w=w, xw=xw: mosaic_backend.gather_sum(
+          r, lay, w, jnp.float32, xw))(rows, layout)
+    want = xla_backend.gather_sum(rows, layout, w, jnp.float32, xw)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(np.asarray(got), np.asarray(want)) < 1e-6
+
+
+def test_backend_aggregation_rejects_unknown_choice(monkeypatch):
+  from sonic_jax.mosaic_gpu import backend as mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "AGGREGATION", "triton")
+  layout = build_grouped_layout(jnp.zeros((4, 1), jnp.int32), 2, 128)
+  with pytest.raises(ValueError, match="AGGREGATION must be one of"):
+    mosaic_backend.gather_sum(jnp.zeros((layout.num_rows, 64), jnp.bfloat16), layout, None,
+                              jnp.float32)
+
+
+def test_backend_aggregation_auto_takes_the_kernel_where_measured(monkeypatch):
+  """"auto": the kernel for the forward's weighted sum at S >= 16 slots and d >= 4096 only (where
+  it beat XLA's fusion on an H100); the backward's unweighted sum, fewer slots, a narrower d and
+  token rounding's extra pairs stay XLA's."""
+  from sonic_jax.mosaic_gpu import backend as mosaic_backend
+  monkeypatch.setattr(mosaic_backend, "AGGREGATION", "auto")
+  calls = []
+  monkeypatch.setattr(mosaic_backend.gs, "gather_sum", lambda *a: calls.append(a) or "kernel")
+  monkeypatch.setattr(mosaic_backend.xla_backend, "gather_sum", lambda *a: "xla")
+
+  def choice(t, s, d, weighted=True, extras=False):
+    ids = jnp.asarray(np.arange(t * s).reshape(t, s) % 32, jnp.int32)
+    extra = (jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32)) if extras else (None, None)
+    layout = build_grouped_layout(ids, 32, 128, *extra)
+    rows = jax.ShapeDtypeStruct((layout.num_rows, d), jnp.bfloat16)
+    w = jnp.ones((t, s), jnp.float32) if weighted else None
+    return mosaic_backend.gather_sum(rows, layout, w, jnp.bfloat16)
+
+  assert choice(8, 16, 4096) == "kernel"
+  assert choice(8, 16, 4096, weighted=False) == "xla"
+  assert choice(8, 8, 4096) == "xla"
+  assert choice(8, 16, 2048) == "xla"
+  assert choice(8, 16, 4096, extras=True) == "xla"
+  assert len(calls) == 1
