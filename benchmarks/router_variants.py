@@ -27,15 +27,15 @@ flags.DEFINE_bool("sweep", False, "also time the fused kernel's program shapes (
 flags.DEFINE_bool("device_times", False, "also each router variant's device time per call, from a "
                   "profiler trace (host-timed batches of work this short are dispatch-bound)")
 flags.DEFINE_bool("topk_sweep", False, "also time the top-K kernel's program shapes (values per "
-                  "program, warps) on the router's logits")
+                  "program, warps) and selections (packed, exact) on the router's logits")
 flags.DEFINE_bool("layer", True, "also time the layer's forward with and without the fused kernel")
 FLAGS = flags.FLAGS
 
 SHAPES = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 3),
           (256, 8, 3)]  # (tokens per program, warps, stages)
 
-TOPK_SHAPES = [(2048, 4), (1024, 4), (4096, 4), (4096, 8), (8192, 8), (2048, 2), (1024, 2),
-               (1024, 1), (512, 1)]  # (values per program, warps) of router_topk.top_k
+TOPK_SHAPES = [(2048, 4), (1024, 4), (4096, 8), (1024, 2), (1024, 1),
+               (512, 1)]  # (values per program, warps) of router_topk.top_k
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (40960, 768, 1024, 32, 2),
                    (24576, 1536, 256, 128, 8), (24576, 1536, 1024, 32, 2),
@@ -81,11 +81,15 @@ def run_config(cfg):
           x, rw, k, block_tokens=bt, num_warps=warps, num_stages=stages)
       variants[f"fused {bt} tokens, {warps} warps, {stages} stages"] = (fn, (x, rw))
   if FLAGS.topk_sweep:
+    if routing.fused_top_k_unsupported(x, rw, k, "softmax_topk", gpu_only=False) is None:
+      variants["fused, exact selection"] = (
+          lambda x, rw: router_topk.logits_top_k(x, rw, k, selection="exact"), (x, rw))
     logits = routing.router_logits_and_ids(x, rw, k, "softmax_topk", fused=False)[0]
     for values, warps in TOPK_SHAPES:
-      fn = lambda lg, values=values, warps=warps: router_topk.top_k(
-          lg, k, values_per_program=values, num_warps=warps)
-      variants[f"top-K {values} values, {warps} warps"] = (fn, (logits,))
+      for selection in router_topk.SELECTIONS:
+        fn = lambda lg, values=values, warps=warps, selection=selection: router_topk.top_k(
+            lg, k, values_per_program=values, num_warps=warps, selection=selection)
+        variants[f"top-K {values} values, {warps} warps, {selection}"] = (fn, (logits,))
   router = timing.measure_variants(variants, ids, 2 * x.size * rw.shape[1], FLAGS.repeats,
                                    FLAGS.cool_calls)
   if FLAGS.device_times:

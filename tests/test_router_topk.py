@@ -42,10 +42,11 @@ def test_top_k_equals_lax_top_k(rng, compiled, t, e, k, special):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("values_per_program,num_warps", [(512, 1), (8192, 8)])
+@pytest.mark.parametrize("values_per_program,num_warps", [(2048, 4), (8192, 8)])
 def test_top_k_program_shapes_agree(rng, compiled, values_per_program, num_warps):
-  """Other program shapes (the ones `router_variants --topk_sweep` times): 2 and 32 tokens a
-  program at E = 256, a token count that leaves a partial last block, the same ids as lax.top_k."""
+  """Other program shapes than the default (ones `router_variants --topk_sweep` times): 8 and 32
+  tokens a program at E = 256, a token count that leaves a partial last block, the same ids as
+  lax.top_k."""
   if compiled != ON_GPU:
     pytest.skip("compiled on a GPU, interpreted elsewhere")
   t = 70 * 97 if compiled else 70
@@ -53,6 +54,31 @@ def test_top_k_program_shapes_agree(rng, compiled, values_per_program, num_warps
   top, ids = router_topk.top_k(v, 16, interpret=not compiled,
                                values_per_program=values_per_program, num_warps=num_warps)
   want_top, want_ids = jax.lax.top_k(v, 16)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("selection", router_topk.SELECTIONS)
+def test_near_ties_select_as_lax_top_k(rng, compiled, selection):
+  """Values one ulp apart share a bucket of the packed selection's keys, which would order them
+  by id instead of by value: inside the k largest (even rows), at the edge between the k-th and
+  the (k+1)-th (odd rows), and far below (every row, no effect). Either selection gives
+  lax.top_k's ids; the blocks without such rows take the packed selection's fast path."""
+  if compiled != ON_GPU:
+    pytest.skip("compiled on a GPU, interpreted elsewhere")
+  t, e, k = (64 * 97 if compiled else 64), 256, 16
+  v = rng.standard_normal((t, e)).astype(np.float32)
+  order = np.argsort(-v, axis=1, kind="stable")
+  rows = np.arange(t)
+  near = rng.random(t) < 0.3  # about one row in three: most blocks have one, a few none
+  for r in rows[near]:
+    hi, lo = (order[r, 1], order[r, 2]) if r % 2 == 0 else (order[r, k - 1], order[r, k])
+    v[r, lo] = np.nextafter(v[r, hi], -np.inf)
+    v[r, order[r, 100]] = np.nextafter(v[r, order[r, 99]], -np.inf)
+  v = jnp.asarray(v)
+  top, ids = router_topk.top_k(v, k, interpret=not compiled, selection=selection)
+  want_top, want_ids = jax.lax.top_k(v, k)
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
   np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
 
@@ -65,6 +91,8 @@ def test_unsupported_problems_are_named():
   assert "float32" in router_topk.supports(jnp.zeros((8, 64), jnp.bfloat16), 4)
   with pytest.raises(ValueError, match="power of two"):
     router_topk.top_k(v, 4, interpret=True)
+  with pytest.raises(ValueError, match="selection must be one of"):
+    router_topk.top_k(jnp.zeros((8, 64)), 4, interpret=True, selection="sorted")
 
 
 def test_kernel_lowers_for_cuda():

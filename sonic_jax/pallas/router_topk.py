@@ -3,8 +3,10 @@
 XLA's GPU top-K reads the (T, E) routing values at about 0.1 TB/s on an H100 (0.33 ms for
 T = 32768, E = 256, K = 16: a third of the whole routing-metadata pass). Here one Pallas (Triton)
 program takes a block of tokens, keeps their E values in registers and picks the K experts one at a
-time on order-preserving int32 keys (max, then the lowest id holding it, then that expert drops
-out), so the values are read once from HBM. It uses Pallas's Triton lowering, deprecated in jax
+time on order-preserving int32 keys, so the values are read once from HBM. By default a key packs
+the value's upper bits with the expert id (one max per pick gives both), and a program in which two
+of a row's K + 1 largest values come too close for that falls back to the exact selection (max,
+then the lowest id holding it, then that expert drops out): `_select_ids_packed`. It uses Pallas's Triton lowering, deprecated in jax
 0.11 but present in 0.11.2; `AVAILABLE` is False where it is gone, and routing calls `lax.top_k`.
 
 Same result as `jax.lax.top_k`: values in descending order, ties to the lower expert id, every id
@@ -31,7 +33,12 @@ except ImportError:  # pragma: no cover
 
 MAX_EXPERTS = 1024
 MAX_K = 32  # the selection loop is unrolled k times
-VALUES_PER_PROGRAM = 2048  # (tokens, E) values per program: 16 per thread of 4 warps, no spills
+# The programs' default shape: (tokens, E) values per program and warps, 16 values per thread. On
+# an H100 (benchmarks/router_variants.py --topk_sweep, twenty-third session) 36.7 us per call at
+# T = 32768, E = 256, K = 16 with the packed selection against 51.0 for 2048 values on 4 warps
+# (52.5 and 59.7 with the exact one); 16.9 against 17.3 at T = 40960, E = 128, K = 8.
+VALUES_PER_PROGRAM = 512
+NUM_WARPS = 1
 
 
 def block_tokens(e: int, values_per_program: int = VALUES_PER_PROGRAM) -> int:
@@ -84,16 +91,59 @@ def _select_ids(values, k: int, k_block: int):
   return ids
 
 
-def _kernel(values_ref, ids_ref, *, k: int):
-  ids_ref[...] = _select_ids(values_ref[...], k, ids_ref.shape[1])
+SELECTIONS = ("packed", "exact")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps"))
+def _select_ids_packed(values, k: int, k_block: int):
+  """`_select_ids` at half the work where no two of a row's k + 1 largest values are close.
+
+  Each key keeps its upper 32 - log2(E) bits (its bucket) and takes E - 1 - id as its low bits,
+  so one max per round gives both the value and the id (no second reduction for the lowest id
+  holding the maximum), and masking the pick is one compare. The order of these keys is the
+  exact one wherever the k + 1 largest fall in k + 1 distinct buckets (values within about
+  2^(log2(E) - 23) of each other share one); a program with a row where two of them share a
+  bucket (near-ties, exact ties, NaNs, repeated -inf) runs the exact selection instead, so the
+  ids are always `jax.lax.top_k`'s."""
+  keys = _order_keys(values)
+  e = keys.shape[1]
+  low = e - 1  # e is a power of two
+  expert = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
+  packed = (keys & jnp.int32(~low)) | (low - expert)
+  slot = lax.broadcasted_iota(jnp.int32, (keys.shape[0], k_block), 1)
+  ids = jnp.zeros((keys.shape[0], k_block), jnp.int32)
+  close = jnp.zeros((keys.shape[0],), jnp.int32)
+  prev = None
+  for j in range(k + 1 if k < e else k):  # round k only compares the (k+1)-th with the k-th
+    best = jnp.max(packed, axis=1)
+    if prev is not None:
+      close = close | ((best & jnp.int32(~low)) == (prev & jnp.int32(~low))).astype(jnp.int32)
+    if j < k:
+      ids = jnp.where(slot == j, (low - (best & low))[:, None], ids)
+      packed = jnp.where(packed == best[:, None], jnp.iinfo(jnp.int32).min, packed)
+    prev = best
+  return lax.cond(jnp.max(close) > 0, lambda: _select_ids(values, k, k_block), lambda: ids)
+
+
+def _selector(selection: str):
+  if selection not in SELECTIONS:
+    raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
+  return _select_ids_packed if selection == "packed" else _select_ids
+
+
+def _kernel(values_ref, ids_ref, *, k: int, select):
+  ids_ref[...] = select(values_ref[...], k, ids_ref.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps",
+                                             "selection"))
 def top_k(values: jax.Array, k: int, interpret: bool = False,
-          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = 4):
+          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = NUM_WARPS,
+          selection: str = "packed"):
   """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E).
   values_per_program, num_warps: the programs' shape (block_tokens(E, values_per_program) tokens,
-  Triton's warps)."""
+  Triton's warps). selection: "packed" (`_select_ids_packed`, the exact one where it must) or
+  "exact" (`_select_ids` always); the same ids either way."""
+  select = _selector(selection)
   reason = supports(values, k)
   if reason is not None:
     raise ValueError(f"router top-K kernel: {reason}")
@@ -103,7 +153,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
   k_block = next_pow2(k)  # Triton blocks are powers of two; the extra slots are sliced off
   rows = padded.shape[0]
   ids = pl.pallas_call(
-      functools.partial(_kernel, k=k),
+      functools.partial(_kernel, k=k, select=select),
       out_shape=jax.ShapeDtypeStruct((rows, k_block), jnp.int32),
       grid=(rows // bt,),
       in_specs=[pl.BlockSpec((bt, e), lambda i: (i, 0))],
@@ -144,7 +194,8 @@ def logits_supports(x: jax.Array, w: jax.Array, k: int) -> str | None:
   return None
 
 
-def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bias: bool):
+def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bias: bool,
+                   select):
   bias_ref = refs[0] if has_bias else None
   logits_ref, ids_ref = refs[-2:]
   t0 = pl.program_id(0) * bt
@@ -163,15 +214,15 @@ def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bi
   pltriton.store(logits_ref.at[pl.ds(t0, bt), :], logits, mask=jnp.broadcast_to(in_range, (bt, e)))
   values = logits + bias_ref[...] if has_bias else logits  # as routing adds the selection bias
   k_block = ids_ref.shape[1]
-  pltriton.store(ids_ref.at[pl.ds(t0, bt), :], _select_ids(values, k, k_block),
+  pltriton.store(ids_ref.at[pl.ds(t0, bt), :], select(values, k, k_block),
                  mask=jnp.broadcast_to(in_range, (bt, k_block)))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "block_tokens", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "selection"))
 def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = None,
                  interpret: bool = False, block_tokens: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3):
+                 num_stages: int = 3, selection: str = "packed"):
   """(logits (T, E) float32, ids (T, k) int32): logits = x @ w with float32 accumulation, ids the
   experts of each token's k largest logits (+ bias (E,) float32, which moves the selection only),
   as `jax.lax.top_k` picks them from these logits.
@@ -181,7 +232,9 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   GEMM and the top-K kernel, and the logits are not read back. x is read once; every program reads
   all of w (from L2). block_tokens (default `logits_block_tokens(E)`), num_warps, num_stages:
   the programs' shape (Triton's warps and software-pipelining depth of the GEMM loop).
+  selection: as in `top_k`.
   """
+  select = _selector(selection)
   reason = logits_supports(x, w, k)
   if reason is not None:
     raise ValueError(f"router logits + top-K kernel: {reason}")
@@ -192,7 +245,8 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   has_bias = bias is not None
   operands = (x, w) + ((bias.astype(jnp.float32).reshape(1, e),) if has_bias else ())
   logits, ids = pl.pallas_call(
-      functools.partial(_logits_kernel, k=k, bt=bt, num_tokens=t, has_bias=has_bias),
+      functools.partial(_logits_kernel, k=k, bt=bt, num_tokens=t, has_bias=has_bias,
+                        select=select),
       out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32),
                  jax.ShapeDtypeStruct((t, k_block), jnp.int32)),
       grid=(blocks,),
