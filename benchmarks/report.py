@@ -469,9 +469,9 @@ Runs (a later run's row replaces an earlier run's row of the same name):
   the seventeenth session's rows on, for E ≤ 128 one kernel for the router GEMM and the top-K), and
   for E ≤ 128 the routing metadata's per-block counts and ranks (a counting sort, from the fifteenth
   session's rows on; a radix sort before and at E = 256); the rest of the routing metadata and the
-  aggregations (gather-sums) are XLA operations in every row (from the twenty-third session on the
-  package runs the forward's sum at K = 16, d = 4096 by its Mosaic GPU gather-sum kernel; no row
-  has it yet) (the router GEMM's backward on bfloat16 operands
+  aggregations (gather-sums) are XLA operations, but the forward's at K = 16, d = 4096 (a Mosaic
+  GPU gather-sum kernel, from the twenty-third session's rows on; the router's top-K picks on packed
+  keys from those rows on too) (the router GEMM's backward on bfloat16 operands
   from the fourteenth session's rows on); each kernel's tile configuration from the tuning table of
   its session (from the sixteenth session's rows on, dH at 24576,1536,256,128,8 and
   24576,1536,512,64,4 under a pingpong schedule with the concat layout).
