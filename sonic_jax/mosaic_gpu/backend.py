@@ -190,10 +190,10 @@ def dx_projection(d_h, w1, layout):
 # extra pairs, and operands the kernel does not take, go to XLA either way. Measured on an H100
 # (benchmarks/gather_sum_bench.py, benchmarks/NOTES.md, twenty-third session), device time, XLA /
 # kernel: 1592 / 1556 us at 32768,4096,*,256,16 (the kernel at 2.93 TB/s), 798 / 806 at K = 8,
-# 447 / 447 at K = 4, but 193 / 220 at 40960,768,256,128,8 and 84 / 105 at 24576,1536,1024,32,2
-# (small pieces: the per-item overhead shows). The backward's unweighted sum stays XLA's, which
-# fuses it with the router's input gradient (the training step was 0.3-2.7% slower with the
-# kernel there).
+# 447 / 447 at K = 4, but 193 / 220 at 40960,768,256,128,8 (and 84 / 105 at 24576,1536,1024,32,2
+# before the kernel prefetched its scalars): small pieces, where the per-item overhead shows. The
+# backward's unweighted sum stays XLA's, which fuses it with the router's input gradient (the
+# training step with the kernel there: -1.5 to +2.7% at three d = 4096 configurations).
 AGGREGATION = "auto"
 AGGREGATIONS = ("auto", "kernel", "forward", "xla")
 KERNEL_MIN_SLOTS = 16
