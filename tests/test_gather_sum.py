@@ -30,9 +30,10 @@ def _problem(rng, r, d, t, s, used):
 
 
 # (R, d, T, S, config): S = 1 and not a power of two; pieces of a whole row and of part of one;
-# views 256 and 128 columns wide; rings of 2 and 4 stages.
+# views 256 and 128 columns wide; rings of 2 and 4 stages; one token (fewer items than CTAs).
 SHAPES = [(300, 512, 37, 3, None), (64, 128, 9, 1, gs.GatherSumConfig(128, 2)),
-          (200, 768, 21, 8, gs.GatherSumConfig(256, 4)), (90, 384, 13, 2, None)]
+          (200, 768, 21, 8, gs.GatherSumConfig(256, 4)), (90, 384, 13, 2, None),
+          (40, 256, 1, 4, None)]
 
 
 @pytest.mark.parametrize("compiled", MODES)

@@ -280,6 +280,21 @@ def test_moe_layer_backward_gather_policies_against_oracle(rng, compiled, d_out_
   _check_layer(rng, compiled, "swiglu", True, jnp.bfloat16, "concat")
 
 
+@pytest.mark.parametrize("compiled", MODES)
+def test_moe_layer_aggregation_kernel_against_oracle(rng, compiled, monkeypatch):
+  """AGGREGATION="kernel": the forward's weighted sum and the backward's dX sum both by the
+  gather-sum kernel (elsewhere only the forward's at K >= 16, d >= 4096), inside the layer's
+  custom_vjp under jit and grad: output and every gradient against the float64 oracle."""
+  from sonic_jax.mosaic_gpu import backend
+  monkeypatch.setattr(backend, "AGGREGATION", "kernel")
+  sums = []
+  kernel = backend.gs.gather_sum
+  monkeypatch.setattr(backend.gs, "gather_sum", lambda rows, ids, w, *a: (
+      sums.append(w is not None), kernel(rows, ids, w, *a))[1])
+  _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat")  # d = 256: the kernel runs
+  assert set(sums) == {True, False}
+
+
 def test_gather_source_rejects_unknown_policies(monkeypatch):
   from sonic_jax.mosaic_gpu import backend
   assert backend.gather_source("x") == backend.gather_source("d_out") == "fused"
