@@ -3,12 +3,15 @@ summed in float32, in slot order: no atomics, deterministic.
 
 The rows are read once, by TMA, a whole row piece per copy: seen as (R * d / C, C) (C = 256
 columns where d allows), a token's piece of `block_columns` columns of row r is
-`block_columns // C` consecutive rows of that view, one box of 2-16 KB. (A (1, C) box per row would
-move at most 512 bytes a copy, and TMA issue from one thread is what limited the row-by-row A
-gather of the GEMMs, benchmarks/NOTES.md.) A work item is one token's piece: the memory warpgroup
-loads its S row pieces into a ring stage; two summing warpgroups take the items in turn (an even
-number of stages, so that each stage always goes to the same warpgroup), add the pieces weighted
-in float32 and store the sum through SMEM by TMA.
+`block_columns // C` consecutive rows of that view, one box (2-8 KB at d = 4096). (A (1, C) box per
+row would move at most 512 bytes a copy, and TMA issue from one thread is what limited the
+row-by-row A gather of the GEMMs, benchmarks/NOTES.md.) A work item is one token's piece: the
+memory warpgroup loads its S row pieces into a ring stage; two summing warpgroups take the items in
+turn (an even number of stages, so that each stage always goes to the same warpgroup), add the
+pieces weighted in float32 and store the sum through SMEM by TMA. Each loop loads its next item's
+scalars (row indices, weights) before it waits on this item's barriers: their latency then runs
+under the waits (loaded at the start of each item, they made the memory warpgroup the bottleneck:
+1596 against 1556 us at 32768 x 4096, K = 16, on an H100).
 
 Pairs routed nowhere (pair_row outside [0, R)) add nothing: their copy reads row 0 and the sum
 selects zero in its place (rows that no GEMM wrote may hold NaN). Reference:
