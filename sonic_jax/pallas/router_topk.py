@@ -6,8 +6,9 @@ program takes a block of tokens, keeps their E values in registers and picks the
 time on order-preserving int32 keys, so the values are read once from HBM. By default a key packs
 the value's upper bits with the expert id (one max per pick gives both), and a program in which two
 of a row's K + 1 largest values come too close for that falls back to the exact selection (max,
-then the lowest id holding it, then that expert drops out): `_select_ids_packed`. It uses Pallas's Triton lowering, deprecated in jax
-0.11 but present in 0.11.2; `AVAILABLE` is False where it is gone, and routing calls `lax.top_k`.
+then the lowest id holding it, then that expert drops out): `_select_ids_packed`. It uses Pallas's
+Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where it is
+gone, and routing calls `lax.top_k`.
 
 Same result as `jax.lax.top_k`: values in descending order, ties to the lower expert id, every id
 distinct (also with -inf values), NaN above every number. Reference: `jax.lax.top_k`.
@@ -95,7 +96,8 @@ SELECTIONS = ("packed", "exact")
 
 
 def _select_ids_packed(values, k: int, k_block: int):
-  """`_select_ids` at half the work where no two of a row's k + 1 largest values are close.
+  """`_select_ids` with half the operations per pick where no two of a row's k + 1 largest values
+  are close.
 
   Each key keeps its upper 32 - log2(E) bits (its bucket) and takes E - 1 - id as its low bits,
   so one max per round gives both the value and the id (no second reduction for the lowest id
