@@ -54,7 +54,7 @@ def _kernel_variants(d, k):
   c = gs.view_columns(d)
   for block in (base.block_columns // 2, base.block_columns * 2):
     if block >= c and block % c == 0 and d % block == 0:
-      stages = max(2, min(8, gs.SMEM_BYTES // (k * block * 2 + 1)) // 2 * 2)
+      stages = gs.ring_stages(block, k)
       out.append((f"kernel {block} cols, {stages} stages", gs.GatherSumConfig(block, stages)))
   if base.num_stages > 2:
     out.append((f"kernel {base.block_columns} cols, 2 stages",

@@ -59,17 +59,23 @@ class GatherSumConfig:
       raise ValueError(f"num_stages must be even and >= 2, got {self.num_stages}")
 
 
+def ring_stages(block_columns: int, slots: int, itemsize: int = 2, out_itemsize: int = 2) -> int:
+  """As many ring stages of `slots` pieces of `block_columns` as SMEM_BYTES hold next to the output
+  staging: even, 2 to 8."""
+  staging = _SUMMING_WGS * 2 * block_columns * out_itemsize
+  stages = min(8, (SMEM_BYTES - staging) // (slots * block_columns * itemsize)) // 2 * 2
+  return max(2, stages)
+
+
 def default_config(d: int, slots: int, itemsize: int = 2, out_itemsize: int = 2) -> GatherSumConfig:
-  """Pieces of about STAGE_BYTES a stage (the widest divisor of d up to that), and as many stages
-  as SMEM_BYTES hold, at most 8."""
+  """Pieces of about STAGE_BYTES a stage (the widest divisor of d up to that), on `ring_stages`."""
   c = view_columns(d)
   if c is None:
     raise ValueError(f"d={d} is not a multiple of {VIEW_COLUMNS[-1]}")
   want = max(c, STAGE_BYTES // (slots * itemsize))
   block = max(b for b in range(c, d + 1, c) if d % b == 0 and (b <= want or b == c))
-  staging = _SUMMING_WGS * 2 * block * out_itemsize
-  stages = min(8, (SMEM_BYTES - staging) // (slots * block * itemsize)) // 2 * 2
-  return GatherSumConfig(block_columns=block, num_stages=max(2, stages))
+  return GatherSumConfig(block_columns=block,
+                         num_stages=ring_stages(block, slots, itemsize, out_itemsize))
 
 
 def supports(rows: jax.Array, pair_row: jax.Array, weights: jax.Array | None = None) -> str | None:
