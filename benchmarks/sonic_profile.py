@@ -4,11 +4,14 @@ training step (torch.profiler), to put next to `step_timeline`'s figures for son
 Needs PyTorch and the SonicMoE bundle (`../shared/bench/sonic-wheels.sh`: carry `.sonic` and
 install it as that script's header says). Usage:
 
-  python benchmarks/sonic_profile.py [--thiek=T,d,n,E,K ...] [--calls=N] [--out=dir]
+  python benchmarks/sonic_profile.py [--thiek=T,d,n,E,K ...] [--calls=N] [--warm_ms=MS]
+      [--out=dir]
 
 The layer is built as `../shared/bench/sonic_ref.py` builds it (softmax over the top-K, SwiGLU,
 bfloat16, no bias). After two warm-up calls, `calls` back-to-back forwards and then `calls` training
-steps (forward, backward from a fixed dO) are profiled; per kernel name it prints the device time
+steps (forward, backward from a fixed dO) are profiled (with --warm_ms, right after that many
+milliseconds of back-to-back calls inside the same profile: the GPU at its power cap, as in a
+sustained benchmark, rather than near boost clocks); per kernel name it prints the device time
 per call and the number of launches per call, largest first, and writes everything to
 `out/sonic_profile.json` (after each profiled phase: on a fresh machine the first training step of
 a d = 4096 configuration compiles for minutes).
@@ -24,15 +27,37 @@ import os
 DEFAULT_CONFIGS = ["32768,4096,1024,128,8", "32768,4096,2048,64,4"]
 
 
-def kernel_times(prof, calls):
-  """{kernel name: (us per call, launches per call)} from a torch.profiler run."""
+def kernel_times(prof, calls, warm_calls=0):
+  """{kernel name: (us per call, launches per call)} from a torch.profiler run of `warm_calls`
+  then `calls` calls: the last `calls` calls' device events (every call launches the same)."""
+  events = sorted((evt for evt in prof.events() if evt.device_type.name == "CUDA"),
+                  key=lambda evt: evt.time_range.start)  # kernels and copies on the device
+  if warm_calls:
+    total_calls = warm_calls + calls
+    if len(events) % total_calls:
+      raise SystemExit(f"sonic_profile: {len(events)} events over {total_calls} calls")
+    events = events[-calls * (len(events) // total_calls):]
   total, count = collections.Counter(), collections.Counter()
-  for evt in prof.events():
-    if evt.device_type.name != "CUDA":  # kernels and copies on the device
-      continue
+  for evt in events:
     total[evt.name] += evt.time_range.elapsed_us()
     count[evt.name] += 1
   return {name: (total[name] / calls, count[name] / calls) for name, _ in total.most_common()}
+
+
+def device_span_us(prof, calls, warm_calls=0):
+  """(span, idle) in us per call of the last `calls` calls' device events: first start to last
+  end, and the time in it with no kernel or copy running."""
+  events = sorted(((evt.time_range.start, evt.time_range.end) for evt in prof.events()
+                   if evt.device_type.name == "CUDA"))
+  if warm_calls:
+    events = events[-calls * (len(events) // (warm_calls + calls)):]
+  if not events:
+    return 0.0, 0.0
+  idle, end = 0.0, events[0][1]
+  for start, stop in events[1:]:
+    idle += max(0.0, start - end)
+    end = max(end, stop)
+  return (end - events[0][0]) / calls, idle / calls
 
 
 def sonicmoe_layer(cfg):
@@ -63,7 +88,8 @@ def sonicmoe_layer(cfg):
   return forward, step
 
 
-def profile_config(cfg, calls, save):
+def profile_config(cfg, calls, save, warm_ms=0.0):
+  import time
   import torch
   forward, step = sonicmoe_layer(cfg)
   result = {}
@@ -73,12 +99,22 @@ def profile_config(cfg, calls, save):
     torch.cuda.synchronize()
     print(f"  {cfg} {name}: warm", flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+      # A sustained load first, inside the profile (starting one idles the GPU, which would let
+      # it cool); only the last `calls` calls are counted.
+      end, warm_calls = time.perf_counter() + warm_ms / 1e3, 0
+      while time.perf_counter() < end:
+        fn()
+        warm_calls += 1
+        if warm_calls % 8 == 0:
+          torch.cuda.synchronize()
       for _ in range(calls):
         fn()
       torch.cuda.synchronize()
-    times = kernel_times(prof, calls)
+    times = kernel_times(prof, calls, warm_calls)
+    span, idle = device_span_us(prof, calls, warm_calls)
     result[name] = {"kernels": {k_: {"us": us, "launches": c} for k_, (us, c) in times.items()},
-                    "total_us": sum(us for us, _ in times.values())}
+                    "total_us": sum(us for us, _ in times.values()), "span_us": span,
+                    "idle_us": idle, "warm_calls": warm_calls}
     save(result)  # the first compile of a training step can take minutes: keep what is done
   return result
 
@@ -87,10 +123,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--thiek", action="append", help="configuration T,d,n,E,K (repeatable)")
   parser.add_argument("--calls", type=int, default=5)
+  parser.add_argument("--warm_ms", type=float, default=0.0,
+                      help="back-to-back calls for this long before each profile")
   parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
   args = parser.parse_args()
   import torch
-  out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "configs": {}}
+  out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+         "warm_ms": args.warm_ms, "configs": {}}
   os.makedirs(args.out, exist_ok=True)
 
   def save(spec, partial):
@@ -100,9 +139,10 @@ def main():
 
   for spec in args.thiek or DEFAULT_CONFIGS:
     cfg = tuple(int(v) for v in spec.split(","))
-    res = profile_config(cfg, args.calls, lambda r, spec=spec: save(spec, r))
+    res = profile_config(cfg, args.calls, lambda r, spec=spec: save(spec, r), args.warm_ms)
     for name, r in res.items():
-      print(f"\n{spec} {name}: {r['total_us'] / 1000:.3f} ms of kernels per call")
+      print(f"\n{spec} {name}: {r['total_us'] / 1000:.3f} ms of kernels per call, span "
+            f"{r['span_us'] / 1000:.3f} ms, idle {r['idle_us'] / 1000:.3f} ms")
       for kname, v in r["kernels"].items():
         print(f"  {v['us']:9.1f} us  x{v['launches']:<4g} {kname[:110]}")
     torch.cuda.empty_cache()

@@ -3,7 +3,7 @@ r"""Where a layer's training step spends its device time: one profiled fwd+bwd s
 (`--forward_only`), per kernel in launch order, with the device's idle gaps between them.
 
   python -m benchmarks.step_timeline [--thiek=T,d,n,E,K ...] [--out=dir] [--forward_only]
-      [--calls=N] [--data=unit|sonicmoe]
+      [--calls=N] [--data=unit|sonicmoe] [--warm_ms=MS]
 
 Prints per configuration: the step's device span (first kernel start to last kernel end), the sum
 of kernel times, the idle time, the largest gaps (with the kernels around them) and the kernels
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from collections import defaultdict
 
 from absl import app, flags
@@ -31,6 +32,9 @@ flags.DEFINE_integer("calls", 1, "back-to-back calls profiled (per-call figures 
                      "span, kernel and idle times divided by this)")
 flags.DEFINE_bool("forward_only", False, "profile the layer's forward alone (as moe_bench's "
                   "forward samples: output only) instead of the training step")
+flags.DEFINE_float("warm_ms", 0.0, "back-to-back calls for this long right before the profiled "
+                   "calls (traced, then dropped): the GPU at its power cap, as in a sustained "
+                   "benchmark, not near boost clocks")
 flags.DEFINE_enum("data", "unit", list(grid.DATA_SCALES), "input scales (grid.random_problem): "
                   "unit, or sonicmoe as SonicMoE's benchmark draws them")
 FLAGS = flags.FLAGS
@@ -53,12 +57,25 @@ def profile_step(cfg):
     jax.block_until_ready(step(*arg_sets[i % 2]))
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
+    # --warm_ms: a sustained load inside the trace (starting the trace idles the GPU for a while,
+    # which would let it cool), of which only the last `calls` calls are kept below.
+    end, warm_calls = time.perf_counter() + FLAGS.warm_ms / 1e3, 0
+    while time.perf_counter() < end:
+      out = step(*arg_sets[warm_calls % 2])
+      warm_calls += 1
+      if warm_calls % 8 == 0:  # keep the queue short, the GPU never idle
+        jax.block_until_ready(out)
     # One step alone: its gaps are the step's own; several: the host may run ahead of the GPU.
     results = [step(*arg_sets[i % 2]) for i in range(FLAGS.calls)]
     jax.block_until_ready(results)
     jax.profiler.stop_trace()
     events = [(start, start + duration, name)
               for start, duration, name in timing.device_events(logdir)]
+  if warm_calls and events:  # every call launches the same kernels: keep the last calls'
+    total = warm_calls + FLAGS.calls
+    if len(events) % total:
+      raise SystemExit(f"step_timeline: {len(events)} events over {total} calls: calls differ")
+    events = events[-FLAGS.calls * (len(events) // total):]
   if not events:
     raise SystemExit("step_timeline: the trace has no GPU kernels (it needs a GPU)")
   t0 = events[0][0]
@@ -88,8 +105,10 @@ def main(_):
   for cfg in configs:
     r = profile_step(cfg)
     r["calls"] = FLAGS.calls
+    r["warm_ms"] = FLAGS.warm_ms
     kind = ("fwd_" if FLAGS.forward_only else "") + ("" if FLAGS.data == "unit" else
-                                                      f"{FLAGS.data}_data_")
+                                                      f"{FLAGS.data}_data_") + (
+                                                          "warm_" if FLAGS.warm_ms else "")
     with open(os.path.join(FLAGS.out, f"timeline_{kind}{r['config']}_{FLAGS.calls}.json"),
               "w") as f:
       json.dump(r, f, indent=1)
