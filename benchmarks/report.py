@@ -389,7 +389,9 @@ def write_benchmarks_md(results, out_dir, pngs, kernels=None, notes="", token_ro
 (8192³ bf16 GEMM; device copy, bytes read + written; each run measures its own and each kernel's
 roofline uses its run's) {kernels['ceilings']}. Each cell: median ms (roofline ms = max(FLOPs / GEMM rate, bytes / copy rate)) and the
 achieved rate. "forward (sum)" adds the kernels the `mosaic_gpu` backend runs: route+layout, the
-up-projection with its fused gather of x, down-projection, aggregation; "backward (sum)" the four
+up-projection with its fused gather of x, down-projection, aggregation ("aggregate (backend)": the
+forward's weighted gather-sum as the backend runs it, the Mosaic GPU kernel at K = 16, d = 4096 and XLA's
+elsewhere; runs without that column summed XLA's); "backward (sum)" the four
 backward GEMM kernels as the backend ran them in that run (its `gather_source`, named in the last
 column: "x fused" / "dO fused": the rows gathered inside the kernels; "dO dh": dH gathered the dO
 rows and stored them, dw2 read them contiguous), and dX rows; without the gather-sums. The
