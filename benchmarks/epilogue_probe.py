@@ -9,8 +9,8 @@ configuration) against the same grouped GEMM with lighter epilogues:
   so no waiting for a staging buffer), H and SwiGLU's A, H only, or the down-projection's Y;
 - "one piece": stores one 64-column piece per tile (the mainloop, the tile walk and the ring alone);
   "identity gather": the same through the gather path over the contiguous grouped rows in order;
-  "one 256-column block": one B block and one wgmma per step, as the interleaved layout reads w1
-  (concat reads a gate and an up block of 128 columns into two wgmmas);
+  "one 256-column block": one B block and one N = 256 wgmma per step (the kernel, for either
+  layout, reads two 128-column blocks into two N = 128 wgmmas);
 - "(gather, IMPL)": the up-projection with another `gather_impl` (its outputs must equal the
   layer's kernel's on the rows in use).
 The gap between the full kernel and "one piece" is what the epilogue costs while the tensor cores
@@ -133,8 +133,9 @@ def run_config(cfg):
     return fn
 
   def up_light_one_block(store):
-    """The up-projection's mainloop with one 256-column B block and one wgmma per step (the
-    interleaved layout's; here over the gate block's and the up block's columns as they lie)."""
+    """The up-projection's mainloop with one 256-column B block and one N = 256 wgmma per step
+    (over 256 consecutive columns of w1: the kernel reads two 128-column blocks, for either
+    layout)."""
     role = _light_role(2 * n, 2 * up_bn, 1, lambda nb, j: nb * 2 * up_bn,
                        (jax.ShapeDtypeStruct((rows_total, 2 * n), dt),
                         jax.ShapeDtypeStruct((rows_total, n), dt)), store, tm, dt)

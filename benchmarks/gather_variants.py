@@ -4,10 +4,10 @@ layer's configuration for the problem (the tuning table's).
 
   python -m benchmarks.gather_variants [--thiek=T,d,n,E,K ...] [--out=dir] [--variants=NAME ...]
 
-Also the same weights in the interleaved gate/up layout (one 256-column B block and one wgmma per
-step, where concat reads a gate and an up block of 128 columns into two wgmmas). Every variant's A
-is checked bit for bit against the first variant's; then the variants are timed in interleaved
-rounds (`timing.measure_variants`).
+Also the same weights in the interleaved gate/up layout (its two 128-column B blocks adjacent,
+concat's n columns apart; both layouts issue two N = 128 wgmmas a step, and differ in their
+epilogues). Every variant's A is checked bit for bit against the first variant's; then the
+variants are timed in interleaved rounds (`timing.measure_variants`).
 """
 
 from __future__ import annotations
