@@ -124,6 +124,36 @@ def test_kernel_bench_sums_follow_the_backends_gather_policy():
     assert res["backward_sum_ms"] == bwd_ms
     assert res["forward_sum_ms"] == 1.0 + (2.0 if x_rows == "fused" else 1.5 + 0.5) + 1.0 + 0.25
     assert abs(res["gather_cost"]["up"] - (2.0 / 1.5 - 1)) < 1e-12
+  # The forward's aggregation as the backend runs it, where the run timed it.
+  res = kernel_bench.summarize({"config": [1024, 512, 1024, 8, 2], "kernels": {
+      k: {"ms": v} for k, v in {**ms, "aggregate (backend)": 0.125}.items()}})
+  assert res["forward_sum_ms"] == 1.0 + 2.0 + 1.0 + 0.125
+
+
+def test_sonic_profile_keeps_the_last_calls_of_a_sustained_profile():
+  """sonic_profile's per-call figures after a warm-up inside the profile: only the last `calls`
+  calls' device events count (kernel times, launches, span and idle per call); host events are
+  ignored; a trace whose events do not split evenly over the calls is refused."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import sonic_profile
+  from types import SimpleNamespace as NS
+
+  def event(name, start, end, device="CUDA"):
+    return NS(name=name, device_type=NS(name=device), time_range=NS(
+        start=start, end=end, elapsed_us=lambda: end - start))
+
+  # 3 warm-up calls of 10 us kernels, then 2 calls of 20 + 30 us with a 5 us gap each.
+  events = [event(n, t, t + 10) for t0 in (0, 100, 200) for n, t in (("a", t0), ("b", t0 + 20))]
+  events += [event(n, t0 + s, t0 + e) for t0 in (300, 400)
+             for n, s, e in (("a", 0, 20), ("b", 25, 55))]
+  events.append(event("host op", 0, 500, device="CPU"))
+  prof = NS(events=lambda: list(reversed(events)))
+  times = sonic_profile.kernel_times(prof, calls=2, warm_calls=3)
+  assert times == {"b": (30.0, 1.0), "a": (20.0, 1.0)}
+  span, idle = sonic_profile.device_span_us(prof, calls=2, warm_calls=3)
+  assert (span, idle) == ((455 - 300) / 2, (5 + 5 + 45) / 2)
+  with pytest.raises(SystemExit, match="events over"):
+    sonic_profile.kernel_times(NS(events=lambda: events[:-2]), calls=2, warm_calls=3)
 
 
 def test_forward_and_backward_keeps_the_forward_output():
