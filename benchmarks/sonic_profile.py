@@ -124,7 +124,8 @@ def main():
   parser.add_argument("--thiek", action="append", help="configuration T,d,n,E,K (repeatable)")
   parser.add_argument("--calls", type=int, default=5)
   parser.add_argument("--warm_ms", type=float, default=0.0,
-                      help="back-to-back calls for this long before each profile")
+                      help="back-to-back calls for this long right before the profiled calls, "
+                      "inside the profile (dropped from the figures)")
   parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
   args = parser.parse_args()
   import torch
