@@ -56,10 +56,13 @@ def ceilings():
   return 2 * 8192**3 / t_mm, 2 * big.size * 2 / t_cp
 
 
-def run_config(cfg, flops_rate, bw):
+def build_kernels(cfg, data="unit"):
+  """({"config", "rows_used", "pairs"}, {name: (fn, args, FLOPs, bytes)}): every kernel of the
+  layer for configuration `cfg` with the configuration the backend gives it, on its inputs
+  (`grid.random_problem`'s `data` scales)."""
   t_count, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  x, rw, w1, w2, d_out = grid.random_problem(cfg)
+  x, rw, w1, w2, d_out = grid.random_problem(cfg, data=data)
 
   route = grid.route_fn(cfg)
   r, layout = jax.jit(route)(x, rw)
@@ -136,6 +139,11 @@ def run_config(cfg, flops_rate, bw):
   kernels["bwd dX rows (dH w1^T)"] = (lambda g, w, lay: dx.dx_projection(g, w, lay, dx_cfg),
                                       (d_h, w1, layout), 2 * rows * 2 * n * d,
                                       (rows * 2 * n + e * d * 2 * n + rows * d) * b16)
+  return res, kernels
+
+
+def run_config(cfg, flops_rate, bw):
+  res, kernels = build_kernels(cfg)
   res["kernels"] = {}
   for name, (fn, args, flops, nbytes) in kernels.items():
     t = _time(fn, *args)
