@@ -9,11 +9,12 @@ Why: under an H100's power cap a bf16 GEMM's time per call is its energy per cal
 so a kernel that loses more of its boost-clock speed under its own load (and holds a lower clock)
 spends more energy per unit of work, and in a training step it lowers the clocks of every kernel
 around it. Kernels are `kernel_bench`'s (the configuration the backend gives each; --kernels picks
-some by name). Per kernel: 2 s idle, 2 calls (the clocks come up), the median of 5 host-timed calls (near
-boost clocks; each synchronised, so a few us of launch each); then
-`load_s` seconds of back-to-back calls, nvidia-smi sampling the SM clock and power over their
-second half, and the median of 10 timed calls right after (under load). nvidia-smi's power reading
-averages over about a second: trust the clock and the loaded time first. Writes
+some by name). Per kernel: 2 s idle, 2 calls (the clocks come up), the median of 5 host-timed
+calls (near boost clocks; each synchronised, so a few us of launch each); then `load_s` seconds
+of back-to-back calls and the median of 10 timed calls right after (under load), nvidia-smi
+sampling the SM clock and power from the load's second half to the end. nvidia-smi's power
+reading averages over about a second: trust the clock and the loaded time first, and compare
+kernels within one run (H100s of the kind run at different clocks under the cap). Writes
 `out/kernel_power.json`. Needs a GPU.
 """
 
