@@ -29,23 +29,6 @@ flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
 
 
-def untraced_ms(compiled, args, calls, flush, buf):
-  """Host ms per call of `calls` (flush, call) rounds, less a flush-only burst's time per flush."""
-  jax.block_until_ready(buf)
-  t0 = time.perf_counter()
-  out = None
-  for _ in range(calls):
-    buf = flush(buf)
-    out = compiled(*args)
-  jax.block_until_ready((out, buf))
-  both = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  for _ in range(calls):
-    buf = flush(buf)
-  jax.block_until_ready(buf)
-  return (both - (time.perf_counter() - t0)) / calls * 1e3, buf
-
-
 def main(_):
   os.makedirs(FLAGS.out, exist_ok=True)
   results = []
@@ -69,8 +52,8 @@ def main(_):
           else:
             for _ in range(5):  # do_bench's warm-up
               jax.block_until_ready(compiled(*args))
-            ms, buf = untraced_ms(compiled, args, calls, flush, buf)
-            rec["untraced_ms"].append(ms)
+            t, buf = timing.untraced_burst(compiled, args, calls, flush, buf)
+            rec["untraced_ms"].append(t * 1e3)
       results.append(rec)
       print(f"{grid.config_name(cfg)} {phase:<17} traced median "
             f"{statistics.median(rec['traced_ms']):8.3f} ms  untraced mean "

@@ -56,14 +56,8 @@ def probe(compiled, args, load_s, idle_s):
   time.sleep(idle_s)
   timed_calls(compiled, args, 2)  # an idle GPU idles its clocks too: let them come up first
   cool = timed_calls(compiled, args, 5)
-  end, calls, out = time.perf_counter() + load_s, 0, None
   with SmiSampler() as smi:
-    while time.perf_counter() < end:
-      out = compiled(*args)
-      calls += 1
-      if calls % 8 == 0:  # a short queue; the GPU never idle
-        jax.block_until_ready(out)
-    jax.block_until_ready(out)
+    calls = timing.sustained_load(compiled, [args], load_s)
     loaded = timed_calls(compiled, args, 10)
   smi.samples = smi.samples[len(smi.samples) // 2:]  # the load's second half and after
   return {"cool_ms": cool * 1e3, "loaded_ms": loaded * 1e3, "load_calls": calls,

@@ -27,18 +27,23 @@ import os
 DEFAULT_CONFIGS = ["32768,4096,1024,128,8", "32768,4096,2048,64,4"]
 
 
-def kernel_times(prof, calls, warm_calls=0):
-  """{kernel name: (us per call, launches per call)} from a torch.profiler run of `warm_calls`
-  then `calls` calls: the last `calls` calls' device events (every call launches the same)."""
+def _last_calls_events(prof, calls, warm_calls):
+  """The device events (kernels and copies) of a torch.profiler run of `warm_calls` then `calls`
+  calls, in start order, the last `calls` calls' only (every call launches the same)."""
   events = sorted((evt for evt in prof.events() if evt.device_type.name == "CUDA"),
-                  key=lambda evt: evt.time_range.start)  # kernels and copies on the device
+                  key=lambda evt: evt.time_range.start)
   if warm_calls:
     total_calls = warm_calls + calls
     if len(events) % total_calls:
       raise SystemExit(f"sonic_profile: {len(events)} events over {total_calls} calls")
     events = events[-calls * (len(events) // total_calls):]
+  return events
+
+
+def kernel_times(prof, calls, warm_calls=0):
+  """{kernel name: (us per call, launches per call)} of the last `calls` calls of a profile."""
   total, count = collections.Counter(), collections.Counter()
-  for evt in events:
+  for evt in _last_calls_events(prof, calls, warm_calls):
     total[evt.name] += evt.time_range.elapsed_us()
     count[evt.name] += 1
   return {name: (total[name] / calls, count[name] / calls) for name, _ in total.most_common()}
@@ -47,10 +52,8 @@ def kernel_times(prof, calls, warm_calls=0):
 def device_span_us(prof, calls, warm_calls=0):
   """(span, idle) in us per call of the last `calls` calls' device events: first start to last
   end, and the time in it with no kernel or copy running."""
-  events = sorted(((evt.time_range.start, evt.time_range.end) for evt in prof.events()
-                   if evt.device_type.name == "CUDA"))
-  if warm_calls:
-    events = events[-calls * (len(events) // (warm_calls + calls)):]
+  events = [(evt.time_range.start, evt.time_range.end)
+            for evt in _last_calls_events(prof, calls, warm_calls)]
   if not events:
     return 0.0, 0.0
   idle, end = 0.0, events[0][1]

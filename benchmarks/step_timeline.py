@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from collections import defaultdict
 
 from absl import app, flags
@@ -59,12 +58,7 @@ def profile_step(cfg):
     jax.profiler.start_trace(logdir)
     # --warm_ms: a sustained load inside the trace (starting the trace idles the GPU for a while,
     # which would let it cool), of which only the last `calls` calls are kept below.
-    end, warm_calls = time.perf_counter() + FLAGS.warm_ms / 1e3, 0
-    while time.perf_counter() < end:
-      out = step(*arg_sets[warm_calls % 2])
-      warm_calls += 1
-      if warm_calls % 8 == 0:  # keep the queue short, the GPU never idle
-        jax.block_until_ready(out)
+    warm_calls = timing.sustained_load(step, arg_sets, FLAGS.warm_ms / 1e3)
     # One step alone: its gaps are the step's own; several: the host may run ahead of the GPU.
     results = [step(*arg_sets[i % 2]) for i in range(FLAGS.calls)]
     jax.block_until_ready(results)

@@ -257,16 +257,40 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
     return statistics.median(spans), {
         "calls": calls, "samples_s": spans, "per_call": "device",
         "idle_s": idle_in_calls(events, flush_events, call_events, calls)}
+  mean, holder[0] = untraced_burst(compiled, args, calls, flush, holder[0])
+  return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
+
+
+def untraced_burst(compiled, args, calls, flush, buf):
+  """(seconds per call, buf) of `calls` rounds of (flush, call) timed on the host without a
+  profiler, less a flush-only burst's time right after: `time_do_bench`'s bursts untraced."""
+  jax.block_until_ready(buf)
   t0 = time.perf_counter()
-  jax.block_until_ready(rounds())
-  host_s = time.perf_counter() - t0
+  out = None
+  for _ in range(calls):
+    buf = flush(buf)
+    out = compiled(*args)
+  jax.block_until_ready((out, buf))
+  both_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   for _ in range(calls):
-    holder[0] = flush(holder[0])
-  jax.block_until_ready(holder[0])
-  flush_s = time.perf_counter() - t0
-  mean = max(host_s - flush_s, 1e-9) / calls
-  return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
+    buf = flush(buf)
+  jax.block_until_ready(buf)
+  return max(both_s - (time.perf_counter() - t0), 1e-9) / calls, buf
+
+
+def sustained_load(compiled, arg_sets, seconds):
+  """Back-to-back calls of `compiled` for `seconds` (cycling through `arg_sets`), waiting every 8
+  calls so the queue stays short and the GPU never idles: a GPU at its power cap, as in a
+  sustained benchmark. Returns the number of calls; the last ones may still be running (calls made
+  right after follow them without a gap)."""
+  end, calls, out = time.perf_counter() + seconds, 0, None
+  while time.perf_counter() < end:
+    out = compiled(*arg_sets[calls % len(arg_sets)])
+    calls += 1
+    if calls % 8 == 0:
+      jax.block_until_ready(out)
+  return calls
 
 
 def poison_like(outputs):

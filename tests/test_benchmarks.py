@@ -317,3 +317,18 @@ def test_report_merges_kernel_bench_runs():
   assert merge_kernel_runs([run(768, 681.0)])["ceilings"] == "681 TFLOP/s and 2900 GB/s"
   with pytest.raises(ValueError, match="different devices"):
     merge_kernel_runs([run(768, 681.0), run(4096, 715.0, device="H200")])
+
+
+def test_sustained_load_cycles_argument_sets_and_untraced_burst_takes_out_the_flushes():
+  """timing.sustained_load calls for the time asked, cycling its argument sets; an empty load
+  makes no call. timing.untraced_burst times (flush, call) rounds with the flushes' time taken
+  out: positive, and the flush buffer comes back for the next burst."""
+  from benchmarks import timing
+  seen, done = [], jax.numpy.ones(())
+  calls = timing.sustained_load(lambda v: seen.append(v) or done, [(0,), (1,)], 0.05)
+  assert calls == len(seen) > 2 and seen[:4] == [0, 1, 0, 1]
+  assert timing.sustained_load(lambda v: 1 / 0, [(0,)], 0.0) == 0
+  flush, buf = timing._flush_fn(1 << 16)
+  compiled = jax.jit(lambda a: a @ a)
+  per_call, buf = timing.untraced_burst(compiled, (np.ones((64, 64), np.float32),), 5, flush, buf)
+  assert per_call > 0 and buf.shape == (1 << 14,)
