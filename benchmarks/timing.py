@@ -199,6 +199,24 @@ def idle_in_calls(events, flush_events, call_events, calls):
   return idle
 
 
+def kernels_in_calls(events, flush_events, call_events, calls, reduce=statistics.median):
+  """{kernel name: reduce(seconds in each call)} (the median by default; `reduce=list` for the
+  calls' times in order) over the calls of a trace of `calls` rounds of (flush, call), as
+  `per_call_spans` splits it (a name launched several times in a call counts its sum); None where
+  the events do not come in that pattern."""
+  rounds = _call_rounds(events, flush_events, call_events, calls)
+  if rounds is None:
+    return None
+  per_name = defaultdict(list)
+  for mine in rounds:
+    totals = defaultdict(float)
+    for _, d, name in mine:
+      totals[name] += d / 1e9
+    for name, t in totals.items():
+      per_name[name].append(t)
+  return {name: reduce(v) for name, v in per_name.items()}
+
+
 def _traced_events(run, memcpy=True):
   """`device_events` of a profiler trace of run() (its result waited for)."""
   with tempfile.TemporaryDirectory() as logdir:
@@ -217,7 +235,9 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
   (CPU) or an unexpected pattern, the mean host time per call with the flushes' time taken out.
   `flush_bytes`: 256 MB (do_bench's) on a GPU, 4 MB elsewhere (a CPU run is a smoke test).
   Returns (median seconds, {"calls", "samples_s", "per_call": "device" | "host"}, and with
-  device spans "idle_s": the time within each span in which none of the call's events ran)."""
+  device spans "idle_s": the time within each span in which none of the call's events ran, and
+  "kernels_s": each kernel's median seconds per call, as `kernels_in_calls`, and
+  "kernels_per_call_s": its seconds in each call, in order)."""
   if flush_bytes is None:
     flush_bytes = (256 if jax.devices()[0].platform == "gpu" else 4) << 20
   flush, buf = _flush_fn(flush_bytes)
@@ -254,9 +274,12 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
   events = _traced_events(rounds)
   spans = per_call_spans(events, flush_events, call_events, calls)
   if spans is not None:
+    in_calls = kernels_in_calls(events, flush_events, call_events, calls, reduce=list)
     return statistics.median(spans), {
         "calls": calls, "samples_s": spans, "per_call": "device",
-        "idle_s": idle_in_calls(events, flush_events, call_events, calls)}
+        "idle_s": idle_in_calls(events, flush_events, call_events, calls),
+        "kernels_s": {name: statistics.median(v) for name, v in in_calls.items()},
+        "kernels_per_call_s": in_calls}
   mean, holder[0] = untraced_burst(compiled, args, calls, flush, holder[0])
   return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
 

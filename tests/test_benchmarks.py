@@ -225,6 +225,14 @@ def test_per_call_spans_splits_flush_and_call_rounds():
   # Idle inside a call: the gap between its two events (330 - (120 + 200) = 10 ns), not the flush's.
   assert timing.idle_in_calls(events, 1, 2, 3) == [10 / 1e9] * 3
   assert timing.idle_in_calls(events[:-1], 1, 2, 3) is None
+  # Per kernel: the median over calls of each name's time in a call (b: 310 of 300, 310, 320), a
+  # name launched twice in a call counted as its sum; the flush's events are no call's.
+  assert timing.kernels_in_calls(events, 1, 2, 3) == {"a": 200 / 1e9, "b": 310 / 1e9}
+  twice = [(s, d, "a" if n == "b" else n) for s, d, n in events]
+  assert timing.kernels_in_calls(twice, 1, 2, 3) == {"a": 510 / 1e9}
+  assert timing.kernels_in_calls(events[:-1], 1, 2, 3) is None
+  assert timing.kernels_in_calls(events, 1, 2, 3, reduce=list)["b"] == [
+      (300 + 10 * r) / 1e9 for r in range(3)]  # each call's, in order
 
 
 def test_random_problem_draws_both_data_scales():
