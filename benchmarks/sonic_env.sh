@@ -6,6 +6,7 @@
 #   filter                 a grep -E pattern for the log lines of absl and of warnings
 #   sonic_python ARGS...   python3 with the bundle importable (timeout: $sonic_s seconds, 330)
 #   save_sonic_cache DIR   writes the updated caches to DIR/sonic_cache.tgz for the next call
+#   thiek_flags "C1 C2"    --thiek=C1 --thiek=C2 for configurations T,d,n,E,K
 # Run from the repository root.
 out="${OUT:-bench_out}"
 filter='^[IWE][0-9]{4}|Warning|warn'
@@ -19,4 +20,7 @@ sonic_python() {
 }
 save_sonic_cache() {
   tar czf "$1/sonic_cache.tgz" -C /tmp/root quack_cache cutlass_python_cache 2>/dev/null
+}
+thiek_flags() {
+  for c in $1; do printf -- ' --thiek=%s' "$c"; done
 }

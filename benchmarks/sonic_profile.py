@@ -5,7 +5,7 @@ Needs PyTorch and the SonicMoE bundle (`../shared/bench/sonic-wheels.sh`: carry 
 install it as that script's header says). Usage:
 
   python benchmarks/sonic_profile.py [--thiek=T,d,n,E,K ...] [--calls=N] [--warm_ms=MS]
-      [--out=dir]
+      [--burst] [--phases=forward,step] [--out=dir]
 
 The layer is built as `../shared/bench/sonic_ref.py` builds it (softmax over the top-K, SwiGLU,
 bfloat16, no bias). After two warm-up calls, `calls` back-to-back forwards and then `calls` training
@@ -14,7 +14,10 @@ milliseconds of back-to-back calls inside the same profile: the GPU at its power
 sustained benchmark, rather than near boost clocks); per kernel name it prints the device time
 per call and the number of launches per call, largest first, and writes everything to
 `out/sonic_profile.json` (after each profiled phase: on a fresh machine the first training step of
-a d = 4096 configuration compiles for minutes).
+a d = 4096 configuration compiles for minutes). With --burst, each phase is profiled as triton's
+do_bench times it instead (SonicMoE's anchors; ours: `burst_kernels.py`): after 2 s idle, calls
+sized from 5 flushed calls, 5 ms of warm-up, then 200 ms of calls each after a 256 MB L2 flush,
+inside the profile; per kernel the median over those calls, and the calls' median span.
 """
 
 from __future__ import annotations
@@ -63,6 +66,66 @@ def device_span_us(prof, calls, warm_calls=0):
   return (end - events[0][0]) / calls, idle / calls
 
 
+def burst_times(fn, rep_ms=200.0, idle_s=2.0):
+  """({kernel: us per call (median over calls)}, [span us of each call], {kernel: [us in each
+  call]} of the 8 longest kernels): `fn` timed in a do_bench
+  burst (triton.testing.do_bench(warmup=5, rep=rep_ms)'s rounds of L2 flush then call) inside a
+  torch.profiler run. A call's events are those between two flushes."""
+  import time
+  import torch
+  cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+  time.sleep(idle_s)
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  for _ in range(5):
+    cache.zero_()
+    fn()
+  torch.cuda.synchronize()
+  estimate_ms = (time.perf_counter() - t0) * 1e3 / 5
+  for _ in range(max(1, int(5 / estimate_ms))):
+    fn()
+  calls = max(1, int(rep_ms / estimate_ms))
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    cache.zero_()
+    torch.cuda.synchronize()
+    for _ in range(calls):
+      cache.zero_()
+      fn()
+    torch.cuda.synchronize()
+  return burst_summary(prof, calls)
+
+
+def burst_summary(prof, calls):
+  """`burst_times`' result from a profile that starts with a flush alone, then `calls` rounds of
+  (flush, call): a call's device events are those between two flushes (the flush kernel is the
+  profile's first event)."""
+  import statistics
+  events = sorted((evt for evt in prof.events() if evt.device_type.name == "CUDA"),
+                  key=lambda evt: evt.time_range.start)
+  flush_name = events[0].name
+  rounds = []
+  for evt in events:
+    if evt.name == flush_name:
+      rounds.append([])
+    else:
+      rounds[-1].append(evt)
+  rounds = [r for r in rounds if r]
+  if len(rounds) != calls:
+    raise SystemExit(f"sonic_profile: {len(rounds)} flushed calls in the burst, {calls} made")
+  per_name = collections.defaultdict(list)
+  for r in rounds:
+    totals = collections.Counter()
+    for evt in r:
+      totals[evt.name] += evt.time_range.elapsed_us()
+    for name, us in totals.items():
+      per_name[name].append(us)
+  spans = [max(e.time_range.end for e in r) - r[0].time_range.start for r in rounds]
+  kernels = {name: statistics.median(v) for name, v in per_name.items()}
+  top = sorted(kernels, key=lambda name: -kernels[name])[:8]
+  return (dict(sorted(kernels.items(), key=lambda kv: -kv[1])), spans,
+          {name: per_name[name] for name in top})
+
+
 def sonicmoe_layer(cfg):
   """(forward, step) of SonicMoE's layer for configuration `cfg`, built as sonic_ref.py builds it:
   forward() returns the output, step() runs forward and backward from a fixed dO."""
@@ -91,16 +154,26 @@ def sonicmoe_layer(cfg):
   return forward, step
 
 
-def profile_config(cfg, calls, save, warm_ms=0.0):
+def profile_config(cfg, calls, save, warm_ms=0.0, burst=False, phases=("forward", "step")):
+  import statistics
   import time
   import torch
   forward, step = sonicmoe_layer(cfg)
   result = {}
   for name, fn in (("forward", forward), ("step", step)):
+    if name not in phases:
+      continue
     for _ in range(2):
       fn()
     torch.cuda.synchronize()
     print(f"  {cfg} {name}: warm", flush=True)
+    if burst:
+      times, spans, per_call = burst_times(fn)
+      result[name] = {"kernels": {k_: {"us": us, "launches": None} for k_, us in times.items()},
+                      "total_us": sum(times.values()), "span_us": statistics.median(spans),
+                      "idle_us": None, "spans_us": spans, "kernels_per_call_us": per_call}
+      save(result)
+      continue
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
       # A sustained load first, inside the profile (starting one idles the GPU, which would let
       # it cool); only the last `calls` calls are counted.
@@ -129,11 +202,15 @@ def main():
   parser.add_argument("--warm_ms", type=float, default=0.0,
                       help="back-to-back calls for this long right before the profiled calls, "
                       "inside the profile (dropped from the figures)")
+  parser.add_argument("--burst", action="store_true",
+                      help="profile do_bench bursts of flushed calls instead (per kernel medians)")
+  parser.add_argument("--phases", default="forward,step",
+                      help="the phases to profile, of forward,step")
   parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
   args = parser.parse_args()
   import torch
   out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-         "warm_ms": args.warm_ms, "configs": {}}
+         "warm_ms": args.warm_ms, "burst": args.burst, "configs": {}}
   os.makedirs(args.out, exist_ok=True)
 
   def save(spec, partial):
@@ -143,12 +220,15 @@ def main():
 
   for spec in args.thiek or DEFAULT_CONFIGS:
     cfg = tuple(int(v) for v in spec.split(","))
-    res = profile_config(cfg, args.calls, lambda r, spec=spec: save(spec, r), args.warm_ms)
+    res = profile_config(cfg, args.calls, lambda r, spec=spec: save(spec, r), args.warm_ms,
+                         args.burst, tuple(args.phases.split(",")))
     for name, r in res.items():
+      idle = "" if r["idle_us"] is None else f", idle {r['idle_us'] / 1000:.3f} ms"
       print(f"\n{spec} {name}: {r['total_us'] / 1000:.3f} ms of kernels per call, span "
-            f"{r['span_us'] / 1000:.3f} ms, idle {r['idle_us'] / 1000:.3f} ms")
+            f"{r['span_us'] / 1000:.3f} ms{idle}")
       for kname, v in r["kernels"].items():
-        print(f"  {v['us']:9.1f} us  x{v['launches']:<4g} {kname[:110]}")
+        launches = "" if v["launches"] is None else f"x{v['launches']:<4g} "
+        print(f"  {v['us']:9.1f} us  {launches}{kname[:110]}")
     torch.cuda.empty_cache()
 
 

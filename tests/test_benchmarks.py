@@ -156,6 +156,34 @@ def test_sonic_profile_keeps_the_last_calls_of_a_sustained_profile():
     sonic_profile.kernel_times(NS(events=lambda: events[:-2]), calls=2, warm_calls=3)
 
 
+def test_sonic_profile_splits_a_flushed_burst_into_calls():
+  """sonic_profile --burst: each call's events are those between two flushes (the profile's first
+  event is a flush alone); per kernel the median over calls of its time in a call (a kernel
+  launched twice in a call counts its sum); spans from a call's first event to its last end; a
+  burst with another number of calls than made is refused."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import sonic_profile
+  from types import SimpleNamespace as NS
+
+  def event(name, start, end):
+    return NS(name=name, device_type=NS(name="CUDA"), time_range=NS(
+        start=start, end=end, elapsed_us=lambda: end - start))
+
+  events = [event("fill", 0, 5)]
+  for c, t0 in enumerate((10, 200, 400)):  # flush, then a (10 + c) us "a", "b" twice (20 + 30)
+    events += [event("fill", t0, t0 + 5), event("a", t0 + 10, t0 + 20 + c),
+               event("b", t0 + 30, t0 + 50), event("b", t0 + 60, t0 + 90)]
+  events.append(NS(name="host", device_type=NS(name="CPU"), time_range=None))
+  prof = NS(events=lambda: list(reversed(events)))
+  kernels, spans, per_call = sonic_profile.burst_summary(prof, calls=3)
+  assert kernels == {"b": 50, "a": 11}
+  assert list(kernels) == ["b", "a"]  # longest first
+  assert spans == [80, 80, 80]
+  assert per_call == {"b": [50, 50, 50], "a": [10, 11, 12]}
+  with pytest.raises(SystemExit, match="flushed calls"):
+    sonic_profile.burst_summary(prof, calls=2)
+
+
 def test_forward_and_backward_keeps_the_forward_output():
   """The timed training step returns the layer's output with its gradients: were the output
   dropped, XLA would remove the down-projection and aggregation from the step as dead code, and
