@@ -2,8 +2,9 @@ r"""How a layer's time per call moves as the GPU's clocks drop under load, for s
 SonicMoE, timed as SonicMoE's anchors were (triton do_bench style), with the SM clock and the
 board power sampled by nvidia-smi during each measurement.
 
-  python -m benchmarks.clock_probe [--impl=sonic_jax|sonicmoe] [--data=ours|sonicmoe]
-      [--thiek=T,d,n,E,K ...] [--rep_ms=200] [--out=dir]
+  python -m benchmarks.clock_probe [--impl=sonic_jax|sonicmoe|both] [--data=ours|sonicmoe]
+      [--thiek=T,d,n,E,K ...] [--rep_ms=200] [--rounds=1] [--phases=forward,forward+backward]
+      [--layouts=concat,interleaved] [--out=dir]
 
 Why: an H100 under a long bf16 GEMM load runs into its power cap and lowers its clocks within
 ~100 ms, so a call's time depends on how much power the kernels draw, not only on their
@@ -18,11 +19,18 @@ trust. With `--impl=sonicmoe`, restore SonicMoE's compile caches first (on a fre
 kernels compile for minutes): from the repository root,
 `source benchmarks/sonic_env.sh; sonic_python -m benchmarks.clock_probe --impl=sonicmoe ...`
 (as the twenty-first session ran it, results/h100_clock_probe_sonicmoe_twentyfirst.json).
+`--impl=both` builds SonicMoE's layer and sonic_jax's (one entry per `--layouts` layout, SonicMoE's
+data) in one process (run it as `sonic_python` too) and times each phase `--rounds` times, the
+entries alternating (the order reversed every other round, each after `--idle_s` idle), then
+prints sonic_jax's time over SonicMoE's per round. Why: a 200 ms burst's median falls on one of a
+few clock plateaus that the power controller steps through at times that differ between bursts
+(twenty-fifth session), so one burst each is a coin toss of a few percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -30,6 +38,7 @@ import subprocess
 import time
 
 DEFAULT_CONFIGS = ["32768,4096,1024,128,8", "32768,4096,2048,64,4"]
+PHASES = ("forward", "forward+backward")
 
 
 class SmiSampler:
@@ -70,21 +79,25 @@ class SmiSampler:
             "clock_min_mhz": min(clocks), "samples": len(clocks)}
 
 
-def sonic_jax_phases(cfg, datas):
-  """{(data, phase): (compiled, args)} for sonic_jax's layer (mosaic_gpu backend), compiled once."""
+def sonic_jax_phases(cfg, datas, phases=PHASES, gate_up_layout="concat"):
+  """{(data, phase): (compiled, args)} for sonic_jax's layer (mosaic_gpu backend), compiled once
+  (random weights: either gate/up layout reads them as its own)."""
   import sonic_jax
   from benchmarks import grid, timing
-  fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4],
-                                            backend="mosaic_gpu")[0]
+  fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4], backend="mosaic_gpu",
+                                            gate_up_layout=gate_up_layout)[0]
   ours = grid.random_problem(cfg)
-  c_fwd = timing.compile_fn(fwd, *ours[:4])[0]
-  c_step = timing.compile_fn(timing.forward_and_backward(fwd), *ours)[0]
-  phases = {}
+  compiled = {}
+  if "forward" in phases:
+    compiled["forward"] = timing.compile_fn(fwd, *ours[:4])[0]
+  if "forward+backward" in phases:
+    compiled["forward+backward"] = timing.compile_fn(timing.forward_and_backward(fwd), *ours)[0]
+  result = {}
   for data in datas:
     args = ours if data == "ours" else grid.random_problem(cfg, seed=7, data=data)
-    phases[(data, "forward")] = (c_fwd, args[:4])
-    phases[(data, "forward+backward")] = (c_step, args)
-  return phases
+    for phase, c in compiled.items():
+      result[(data, phase)] = (c, args[:4] if phase == "forward" else args)
+  return result
 
 
 def time_sonic_jax(phase, rep_ms):
@@ -94,7 +107,7 @@ def time_sonic_jax(phase, rep_ms):
   return [s * 1e3 for s in info["samples_s"]]
 
 
-def sonicmoe_phases(cfg, datas):
+def sonicmoe_phases(cfg, datas, phases=PHASES):
   """{phase: fn} for SonicMoE's layer, built as sonic_ref.py builds it (its data always)."""
   import torch
   try:
@@ -102,9 +115,12 @@ def sonicmoe_phases(cfg, datas):
   except ImportError:  # run as a script, without the repository on the path
     from sonic_profile import sonicmoe_layer
   forward, step = sonicmoe_layer(cfg)
-  forward(), step()
+  fns = {("sonicmoe", "forward"): forward, ("sonicmoe", "forward+backward"): step}
+  fns = {key: fn for key, fn in fns.items() if key[1] in phases}
+  for fn in fns.values():  # a cold training step compiles for minutes: only what is timed
+    fn()
   torch.cuda.synchronize()
-  return {("sonicmoe", "forward"): forward, ("sonicmoe", "forward+backward"): step}
+  return fns
 
 
 def time_sonicmoe(fn, rep_ms):
@@ -114,7 +130,11 @@ def time_sonicmoe(fn, rep_ms):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--impl", choices=["sonic_jax", "sonicmoe"], default="sonic_jax")
+  parser.add_argument("--impl", choices=["sonic_jax", "sonicmoe", "both"], default="sonic_jax",
+                      help="both: SonicMoE's layer and sonic_jax's (its data) in one process, "
+                      "their bursts alternating over --rounds rounds")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="measurements of each phase (with --impl=both, alternating the order)")
   parser.add_argument("--data", default="ours",
                       help="comma-separated: ours, sonicmoe (sonic_jax only; SonicMoE's own runs "
                            "use its data)")
@@ -123,31 +143,70 @@ def main():
   parser.add_argument("--idle_s", type=float, default=2.0,
                       help="idle seconds before each measurement (do_bench's callers compile "
                            "between measurements; the GPU cools meanwhile)")
+  parser.add_argument("--layouts", default="concat",
+                      help="sonic_jax's gate/up layouts to time, comma-separated (concat, "
+                      "interleaved): each a sonic_jax entry of its own")
+  parser.add_argument("--phases", default=",".join(PHASES),
+                      help=f"comma-separated, of {','.join(PHASES)}")
   parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
   args = parser.parse_args()
-  datas = ["sonicmoe"] if args.impl == "sonicmoe" else args.data.split(",")
-  build, timer = ((sonic_jax_phases, time_sonic_jax) if args.impl == "sonic_jax"
-                  else (sonicmoe_phases, time_sonicmoe))
+  phases_wanted = tuple(args.phases.split(","))
+  if not set(phases_wanted) <= set(PHASES):
+    parser.error(f"--phases must name some of {PHASES}, got {args.phases!r}")
+  ours = [f"sonic_jax:{layout}" for layout in args.layouts.split(",")]
+  impls = ["sonicmoe"] + ours if args.impl == "both" else (
+      ours if args.impl == "sonic_jax" else ["sonicmoe"])
+  if args.impl == "both":  # two frameworks on one GPU: neither may take most of its memory first
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  builders = {"sonicmoe": (sonicmoe_phases, time_sonicmoe)}
+  for impl in ours:
+    builders[impl] = (functools.partial(sonic_jax_phases, gate_up_layout=impl.split(":")[1]),
+                      time_sonic_jax)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, f"clock_probe_{args.impl}.json")
-  out, rows = {"impl": args.impl, "rep_ms": args.rep_ms, "configs": {}}, []
+  out, rows = {"impl": args.impl, "rep_ms": args.rep_ms, "rounds": args.rounds,
+               "configs": {}}, []
   for spec in args.thiek or DEFAULT_CONFIGS:
     cfg = tuple(int(v) for v in spec.split(","))
     out["configs"][spec] = {}
-    for (data, phase), fn in build(cfg, datas).items():
-      time.sleep(args.idle_s)
-      with SmiSampler() as smi:
-        samples = timer(fn, args.rep_ms)
-      rec = {"median_ms": statistics.median(samples), "first_ms": samples[0],
-             "last_ms": samples[-1], "calls": len(samples), "samples_ms": samples, **smi.summary()}
-      out["configs"][spec][f"{data} data, {phase}"] = rec
-      rows.append((spec, data, phase, rec))
-      with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    phases = {}
+    for impl in impls:
+      build, timer = builders[impl]
+      datas = (["sonicmoe"] if impl == "sonicmoe" or args.impl == "both"
+               else args.data.split(","))
+      for (data, phase), fn in build(cfg, datas, phases_wanted).items():
+        phases.setdefault(phase, []).append((impl, data, fn, timer))
+    for phase, entries in phases.items():
+      for r in range(args.rounds):
+        # Alternate which implementation goes first: the GPU's state drifts over a run.
+        for impl, data, fn, timer in (entries if r % 2 == 0 else entries[::-1]):
+          time.sleep(args.idle_s)
+          with SmiSampler() as smi:
+            samples = timer(fn, args.rep_ms)
+          rec = {"round": r, "median_ms": statistics.median(samples), "first_ms": samples[0],
+                 "last_ms": samples[-1], "calls": len(samples), "samples_ms": samples,
+                 **smi.summary()}
+          key = f"{impl}, {phase}" if args.impl == "both" else f"{impl}, {data} data, {phase}"
+          out["configs"][spec].setdefault(key, []).append(rec)
+          rows.append((spec, impl, data, phase, rec))
+          with open(path, "w") as f:
+            json.dump(out, f, indent=1)
   print(f"\n{args.impl}: ms per call (median, first, last), SM MHz and W (median)")
-  for spec, data, phase, r in rows:
-    print(f"{spec:>24} {data:<9} {phase:<17} {r['median_ms']:8.3f} {r['first_ms']:8.3f} "
-          f"{r['last_ms']:8.3f}  x{r['calls']:<4} {r['clock_mhz']} MHz {r['power_w']} W")
+  for spec, impl, data, phase, r in rows:
+    print(f"{spec:>24} {impl:<21} {data:<9} {phase:<17} r{r['round']} {r['median_ms']:8.3f} "
+          f"{r['first_ms']:8.3f} {r['last_ms']:8.3f}  x{r['calls']:<4} {r['clock_mhz']} MHz "
+          f"{r['power_w']} W")
+  if args.impl == "both":
+    print("\nsonic_jax / SonicMoE time per call, per round (median of the ratios)")
+    for spec, recs in out["configs"].items():
+      for phase in PHASES:
+        theirs = recs.get(f"sonicmoe, {phase}", [])
+        for impl in ours:
+          ratios = [a["median_ms"] / b["median_ms"]
+                    for a, b in zip(recs.get(f"{impl}, {phase}", []), theirs)]
+          if ratios:
+            print(f"{spec:>24} {phase:<17} {impl:<21} " + " ".join(f"{v:.3f}" for v in ratios)
+                  + f"  (median {statistics.median(ratios):.3f})")
 
 
 if __name__ == "__main__":
