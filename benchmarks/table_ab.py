@@ -3,8 +3,8 @@ with each table's kernel configurations and timed in interleaved rounds in one p
 table change measured as the layer runs it, not kernel by kernel).
 
   python -m benchmarks.table_ab --tables=before.json,after.json [--thiek=T,d,n,E,K ...]
-      [--gate_up_layout=concat] [--wait_all_first] [--do_bench] [--data=unit|sonicmoe]
-      [--out=dir]
+      [--gate_up_layout=concat] [--wait_all_first] [--do_bench [--do_bench_rounds=R]]
+      [--data=unit|sonicmoe] [--out=dir]
 
 Each table is a file in `tuned_configs.json`'s format ("packaged" names the package's own). Every
 configuration's outputs under each table are checked against the first table's (the tuned
@@ -21,6 +21,8 @@ import contextlib
 import functools
 import json
 import os
+import statistics
+import time
 from unittest import mock
 
 from absl import app, flags
@@ -42,6 +44,13 @@ flags.DEFINE_string("backend", "mosaic_gpu", "sonic_jax backend (another than mo
 flags.DEFINE_bool("do_bench", False, "also time every function as SonicMoE's anchors were timed "
                   "(`timing.time_do_bench`: a 200 ms burst of calls after L2 flushes), one after "
                   "the other, before the interleaved rounds")
+flags.DEFINE_integer("do_bench_rounds", 1, "with --do_bench: bursts per function, in rounds "
+                     "that alternate the order (reversed every other round), each after "
+                     "--do_bench_idle_s idle; "
+                     "the median over rounds (a burst's median lands on one of a few clock "
+                     "plateaus, so one burst each is noisy)")
+flags.DEFINE_float("do_bench_idle_s", 2.0, "idle seconds before each burst with --do_bench_rounds "
+                   "above 1 (a burst starts from a cool GPU, as SonicMoE's did)")
 flags.DEFINE_bool("wait_all_first", False, "also each table with the epilogues' store rule of "
                   "before (store_tiles(..., wait_all_first=True))")
 flags.DEFINE_string("out", "bench_out", "output folder")
@@ -77,10 +86,15 @@ def run_config(cfg, tables):
   first = next(iter(outputs.values()))
   agree = {name: all(np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max() or 1))
                      for a, b in zip(outs, first)) for name, outs in outputs.items()}
-  do_bench = {name: timing.time_do_bench(c, a)[0] * 1e3 for name, (c, a) in calls.items()
-              } if FLAGS.do_bench else {}
+  bursts = {name: [] for name in calls} if FLAGS.do_bench else {}
+  for r in range(FLAGS.do_bench_rounds if FLAGS.do_bench else 0):
+    for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+      if FLAGS.do_bench_rounds > 1:
+        time.sleep(FLAGS.do_bench_idle_s)
+      bursts[name].append(timing.time_do_bench(*calls[name])[0] * 1e3)
+  do_bench = {name: statistics.median(v) for name, v in bursts.items()}
   times = timing.time_interleaved(calls, repeats=FLAGS.repeats)
-  return {"config": list(cfg), "agree": agree, "do_bench_ms": do_bench,
+  return {"config": list(cfg), "agree": agree, "do_bench_ms": do_bench, "do_bench_rounds_ms": bursts,
           "ms": {name: t * 1e3 for name, (t, _) in times.items()},
           "samples_ms": {name: [v * 1e3 for v in s] for name, (_, s) in times.items()}}
 

@@ -220,13 +220,13 @@ def test_time_interleaved_rounds_and_rotation():
 
 def test_table_ab_smoke_run(tmp_path):
   """The table A/B script end to end on CPU (the xla backend reads no table: both agree), each
-  table also with the epilogues' old store rule (--wait_all_first)."""
+  table also with the epilogues' old store rule (--wait_all_first), do_bench in two rounds."""
   table = tmp_path / "t.json"
   table.write_text(json.dumps({"entries": [{"role": "up", "device": "x", "d": 64, "n": 64,
                                             "E": 4, "config": {"num_stages": 3}}]}))
   cmd = [sys.executable, "-m", "benchmarks.table_ab", f"--tables=packaged,{table}",
          "--thiek=128,32,16,4,2", "--repeats=2", "--backend=xla", "--wait_all_first", "--do_bench",
-         f"--out={tmp_path}"]
+         "--do_bench_rounds=2", "--do_bench_idle_s=0", f"--out={tmp_path}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (res,) = json.load(open(tmp_path / "table_ab.json"))["configs"]
@@ -235,6 +235,7 @@ def test_table_ab_smoke_run(tmp_path):
   assert set(res["ms"]) == {f"{name} {phase}" for name in names for phase in ("forward", "step")}
   assert all(v > 0 for v in res["ms"].values())
   assert set(res["do_bench_ms"]) == set(res["ms"]) and all(v > 0 for v in res["do_bench_ms"].values())
+  assert all(len(v) == 2 for v in res["do_bench_rounds_ms"].values())  # one burst per round
 
 
 def test_per_call_spans_splits_flush_and_call_rounds():
