@@ -208,6 +208,8 @@ def main():
                       help="the phases to profile, of forward,step")
   parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
   args = parser.parse_args()
+  if not args.phases or not set(args.phases.split(",")) <= {"forward", "step"}:
+    parser.error(f"--phases must name some of forward,step, got {args.phases!r}")
   import torch
   out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
          "warm_ms": args.warm_ms, "burst": args.burst, "configs": {}}
