@@ -9,7 +9,9 @@ without flushes; with nvidia-smi's SM clock during each.
 Why: in do_bench bursts our forward loses 1-5% to SonicMoE's at equal clocks while under a
 sustained load without flushes its kernels run ahead (twenty-fourth session). Setting one kernel's
 time in a burst next to its time under each load says which kernel the burst slows and whether the
-flushes or the clocks do it. The sustained loads run inside the profiler trace (starting a trace
+flushes or the clocks do it. (Its first runs found neither: inside a burst each kernel takes its
+time under the load, and the burst's median depends on which clock plateau the power controller
+is on; benchmarks/NOTES.md, twenty-fifth session.) The sustained loads run inside the profiler trace (starting a trace
 idles the GPU) and keep their last `keep` calls. `--step` times the training step (output and
 gradients) instead of the forward. Prints per configuration the call's span and its kernels, us
 per call (median over calls); writes everything to `out/burst_kernels.json`, with the burst's
