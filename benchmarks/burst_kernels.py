@@ -61,21 +61,23 @@ def traced_load(compiled, args, seconds, keep, flush=None, buf=None):
       flush_once()
     return compiled(*args), state["buf"]
 
-  flush_events = 0 if flush is None else len(timing._traced_events(flush_once))
-  call_events = len(timing._traced_events(lambda: compiled(*args)))
+  flush_events = 0 if flush is None else len(timing.traced_events(flush_once))
+  call_events = len(timing.traced_events(lambda: compiled(*args)))
   loaded = []
 
   def load():
     loaded.append(timing.sustained_load(one_round, [()], seconds))
     return one_round()  # the last call, waited for
 
-  events = timing._traced_events(load)
-  calls = loaded[0] + 1
-  per_round = flush_events + call_events
-  if len(events) != calls * per_round:
-    raise SystemExit(f"burst_kernels: {len(events)} events over {calls} calls of {per_round}")
-  tail = events[-keep * per_round:]
+  events = timing.traced_events(load)
+  try:
+    tail = timing.last_calls(events, loaded[0] + 1, keep)
+  except ValueError as e:
+    raise SystemExit(f"burst_kernels: {e}")
   spans = timing.per_call_spans(tail, flush_events, call_events, keep)
+  if spans is None:  # each call did not put flush_events + call_events on the stream
+    raise SystemExit(f"burst_kernels: {len(tail)} events over {keep} calls of "
+                     f"{flush_events + call_events}")
   return statistics.median(spans), timing.kernels_in_calls(tail, flush_events, call_events, keep)
 
 
@@ -86,7 +88,7 @@ def top_kernels(per_call, count=8):
 
 
 def measure(compiled, args):
-  flush, buf = timing._flush_fn(256 << 20)
+  flush, buf = timing.flush_fn(256 << 20)
   result = {}
   time.sleep(FLAGS.idle_s)
   with SmiSampler() as smi:

@@ -39,7 +39,7 @@ def main(_):
     phases = {"forward": (timing.compile_fn(fwd, x, rw, w1, w2)[0], (x, rw, w1, w2)),
               "forward+backward": (timing.compile_fn(timing.forward_and_backward(fwd), x, rw,
                                                      w1, w2, d_out)[0], (x, rw, w1, w2, d_out))}
-    flush, buf = timing._flush_fn(256 << 20)
+    flush, buf = timing.flush_fn(256 << 20)
     for phase, (compiled, args) in phases.items():
       rec = {"config": list(cfg), "phase": phase, "traced_ms": [], "untraced_ms": []}
       calls = timing.time_do_bench(compiled, args, rep_ms=FLAGS.rep_ms)[1]["calls"]

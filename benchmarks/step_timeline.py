@@ -66,10 +66,10 @@ def profile_step(cfg):
     events = [(start, start + duration, name)
               for start, duration, name in timing.device_events(logdir)]
   if warm_calls and events:  # every call launches the same kernels: keep the last calls'
-    total = warm_calls + FLAGS.calls
-    if len(events) % total:
-      raise SystemExit(f"step_timeline: {len(events)} events over {total} calls: calls differ")
-    events = events[-FLAGS.calls * (len(events) // total):]
+    try:
+      events = timing.last_calls(events, warm_calls + FLAGS.calls, FLAGS.calls)
+    except ValueError as e:
+      raise SystemExit(f"step_timeline: {e}")
   if not events:
     raise SystemExit("step_timeline: the trace has no GPU kernels (it needs a GPU)")
   t0 = events[0][0]

@@ -84,7 +84,7 @@ def kernel_times(compiled, args, calls=3, top=12):
   """
   jax.block_until_ready(compiled(*args))
   totals = defaultdict(float)
-  for _, duration_ns, name in _traced_events(lambda: [compiled(*args) for _ in range(calls)],
+  for _, duration_ns, name in traced_events(lambda: [compiled(*args) for _ in range(calls)],
                                              memcpy=False):
     totals[name] += duration_ns / 1e3 / calls
   return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
@@ -153,7 +153,7 @@ def time_interleaved(calls, *, repeats=10, min_sample_s=0.025, max_inner=200):
   return {name: (statistics.median(v), v) for name, v in samples.items()}
 
 
-def _flush_fn(flush_bytes):
+def flush_fn(flush_bytes):
   """(flush, buffer): flush(buffer) overwrites `flush_bytes` of device memory in place, as triton's
   do_bench zeroes a 256 MB buffer before each call so that no call finds its data in L2."""
   import jax.numpy as jnp
@@ -217,7 +217,16 @@ def kernels_in_calls(events, flush_events, call_events, calls, reduce=statistics
   return {name: reduce(v) for name, v in per_name.items()}
 
 
-def _traced_events(run, memcpy=True):
+def last_calls(events, total_calls, keep):
+  """The events of the last `keep` of `total_calls` calls that each put the same number of events
+  on the stream (a sustained load's trace, of which only the end is wanted); ValueError where the
+  events do not split evenly over the calls."""
+  if len(events) % total_calls:
+    raise ValueError(f"{len(events)} events over {total_calls} calls: the calls differ")
+  return events[len(events) - keep * (len(events) // total_calls):]
+
+
+def traced_events(run, memcpy=True):
   """`device_events` of a profiler trace of run() (its result waited for)."""
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
@@ -240,7 +249,7 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
   "kernels_per_call_s": its seconds in each call, in order)."""
   if flush_bytes is None:
     flush_bytes = (256 if jax.devices()[0].platform == "gpu" else 4) << 20
-  flush, buf = _flush_fn(flush_bytes)
+  flush, buf = flush_fn(flush_bytes)
   buf = jax.block_until_ready(flush(buf))
   jax.block_until_ready(compiled(*args))
   t0 = time.perf_counter()
@@ -261,8 +270,8 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
     holder[0] = flush(holder[0])
     return holder[0]
 
-  flush_events = len(_traced_events(flush_once))
-  call_events = len(_traced_events(lambda: compiled(*args)))
+  flush_events = len(traced_events(flush_once))
+  call_events = len(traced_events(lambda: compiled(*args)))
 
   def rounds():
     result = None
@@ -271,7 +280,7 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
       result = compiled(*args)
     return result, holder[0]
 
-  events = _traced_events(rounds)
+  events = traced_events(rounds)
   spans = per_call_spans(events, flush_events, call_events, calls)
   if spans is not None:
     in_calls = kernels_in_calls(events, flush_events, call_events, calls, reduce=list)

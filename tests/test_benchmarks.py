@@ -260,6 +260,10 @@ def test_per_call_spans_splits_flush_and_call_rounds():
   twice = [(s, d, "a" if n == "b" else n) for s, d, n in events]
   assert timing.kernels_in_calls(twice, 1, 2, 3) == {"a": 510 / 1e9}
   assert timing.kernels_in_calls(events[:-1], 1, 2, 3) is None
+  # A sustained load's trace: its last calls only; uneven calls are refused.
+  assert timing.last_calls(events, 3, 2) == events[3:]
+  with pytest.raises(ValueError, match="calls differ"):
+    timing.last_calls(events[:-1], 3, 2)
   assert timing.kernels_in_calls(events, 1, 2, 3, reduce=list)["b"] == [
       (300 + 10 * r) / 1e9 for r in range(3)]  # each call's, in order
 
@@ -365,7 +369,7 @@ def test_sustained_load_cycles_argument_sets_and_untraced_burst_takes_out_the_fl
   calls = timing.sustained_load(lambda v: seen.append(v) or done, [(0,), (1,)], 0.05)
   assert calls == len(seen) > 2 and seen[:4] == [0, 1, 0, 1]
   assert timing.sustained_load(lambda v: 1 / 0, [(0,)], 0.0) == 0
-  flush, buf = timing._flush_fn(1 << 16)
+  flush, buf = timing.flush_fn(1 << 16)
   compiled = jax.jit(lambda a: a @ a)
   per_call, buf = timing.untraced_burst(compiled, (np.ones((64, 64), np.float32),), 5, flush, buf)
   assert per_call > 0 and buf.shape == (1 << 14,)
