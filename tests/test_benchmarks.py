@@ -373,3 +373,33 @@ def test_sustained_load_cycles_argument_sets_and_untraced_burst_takes_out_the_fl
   compiled = jax.jit(lambda a: a @ a)
   per_call, buf = timing.untraced_burst(compiled, (np.ones((64, 64), np.float32),), 5, flush, buf)
   assert per_call > 0 and buf.shape == (1 << 14,)
+
+
+def test_ncu_summary_reads_raw_reports(tmp_path, capsys):
+  """ncu_forward --summarize: `ncu --import --csv --page raw` files (plain or gzipped; section-
+  prefixed columns keyed by their metric), one line per kernel, roles named from our kernels'
+  names and SonicMoE's (its plain GEMMs numbered in call order), thousands separators parsed."""
+  import gzip
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import ncu_forward
+  header = '"ID","Kernel Name","gpu__time_duration.sum","TPC.TriageCompute.sm__pipe_tensor_' \
+           'cycles_active_realtime.avg.pct_of_peak_sustained_elapsed","dram__bytes_read.sum"\n'
+  units = '"","","ns","%","byte"\n'
+  ours = tmp_path / "ncu_concat_step_x.csv"
+  ours.write_text(header + units + '"0","up_projection_mosaic_gpu_kernel","3,500,000","70.5","4,000"\n'
+                  '"1","dx_projection_mosaic_gpu_kernel","3000000","80","2000"\n')
+  theirs = tmp_path / "ncu_sonicmoe_step_x.csv.gz"
+  with gzip.open(theirs, "wt") as f:
+    f.write(header + units + '"0","kernel_quackgemm_actGemmGatedSm90_x","3400000","75","4500"\n'
+            '"1","kernel_quackgemm_default_epiGemmDefaultSm90_x","1600000","73","900"\n'
+            '"2","kernel_quackgemm_dgated_GemmDGatedSm90_x","2000000","55","2500"\n'
+            '"3","kernel_quackgemm_default_epiGemmDefaultSm90_x","1500000","66","1400"\n')
+  table = ncu_forward.summarize([str(ours), str(theirs)])
+  assert set(table) == {"up", "dX", "gemm", "dH", "gemm#2"}
+  assert table["up"]["concat_step_x"]["gpu__time_duration.sum"] == 3.5e6
+  assert table["up"]["sonicmoe_step_x"]["dram__bytes_read.sum"] == 4500
+  assert table["dX"]["concat_step_x"][
+      "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed"] == 80
+  assert table["gemm#2"]["sonicmoe_step_x"]["gpu__time_duration.sum"] == 1.5e6
+  out = capsys.readouterr().out
+  assert "concat_step_x" in out and "sonicmoe_step_x" in out and "3.500" in out

@@ -1,0 +1,184 @@
+r"""The forward (or training step) of one layer called a few times, for Nsight Compute to read its
+GEMM kernels' hardware counters (`benchmarks/ncu_compare.sh` runs it under `ncu`, SonicMoE's layer
+and ours).
+
+  python benchmarks/ncu_forward.py --impl=sonic_jax|sonicmoe --thiek=T,d,n,E,K [--calls=3]
+      [--layout=concat|interleaved] [--step]
+  python benchmarks/ncu_forward.py --summarize REPORT.csv[.gz] ...   (`ncu --import`'s raw CSVs)
+
+Why: our forward and SonicMoE's run at the same speed on the same clock plateau, but ours steps
+down to a lower plateau sooner inside a do_bench burst (benchmarks/NOTES.md, twenty-fifth
+session), so what differs would be the work per FLOP that draws power: DRAM and L2 bytes,
+instructions, shared-memory wavefronts. Timings cannot see those; the counters can. Both layers
+take SonicMoE's data (x ~ 0.2 N(0, 1), weights of std 0.02). SonicMoE's needs PyTorch and its
+bundle (run through `sonic_python`, benchmarks/sonic_env.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import os
+import re
+import sys
+
+# The counters printed side by side (where the report has them): time and clock, DRAM and L2
+# bytes, instructions (all, cp.async, shared-memory), shared-memory wavefronts and bank
+# conflicts, tensor-pipe activity, launch shape.
+SUMMARY_METRICS = (
+    "gpu__time_duration.sum", "sm__cycles_elapsed.avg.per_second", "sm__cycles_elapsed.max",
+    "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors.sum",
+    "lts__t_sectors_lookup_miss.sum", "lts__t_sectors_srcunit_ltcfabric.sum",
+    "lts__t_sector_hit_rate.pct", "l1tex__m_xbar2l1tex_read_bytes.sum",
+    "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum",
+    "l1tex__m_l1tex2xbar_write_bytes.sum", "smsp__inst_executed.sum",
+    "smsp__inst_executed_op_ldgsts.sum", "smsp__sass_inst_executed_op_shared_ld.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+    "smsp__warps_active.avg.per_cycle_active", "launch__registers_per_thread",
+    "launch__grid_size", "launch__cluster_dim_x", "launch__shared_mem_per_block_dynamic")
+
+
+def profiled(call, impl):
+  """`call` with the CUDA profiler started around it: ncu runs with --profile-from-start off,
+  so only this call's kernels are profiled (SonicMoE's first calls may launch others)."""
+  if impl == "sonicmoe":
+    import torch
+    start, stop = torch.cuda.profiler.start, torch.cuda.profiler.stop
+  else:
+    from cuda.bindings import runtime
+    start, stop = runtime.cudaProfilerStart, runtime.cudaProfilerStop
+  start()
+  call()
+  stop()
+
+
+def sonic_jax_call(cfg, layout, step):
+  """One synchronised forward (or training step: forward and backward from a fixed dO)."""
+  import jax
+  import sonic_jax
+  from benchmarks import grid, timing
+  args = grid.random_problem(cfg, seed=7, data="sonicmoe")
+  fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4], backend="mosaic_gpu",
+                                            gate_up_layout=layout)[0]
+  fn = jax.jit(timing.forward_and_backward(fwd) if step else fwd)
+  args = args if step else args[:4]
+  return lambda: jax.block_until_ready(fn(*args))
+
+
+def sonicmoe_call(cfg, step):
+  import torch
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from sonic_profile import sonicmoe_layer
+  forward, train_step = sonicmoe_layer(cfg)
+  fn = train_step if step else forward
+
+  def call():
+    fn()
+    torch.cuda.synchronize()
+  return call
+
+
+def read_raw_csv(path):
+  """[{column: value}] per profiled kernel of `ncu --import R --csv --page raw --print-units base`
+  (a header row, a units row, one row per kernel; gzipped if the path ends in .gz)."""
+  with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
+    rows = [row for row in csv.reader(f) if row]
+  start = next(i for i, row in enumerate(rows) if "Kernel Name" in row)
+  # Some columns carry their section's prefix ("TPC.TriageCompute.sm__..."): keyed by the metric.
+  header = [re.sub(r"^[A-Za-z_]+\.[A-Za-z]+\.(?=[a-z0-9]+__)", "", h) for h in rows[start]]
+  return [dict(zip(header, row)) for row in rows[start + 2:] if len(row) == len(header)]
+
+
+_OUR_ROLES = (("up_projection", "up"), ("down_projection", "down"), ("dh_projection", "dH"),
+              ("dx_projection", "dX"), ("weight_grad", "dw"))
+
+
+def kernel_role(name):
+  """A short role name for a GEMM kernel: ours by name; SonicMoE's gated GEMM is its
+  up-projection, its dgated one dH, and its plain GEMMs are named 'gemm' (their order in the
+  call tells them apart)."""
+  for prefix, role in _OUR_ROLES:
+    if name.startswith(prefix):
+      return role
+  if "GemmDGated" in name:
+    return "dH"
+  if "GemmGated" in name:
+    return "up"
+  return "gemm"
+
+
+def _number(value):
+  try:
+    return float(value.replace(",", ""))
+  except (AttributeError, ValueError):
+    return None
+
+
+# (column header, metric, scale) of the one-line-per-kernel table.
+COMPACT = (("ms", "gpu__time_duration.sum", 1e-6), ("GHz", "sm__cycles_elapsed.avg.per_second", 1e-9),
+           ("tensor%", "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed", 1),
+           ("DRAM rd GB", "dram__bytes_read.sum", 1e-9), ("DRAM wr GB", "dram__bytes_write.sum", 1e-9),
+           ("L2>SM GB", "l1tex__m_xbar2l1tex_read_bytes.sum", 1e-9),
+           ("inst M", "smsp__inst_executed.sum", 1e-6),
+           ("smem wf M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6))
+
+
+def summarize(paths, metrics=SUMMARY_METRICS):
+  """Prints one line per profiled kernel (time, clock, DRAM and L2 bytes, instructions), then the
+  counters of `metrics` side by side per role, one column per report (a role seen more than once
+  in a report, e.g. SonicMoE's plain GEMMs, as role#i). Returns {role: {report: {metric: v}}}."""
+  table = {}
+  print(f"{'report':<44} {'kernel':<8}" + "".join(f"{h:>11}" for h, _, _ in COMPACT))
+  for path in paths:
+    label = re.sub(r"^ncu_|\.csv(\.gz)?$", "", os.path.basename(path))
+    seen = {}
+    for row in read_raw_csv(path):
+      role = kernel_role(row["Kernel Name"])
+      seen[role] = seen.get(role, 0) + 1
+      role = role if seen[role] == 1 else f"{role}#{seen[role]}"
+      values = {m: _number(row[m]) for m in set(metrics) | {m for _, m, _ in COMPACT} if m in row}
+      table.setdefault(role, {})[label] = values
+      cells = "".join(f"{values[m] * k:>11.3f}" if values.get(m) is not None else f"{'-':>11}"
+                      for _, m, k in COMPACT)
+      print(f"{label[:44]:<44} {role:<8}{cells}")
+  for role, reports in table.items():
+    labels = list(reports)
+    print(f"\n{role}: " + " | ".join(labels))
+    for m in metrics:
+      vals = [reports[label].get(m) for label in labels]
+      if all(v is None for v in vals):
+        continue
+      cells = " ".join(f"{v:>16.6g}" if v is not None else f"{'-':>16}" for v in vals)
+      print(f"  {m:<62} {cells}")
+  return table
+
+
+def main():
+  if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
+    summarize(sys.argv[2:])
+    return
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--impl", choices=["sonic_jax", "sonicmoe"], required=True)
+  parser.add_argument("--thiek", required=True, help="configuration T,d,n,E,K")
+  parser.add_argument("--calls", type=int, default=3,
+                      help="forward calls, each synchronised; the last one is profiled")
+  parser.add_argument("--layout", default="concat", choices=["concat", "interleaved"],
+                      help="sonic_jax's gate/up layout (SonicMoE's is interleaved pairs)")
+  parser.add_argument("--step", action=argparse.BooleanOptionalAction, default=False,
+                      help="the training step (forward and backward from a fixed dO) instead")
+  args = parser.parse_args()
+  cfg = tuple(int(v) for v in args.thiek.split(","))
+  if len(cfg) != 5:
+    parser.error(f"--thiek must be T,d,n,E,K, got {args.thiek!r}")
+  call = (sonicmoe_call(cfg, args.step) if args.impl == "sonicmoe"
+          else sonic_jax_call(cfg, args.layout, args.step))
+  for _ in range(args.calls - 1):
+    call()
+  profiled(call, args.impl)
+
+
+if __name__ == "__main__":
+  main()
