@@ -11,8 +11,8 @@ SONIC_JAX_TUNED_CONFIGS) for the problems this run does not measure; --nomerge: 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weight gradients on the
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
 search from the defaults: 2-CTA clusters (`cluster_m`; `cluster` for the weight gradients), the
-snake band width (`grid_tile_width`), then the ring depth (`num_stages`, for up and down together
-with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
+tile walk (`grid_band` and the band's width `grid_tile_width`), then the ring depth (`num_stages`,
+for up and down together with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
 registers, and for dH how its wide tile reads H (`wide_h_loads`) and the pingpong schedule
 (`schedule`, with 128-column blocks); `--fields=...` searches only
 those fields, starting from the problem's current entry.
@@ -54,18 +54,22 @@ FLAGS = flags.FLAGS
 # A shallower ring leaves SMEM for more epilogue buffers: tried together.
 _RING_FOR_EPILOGUE = (("num_stages", "epilogue_buffers"), ((3, 2), (3, 3), (3, 4), (4, 2)))
 _CLUSTER = ("cluster_m", (2,))  # 1: the default
+# The tile walk: bands of column blocks over every row tile ("n", the default), or bands of row
+# tiles across every column block ("m": fewer DRAM bytes at d = 4096, twenty-sixth session).
+_WALK = (("grid_band", "grid_tile_width"),
+         (("n", 1), ("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)))
 SEARCH = {  # role: [(field or fields, candidate values)], searched one step at a time
-    "up": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
+    "up": [_CLUSTER, _WALK, _RING_FOR_EPILOGUE,
            ("memory_registers", (40, 56, 80))],
-    "down": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), _RING_FOR_EPILOGUE,
+    "down": [_CLUSTER, _WALK, _RING_FOR_EPILOGUE,
              # 128-column tiles: a stage of two thirds the bytes, so a deeper ring fits.
              (("block_n", "num_stages"), ((128, 4), (128, 6)))],
-    "dh": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4)),
+    "dh": [_CLUSTER, _WALK, ("num_stages", (3, 4)),
            ("memory_registers", (40, 56, 80)), ("wide_h_loads", ("staged", "registers")),
            # Pingpong: 128 x 128 tiles a warpgroup, one's epilogue under the other's mainloop.
            (("schedule", "block_n", "cluster_m", "num_stages"),
             (("pingpong", 128, 1, 4), ("pingpong", 128, 1, 6)))],
-    "dx": [_CLUSTER, ("grid_tile_width", (1, 2, 4, 8)), ("num_stages", (3, 4))],
+    "dx": [_CLUSTER, _WALK, ("num_stages", (3, 4))],
     "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4)), ("indices_before_wait", (False,))],
 }
 

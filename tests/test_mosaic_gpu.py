@@ -232,6 +232,8 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
     dx.DxProjectionConfig(pingpong)
   with pytest.raises(ValueError, match="schedule"):
     GroupedGemmConfig(schedule="alternate")
+  with pytest.raises(ValueError, match="grid_band"):
+    GroupedGemmConfig(grid_band="k")
   # A pingpong dH reads H into registers: the interleaved layout's pair words need SMEM.
   layout = build_grouped_layout(jnp.zeros((64, 2), jnp.int32), 2, 128)
   spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
@@ -596,17 +598,24 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   assert np.all(np.asarray(got, np.float32)[empty] == 0)
 
 
-CLUSTER_ROLES = ["up", "down", "down-128", "dh", "dx"]
+# (role, variant): every role in 2-CTA clusters, and the row-band tile walk (with and without
+# clusters) for the roles whose tables use it.
+WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "dx"]]
+              + [(role, "m_band") for role in ["up", "down", "dh", "dx"]]
+              + [("dx", "m_band+cluster")])
+WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 2},
+                 "m_band+cluster": {"grid_band": "m", "grid_tile_width": 2, "cluster_m": 2}}
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("role", CLUSTER_ROLES)
-def test_cluster_equals_unclustered(rng, compiled, role):
-  """2-CTA clusters (`cluster_m=2`: tile pairs, B multicast where a pair shares its expert)
-  compute the same tiles in the same order as single CTAs: bit-identical outputs, with an odd
+@pytest.mark.parametrize("role,variant", WALK_CASES)
+def test_walk_variants_equal_default(rng, compiled, role, variant):
+  """Other tile walks compute the same tiles as the default one: bit-identical outputs. 2-CTA
+  clusters (`cluster_m=2`: tile pairs, B multicast where a pair shares its expert), with an odd
   number of tiles in use (the last pair's second CTA runs a dummy tile), pairs that straddle
-  experts, a skewed expert and an empty one. The interpreter does not model multicast (each CTA
-  loads the whole block there); the compiled run checks it."""
+  experts, a skewed expert and an empty one; the row-band walk (`grid_band="m"`: bands of 2 row
+  tiles or tile pairs across every column block, the last band partial). The interpreter does
+  not model multicast (each CTA loads the whole block there); the compiled run checks it."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   from sonic_jax.mosaic_gpu import down_projection as down
   from sonic_jax.mosaic_gpu import dx_projection as dx
@@ -641,7 +650,7 @@ def test_cluster_equals_unclustered(rng, compiled, role):
   }[role]
   with kernel_mode(compiled, num_cores=4):
     want = run(GroupedGemmConfig())
-    got = run(GroupedGemmConfig(cluster_m=2))
+    got = run(GroupedGemmConfig(**WALK_VARIANTS[variant]))
   valid = np.asarray(layout.row_valid())
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     g, w = np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid]

@@ -72,13 +72,20 @@ class GroupedGemmConfig:
   tile_m: rows per tile; must equal the grouped layout's row tile.
   tile_k: reduction step; 64 for 16-bit operands (one 128-byte swizzled row).
   num_stages: depth of the shared-memory operand ring.
-  grid_tile_width: column blocks per band of the snake-ordered tile walk (L2 reuse of A rows).
+  grid_tile_width: width of a band of the snake-ordered tile walk, in column blocks or row tiles
+    (`grid_band`).
+  grid_band: what a band spans `grid_tile_width` of: "n", column blocks (the band runs down every
+    row tile of every expert, so each band re-reads all A rows), or "m", row tiles (the band runs
+    across every column block, so A rows are read once and each expert's weights once per band
+    of its rows). Both orders keep the tiles in flight within a few MB of L2; which one moves
+    fewer bytes from DRAM depends on the role (benchmarks/NOTES.md, twenty-sixth session).
   """
 
   tile_m: int = 128
   tile_k: int = 64
   num_stages: int = 4
   grid_tile_width: int = 4
+  grid_band: str = "n"
   # How a gathered A operand is loaded (sonic_jax.mosaic_gpu.gather): "cp_async" (the memory
   # warpgroup's threads copy 16-byte pieces) or "row_tma" (one TMA per row: exact but issue-bound,
   # about 7x slower; what the interpreter always runs).
@@ -119,6 +126,8 @@ class GroupedGemmConfig:
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    if self.grid_band not in ("n", "m"):
+      raise ValueError(f"grid_band must be 'n' or 'm', got {self.grid_band!r}")
     if self.gather_impl not in ("cp_async", "row_tma"):
       raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
@@ -335,7 +344,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         @plgpu.nd_loop(walk_grid, collective_axes="sm", init_carry=jnp.int32(0))
         def _tiles(info, carry):
           step = carry
-          gi, nb = plgpu.planar_snake(info.index[0], (m_groups, role.num_column_blocks), 1,
+          gi, nb = plgpu.planar_snake(info.index[0], (m_groups, role.num_column_blocks),
+                                      1 if config.grid_band == "n" else 0,
                                       config.grid_tile_width)
           first = gi * cluster
           group_active = first < n_tiles_used

@@ -4,8 +4,9 @@ Each entry names a role ("up", "down", "dh", "dx" on the grouped-GEMM core, "wei
 varlen-K kernel), the GPU it was measured on, the problem (d, n, E, where n is the width of the
 role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "dh" and
 "weight_grad") and the configuration fields that won (`GroupedGemmConfig`'s `num_stages`,
-`grid_tile_width`, `memory_registers`, `epilogue_buffers`, `cluster_m`, `schedule`; for "dh" also
-`DhProjectionConfig.wide_h_loads` and `block_n`, for "down" `DownProjectionConfig.block_n`;
+`grid_tile_width`, `grid_band`, `memory_registers`, `epilogue_buffers`, `cluster_m`, `schedule`;
+for "dh" also `DhProjectionConfig.wide_h_loads` and `block_n`, for "down"
+`DownProjectionConfig.block_n`;
 `WeightGradConfig`'s `num_stages`, `cluster`, `indices_before_wait`).
 A problem takes the fields of the entry of its role nearest to it in (log2 d, log2 n, log2 E),
 measured on the same kind of GPU if the table has one, else on any; fields an entry does not name
@@ -29,8 +30,8 @@ from typing import Any
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig, target_device
 
 ROLES = ("up", "down", "dh", "dx", "weight_grad")
-GEMM_FIELDS = ("num_stages", "grid_tile_width", "memory_registers", "epilogue_buffers",
-               "cluster_m", "schedule")
+GEMM_FIELDS = ("num_stages", "grid_tile_width", "grid_band", "memory_registers",
+               "epilogue_buffers", "cluster_m", "schedule")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster", "indices_before_wait")
 DH_FIELDS = ("wide_h_loads", "block_n")  # DhProjectionConfig's own, next to the GEMM fields
 DOWN_FIELDS = ("block_n",)  # DownProjectionConfig's own
