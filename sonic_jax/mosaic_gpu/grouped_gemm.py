@@ -77,8 +77,8 @@ class GroupedGemmConfig:
   grid_band: what a band spans `grid_tile_width` of: "n", column blocks (the band runs down every
     row tile of every expert, so each band re-reads all A rows), or "m", row tiles (the band runs
     across every column block, so A rows are read once and each expert's weights once per band
-    of its rows). Both orders keep the tiles in flight within a few MB of L2; which one moves
-    fewer bytes from DRAM depends on the role (benchmarks/NOTES.md, twenty-sixth session).
+    of its rows). Which one moves fewer bytes from DRAM depends on the role and the problem
+    (benchmarks/NOTES.md, twenty-sixth session).
   """
 
   tile_m: int = 128
