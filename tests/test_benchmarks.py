@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from unittest import mock
 
 import jax
@@ -403,3 +404,37 @@ def test_ncu_summary_reads_raw_reports(tmp_path, capsys):
   assert table["gemm#2"]["sonicmoe_step_x"]["gpu__time_duration.sum"] == 1.5e6
   out = capsys.readouterr().out
   assert "concat_step_x" in out and "sonicmoe_step_x" in out and "3.500" in out
+
+
+def test_clock_probe_mean_power_from_the_energy_counter(monkeypatch):
+  """clock_probe's sampler: NVML's energy counter read at the block's start and end gives the mean
+  power over the block; without NVML the summary says None rather than failing."""
+  from benchmarks import clock_probe
+  readings = iter([100.0, 101.5])
+  monkeypatch.setattr(clock_probe, "_energy_counter", lambda: lambda: next(readings))
+  monkeypatch.setattr(clock_probe.subprocess, "Popen", mock_popen_missing)
+  with clock_probe.SmiSampler() as smi:
+    time.sleep(0.01)
+  summary = smi.summary()
+  assert summary["energy_j"] == 1.5 and 0 < summary["mean_power_w"] < 1.5 / 0.01
+  monkeypatch.setattr(clock_probe, "_energy_counter", lambda: None)
+  with clock_probe.SmiSampler() as smi:
+    pass
+  assert smi.summary()["mean_power_w"] is None and smi.summary()["samples"] == 0
+
+
+def mock_popen_missing(*args, **kwargs):
+  raise OSError("no nvidia-smi here")
+
+
+def test_clock_probe_energy_burst_sizes_the_burst_and_counts_joules():
+  """clock_probe --energy: after one untimed round, the burst's calls are sized from 3 timed rounds
+  to last rep_ms, every round flushes then calls, and the joules are the counter's difference
+  around those calls only."""
+  from benchmarks import clock_probe
+  log, counter = [], iter([10.0, 12.5])
+  calls, seconds, joules = clock_probe.energy_burst(
+      lambda: (log.append("call"), time.sleep(0.002)), lambda: log.append("flush"), lambda: None,
+      20.0, lambda: next(counter))
+  assert 3 <= calls <= 12 and joules == 2.5 and seconds > 0
+  assert log == ["flush", "call"] * (1 + 3 + calls)
