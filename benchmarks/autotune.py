@@ -12,10 +12,10 @@ Per configuration and role (up, down, dh, dx on the grouped-GEMM core, the weigh
 varlen-K kernel), through the backend's own entry points (so with its gather policy), a coordinate
 search from the defaults: 2-CTA clusters (`cluster_m`; `cluster` for the weight gradients), the
 tile walk (`grid_band` and the band's width `grid_tile_width`), then the ring depth (`num_stages`,
-for up and down together with the epilogue's staging buffers), then for roles that gather rows the memory warpgroup's
-registers, and for dH how its wide tile reads H (`wide_h_loads`) and the pingpong schedule
-(`schedule`, with 128-column blocks); `--fields=...` searches only
-those fields, starting from the problem's current entry.
+for up and down together with the epilogue's staging buffers), then for roles that gather rows
+the memory warpgroup's registers, and for dH how its wide tile reads H (`wide_h_loads`) and the
+pingpong schedule (`schedule`, with 128-column blocks); `--fields=...` searches only those
+fields, starting from the problem's current entry.
 Each candidate is timed against the incumbent in alternating rounds (`timing.time_interleaved`: the
 H100's clocks drift by more than the gains sought) and replaces it only when at least `--min_gain`
 faster (timing noise must not churn the table); every candidate's outputs must equal the starting

@@ -603,8 +603,10 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
 WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "dx"]]
               + [(role, "m_band") for role in ["up", "down", "dh", "dx"]]
               + [("dx", "m_band+cluster")])
-WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 2},
-                 "m_band+cluster": {"grid_band": "m", "grid_tile_width": 2, "cluster_m": 2}}
+# Bands of 3 (not a power of two: planar_snake's branchless path) over 8 row tiles or 4 tile pairs
+# on the CPU: the last band is partial.
+WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 3},
+                 "m_band+cluster": {"grid_band": "m", "grid_tile_width": 3, "cluster_m": 2}}
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -613,7 +615,7 @@ def test_walk_variants_equal_default(rng, compiled, role, variant):
   """Other tile walks compute the same tiles as the default one: bit-identical outputs. 2-CTA
   clusters (`cluster_m=2`: tile pairs, B multicast where a pair shares its expert), with an odd
   number of tiles in use (the last pair's second CTA runs a dummy tile), pairs that straddle
-  experts, a skewed expert and an empty one; the row-band walk (`grid_band="m"`: bands of 2 row
+  experts, a skewed expert and an empty one; the row-band walk (`grid_band="m"`: bands of 3 row
   tiles or tile pairs across every column block, the last band partial). The interpreter does
   not model multicast (each CTA loads the whole block there); the compiled run checks it."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
