@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Nsight Compute's counters for the forward's GEMM kernels, SonicMoE's and sonic_jax's (both
-# gate/up layouts), on one GPU in one device call, SonicMoE's data:
+# Nsight Compute's counters for the GEMM kernels of the forward or the training step, SonicMoE's
+# and sonic_jax's (both gate/up layouts), on one GPU in one device call, SonicMoE's data:
 #   bash benchmarks/ncu_compare.sh "T,d,n,E,K T,d,n,E,K" [impls: sonicmoe,concat,interleaved]
 #       [phase: forward | step]
 # An impl LAYOUT@TABLE runs sonic_jax with that tuning table (SONIC_JAX_TUNED_CONFIGS=TABLE, e.g.
 # concat@benchmarks/experiments/full_band_table.json).
 # Each run calls the forward (or the training step) 3 times (benchmarks/ncu_forward.py) and
-# profiles the last call's GEMM kernels with `--set full` (clocks left alone: --clock-control none); the
-# reports go to $OUT/ncu_<impl>_<config>.ncu-rep with a raw CSV beside each, and
+# profiles the last call's GEMM kernels with `--set full` (clocks left alone: --clock-control
+# none); the reports go to $OUT/ncu_<impl>_<phase>_<config>.ncu-rep, a raw CSV beside each, and
 # `ncu_forward.py --summarize` prints the counters side by side. Needs .sonic for SonicMoE
 # (benchmarks/sonic_env.sh). Run from the repository root.
 set -uo pipefail
@@ -28,21 +28,20 @@ for cfg in $configs; do
     table=$([ "$layout" != "$impl" ] && echo "${impl#*@}" || echo "")
     tag=$([ -n "$table" ] && basename "$table" .json | sed 's/^/-/' || echo "")
     name="${layout}${tag}_${phase}_${cfg//,/_}"
+    ncu_args=(--clock-control none --target-processes all --set full --profile-from-start off
+              --launch-count "$count" -f -o "$out/ncu_$name")
     # ncu wraps the python process: sonic_python's environment has to reach it.
     if [ "$impl" = sonicmoe ]; then
       PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/python_packages:$PWD PYTHONUNBUFFERED=1 \
-        timeout 400 "$ncu_bin" --clock-control none --target-processes all --set full \
-        --kernel-name regex:quackgemm --profile-from-start off --launch-count $count \
-        -f -o "$out/ncu_$name" python3 benchmarks/ncu_forward.py --impl=sonicmoe $step_flag \
-        --thiek="$cfg" 2>&1 \
+        timeout 400 "$ncu_bin" "${ncu_args[@]}" --kernel-name regex:quackgemm \
+        python3 benchmarks/ncu_forward.py --impl=sonicmoe $step_flag --thiek="$cfg" 2>&1 \
         | grep -Ev "$filter" | tail -5
     else
       SONIC_JAX_TUNED_CONFIGS="${table:-sonic_jax/mosaic_gpu/tuned_configs.json}" \
-      PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 timeout 400 "$ncu_bin" --clock-control none \
-        --target-processes all --set full --kernel-name 'regex:projection|weight_grad' \
-        --profile-from-start off --launch-count $count -f -o "$out/ncu_$name" \
-        python3 benchmarks/ncu_forward.py --impl=sonic_jax --layout="$layout" $step_flag \
-        --thiek="$cfg" 2>&1 | grep -Ev "$filter" | tail -5
+      PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 timeout 400 "$ncu_bin" "${ncu_args[@]}" \
+        --kernel-name 'regex:projection|weight_grad' python3 benchmarks/ncu_forward.py \
+        --impl=sonic_jax --layout="$layout" $step_flag --thiek="$cfg" 2>&1 \
+        | grep -Ev "$filter" | tail -5
     fi
     if [ -f "$out/ncu_$name.ncu-rep" ]; then
       "$ncu_bin" --import "$out/ncu_$name.ncu-rep" --csv --page raw --print-units base \

@@ -55,30 +55,23 @@ def profiled(call, impl):
   stop()
 
 
-def sonic_jax_call(cfg, layout, step):
-  """One synchronised forward (or training step: forward and backward from a fixed dO)."""
+def layer_call(impl, cfg, layout, step):
+  """One synchronised forward (or training step: forward and backward from a fixed dO) of
+  SonicMoE's layer or ours, built as clock_probe builds them (SonicMoE's data)."""
+  from benchmarks import clock_probe
+  phase = "forward+backward" if step else "forward"
+  if impl == "sonicmoe":
+    import torch
+    (fn,) = clock_probe.sonicmoe_phases(cfg, ["sonicmoe"], (phase,)).values()
+
+    def call():
+      fn()
+      torch.cuda.synchronize()
+    return call
   import jax
-  import sonic_jax
-  from benchmarks import grid, timing
-  args = grid.random_problem(cfg, seed=7, data="sonicmoe")
-  fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4], backend="mosaic_gpu",
-                                            gate_up_layout=layout)[0]
-  fn = jax.jit(timing.forward_and_backward(fwd) if step else fwd)
-  args = args if step else args[:4]
-  return lambda: jax.block_until_ready(fn(*args))
-
-
-def sonicmoe_call(cfg, step):
-  import torch
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from sonic_profile import sonicmoe_layer
-  forward, train_step = sonicmoe_layer(cfg)
-  fn = train_step if step else forward
-
-  def call():
-    fn()
-    torch.cuda.synchronize()
-  return call
+  ((compiled, args),) = clock_probe.sonic_jax_phases(cfg, ["sonicmoe"], (phase,),
+                                                     gate_up_layout=layout).values()
+  return lambda: jax.block_until_ready(compiled(*args))
 
 
 def read_raw_csv(path):
@@ -118,9 +111,12 @@ def _number(value):
 
 
 # (column header, metric, scale) of the one-line-per-kernel table.
-COMPACT = (("ms", "gpu__time_duration.sum", 1e-6), ("GHz", "sm__cycles_elapsed.avg.per_second", 1e-9),
-           ("tensor%", "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed", 1),
-           ("DRAM rd GB", "dram__bytes_read.sum", 1e-9), ("DRAM wr GB", "dram__bytes_write.sum", 1e-9),
+COMPACT = (("ms", "gpu__time_duration.sum", 1e-6),
+           ("GHz", "sm__cycles_elapsed.avg.per_second", 1e-9),
+           ("tensor%", "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+            1),
+           ("DRAM rd GB", "dram__bytes_read.sum", 1e-9),
+           ("DRAM wr GB", "dram__bytes_write.sum", 1e-9),
            ("L2>SM GB", "l1tex__m_xbar2l1tex_read_bytes.sum", 1e-9),
            ("inst M", "smsp__inst_executed.sum", 1e-6),
            ("smem wf M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6))
@@ -173,8 +169,7 @@ def main():
   cfg = tuple(int(v) for v in args.thiek.split(","))
   if len(cfg) != 5:
     parser.error(f"--thiek must be T,d,n,E,K, got {args.thiek!r}")
-  call = (sonicmoe_call(cfg, args.step) if args.impl == "sonicmoe"
-          else sonic_jax_call(cfg, args.layout, args.step))
+  call = layer_call(args.impl, cfg, args.layout, args.step)
   for _ in range(args.calls - 1):
     call()
   profiled(call, args.impl)

@@ -438,3 +438,23 @@ def test_clock_probe_energy_burst_sizes_the_burst_and_counts_joules():
       20.0, lambda: next(counter))
   assert 3 <= calls <= 12 and joules == 2.5 and seconds > 0
   assert log == ["flush", "call"] * (1 + 3 + calls)
+
+
+def test_ncu_layer_call_builds_the_phase_asked_for(monkeypatch):
+  """ncu_forward's layer: clock_probe's builder of the implementation asked for, the training
+  step ("forward+backward") with --step, our gate/up layout passed on."""
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import ncu_forward
+  from benchmarks import clock_probe
+  seen = {}
+
+  def ours(cfg, datas, phases, gate_up_layout):
+    seen.update(cfg=cfg, datas=datas, phases=phases, layout=gate_up_layout)
+    return {(datas[0], phases[0]): (lambda a: a + 1, (jax.numpy.ones(()),))}
+  monkeypatch.setattr(clock_probe, "sonic_jax_phases", ours)
+  call = ncu_forward.layer_call("sonic_jax", (8, 4, 2, 2, 1), "interleaved", step=True)
+  assert float(call()) == 2.0
+  assert seen == {"cfg": (8, 4, 2, 2, 1), "datas": ["sonicmoe"], "phases": ("forward+backward",),
+                  "layout": "interleaved"}
+  ncu_forward.layer_call("sonic_jax", (8, 4, 2, 2, 1), "concat", step=False)
+  assert seen["phases"] == ("forward",) and seen["layout"] == "concat"
