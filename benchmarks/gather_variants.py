@@ -6,8 +6,11 @@ layer's configuration for the problem (the tuning table's).
 
 Also the same weights in the interleaved gate/up layout (its two 128-column B blocks adjacent,
 concat's n columns apart; both layouts issue two N = 128 wgmmas a step, and differ in their
-epilogues). Every variant's A is checked bit for bit against the first variant's; then the
-variants are timed in interleaved rounds (`timing.measure_variants`).
+epilogues). And two probes of where the gather's cost comes from: the cp.async kernel gathering
+the pre-gathered rows in order (the contiguous kernel's addresses, so only the copy mechanism
+differs) and gathering from an L2-resident slice of x (its A differs: marked WRONG). Every
+variant's A is checked bit for bit against the first variant's; then the variants are timed in
+interleaved rounds (`timing.measure_variants`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import grid, timing
@@ -50,7 +54,14 @@ VARIANTS = {  # name: (gathered?, GroupedGemmConfig overrides, plus the gate/up 
     "cp_async, memory regs 56": (True, {"gather_impl": "cp_async", "memory_registers": 56}),
     "cp_async, memory regs 40": (True, {"gather_impl": "cp_async", "memory_registers": 40}),
     "cp_async, 3 stages": (True, {"gather_impl": "cp_async", "num_stages": 3}),
+    # Where the gather's cost comes from: the same cp.async kernel reading the pre-gathered rows
+    # in order (row r of the grouped buffer: the contiguous kernel's addresses), or gathering
+    # from the first L2_RESIDENT_ROWS rows of x only (every source row in L2; A differs).
+    "cp_async, identity rows": (True, {"source": "identity"}),
+    "cp_async, L2-resident rows": (True, {"source": "l2_resident"}),
 }
+
+L2_RESIDENT_ROWS = 2048  # 16 MiB of x at d = 4096, a third of an H100's L2
 
 
 def run_config(cfg):
@@ -70,13 +81,20 @@ def run_config(cfg):
       continue
     overrides = dict(overrides)
     gate_up = overrides.pop("gate_up_layout", "concat")
+    source, lay = overrides.pop("source", None), layout
+    src = x if gathered else x_rows
+    if source == "identity":
+      src = x_rows
+      lay = layout._replace(row_token=jnp.arange(layout.num_rows, dtype=jnp.int32))
+    elif source == "l2_resident":
+      lay = layout._replace(row_token=layout.row_token % L2_RESIDENT_ROWS)
     variant_act = grid.variant_activation(overrides, act)
     table = mosaic_backend.up_config(d, 2 * n, e).gemm  # the layer's configuration
     config = up.UpProjectionConfig(dataclasses.replace(table, **overrides))
     fn = lambda src, w1, lay, config=config, gathered=gathered, gate_up=gate_up, a=variant_act: (
         up.up_projection(src, w1, None, lay, a, gate_up, config=config, gather=gathered))
     weights = w1 if gate_up == "concat" else w1_interleaved
-    variants[name] = (fn, (x if gathered else x_rows, weights, layout))
+    variants[name] = (fn, (src, weights, lay))
   # A is compared (the interleaved layout's H holds the same values in another column order).
   out = timing.measure_variants(variants, lambda o: (np.asarray(o[1], np.float32)[valid],),
                                 flops, FLAGS.repeats, FLAGS.cool_calls)

@@ -9,7 +9,8 @@
 # profiles the last call's GEMM kernels with `--set full` (clocks left alone: --clock-control
 # none); the reports go to $OUT/ncu_<impl>_<phase>_<config>.ncu-rep, a raw CSV beside each, and
 # `ncu_forward.py --summarize` prints the counters side by side. Needs .sonic for SonicMoE
-# (benchmarks/sonic_env.sh). Run from the repository root.
+# (benchmarks/sonic_env.sh). Run from the repository root. NCU_SOURCE=1 also exports each report's
+# source page (SASS instructions with their stall samples) to $OUT/ncu_<impl>_<phase>_<config>_sass.csv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 configs="$1"
@@ -47,9 +48,16 @@ for cfg in $configs; do
       "$ncu_bin" --import "$out/ncu_$name.ncu-rep" --csv --page raw --print-units base \
         > "$out/ncu_$name.csv"
       csvs+=("$out/ncu_$name.csv")
+      if [ "${NCU_SOURCE:-0}" = 1 ]; then  # per-SASS-instruction counters and stall samples
+        "$ncu_bin" --import "$out/ncu_$name.ncu-rep" --csv --page source --print-source sass \
+          > "$out/ncu_${name}_sass.csv" 2> "$out/ncu_${name}_sass.err" || true
+      fi
     fi
   done
 done
 save_sonic_cache "$out"
 [ ${#csvs[@]} -gt 0 ] && python3 benchmarks/ncu_forward.py --summarize "${csvs[@]}" \
   | tee "$out/ncu_summary.txt"
+if [ "${NCU_SOURCE:-0}" = 1 ]; then
+  python3 benchmarks/ncu_forward.py --stalls "$out"/ncu_*_sass.csv > "$out/ncu_stalls.txt"
+fi

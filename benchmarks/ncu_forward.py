@@ -5,6 +5,7 @@ and ours).
   python benchmarks/ncu_forward.py --impl=sonic_jax|sonicmoe --thiek=T,d,n,E,K [--calls=3]
       [--layout=concat|interleaved] [--step]
   python benchmarks/ncu_forward.py --summarize REPORT.csv[.gz] ...   (`ncu --import`'s raw CSVs)
+  python benchmarks/ncu_forward.py --stalls REPORT_sass.csv[.gz] ...  (source pages, NCU_SOURCE=1)
 
 Why: our forward and SonicMoE's run at the same speed on the same clock plateau, but ours steps
 down to a lower plateau sooner inside a do_bench burst (benchmarks/NOTES.md, twenty-fifth
@@ -152,9 +153,61 @@ def summarize(paths, metrics=SUMMARY_METRICS):
   return table
 
 
+def read_source_csv(path):
+  """{kernel name: [{column: value}] per SASS instruction} of `ncu --import R --csv --page source
+  --print-source sass` (each kernel a "Kernel Name" line, a header row, one row per instruction)."""
+  with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
+    kernels, name, header = {}, None, None
+    for row in csv.reader(f):
+      if row and row[0] == "Kernel Name":
+        name, header = row[1], None
+        kernels[name] = []
+      elif row and row[0] == "Address":
+        header = row
+      elif row and header is not None and name is not None:
+        kernels[name].append(dict(zip(header, row)))
+  return kernels
+
+
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def summarize_stalls(paths, top=12):
+  """Where each kernel's warps were sampled stalled: the share of samples per opcode, then the
+  `top` instructions with their main stall reasons (a barrier try-wait loop shows as the branch
+  after SYNCS...TRYWAIT, stalled on the long scoreboard). Returns {report: {kernel: {opcode:
+  share}}}."""
+  out = {}
+  for path in paths:
+    label = re.sub(r"^ncu_|_sass\.csv(\.gz)?$", "", os.path.basename(path))
+    for name, rows in read_source_csv(path).items():
+      counts = [int(_number(r.get(_SAMPLES, "0")) or 0) for r in rows]
+      total = sum(counts) or 1
+      by_op = {}
+      for r, n in zip(rows, counts):
+        words = r.get("Source", "").split()
+        words = words[1:] if words and words[0].startswith("@") else words
+        op = words[0].split(".")[0] if words else "?"
+        by_op[op] = by_op.get(op, 0) + n / total
+      out.setdefault(label, {})[name] = by_op
+      print(f"\n{label}: {name[:60]} ({total} samples)")
+      print("  " + ", ".join(f"{op} {share:.1%}" for op, share in
+                             sorted(by_op.items(), key=lambda kv: -kv[1])[:10]))
+      reasons = [h for h in (rows[0] if rows else {}) if h.startswith("stall_") and "(" not in h]
+      for r, n in sorted(zip(rows, counts), key=lambda rn: -rn[1])[:top]:
+        why = sorted(((int(_number(r[h]) or 0), h[6:]) for h in reasons), reverse=True)[:3]
+        print(f"  {n / total:6.1%} {r.get('Instructions Executed', ''):>10} "
+              f"{r.get('Source', '').strip()[:56]:<56} "
+              + " ".join(f"{h} {v}" for v, h in why if v))
+  return out
+
+
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
     summarize(sys.argv[2:])
+    return
+  if len(sys.argv) > 1 and sys.argv[1] == "--stalls":
+    summarize_stalls(sys.argv[2:])
     return
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--impl", choices=["sonic_jax", "sonicmoe"], required=True)
