@@ -504,8 +504,13 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
     np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("block_n,cluster", [(128, 1), (256, 2)])
+# Interpreted, the 256-column tile in 2-CTA clusters only (the row store is the core's, the same
+# for both tiles; the interpreter's race detector weighs every per-row copy against the others);
+# compiled, both.
+@pytest.mark.parametrize("block_n,cluster,compiled", [
+    pytest.param(256, 2, False, id="256-2-interpret"),
+    pytest.param(128, 1, True, id="128-1-compiled", marks=pytest.mark.gpu),
+    pytest.param(256, 2, True, id="256-2-compiled", marks=pytest.mark.gpu)])
 def test_dh_projection_writes_gathered_d_out_rows(rng, compiled, block_n, cluster):
   """write_d_out_rows: the kernel also stores the dO rows it gathered (for dw2), row r =
   dO[row_token[r]] on every row of the tiles in use, skewed experts, one empty; its dH, A_s and dS
@@ -607,10 +612,18 @@ WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "d
 # on the CPU: the last band is partial.
 WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 3},
                  "m_band+cluster": {"grid_band": "m", "grid_tile_width": 3, "cluster_m": 2}}
+# Interpreted, a subset: the walk is the core's (`grouped_gemm`'s tile loop), the same for every
+# role, so every variant once, over a gathered A (up, dH), a plain one (down, both column-block
+# widths) and a transposed B (dX); compiled, every case.
+WALK_INTERPRETED = [("up", "cluster"), ("down-128", "cluster"), ("down", "m_band"), ("dh", "m_band"),
+                    ("dx", "m_band+cluster")]
+WALK_PARAMS = ([pytest.param(role, variant, False, id=f"{role}-{variant}-interpret")
+                for role, variant in WALK_INTERPRETED]
+               + [pytest.param(role, variant, True, id=f"{role}-{variant}-compiled",
+                               marks=pytest.mark.gpu) for role, variant in WALK_CASES])
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("role,variant", WALK_CASES)
+@pytest.mark.parametrize("role,variant,compiled", WALK_PARAMS)
 def test_walk_variants_equal_default(rng, compiled, role, variant):
   """Other tile walks compute the same tiles as the default one: bit-identical outputs. 2-CTA
   clusters (`cluster_m=2`: tile pairs, B multicast where a pair shares its expert), with an odd

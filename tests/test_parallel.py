@@ -19,10 +19,11 @@ def _run(script, *args):
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+# Each scheme with skewed routing (an empty expert), token rounding both ways; the transports do
+# not depend on the router's mode, so not every product is run.
 @pytest.mark.parametrize("scheme,routing,rounding", [
     ("all_to_all_dense", "random", None), ("all_to_all_dense", "skew", None),
-    ("all_to_all_ragged", "skew", None), ("all_to_all_dense", "random", "up"),
-    ("all_to_all_ragged", "skew", "nearest"), ("all_gather", "random", None),
+    ("all_to_all_dense", "random", "up"), ("all_to_all_ragged", "skew", "nearest"),
     ("all_gather", "skew", "nearest")])
 def test_expert_parallel_matches_single_device(scheme, routing, rounding):
   """1, 2, 4 and 8 shards, float64: output and the gradients of x, router, w1, w2, b1."""
