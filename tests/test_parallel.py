@@ -19,8 +19,8 @@ def _run(script, *args):
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-# Each scheme with skewed routing (an empty expert), token rounding both ways; the transports do
-# not depend on the router's mode, so not every product is run.
+# Each scheme with skewed routing (experts 5..7 get no token), token rounding both ways; the
+# transports do not depend on the router's mode, so not every product is run.
 @pytest.mark.parametrize("scheme,routing,rounding", [
     ("all_to_all_dense", "random", None), ("all_to_all_dense", "skew", None),
     ("all_to_all_dense", "random", "up"), ("all_to_all_ragged", "skew", "nearest"),
