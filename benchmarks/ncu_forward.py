@@ -75,10 +75,14 @@ def layer_call(impl, cfg, layout, step):
   return lambda: jax.block_until_ready(compiled(*args))
 
 
+def _open_csv(path):
+  return gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")
+
+
 def read_raw_csv(path):
   """[{column: value}] per profiled kernel of `ncu --import R --csv --page raw --print-units base`
   (a header row, a units row, one row per kernel; gzipped if the path ends in .gz)."""
-  with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
+  with _open_csv(path) as f:
     rows = [row for row in csv.reader(f) if row]
   start = next(i for i, row in enumerate(rows) if "Kernel Name" in row)
   # Some columns carry their section's prefix ("TPC.TriageCompute.sm__..."): keyed by the metric.
@@ -155,12 +159,16 @@ def summarize(paths, metrics=SUMMARY_METRICS):
 
 def read_source_csv(path):
   """{kernel name: [{column: value}] per SASS instruction} of `ncu --import R --csv --page source
-  --print-source sass` (each kernel a "Kernel Name" line, a header row, one row per instruction)."""
-  with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as f:
+  --print-source sass` (each kernel a "Kernel Name" line, a header row, one row per instruction;
+  a name seen again, e.g. SonicMoE's plain GEMMs, as name#i)."""
+  with _open_csv(path) as f:
     kernels, name, header = {}, None, None
     for row in csv.reader(f):
       if row and row[0] == "Kernel Name":
-        name, header = row[1], None
+        name, header, i = row[1], None, 1
+        while name in kernels:
+          i += 1
+          name = f"{row[1]}#{i}"
         kernels[name] = []
       elif row and row[0] == "Address":
         header = row

@@ -266,9 +266,17 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
     out = compiled(*args)
   jax.block_until_ready(out)
   holder = [buf]
-  if not on_gpu:  # a CPU trace has no device events: host time, without three traces' cost
-    mean, holder[0] = untraced_burst(compiled, args, calls, flush, holder[0])
-    return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
+  if on_gpu:  # a CPU trace has no device events: host time, without three traces' cost
+    spans, info = _traced_do_bench(compiled, args, calls, flush, holder)
+    if spans is not None:
+      return statistics.median(spans), info
+  mean, holder[0] = untraced_burst(compiled, args, calls, flush, holder[0])
+  return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
+
+
+def _traced_do_bench(compiled, args, calls, flush, holder):
+  """`time_do_bench`'s traced burst: (each call's device span, the record), or (None, None) where
+  the trace's events do not split into the calls."""
 
   def flush_once():
     holder[0] = flush(holder[0])
@@ -286,15 +294,14 @@ def time_do_bench(compiled, args, *, warmup_ms=5.0, rep_ms=200.0, flush_bytes=No
 
   events = traced_events(rounds)
   spans = per_call_spans(events, flush_events, call_events, calls)
-  if spans is not None:
-    in_calls = kernels_in_calls(events, flush_events, call_events, calls, reduce=list)
-    return statistics.median(spans), {
-        "calls": calls, "samples_s": spans, "per_call": "device",
-        "idle_s": idle_in_calls(events, flush_events, call_events, calls),
-        "kernels_s": {name: statistics.median(v) for name, v in in_calls.items()},
-        "kernels_per_call_s": in_calls}
-  mean, holder[0] = untraced_burst(compiled, args, calls, flush, holder[0])
-  return mean, {"calls": calls, "samples_s": [mean], "per_call": "host"}
+  if spans is None:
+    return None, None
+  in_calls = kernels_in_calls(events, flush_events, call_events, calls, reduce=list)
+  return spans, {
+      "calls": calls, "samples_s": spans, "per_call": "device",
+      "idle_s": idle_in_calls(events, flush_events, call_events, calls),
+      "kernels_s": {name: statistics.median(v) for name, v in in_calls.items()},
+      "kernels_per_call_s": in_calls}
 
 
 def untraced_burst(compiled, args, calls, flush, buf):

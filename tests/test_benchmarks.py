@@ -408,8 +408,8 @@ def test_ncu_summary_reads_raw_reports(tmp_path, capsys):
 
 def test_ncu_stalls_read_source_pages(tmp_path, capsys):
   """ncu_forward --stalls: `ncu --import --csv --page source --print-source sass` files, one block
-  per kernel; the share of stall samples per opcode (a predicate guard is not the opcode) and the
-  most-sampled instructions with their main reasons."""
+  per kernel (a kernel launched twice as name#2); the share of stall samples per opcode (a
+  predicate guard is not the opcode) and the most-sampled instructions with their main reasons."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import ncu_forward
   header = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
@@ -421,11 +421,14 @@ def test_ncu_stalls_read_source_pages(tmp_path, capsys):
       '"0x10","@!P1  BRA 0x20","60","100","55","5","55"\n'
       '"0x20","HGMMA.64x128x16.F32.BF16 R88, gdesc[UR12].tnspB, R88","1,030","100","0","30","0"\n'
       '"Kernel Name","down_projection_mosaic_gpu_kernel",\n' + header
-      + '"0x0","NOP","5","1","0","5","0"\n')
+      + '"0x0","NOP","5","1","0","5","0"\n'
+      '"Kernel Name","down_projection_mosaic_gpu_kernel",\n' + header  # a second launch
+      + '"0x0","BAR","2","1","0","2","0"\n')
   out = ncu_forward.summarize_stalls([str(page)], top=2)
   up = out["concat_forward_x"]["up_projection_mosaic_gpu_kernel"]
   assert up == pytest.approx({"SYNCS": 10 / 1100, "BRA": 60 / 1100, "HGMMA": 1030 / 1100})
   assert out["concat_forward_x"]["down_projection_mosaic_gpu_kernel"] == {"NOP": 1.0}
+  assert out["concat_forward_x"]["down_projection_mosaic_gpu_kernel#2"] == {"BAR": 1.0}
   printed = capsys.readouterr().out
   assert "long_sb 55" in printed and "(1100 samples)" in printed
   assert "TRYWAIT" not in printed  # top=2: the least-sampled instruction is left out
