@@ -91,16 +91,21 @@ def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   assert _rows_err(a, a_ref, layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", MODES)
-def test_fused_gather_equals_contiguous_input(rng, compiled):
+@pytest.mark.parametrize("compiled,gather_impl", [
+    pytest.param(False, "cp_async", id="interpret"),  # the interpreter's one read a stage
+    pytest.param(True, "cp_async", id="compiled-cp_async", marks=MODES[1].marks),
+    pytest.param(True, "row_tma", id="compiled-row_tma", marks=MODES[1].marks)])
+def test_fused_gather_equals_contiguous_input(rng, compiled, gather_impl):
   """The gathered A operand gives the same H as the same kernel on a pre-gathered buffer."""
   from sonic_jax.mosaic_gpu import up_projection as up
+  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
   T, d, n, E = (96, 128, 128, 3) if not compiled else (4096, 512, 256, 8)
   x, w1, b1, ids = _problem(rng, T, d, n, E, 2, "swiglu")
   layout = build_grouped_layout(ids, E, 128)
   act = acts.get_activation("swiglu")
+  config = up.UpProjectionConfig(GroupedGemmConfig(gather_impl=gather_impl))
   with kernel_mode(compiled):
-    h_gather, _ = up.up_projection(x, w1, b1, layout, act, "concat")
+    h_gather, _ = up.up_projection(x, w1, b1, layout, act, "concat", config=config)
     h_contig, _ = up.up_projection(x[layout.row_token], w1, b1, layout, act, "concat",
                                    gather=False)
   valid = np.asarray(layout.row_valid())
@@ -560,8 +565,8 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,gathered,cluster,block,transposed", [  # the interpreter
-    (128, 256, False, None, 1, (128, 256), False),  # copies gathered rows one by one
+@pytest.mark.parametrize("m,n,skew,gathered,cluster,block,transposed", [
+    (128, 256, False, None, 1, (128, 256), False),
     (256, 512, True, None, 1, (128, 256), False), (128, 256, True, "lhs", 1, (128, 256), False),
     (256, 256, True, None, 2, (128, 256), False),
     (256, 256, True, "rhs", 2, (256, 128), False), (256, 256, True, "lhs", 2, (128, 256), True),
@@ -642,7 +647,7 @@ def test_walk_variants_equal_default(rng, compiled, role, variant):
   T, d, n, counts = ((230, 256, 128, [100, 100, 260, 0]) if not compiled else
                      (5000, 512, 256, [3000, 1300, 2300, 0, 1000, 1200, 700, 500]))
   E = len(counts)
-  if not compiled and role in ("up", "dh"):  # the interpreter copies gathered rows one by one
+  if not compiled and role in ("up", "dh"):  # the interpreted gathered kernels cost the most
     d = 128
   x, w1, _, _ = _problem(rng, T, d, n, E, 2, "swiglu")
   ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)

@@ -17,7 +17,7 @@ completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrie
 producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The
 hang of the first version was the register split, not the gather (see
 `grouped_gemm.register_split`). The interpreter cannot run inline Mosaic GPU code: interpreted
-kernels copy gathered rows one TMA per row instead.
+kernels gather a stage's rows with one indexed read instead (`interpreted_rows`).
 """
 
 from __future__ import annotations
@@ -170,6 +170,18 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
           has_side_effects=True)
 
   issue(*args)
+
+
+def interpreted_rows(src, row_index):
+  """The interpreter's gather: rows `row_index` of the GMEM view `src`, as a value.
+
+  The interpreter cannot run the inline Mosaic GPU code of `cp_async_rows`, and one TMA copy per
+  row costs it two callbacks a row (most of an interpreted test's time: each callback moves a
+  buffer between the host and the CPU device). Here a stage costs three: the indices, the source
+  columns, and the caller's store of the result into the stage (then a plain arrive on the
+  stage's barrier). The tile's rows still come from the kernel's own index arithmetic. Never
+  lowered: interpret mode only."""
+  return jnp.take(src[...], row_index[...], axis=0)
 
 
 # One mbarrier per ring stage, in plain SMEM (8 bytes each, as two int32): Pallas barriers cannot be

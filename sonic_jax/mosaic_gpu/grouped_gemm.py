@@ -88,7 +88,8 @@ class GroupedGemmConfig:
   grid_band: str = "n"
   # How a gathered A operand is loaded (sonic_jax.mosaic_gpu.gather): "cp_async" (the memory
   # warpgroup's threads copy 16-byte pieces) or "row_tma" (one TMA per row: exact but issue-bound,
-  # about 7x slower; what the interpreter always runs).
+  # about 7x slower). The interpreter runs "cp_async" as one indexed read a stage
+  # (`gather.interpreted_rows`).
   gather_impl: str = "cp_async"
   # Registers per thread of the memory warpgroup (None: 80 for the cp.async gather, which computes
   # addresses, else 40); the compute warpgroups share the rest of the launch's pool.
@@ -306,7 +307,9 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   dtype = lhs.dtype
   gather_impl = None
   if row_token is not None:
-    gather_impl = "row_tma" if interpreting() else config.gather_impl
+    gather_impl = config.gather_impl
+    if gather_impl == "cp_async" and interpreting():
+      gather_impl = "interpreted"
   memory_regs, compute_regs = register_split(gather_impl, config.memory_registers)
   m_tiles = tile_expert.shape[0]
   num_experts = rhs.shape[0]
@@ -392,6 +395,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 tok = row_token_ref[base + r]
                 plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
                                         a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
+            elif gather_impl == "interpreted":
+              a_rows[slot] = gather.interpreted_rows(lhs_ref.at[:, k_slice],
+                                                     row_token_ref.at[pl.ds(mi * tm, tm)])
+              plgpu.barrier_arrive(full.at[slot])
             else:
               plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(mi * tm, tm), k_slice],
                                       a_tiles.at[slot], full.at[slot])
@@ -505,9 +512,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 
-    # Arrivals on full[s]: the B copies, plus one per A row copy (row_tma) or the A copy (TMA);
-    # the cp.async gather signals its own per-stage barriers instead (`gather.stage_barriers`).
-    a_copies = {"row_tma": tm, "cp_async": 0, None: 1}[gather_impl]
+    # Arrivals on full[s]: the B copies, plus one per A row copy (row_tma), the A copy (TMA) or
+    # the interpreter's gathered store; the cp.async gather signals its own per-stage barriers
+    # instead (`gather.stage_barriers`).
+    a_copies = {"row_tma": tm, "cp_async": 0, "interpreted": 1, None: 1}[gather_impl]
     copies_per_stage = a_copies + role.num_rhs_blocks
     elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(

@@ -103,10 +103,9 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   group_start = (jnp.cumsum(layout.group_sizes) - layout.group_sizes).astype(jnp.int32)
   itemsize = jnp.dtype(dtype).itemsize
   memory_regs, compute_regs = register_split("cp_async" if gathered else None)
-  # Arrivals on full[s]: one per TMA copy (two lhs halves, one rhs block), one per row copy of a
+  # Arrivals on full[s]: one per TMA copy (two lhs halves, one rhs block), plus the store of a
   # gathered operand in the interpreter; the cp.async gather signals `ready` instead.
-  gathered_copies = 0 if not gathered or not interpreting() else tk * (bm if gathered == "lhs"
-                                                                       else bn) // 64
+  gathered_copies = 1 if gathered and interpreting() else 0
   full_arrivals = {None: lhs_boxes + 1, "lhs": 1, "rhs": lhs_boxes}[gathered] + gathered_copies
 
   interpret_mode = interpreting()
@@ -155,10 +154,10 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           return step + steps
         return _items
 
-      def load_rows(src, rows, cols, slot, barrier, dst_tiles, dst_raw, indices, block_stride,
+      def load_rows(src, rows, cols, slot, barrier, store, dst_raw, indices, block_stride,
                     group_stride):
         """Gathers the grouped rows `rows` of the (T, .) source `src`, columns `cols`, into the
-        stage; dst_tiles(r, j) is the (1, 64) view of row r, 64-column span j (interpreter)."""
+        stage; store(value) writes the (tk, cols) rows into the stage (interpreter)."""
         if cp_async:
           # Each step reads new indices: prefetch the next step's (clamped to the buffer).
           next_rows = pl.ds(jnp.minimum(rows.start + tk, row_token_ref.shape[0] - tk), tk)
@@ -169,12 +168,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
                                loaded_indices=indices)
           return
 
-        @pl.loop(0, tk)
-        def _row(r):
-          tok = row_token_ref[rows.start + r]
-          for j in range(cols.size // 64):
-            plgpu.copy_gmem_to_smem(src.at[pl.ds(tok, 1), pl.ds(cols.start + j * 64, 64)],
-                                    dst_tiles(r, j), barrier)
+        store(gather.interpreted_rows(src.at[:, cols], row_token_ref.at[rows]))
+        plgpu.barrier_arrive(barrier)
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
@@ -200,18 +195,25 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
               plgpu.barrier_wait(empty.at[slot])
 
             if gathered == "lhs":  # the 64-column boxes are separate (tk, 64) buffers
-              load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot],
-                        lambda r, j: a_smem.at[slot, j, pl.ds(r, 1)], a_raw, indices,
-                        block_stride=tk * 64 * itemsize, group_stride=8 * 64 * itemsize)
+              def store_boxes(value):
+                for j in range(lhs_boxes):
+                  a_smem[slot, j] = value[:, j * 64:(j + 1) * 64]
+
+              load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot], store_boxes,
+                        a_raw, indices, block_stride=tk * 64 * itemsize,
+                        group_stride=8 * 64 * itemsize)
             else:
               for h in range(lhs_boxes):
                 plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * 64, 64)],
                                         a_smem.at[slot, h], full.at[slot],
                                         **(multicast if shared == "lhs" else {}))
             if gathered == "rhs":
-              load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot],
-                        lambda r, j: b_smem.at[slot, pl.ds(r, 1), pl.ds(j * 64, 64)], b_raw,
-                        indices, block_stride=8 * 64 * itemsize, group_stride=8 * bn * itemsize)
+              def store_block(value):
+                b_smem[slot] = value
+
+              load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot], store_block,
+                        b_raw, indices, block_stride=8 * 64 * itemsize,
+                        group_stride=8 * bn * itemsize)
             else:
               plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
                                       full.at[slot], **(multicast if shared == "rhs" else {}))
