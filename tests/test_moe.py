@@ -166,7 +166,7 @@ def test_vmap_over_a_leading_batch(rng):
   p, d_y = make_problem(rng, T=16)
   xs = jnp.asarray(np.stack([p["x"], -p["x"], 2 * p["x"]]), jnp.float32)
   w = [jnp.asarray(p[k], jnp.float32) for k in ("router_weight", "w1", "w2")]
-  f = lambda x: sonic_jax.moe(x, *w, top_k=2, backend="xla")[0]
+  f = jax.jit(lambda x: sonic_jax.moe(x, *w, top_k=2, backend="xla")[0])  # one compile, not op by op
   batched = jax.vmap(f)(xs)
   for i in range(3):
     assert rel_err(batched[i], f(xs[i])) < 1e-6
