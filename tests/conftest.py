@@ -19,8 +19,9 @@ def pytest_configure(config):
   """On a machine without a GPU, one persistent compilation cache for the whole run, shared by
   the xdist workers and the scripts that tests start (they inherit the environment): most of a
   CPU test's time is XLA compiling, and many tests compile the same programs (the CI suite took
-  894 instead of 1065 s in one run on a 2-core machine). The directory is the run's own and is removed at its end, so nothing carries
-  over between runs. A JAX_COMPILATION_CACHE_DIR set by the caller is left alone."""
+  894 instead of 1065 s in one run on a 2-core machine). The directory is the run's own and is
+  removed at its end, so nothing carries over between runs. A JAX_COMPILATION_CACHE_DIR set by
+  the caller is left alone."""
   if hasattr(config, "workerinput") or shutil.which("nvidia-smi"):
     return  # an xdist worker (the controller set it up) or a GPU machine
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:

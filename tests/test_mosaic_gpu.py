@@ -511,7 +511,7 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
 
 
 # Interpreted, the 256-column tile in 2-CTA clusters only (the row store is the core's, the same
-# for both tiles; the interpreter's race detector weighs every per-row copy against the others);
+# for both tiles; the race detector weighs each of its stores against the stage's other accesses);
 # compiled, both.
 @pytest.mark.parametrize("block_n,cluster,compiled", [
     pytest.param(256, 2, False, id="256-2-interpret"),
