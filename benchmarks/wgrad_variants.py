@@ -33,10 +33,13 @@ DEFAULT_CONFIGS = [(32768, 4096, 512, 256, 16), (32768, 4096, 256, 256, 16),
 # name: (True: the fused gather, as the backend runs it (dw2: `dw2_gathering_d_out`, the dO rows
 # on the wgmma's M side); "n side" (dw2 only): A_s^T dO with the gathered dO as the rhs, on the
 # N side; "identity": the fused gather's machinery over the rows gathered beforehand, read in order
-# (row_token = iota, no scattered addresses); False: those rows through TMA;
-# WeightGradConfig overrides)
+# (row_token = iota, no scattered addresses); "padded": the fused gather with each expert's
+# reduction over its whole padded group, as before the twenty-ninth session (the layout's real-row
+# counts replaced by its group sizes; padding rows add zero products); False: those rows through
+# TMA; WeightGradConfig overrides)
 VARIANTS = {
     "fused gather, table config": (True, {}),
+    "fused gather, reduction over the padded groups": ("padded", {}),
     "identity gather of the grouped rows": ("identity", {}),
     "fused gather, indices after the stage wait": (True, {"indices_before_wait": False}),
     "fused gather, cluster 1": (True, {"cluster": 1}),
@@ -64,6 +67,7 @@ def run_config(cfg):
   d_out_rows, x_rows = gather_rows(d_out), gather_rows(x)
   base = mosaic_backend.weight_grad_config(d, n, e)
   identity = layout._replace(row_token=jnp.arange(rows, dtype=jnp.int32))
+  padded = layout._replace(expert_counts=layout.group_sizes)
   used = int(layout.num_tiles) * 128
   out = {}
   products = {  # name: (lhs, rhs, gathered side, its grouped rows, their source, flops)
@@ -78,7 +82,7 @@ def run_config(cfg):
       if fused == "n side" and side != "rhs":
         continue
       config = dataclasses.replace(base, **overrides)
-      lay = identity if fused == "identity" else layout
+      lay = {"identity": identity, "padded": padded}.get(fused, layout)
       src = grouped if fused == "identity" else source
       if fused is False:
         variants[name] = (lambda l, r, config=config: wgrad.weight_grad(l, r, layout, config),

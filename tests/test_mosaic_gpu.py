@@ -609,6 +609,60 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   assert np.all(np.asarray(got, np.float32)[empty] == 0)
 
 
+def _routing_with_counts(rng, counts):
+  """(T, 1) expert ids, shuffled, that give expert e exactly counts[e] rows."""
+  ids = np.repeat(np.arange(len(counts)), counts)
+  return jnp.asarray(rng.permutation(ids)[:, None], jnp.int32)
+
+
+def _rows_past_the_reduction(layout, tile_k=64):
+  """(R,) bool: grouped rows after the tile_k step that holds their expert's last real row."""
+  sizes = np.asarray(layout.group_sizes)
+  ends = np.cumsum(sizes)
+  reduced = (np.asarray(layout.expert_counts) + tile_k - 1) // tile_k * tile_k
+  row = np.arange(layout.num_rows)
+  expert = np.searchsorted(ends, row, side="right")  # E past the used rows
+  offset = row - np.concatenate([[0], ends])[np.minimum(expert, len(sizes))]
+  return (expert < len(sizes)) & (offset >= np.append(reduced, 0)[expert])
+
+
+# Experts' rows: a lone tile of 40 (its second 64-row step padding only), 64 + 128 (the same in its
+# last tile), 65 (one real row in the second step), none, and full tiles.
+SKIP_COUNTS = [40, 192, 65, 0, 256]
+
+
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("gathered", [None, "lhs"])
+def test_weight_grad_stops_at_the_last_real_row(rng, compiled, gathered):
+  """The varlen-K reduction ends with the 64-row step that holds an expert's last real row: NaN in
+  the padding-only steps after it never reaches the gradient (in both grouped operands; with the
+  gathered lhs, whose padding rows read a real token, in the rhs)."""
+  from sonic_jax.mosaic_gpu import weight_grad as wg
+  m, n, scale = (128, 256, 1) if not compiled else (512, 512, 8)
+  counts = [c * scale for c in SKIP_COUNTS]
+  layout = build_grouped_layout(_routing_with_counts(rng, counts), len(counts), 128)
+  skipped = _rows_past_the_reduction(layout)[:, None]
+  valid = np.asarray(layout.row_valid())[:, None]
+  assert skipped.any()
+
+  def grouped(width):  # zero on the padding rows that the reduction reads, NaN past them
+    v = rng.standard_normal((layout.num_rows, width))
+    return jnp.asarray(np.where(valid, v, np.where(skipped, np.nan, 0)), jnp.bfloat16)
+
+  rhs = grouped(n)
+  if gathered:
+    source = jnp.asarray(rng.standard_normal((sum(counts), m)), jnp.bfloat16)
+    lhs, lhs_rows = source, source[layout.row_token]
+  else:
+    lhs = lhs_rows = grouped(m)
+  with kernel_mode(compiled):
+    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, gathered=gathered))(lhs, rhs)
+  zeroed = lambda v: jnp.where(valid, v, 0)
+  want = xla_backend.grouped_weight_grad(zeroed(lhs_rows), zeroed(rhs), layout)
+  assert np.all(np.isfinite(np.asarray(got, np.float32)))
+  assert rel_err(got, want) < 1e-2
+
+
 # (role, variant): every role in 2-CTA clusters, and the row-band tile walk (with and without
 # clusters) for the roles whose tables use it.
 WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "dx"]]
