@@ -618,12 +618,11 @@ def _routing_with_counts(rng, counts):
 def _rows_past_the_reduction(layout, tile_k=64):
   """(R,) bool: grouped rows after the tile_k step that holds their expert's last real row."""
   sizes = np.asarray(layout.group_sizes)
-  ends = np.cumsum(sizes)
-  reduced = (np.asarray(layout.expert_counts) + tile_k - 1) // tile_k * tile_k
-  row = np.arange(layout.num_rows)
-  expert = np.searchsorted(ends, row, side="right")  # E past the used rows
-  offset = row - np.concatenate([[0], ends])[np.minimum(expert, len(sizes))]
-  return (expert < len(sizes)) & (offset >= np.append(reduced, 0)[expert])
+  start = np.append(np.cumsum(sizes) - sizes, 0)  # per expert, then 0 for rows past the used ones
+  reduced = np.append(-(-np.asarray(layout.expert_counts) // tile_k) * tile_k, 0)
+  expert = np.asarray(layout.row_expert)  # E past the used rows
+  offset = np.arange(layout.num_rows) - start[expert]
+  return (expert < layout.num_experts) & (offset >= reduced[expert])
 
 
 # Experts' rows: a lone tile of 40 (its second 64-row step padding only), 64 + 128 (the same in its

@@ -291,6 +291,6 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   row_token = layout.row_token if gathered else jnp.zeros((1,), jnp.int32)
   # The reduction stops at the tile_k step holding an expert's last real row: padding only
   # follows it (an expert's padding ends its group). Half a 128-row tile of padding per expert on
-  # average, 1.4-2.8% of dw1's and dw2's time at d = 4096 on an H100 (benchmarks/NOTES.md).
+  # average, 1.1-2.8% of dw1's and dw2's time at d = 4096 on an H100 (benchmarks/NOTES.md).
   reduced_rows = (layout.expert_counts + tk - 1) // tk * tk
   return kernel(reduced_rows.astype(jnp.int32), group_start, row_token, lhs_rows, rhs_rows)
