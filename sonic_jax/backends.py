@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import warnings
 from typing import Callable
 
 import jax
 
 from sonic_jax import xla_backend
+from sonic_jax.config import Config, check_config
+from sonic_jax.interpret import interpreting
 
 BACKENDS = ("auto", "xla", "mosaic_gpu")
 
@@ -56,61 +56,26 @@ def _device_is_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"
 
 
-def interpreting() -> bool:
-  """Whether Pallas kernels are being traced for Mosaic GPU interpret mode (on a CPU)."""
-  from jax._src import config as jax_config  # set by plgpu.force_gpu_interpret_mode
-  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
-
-
-# Mosaic GPU interpret mode runs each warpgroup of a kernel on a thread of its own and blocks in
-# io_callbacks (barrier waits) that XLA's CPU runtime may run on its intra-op thread pool; a kernel
-# of a 2-CTA cluster can hold 7 of its threads at once (6 warpgroups and the callback that waits
-# for them). With fewer threads the last warpgroup can starve: an intermittent hang at 0% CPU.
-# The pool's size is PJRT_NPROC (or NPROC) when set, else the CPUs this process may run on.
-INTERPRETER_MIN_CPU_THREADS = 8
-
-
-def cpu_client_threads() -> int:
-  """The thread count XLA's CPU client takes for its intra-op pool (read when it starts)."""
-  for name in ("PJRT_NPROC", "NPROC"):
-    value = os.environ.get(name, "")
-    if value.strip().isdigit():
-      return int(value)
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
-
-
-def warn_if_interpreter_may_hang() -> None:
-  """Called by the kernels when they are traced for interpret mode."""
-  threads = cpu_client_threads()
-  if threads < INTERPRETER_MIN_CPU_THREADS:
-    warnings.warn(
-        f"sonic_jax: Mosaic GPU interpret mode on a CPU client with {threads} threads can hang "
-        f"(its warpgroups block XLA's CPU thread pool in barrier waits); set PJRT_NPROC="
-        f"{2 * INTERPRETER_MIN_CPU_THREADS} in the environment before JAX starts "
-        "(tests/conftest.py does).", RuntimeWarning, stacklevel=2)
-
-
-def _mosaic_gpu() -> Backend:
+def _mosaic_gpu(config: Config) -> Backend:
   from sonic_jax.mosaic_gpu.backend import make_backend  # imports Pallas only when asked for
-  return make_backend(XLA)
+  return make_backend(XLA, config)
 
 
-def resolve_backend(name: str) -> Backend:
+def resolve_backend(name: str, config: Config | None = None) -> Backend:
   """Maps a backend name to its functions; "auto" picks the fastest one available here.
 
   "mosaic_gpu" needs an sm90 GPU (H100/H200), or Mosaic GPU interpret mode
   (`plgpu.force_gpu_interpret_mode`) on a CPU; "auto" chooses it on sm90 and "xla" elsewhere.
+  `config` (a `sonic_jax.Config`) configures the mosaic_gpu kernels.
   """
+  config = check_config(config)
   if name == "auto":
-    return _mosaic_gpu() if _device_is_hopper() else _xla_for_platform()
+    return _mosaic_gpu(config) if _device_is_hopper() else _xla_for_platform()
   if name == "xla":
     return _xla_for_platform()
   if name == "mosaic_gpu":
     if _device_is_hopper() or (interpreting() and jax.default_backend() == "cpu"):
-      return _mosaic_gpu()
+      return _mosaic_gpu(config)
     dev = jax.devices()[0]
     raise ValueError(
         "backend='mosaic_gpu' needs an sm90 (Hopper) GPU or Mosaic GPU interpret mode on CPU; "

@@ -11,9 +11,8 @@ Two transports move the same plan with the same result:
   included (S*d per device pair, whatever the routing);
 - "ragged": one `jax.lax.ragged_all_to_all` that moves only each slot's pairs. XLA:CPU does not
   implement it (jax 0.11.2), so on CPU it runs through an all-gather emulation with the same values
-  and gradients. On 2 H200s with jax 0.11.2 XLA's ragged-all-to-all ran at 2.6 GB/s against the
-  dense all-to-all's 251 GB/s (benchmarks/a2a_transport.py, BENCHMARKS.md), whatever its flags, so
-  "auto" picks "dense".
+  and gradients. On jax 0.11.2 XLA's ragged all-to-all moves about 1% of the dense all-to-all's
+  bandwidth between GPUs (docs/decisions.md), so "auto" picks "dense".
 """
 
 from __future__ import annotations

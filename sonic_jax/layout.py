@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sonic_jax.config import Config, check_config
 from sonic_jax.pallas import layout_ranks, next_pow2
 
 Array = jax.Array
@@ -85,9 +86,8 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
   """(order, sorted ids) of the stable sort of the ids (values in [0, E]).
 
   A (key, index) sort on the narrowest unsigned key that holds E: XLA sorts these on the GPU with
-  a radix sort over the key's bits, so uint8 ids (E < 256) take one 8-bit pass where an int32
-  key (`id << b | pair`, the previous form) took four. Measured on an H100 at T*K = 327680
-  (benchmarks/epilogue_probe.py): see benchmarks/NOTES.md.
+  a radix sort over the key's bits, so uint8 ids (E < 256) take one 8-bit pass where a packed
+  int32 key (`id << b | pair`) takes four.
   """
   key_dtype = jnp.uint8 if e_count < 256 else jnp.uint16 if e_count < 65536 else jnp.int32
   index = jax.lax.iota(jnp.int32, flat.shape[0])
@@ -96,12 +96,6 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
 
 
 LAYOUT_METHODS = ("auto", "sort", "block_ranks")
-# "auto" takes the block-rank kernel up to this many experts (E rounded up to a power of two): its
-# work per pair grows with E, the sort's does not. Measured on an H100 (benchmarks/NOTES.md,
-# fifteenth session), layout pass / layer forward: 42 -> 22 us / 1.049 -> 1.012 ms at
-# 24576,1536,512,64,4; 49 -> 47 us / 1.120 -> 1.104 ms at 40960,768,256,128,8 (E = 128, K = 8);
-# but 71 -> 91 us for the layout pass at E = 256, K = 16.
-AUTO_MAX_EXPERTS = 128
 
 
 def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0) -> str | None:
@@ -113,7 +107,8 @@ def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int 
   return layout_ranks.supports(expert_ids, num_experts)
 
 
-def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra: int) -> bool:
+def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra: int,
+                     max_experts: int) -> bool:
   if method not in LAYOUT_METHODS:
     raise ValueError(f"method must be one of {LAYOUT_METHODS}, got {method!r}")
   if method == "sort":
@@ -123,8 +118,9 @@ def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra
     if reason is not None:
       raise ValueError(f"build_grouped_layout(method='block_ranks'): {reason}")
     return True
+  # The kernel's work per pair grows with E, the sort's does not.
   return (reason is None and jax.default_backend() == "gpu"
-          and next_pow2(num_experts) <= AUTO_MAX_EXPERTS)
+          and next_pow2(num_experts) <= max_experts)
 
 
 def _expert_row_starts(counts: Array, row_tile: int) -> Array:
@@ -163,7 +159,7 @@ def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
 def _exclusive_cumsum_rows(x: Array, group: int = 32) -> Array:
   """Exclusive prefix sum down the rows of x (B, E) in two levels (within groups of `group` rows,
   then over the groups' totals): XLA's GPU cumsum is a reduce-window over the whole axis, whose
-  cost grows with its square (12 us for 384 rows of 64 on an H100)."""
+  cost grows with its square."""
   blocks = x.shape[0]
   if blocks <= group:
     return jnp.cumsum(x, axis=0) - x
@@ -198,7 +194,7 @@ def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: i
 def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          extra_tokens: Array | None = None,
                          extra_experts: Array | None = None, *,
-                         method: str = "auto") -> GroupedLayout:
+                         method: str = "auto", config: Config | None = None) -> GroupedLayout:
   """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
 
   extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
@@ -206,9 +202,11 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   method: how pairs are grouped, the same layout either way. "sort": a stable sort of the expert
   ids. "block_ranks": a counting sort whose per-block counts and ranks come from a Pallas kernel
   (interpreted off the GPU; no extra pairs, E <= 1024, S <= 32). "auto" (default): "block_ranks"
-  on a GPU where it applies and E <= `AUTO_MAX_EXPERTS` (128; faster there: one kernel instead of a
-  radix sort and about ten small XLA kernels, benchmarks/NOTES.md), "sort" otherwise.
+  on a GPU where it applies and E, rounded up to a power of two, is at most
+  `config.layout_kernel_max_experts` (faster there: one kernel instead of a radix sort and about
+  ten small XLA kernels), "sort" otherwise.
   """
+  config = check_config(config)
   if expert_ids.ndim != 2:
     raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
   if row_tile < 1:
@@ -229,7 +227,7 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   expert_ids = expert_ids.astype(jnp.int32)
   extra_used = (extra_experts >= 0) & (extra_experts < e_count)
 
-  if _use_block_ranks(method, expert_ids, e_count, num_extra):
+  if _use_block_ranks(method, expert_ids, e_count, num_extra, config.layout_kernel_max_experts):
     pair_row, row_pair, counts = _rows_by_block_ranks(expert_ids, e_count, row_tile, rows)
   else:
     flat = jnp.concatenate([expert_ids.reshape(-1), extra_experts]).astype(jnp.int32)

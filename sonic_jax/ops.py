@@ -11,6 +11,7 @@ import numpy as np
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
+from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import build_grouped_layout
 
@@ -71,8 +72,8 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     raise ValueError(f"w1 must have shape (E, d, {'2n' if act.is_glu else 'n'}) with E = {e_count}, "
                      f"d = {d}, got {tuple(w1.shape)}")
   if w1.shape[2] % mult or w1.shape[2] == 0:
-    raise ValueError(f"w1's last dim must be 2n (even and > 0) for the GLU activation "
-                     f"{activation!r}, got {w1.shape[2]}")
+    what = "2n (even and > 0) for the GLU" if act.is_glu else "n (> 0) for the"
+    raise ValueError(f"w1's last dim must be {what} activation {activation!r}, got {w1.shape[2]}")
   n = w1.shape[2] // mult
   _check_rank("w2", w2, 3, f"(E, n, d) = ({e_count}, {n}, {d})")
   if tuple(w2.shape) != (e_count, n, d):
@@ -107,7 +108,8 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
 def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
         activation: str = "swiglu", routing: str = "softmax_topk", gate_up_layout: str = "concat",
         b1: Array | None = None, b2: Array | None = None, selection_bias: Array | None = None,
-        token_rounding: str | None = None, backend: str = "auto") -> tuple[Array, MoEAux]:
+        token_rounding: str | None = None, backend: str = "auto",
+        config: Config | None = None) -> tuple[Array, MoEAux]:
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward.
 
   Args:
@@ -131,6 +133,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       rows. Needs a softmax routing ("softmax_topk", "topk_softmax", "topk_softmax_raw"). The
       pairs it adds are in `aux.extra_*`; dropped slot pairs get expert id -1 and score 0.
     backend: "auto", "xla" or "mosaic_gpu".
+    config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
+      Static: under `jax.jit` pass it by closure or as a static argument.
 
   Returns:
     (y, aux): y has x's shape and dtype; aux is a `MoEAux`.
@@ -143,7 +147,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   if routing not in routing_lib.ROUTINGS:
     raise ValueError(f"routing must be one of {routing_lib.ROUTINGS}, got {routing!r}")
-  impl = resolve_backend(backend)
+  config = check_config(config)
+  impl = resolve_backend(backend, config)
   e_count = router_weight.shape[1]
 
   if selection_bias is not None:
@@ -152,11 +157,11 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
                        f"{tuple(selection_bias.shape)}")
   logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
-                                                  selection_bias)
+                                                  selection_bias, config=config)
   routed, _ = routing_lib.route_tokens(logits, top_k, routing, selection_bias, token_rounding,
                                        impl.row_tile, ids)
   layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
-                                routed.extra_experts)
+                                routed.extra_experts, config=config)
   y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1, w2,
                      b1, b2, act, gate_up_layout, impl)
   aux = MoEAux(

@@ -7,8 +7,8 @@ single-device `sonic_jax.moe` in output and gradients:
 tokens, sends each (token, expert) row to the device that holds the expert with one all-to-all
 (`sonic_jax.exchange`: dense `jax.lax.all_to_all` of fixed-size slots, or
 `jax.lax.ragged_all_to_all`), runs its local experts on what it received and returns each result
-row the same way; the sender sums its tokens' K rows. Communication per layer: T_local*K*d rows
-each way (ragged; the dense transport moves whole slots, P*S rows), (P-1)/P of them crossing
+row the same way; the sender sums its tokens' K rows. Communication per layer: T_local*K rows of
+d each way (ragged; the dense transport moves whole slots, P*S rows), (P-1)/P of them crossing
 devices.
 
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
@@ -25,7 +25,7 @@ routing of all P*T_local tokens on every device; the ragged all-to-all moves (P-
 T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged) or P < c*K
 (dense with a capacity factor; dropless dense always moves more), and all-to-all wins beyond; it
 also keeps the routing, the row gathers and the saved activations per device independent of P
-(all-gather's grow with P). benchmarks/ep_bench.py measures both.
+(all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from sonic_jax import exchange
 from sonic_jax import routing as routing_lib
 from sonic_jax import xla_backend
 from sonic_jax.backends import resolve_backend
+from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.ops import MoEAux, _validate
@@ -59,8 +60,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    top_k: int, activation: str = "swiglu", routing: str = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, selection_bias: Array | None = None,
-                   token_rounding: str | None = None,
-                   backend: str = "auto") -> tuple[Array, MoEAux]:
+                   token_rounding: str | None = None, backend: str = "auto",
+                   config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
@@ -68,7 +69,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
   identical on every device of the axis). token_rounding rounds the global routing (every device
   computes the same one), so each expert's count is a multiple of the backend's row tile wherever
-  the expert lives.
+  the expert lives. The other arguments are those of `sonic_jax.moe`.
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
@@ -76,16 +77,18 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   x_all = jax.lax.all_gather(x, axis_name, tiled=True)  # (T, d)
   act = _validate(x_all, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
-  impl = resolve_backend(backend)
+  config = check_config(config)
+  impl = resolve_backend(backend, config)
   logits, ids = routing_lib.router_logits_and_ids(x_all, router_weight, top_k, routing,
-                                                  selection_bias)
+                                                  selection_bias, config=config)
   rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias,
                                              token_rounding, impl.row_tile, ids)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
   layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
-                                rounded.extra_tokens, localize(rounded.extra_experts, e_local))
+                                rounded.extra_tokens, localize(rounded.extra_experts, e_local),
+                                config=config)
   y_partial = expert_mixture(x_all, rounded.scores, routing_lib.extra_scores_or_none(rounded),
                              layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
@@ -181,7 +184,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
-                   transport: str = "auto", backend: str = "auto") -> tuple[Array, MoEAux]:
+                   transport: str = "auto", backend: str = "auto",
+                   config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`, tokens dispatched by all-to-all; call it
   inside `jax.shard_map`.
 
@@ -199,21 +203,23 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   expert_counts, load-balance and z losses, padded_rows and dropped_pairs.
 
   Saved for the backward per device: the received x rows (P*S, d) and their H, the scores and
-  integer metadata; the exchange's backward is the exchange back.
+  integer metadata; the exchange's backward is the exchange back. The other arguments are those of
+  `sonic_jax.moe`.
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local)
-  impl = resolve_backend(backend)
+  config = check_config(config)
+  impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)
   e_count, t_local = e_local * p, x.shape[0]
   me = jax.lax.axis_index(axis_name)
 
   if token_rounding is None:
     logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
-                                                    selection_bias)
+                                                    selection_bias, config=config)
     rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias, None,
                                                impl.row_tile, ids)
   else:
@@ -222,7 +228,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                                       impl.row_tile, axis_name)
   # The sender's pairs in expert order, then moved into one slot per receiving device.
   pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
-                               rounded.extra_experts)
+                               rounded.extra_experts, config=config)
   counts = jax.lax.all_gather(pairs.expert_counts, axis_name)  # (P, E)
   slot_rows = slot_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
   dispatch, combine = exchange.exchange_plan(counts, me, slot_rows)
@@ -232,7 +238,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   extra_scores = routing_lib.extra_scores_or_none(rounded)
   x_recv = move(_rows_of_pairs(x, send), dispatch)
   s_recv = move(scores_by_row(rounded.scores, extra_scores, send)[:, None], dispatch)
-  experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile)
+  experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile,
+                                 config=config)
   y_recv = expert_mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout,
                           impl)  # (P*S, d): each received row times its score
   y = _sum_pairs(move(y_recv, combine), send)

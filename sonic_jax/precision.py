@@ -3,10 +3,9 @@
 `jnp.dot(a, b, preferred_element_type=float32)` of bfloat16 operands is what a mixed-precision
 layer wants forward (16-bit operands, float32 accumulation and result), but its autodiff transpose
 multiplies the float32 cotangent with float32 copies of the operands: the backward's GEMMs run on
-float32 inputs. Measured on an H100 for the router GEMM (`benchmarks/router_backward.py`): its
-forward and backward took 154 against 123 us at T=40960, d=768, E=128 and 961 against 428 us at
-T=32768, d=4096, E=256. `dot_f32` casts the cotangent to the operands' dtype instead, as a 16-bit
-GEMM's backward does in mixed-precision training (float32 accumulation throughout).
+float32 inputs, at up to twice the time (docs/decisions.md). `dot_f32` casts the cotangent to the
+operands' dtype instead, as a 16-bit GEMM's backward does in mixed-precision training (float32
+accumulation throughout).
 """
 
 from __future__ import annotations

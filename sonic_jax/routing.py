@@ -14,8 +14,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sonic_jax.pallas import router_topk
 from sonic_jax import precision
+from sonic_jax.config import Config, check_config
+from sonic_jax.pallas import router_topk
 from sonic_jax.precision import dot_f32
 
 Array = jax.Array
@@ -48,42 +49,36 @@ def _top_k_ids(values: Array, top_k: int) -> Array:
   return jax.lax.top_k(jax.lax.stop_gradient(values), top_k)[1]
 
 
-# The router GEMM with the top-K in its epilogue (`router_logits_and_ids`) is used up to this many
-# experts on a GPU (`sonic_jax.pallas.router_topk.logits_top_k`). Measured on an H100
-# (benchmarks/router_variants.py): the router's device time 48.4 -> 46.1 us at T=40960, d=768,
-# E=128, 45.0 -> 44.5 at 24576, 1536, 128, 104.4 -> 100.9 at 32768, 4096, 64 (one kernel instead
-# of two: no logits read back); the layer's forward 0.7-1.4% and its training step 0.8-1.5%
-# faster on five configurations with E <= 128; but at E=256 the router alone took 247 against 186
-# us (host-timed): few tokens per program there, and each program reads the whole weight.
-FUSED_TOP_K_MAX_EXPERTS = 128
-
-
 def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing: str,
-                            gpu_only: bool = True) -> str | None:
+                            gpu_only: bool = True, config: Config | None = None) -> str | None:
   """None when `router_logits_and_ids` computes the logits and the expert ids in one kernel (by
-  default only on a GPU; gpu_only=False: whether the interpreter can run it elsewhere)."""
+  default only on a GPU, up to `config.router_kernel_max_experts` experts; gpu_only=False:
+  whether the interpreter can run it elsewhere)."""
+  config = check_config(config)
   if routing != "softmax_topk":
     return f"routing {routing!r} (the fused kernel selects on the logits: 'softmax_topk')"
   if not router_topk.AVAILABLE:
     return "Pallas's Triton lowering is not available"
   if gpu_only and jax.default_backend() != "gpu":
     return "not on a GPU"
-  if router_weight.shape[-1] > FUSED_TOP_K_MAX_EXPERTS:
-    return f"E={router_weight.shape[-1]} > {FUSED_TOP_K_MAX_EXPERTS}"
+  if gpu_only and router_weight.shape[-1] > config.router_kernel_max_experts:
+    return (f"E={router_weight.shape[-1]} > Config.router_kernel_max_experts="
+            f"{config.router_kernel_max_experts}")
   return router_topk.logits_supports(x, router_weight, top_k)
 
 
 def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: str,
-                          selection_bias: Array | None = None,
-                          fused: bool | None = None) -> tuple[Array, Array | None]:
+                          selection_bias: Array | None = None, fused: bool | None = None,
+                          config: Config | None = None) -> tuple[Array, Array | None]:
   """(logits, expert ids or None): `router_logits(x, router_weight)` and, where one kernel can
   give them with the logits (`fused_top_k_unsupported` is None: a GPU, 16-bit x and weight,
   'softmax_topk'), the ids that `route` would select, for `route(..., expert_ids=ids)`. The fused
   kernel saves the top-K's pass over the logits and a launch; the gradients are those of
   `router_logits` (16-bit GEMMs, float32 accumulation; none into the selection bias).
-  fused: None (where it applies), False (never: ids None), True (always; interpreted off a GPU;
-  a ValueError where it does not apply)."""
-  reason = fused_top_k_unsupported(x, router_weight, top_k, routing, gpu_only=fused is None)
+  fused: None (where it applies and `config` chooses it), False (never: ids None), True (always;
+  interpreted off a GPU; a ValueError where it does not apply)."""
+  reason = fused_top_k_unsupported(x, router_weight, top_k, routing, gpu_only=fused is None,
+                                   config=config)
   if fused is False or (reason is not None and not fused):
     return router_logits(x, router_weight), None
   if reason is not None:
@@ -207,8 +202,8 @@ _ROUNDABLE = ("softmax_topk", "topk_softmax", "topk_softmax_raw")
 
 class RoundedRouting(NamedTuple):
   """A routing after token rounding: the K slots of token choice, minus the pairs rounding dropped,
-  plus X extra (token, expert) pairs that rounding added (expert-major, at most `tile - 1` per
-  expert, sorted by token)."""
+  plus X extra (token, expert) pairs that rounding added (at most `tile - 1` per expert, sorted by
+  token)."""
 
   scores: Array  # (T, K) float32: kept pairs keep their token-choice score, dropped pairs 0
   expert_ids: Array  # (T, K) int32: -1 where the pair was dropped
@@ -228,7 +223,7 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
 
   With f_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
   round-half-to-even ("nearest") of f_e / tile, times tile, capped at T. Each expert ranks the
-  tokens as SonicMoE does: its token-choice (TC) tokens first, by their renormalised score, then the
+  tokens as SonicMoE does: its token-choice (TC) tokens first, by their score, then the
   other tokens by raw probability, and takes the first target-many. So rounding down drops an
   expert's lowest-scored TC pairs and rounding up adds its most probable non-TC tokens; kept TC pairs
   keep their score, added pairs get their raw softmax probability (both differentiable; the

@@ -71,7 +71,7 @@ def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout)
   return total
 
 
-def _row_bias(bias: Array, layout: GroupedLayout) -> Array:
+def row_bias(bias: Array, layout: GroupedLayout) -> Array:
   padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
   return padded[layout.row_expert].astype(_acc(bias.dtype))  # row_expert == E past the used rows
 
@@ -80,7 +80,7 @@ def up_projection(x, w1, b1, layout: GroupedLayout, activation: acts.Activation,
   """H = gather(x) @ w1_e (+ b1_e); A = act(H). Returns (H, A) in x's dtype, each (R, .)."""
   h = grouped_matmul(x[layout.row_token], w1, layout)
   if b1 is not None:
-    h = h + _row_bias(b1, layout)
+    h = h + row_bias(b1, layout)
   h = h.astype(x.dtype)
   # Like the kernel epilogue, A is computed from the float32 accumulator before H is rounded;
   # here from the rounded H so that the backward's recomputation of A gives the same values.
@@ -92,7 +92,7 @@ def down_projection(a, w2, b2, layout: GroupedLayout):
   """Y = A @ w2_e (+ b2_e), (R, d), unscaled by the router scores."""
   y = grouped_matmul(a, w2, layout)
   if b2 is not None:
-    y = y + _row_bias(b2, layout)
+    y = y + row_bias(b2, layout)
   return y.astype(a.dtype)
 
 
@@ -135,7 +135,7 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   a, d_h = acts.activation_backward(h, d_a, activation, gate_up_layout)
   d_s = jnp.sum(d_a * a, axis=-1)
   if b2 is not None:
-    d_s = d_s + jnp.sum(d_out_rows.astype(d_a.dtype) * _row_bias(b2, layout), axis=-1)
+    d_s = d_s + jnp.sum(d_out_rows.astype(d_a.dtype) * row_bias(b2, layout), axis=-1)
   s = row_scores[:, None]
   d_h = jnp.where(valid, s * d_h, 0.0).astype(h.dtype)
   a_s = jnp.where(valid, s * a, 0.0).astype(h.dtype)

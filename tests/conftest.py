@@ -10,18 +10,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Before JAX's CPU client starts: enough threads in its pool for the Mosaic GPU interpreter, whose
-# warpgroups block pool threads in barrier waits (see sonic_jax.backends.INTERPRETER_MIN_CPU_THREADS;
-# with the 2 threads of a 2-core machine a layer test hung about one run in eight).
+# warpgroups block pool threads in barrier waits (see sonic_jax.interpret.MIN_CPU_THREADS: with
+# the 2 threads of a 2-core machine a layer test can hang).
 os.environ.setdefault("PJRT_NPROC", "16")
 
 
 def pytest_configure(config):
   """On a machine without a GPU, one persistent compilation cache for the whole run, shared by
   the xdist workers and the scripts that tests start (they inherit the environment): most of a
-  CPU test's time is XLA compiling, and many tests compile the same programs (the CI suite took
-  894 instead of 1065 s in one run on a 2-core machine). The directory is the run's own and is
-  removed at its end, so nothing carries over between runs. A JAX_COMPILATION_CACHE_DIR set by
-  the caller is left alone."""
+  CPU test's time is XLA compiling, and many tests compile the same programs (docs/testing.md).
+  The directory is the run's own and is removed at its end, so nothing carries over between runs.
+  A JAX_COMPILATION_CACHE_DIR set by the caller is left alone."""
   if hasattr(config, "workerinput") or shutil.which("nvidia-smi"):
     return  # an xdist worker (the controller set it up) or a GPU machine
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:

@@ -37,14 +37,12 @@ SHAPES = [(300, 512, 37, 3, None), (64, 128, 9, 1, gs.GatherSumConfig(128, 2)),
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("r,d,t,s,config", SHAPES)
-def test_gather_sum_matches_reference(rng, compiled, weighted, out_dtype, r, d, t, s, config):
+def test_gather_sum_matches_reference(rng, compiled, out_dtype, r, d, t, s, config):
   if compiled:
     r, t = r * 40, t * 200
   rows, pair_row, weights = _problem(rng, r, d, t, s, used=r - 20)
-  weights = weights if weighted else None
   want = gs.reference(rows, pair_row, weights)
   with kernel_mode(compiled):
     got = jax.jit(lambda a, b, c: gs.gather_sum(a, b, c, out_dtype, config))(
@@ -70,16 +68,18 @@ def test_default_config_fills_the_ring():
 def test_gather_sum_names_what_it_does_not_take():
   rows = jnp.zeros((10, 192), jnp.bfloat16)
   pair_row = jnp.zeros((4, 2), jnp.int32)
-  assert "d=192" in gs.supports(rows, pair_row)
-  assert "int32" in gs.supports(rows[:, :128], pair_row.astype(jnp.int16))
-  assert "float32" in gs.supports(rows[:, :128].astype(jnp.float32), pair_row)
-  assert "slots" in gs.supports(rows[:, :128], jnp.zeros((4, gs.MAX_SLOTS + 1), jnp.int32))
+  w = jnp.ones((4, 2), jnp.float32)
+  assert "d=192" in gs.supports(rows, pair_row, w)
+  assert "int32" in gs.supports(rows[:, :128], pair_row.astype(jnp.int16), w)
+  assert "float32" in gs.supports(rows[:, :128].astype(jnp.float32), pair_row, w)
+  assert "slots" in gs.supports(rows[:, :128], jnp.zeros((4, gs.MAX_SLOTS + 1), jnp.int32),
+                                jnp.ones((4, gs.MAX_SLOTS + 1)))
   with pytest.raises(ValueError, match="gather-sum kernel: d=192"):
-    gs.gather_sum(rows, pair_row, None, jnp.float32)
+    gs.gather_sum(rows, pair_row, w, jnp.float32)
   with pytest.raises(ValueError, match="weights must be"):
     gs.gather_sum(rows[:, :128], pair_row, jnp.ones((4, 3)), jnp.float32)
   with pytest.raises(ValueError, match="block_columns=256 must divide d=384"):
-    gs.gather_sum(jnp.zeros((10, 384), jnp.bfloat16), pair_row, None, jnp.float32,
+    gs.gather_sum(jnp.zeros((10, 384), jnp.bfloat16), pair_row, w, jnp.float32,
                   gs.GatherSumConfig(256, 2))
   with pytest.raises(ValueError, match="num_stages must be even"):
     gs.GatherSumConfig(256, 3)
@@ -92,22 +92,22 @@ def test_gather_sum_lowers_for_sm90():
     pytest.skip("CPU-side check")
   for r, d, t, s, config in [(300, 4096, 70, 16, None), (300, 4096, 70, 2, None)] + SHAPES:
     rows, pair_row, weights = _problem(np.random.default_rng(0), r, d, t, s, r - 20)
-    for w, out in ((weights, jnp.bfloat16), (None, jnp.float32)):
+    for out in (jnp.bfloat16, jnp.float32):
       module = export_for_h100(
-          lambda a, i, w=w, out=out, config=config: gs.gather_sum(a, i, w, out, config), rows,
-          pair_row)
+          lambda a, i, w, out=out, config=config: gs.gather_sum(a, i, w, out, config), rows,
+          pair_row, weights)
       assert "mosaic_gpu" in module
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("aggregation", ["kernel", "forward", "xla"])
 @pytest.mark.parametrize("extras", [False, True])
-def test_backend_aggregation_equals_xla(rng, compiled, aggregation, extras, monkeypatch):
-  """The mosaic_gpu backend's aggregation, weighted and not, under each AGGREGATION choice equals
-  the XLA gather-sum on a grouped layout (skewed, an expert without pairs); with token rounding's
-  extra pairs it is the XLA gather-sum itself."""
+def test_backend_aggregation_equals_xla(rng, compiled, extras):
+  """The mosaic_gpu backend's aggregation, weighted (by the kernel, its thresholds lowered) and
+  not, equals the XLA gather-sum on a grouped layout (skewed, an expert without pairs); with
+  token rounding's extra pairs it is the XLA gather-sum itself."""
+  import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
-  monkeypatch.setattr(mosaic_backend, "AGGREGATION", aggregation)
+  config = sonic_jax.Config(gather_sum_kernel_min_slots=1, gather_sum_kernel_min_d=1)
   t, d, e, k = (40, 256, 4, 2) if not compiled else (4000, 1536, 16, 4)
   ids = rng.integers(0, e, (t, k))
   ids[: t // 2, 0] = 0
@@ -122,42 +122,36 @@ def test_backend_aggregation_equals_xla(rng, compiled, aggregation, extras, monk
   for w, xw in ((scores, extra_scores), (None, None)):
     with kernel_mode(compiled):
       got = jax.jit(lambda r, lay, w=w, xw=xw: mosaic_backend.gather_sum(
-          r, lay, w, jnp.float32, xw))(rows, layout)
+          r, lay, w, jnp.float32, xw, config=config))(rows, layout)
     want = xla_backend.gather_sum(rows, layout, w, jnp.float32, xw)
     assert np.all(np.isfinite(np.asarray(got)))
     assert rel_err(np.asarray(got), np.asarray(want)) < 1e-6
 
 
-def test_backend_aggregation_rejects_unknown_choice(monkeypatch):
+def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch):
+  """By default the kernel runs the forward's weighted sum at S >= 16 slots and d >= 4096 only;
+  the backward's unweighted sum, fewer slots, a narrower d and token rounding's extra pairs stay
+  XLA's; the Config's thresholds and switch move that line."""
+  import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
-  monkeypatch.setattr(mosaic_backend, "AGGREGATION", "triton")
-  layout = build_grouped_layout(jnp.zeros((4, 1), jnp.int32), 2, 128)
-  with pytest.raises(ValueError, match="AGGREGATION must be one of"):
-    mosaic_backend.gather_sum(jnp.zeros((layout.num_rows, 64), jnp.bfloat16), layout, None,
-                              jnp.float32)
-
-
-def test_backend_aggregation_auto_takes_the_kernel_where_measured(monkeypatch):
-  """"auto": the kernel for the forward's weighted sum at S >= 16 slots and d >= 4096 only (where
-  it beat XLA's fusion on an H100); the backward's unweighted sum, fewer slots, a narrower d and
-  token rounding's extra pairs stay XLA's."""
-  from sonic_jax.mosaic_gpu import backend as mosaic_backend
-  monkeypatch.setattr(mosaic_backend, "AGGREGATION", "auto")
   calls = []
   monkeypatch.setattr(mosaic_backend.gs, "gather_sum", lambda *a: calls.append(a) or "kernel")
   monkeypatch.setattr(mosaic_backend.xla_backend, "gather_sum", lambda *a: "xla")
 
-  def choice(t, s, d, weighted=True, extras=False):
+  def choice(t, s, d, weighted=True, extras=False, config=sonic_jax.Config()):
     ids = jnp.asarray(np.arange(t * s).reshape(t, s) % 32, jnp.int32)
     extra = (jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32)) if extras else (None, None)
     layout = build_grouped_layout(ids, 32, 128, *extra)
     rows = jax.ShapeDtypeStruct((layout.num_rows, d), jnp.bfloat16)
     w = jnp.ones((t, s), jnp.float32) if weighted else None
-    return mosaic_backend.gather_sum(rows, layout, w, jnp.bfloat16)
+    return mosaic_backend.gather_sum(rows, layout, w, jnp.bfloat16, config=config)
 
   assert choice(8, 16, 4096) == "kernel"
   assert choice(8, 16, 4096, weighted=False) == "xla"
   assert choice(8, 8, 4096) == "xla"
   assert choice(8, 16, 2048) == "xla"
   assert choice(8, 16, 4096, extras=True) == "xla"
-  assert len(calls) == 1
+  assert choice(8, 8, 2048, config=sonic_jax.Config(gather_sum_kernel_min_slots=8,
+                                                    gather_sum_kernel_min_d=2048)) == "kernel"
+  assert choice(8, 16, 4096, config=sonic_jax.Config(gather_sum_kernel=False)) == "xla"
+  assert len(calls) == 2

@@ -85,11 +85,14 @@ def test_two_level_block_prefix_is_the_exclusive_cumsum(rng, blocks):
   np.testing.assert_array_equal(np.asarray(got), np.cumsum(x, axis=0) - x)
 
 
-@pytest.mark.parametrize("e", [8, 128, 129, 256])
-def test_auto_takes_the_kernel_on_a_gpu_up_to_its_expert_limit(e):
-  from sonic_jax.layout import AUTO_MAX_EXPERTS
-  jaxpr = str(jax.make_jaxpr(lambda i: build_grouped_layout(i, e, 128))(jnp.zeros((64, 4), jnp.int32)))
-  assert ("pallas_call" in jaxpr) == (ON_GPU and e <= AUTO_MAX_EXPERTS)
+@pytest.mark.parametrize("e,limit", [(8, 128), (128, 128), (129, 128), (256, 128), (256, 256),
+                                     (8, 0)])
+def test_auto_takes_the_kernel_on_a_gpu_up_to_its_expert_limit(e, limit):
+  import sonic_jax
+  config = sonic_jax.Config(layout_kernel_max_experts=limit)
+  jaxpr = str(jax.make_jaxpr(lambda i: build_grouped_layout(i, e, 128, config=config))(
+      jnp.zeros((64, 4), jnp.int32)))
+  assert ("pallas_call" in jaxpr) == (ON_GPU and e <= limit)
 
 
 def test_unsupported_routings_are_named():

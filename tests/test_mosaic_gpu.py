@@ -91,31 +91,9 @@ def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   assert _rows_err(a, a_ref, layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled,gather_impl", [
-    pytest.param(False, "cp_async", id="interpret"),  # the interpreter's one read a stage
-    pytest.param(True, "cp_async", id="compiled-cp_async", marks=MODES[1].marks),
-    pytest.param(True, "row_tma", id="compiled-row_tma", marks=MODES[1].marks)])
-def test_fused_gather_equals_contiguous_input(rng, compiled, gather_impl):
-  """The gathered A operand gives the same H as the same kernel on a pre-gathered buffer."""
-  from sonic_jax.mosaic_gpu import up_projection as up
-  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
-  T, d, n, E = (96, 128, 128, 3) if not compiled else (4096, 512, 256, 8)
-  x, w1, b1, ids = _problem(rng, T, d, n, E, 2, "swiglu")
-  layout = build_grouped_layout(ids, E, 128)
-  act = acts.get_activation("swiglu")
-  config = up.UpProjectionConfig(GroupedGemmConfig(gather_impl=gather_impl))
-  with kernel_mode(compiled):
-    h_gather, _ = up.up_projection(x, w1, b1, layout, act, "concat", config=config)
-    h_contig, _ = up.up_projection(x[layout.row_token], w1, b1, layout, act, "concat",
-                                   gather=False)
-  valid = np.asarray(layout.row_valid())
-  np.testing.assert_array_equal(np.asarray(h_gather, np.float32)[valid],
-                                np.asarray(h_contig, np.float32)[valid])
-
-
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("bias,block_n", [(False, 256), (True, 256), (True, 128)])
-def test_down_projection_matches_reference(rng, compiled, bias, block_n):
+@pytest.mark.parametrize("bias", [False, True])
+def test_down_projection_matches_reference(rng, compiled, bias):
   from sonic_jax.mosaic_gpu import down_projection as down
   T, n, d, E = (90, 128, 256, 3) if not compiled else (4000, 512, 1024, 16)
   ids = jnp.asarray(rng.integers(0, E, (T, 2)), jnp.int32)
@@ -123,92 +101,50 @@ def test_down_projection_matches_reference(rng, compiled, bias, block_n):
   a = jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
   b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16) if bias else None
-  config = down.DownProjectionConfig(block_n=block_n)
   with kernel_mode(compiled):
-    y = jax.jit(lambda a, w2, b2: down.down_projection(a, w2, b2, layout, config))(a, w2, b2)
+    y = jax.jit(lambda a, w2, b2: down.down_projection(a, w2, b2, layout))(a, w2, b2)
   assert _rows_err(y, xla_backend.down_projection(a, w2, b2, layout), layout) < 1e-2
-
-
-PINGPONG_CASES = [
-    # (role, activation or None, gate/up layout, bias, skew)
-    ("up", "swiglu", "concat", True, True),
-    ("up", "geglu", "interleaved", False, False),
-    ("up", "gelu", "concat", True, False),
-    ("down", None, None, True, True),
-    ("dh", "swiglu", "concat", False, True),
-    ("dh", "gelu", "concat", False, False),
-]
-
-
-INTERPRETED_PINGPONG = [("up", "swiglu"), ("down", None), ("dh", "swiglu")]
 
 
 @pytest.mark.parametrize("compiled", MODES)
 @pytest.mark.parametrize("decoupled,cluster", [(False, 1), (True, 1), (True, 2)])
-@pytest.mark.parametrize("role,activation,gate_up_layout,bias,skew", PINGPONG_CASES)
-def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, cluster, role, activation,
-                                             gate_up_layout, bias, skew):
-  """The pingpong schedule (the compute warpgroups take whole tiles in turn): up-projection (with
-  its gather), down-projection and dH (gathered dO, H read into registers by 64-row blocks, dS
-  partials) against the XLA reference, on an odd number of tiles per CTA and an expert without
-  rows, alone and in 2-CTA clusters (B multicast); compiled, also bit for bit against the
-  cooperative schedule."""
+@pytest.mark.parametrize("activation,skew", [("swiglu", True), ("gelu", False)])
+def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, cluster, activation, skew):
+  """The pingpong schedule (the compute warpgroups take whole tiles in turn) of dH (gathered dO,
+  H read into registers by 64-row blocks, dS partials) against the XLA reference, on an odd
+  number of tiles per CTA and an expert without rows, alone and in 2-CTA clusters (B
+  multicast); compiled, also bit for bit against the cooperative schedule."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
-  from sonic_jax.mosaic_gpu import down_projection as down
-  from sonic_jax.mosaic_gpu import up_projection as up
   from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
-  if not compiled and (decoupled or (role, activation) not in INTERPRETED_PINGPONG):
-    pytest.skip("interpreted: one case per role (the interpreter runs the coupled form only, and "
-                "a gathered case takes a minute there)")
+  if not compiled and (decoupled or activation != "swiglu"):
+    pytest.skip("interpreted: one case (the interpreter runs the coupled form only, and a "
+                "gathered case takes a minute there)")
   T, d, n, E = (150, 128, 256, 3) if not compiled else (6000, 1024, 512, 12)
   # Decoupled when a tile's k-steps use every ring slot an even number of times: 16 / 8 k-steps
   # (compiled) on 4 stages; coupled on 5 (and always in the interpreter).
   stages = 4 if decoupled else 5
   pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=stages, cluster_m=cluster)
-  if role == "up":
-    x, w1, b1, ids = _problem(rng, T, d, n, E, 2, activation, skew)
-    b1 = b1 if bias else None
-    act = acts.get_activation(activation)
-    layout = build_grouped_layout(ids, E, 128)
-    run = lambda gemm: up.up_projection(x, w1, b1, layout, act, gate_up_layout,
-                                        config=up.UpProjectionConfig(gemm))
-    want = xla_backend.up_projection(x, w1, b1, layout, act, gate_up_layout)
-  elif role == "dh":
-    _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew)
-    act = acts.get_activation(activation)
-    layout = build_grouped_layout(ids, E, 128)
-    h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)),
-                    jnp.bfloat16)
-    d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
-    scores = jnp.where(layout.row_valid(),
-                       jnp.asarray(rng.uniform(0.1, 1.0, layout.num_rows), jnp.float32), 0.0)
+  _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew)
+  act = acts.get_activation(activation)
+  layout = build_grouped_layout(ids, E, 128)
+  h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)), jnp.bfloat16)
+  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
+  scores = jnp.where(layout.row_valid(),
+                     jnp.asarray(rng.uniform(0.1, 1.0, layout.num_rows), jnp.float32), 0.0)
 
-    def run(gemm):
-      d_h, a_s, ds_parts = dh.dh_projection(d_out, h, scores, w2, layout, act, gather=True,
-                                            config=dh.DhProjectionConfig(gemm, block_n=128))
-      return d_h, a_s, ds_parts.T  # dS partials as (rows, column blocks)
+  def run(gemm):
+    d_h, a_s, ds_parts = dh.dh_projection(d_out, h, scores, w2, layout, act,
+                                          config=dh.DhProjectionConfig(gemm, block_n=128))
+    return d_h, a_s, ds_parts.T  # dS partials as (rows, column blocks)
 
-    d_h, a_s, d_s, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act,
-                                                 gate_up_layout)
-    want = (d_h, a_s, None)
-  else:
-    ids = rng.integers(0, E, (T, 2))
-    if skew:
-      ids[: 3 * T // 4, 0], ids[ids == E - 1] = 0, 1
-    layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), E, 128)
-    a = jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16)
-    w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
-    b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16) if bias else None
-    run = lambda gemm: (down.down_projection(a, w2, b2, layout, down.DownProjectionConfig(
-        gemm, block_n=128)),)
-    want = (xla_backend.down_projection(a, w2, b2, layout),)
+  d_h, a_s, d_s, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout, act, "concat")
+  want = (d_h, a_s, None)
   with kernel_mode(compiled):
     got = jax.jit(lambda: run(pingpong))()
     cooperative = jax.jit(lambda: run(GroupedGemmConfig()))() if compiled else None
   valid = np.asarray(layout.row_valid())
-  if role == "dh":
-    assert _rows_err(jnp.sum(got[2], 1), d_s, layout) < 1e-2
+  assert _rows_err(jnp.sum(got[2], 1), d_s, layout) < 1e-2
   for i, (g, w) in enumerate(zip(got, want)):
     if w is not None:
       assert _rows_err(g, w, layout) < 1e-2
@@ -218,8 +154,8 @@ def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, cluster, 
 
 
 def test_pingpong_takes_whole_tiles_and_halved_blocks():
-  """A pingpong warpgroup holds a whole tile's rows: the roles halve their column blocks (same
-  accumulator registers); the roles and layouts without a pingpong form refuse it by name."""
+  """A pingpong warpgroup holds a whole tile's rows: dH halves its column block (same accumulator
+  registers); the roles and layouts without a pingpong form refuse it by name."""
   from sonic_jax.mosaic_gpu import down_projection as down
   from sonic_jax.mosaic_gpu import dh_projection as dh
   from sonic_jax.mosaic_gpu import dx_projection as dx
@@ -227,14 +163,11 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
   from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
   pingpong = GroupedGemmConfig(schedule="pingpong")
   assert pingpong.rows_per_warpgroup == 128 and GroupedGemmConfig().rows_per_warpgroup == 64
-  assert up.block_n(True, "pingpong") * 2 == up.block_n(True, "cooperative") == 128
-  assert up.block_n(False, "pingpong") == 128
-  with pytest.raises(ValueError, match="block_n=128"):
-    down.DownProjectionConfig(pingpong)
+  for config in (up.UpProjectionConfig, down.DownProjectionConfig, dx.DxProjectionConfig):
+    with pytest.raises(ValueError, match="cooperative"):
+      config(pingpong)
   with pytest.raises(ValueError, match="block_n=128"):
     dh.DhProjectionConfig(gemm=pingpong, block_n=256)
-  with pytest.raises(ValueError, match="cooperative"):
-    dx.DxProjectionConfig(pingpong)
   with pytest.raises(ValueError, match="schedule"):
     GroupedGemmConfig(schedule="alternate")
   with pytest.raises(ValueError, match="grid_band"):
@@ -246,7 +179,7 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
     jax.eval_shape(lambda g, h, s, w: dh.dh_projection(
         g, h, s, w, layout, acts.get_activation("swiglu"), gate_up_layout="interleaved",
         config=dh.DhProjectionConfig(pingpong)),
-        spec(layout.num_rows, 256), spec(layout.num_rows, 256),
+        spec(64, 256), spec(layout.num_rows, 256),
         spec(layout.num_rows, dtype=jnp.float32), spec(2, 128, 256))
 
 
@@ -273,46 +206,25 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_u
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("d_out_source", ["xla", "dh"])
-def test_moe_layer_backward_gather_policies_against_oracle(rng, compiled, d_out_source,
-                                                           monkeypatch):
-  """The other two places the backward's dO rows can come from (the other layer tests gather
-  them inside dH and dw2): GATHER="dh" has dH store the rows it gathers and dw2 read them (x rows
-  still gathered inside the up-projection and dw1); GATHER="xla" has XLA gather the rows of x and
-  dO once, for the up-projection and dw1, dH and dw2."""
-  from sonic_jax.mosaic_gpu import backend
-  monkeypatch.setattr(backend, "GATHER", d_out_source)
-  assert backend.gather_source("x") == ("xla" if d_out_source == "xla" else "fused")
-  assert backend.gather_source("d_out") == d_out_source
-  _check_layer(rng, compiled, "swiglu", True, jnp.bfloat16, "concat")
-
-
-@pytest.mark.parametrize("compiled", MODES)
 def test_moe_layer_aggregation_kernel_against_oracle(rng, compiled, monkeypatch):
-  """AGGREGATION="kernel": the forward's weighted sum and the backward's dX sum both by the
-  gather-sum kernel (elsewhere only the forward's at K >= 16, d >= 4096), inside the layer's
-  custom_vjp under jit and grad: output and every gradient against the float64 oracle."""
+  """A Config whose thresholds take the gather-sum kernel for the forward's weighted sum at K = 2
+  and d = 256 (the defaults: K >= 16, d >= 4096), inside the layer's custom_vjp under jit and
+  grad: output and every gradient against the float64 oracle; with gather_sum_kernel=False the
+  kernel never runs."""
   from sonic_jax.mosaic_gpu import backend
-  monkeypatch.setattr(backend, "AGGREGATION", "kernel")
-  sums = []
+  calls = []
   kernel = backend.gs.gather_sum
-  monkeypatch.setattr(backend.gs, "gather_sum", lambda rows, ids, w, *a: (
-      sums.append(w is not None), kernel(rows, ids, w, *a))[1])
-  _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat")  # d = 256: the kernel runs
-  assert set(sums) == {True, False}
+  monkeypatch.setattr(backend.gs, "gather_sum", lambda *a: (calls.append(1), kernel(*a))[1])
+  config = sonic_jax.Config(gather_sum_kernel_min_slots=1, gather_sum_kernel_min_d=1)
+  _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat", config)
+  assert calls
+  calls.clear()
+  _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat",
+               sonic_jax.Config(gather_sum_kernel=False))
+  assert not calls
 
 
-def test_gather_source_rejects_unknown_policies(monkeypatch):
-  from sonic_jax.mosaic_gpu import backend
-  assert backend.gather_source("x") == backend.gather_source("d_out") == "fused"
-  with pytest.raises(ValueError, match="rows"):
-    backend.gather_source("y")
-  monkeypatch.setattr(backend, "GATHER", "auto")
-  with pytest.raises(ValueError, match="GATHER"):
-    backend.gather_source("x")
-
-
-def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
+def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout, config=None):
   T, d, n, E = (96, 64, 128, 4) if not compiled else (2048, 256, 256, 8)
   n = n if sonic_jax.ACTIVATIONS[activation].is_glu else 2 * n
   if not sonic_jax.ACTIVATIONS[activation].is_glu or dtype == jnp.float16:
@@ -327,7 +239,7 @@ def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout):
     a = dict(cast, **dict(zip(names, flat)))
     y, _ = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], b1=a["b1"], b2=a["b2"],
                          top_k=2, activation=activation, gate_up_layout=gate_up_layout,
-                         backend="mosaic_gpu")
+                         backend="mosaic_gpu", config=config)
     return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), y
 
   # Every kernel's own interpret-mode test runs the race detector; the layer tests, which run the
@@ -354,11 +266,11 @@ def test_mosaic_backend_refuses_a_non_hopper_device():
 def test_interpreter_warns_when_the_cpu_pool_is_too_small(monkeypatch):
   """A CPU client with fewer than 8 threads can hang the interpreter: the kernels say so when they
   are traced for interpret mode (this suite runs with PJRT_NPROC=16, set in conftest.py)."""
-  from sonic_jax import backends
+  from sonic_jax import interpret
   from sonic_jax.mosaic_gpu import down_projection as down
-  assert backends.cpu_client_threads() >= backends.INTERPRETER_MIN_CPU_THREADS
+  assert interpret.cpu_client_threads() >= interpret.MIN_CPU_THREADS
   monkeypatch.setenv("PJRT_NPROC", "2")
-  assert backends.cpu_client_threads() == 2
+  assert interpret.cpu_client_threads() == 2
   if ON_GPU:
     return
   layout = build_grouped_layout(jnp.zeros((128, 1), jnp.int32), 1, 128)
@@ -446,16 +358,12 @@ DH_CASES = [
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gate_up_layout,gather", [
-    case + (gather,) for case in DH_CASES for gather in (False, True)  # gathered: GLU and plain
-    if not gather or (case[5], case[8]) in (("swiglu", "concat"), ("relu_sq", "concat"),
-                                            ("geglu", "interleaved"))])
+@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gate_up_layout", DH_CASES)
 def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, block_n,
-                                         gate_up_layout, gather):
+                                         gate_up_layout):
   """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
-  rows gathered by the kernel, or given in grouped order; H prefetched into SMEM (128-column
-  blocks) or read from GMEM (256; the interleaved layout's wide tile TMA-loads it a piece at a
-  time); both gate/up layouts."""
+  rows gathered by the kernel; H prefetched into SMEM (128-column blocks) or staged through it a
+  piece at a time (256); both gate/up layouts."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   if compiled:
     T, d, E = T * 40, d * 4, E * 4
@@ -470,8 +378,7 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   with kernel_mode(compiled):
     config = dh.DhProjectionConfig(block_n=block_n)
     d_h, a_s, ds_parts = jax.jit(lambda *a: dh.dh_projection(
-        *a, layout, act, config=config, gather=gather, gate_up_layout=gate_up_layout))(
-            d_out if gather else d_out[layout.row_token], h, scores, w2)
+        *a, layout, act, config=config, gate_up_layout=gate_up_layout))(d_out, h, scores, w2)
   d_h_ref, a_s_ref, d_s_ref, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout,
                                                            act, gate_up_layout)
   assert ds_parts.shape == (n // block_n, rows)
@@ -498,8 +405,8 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
   scores = jnp.where(layout.row_valid(), jnp.asarray(rng.uniform(0.1, 1.0, layout.num_rows),
                                                      jnp.float32), 0.0)
   run = lambda loads: jax.jit(lambda *a: dh.dh_projection(
-      *a, layout, act, config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads),
-      gather=True))(d_out, h, scores, w2)
+      *a, layout, act, config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads)))(
+          d_out, h, scores, w2)
   with kernel_mode(compiled):
     staged, registers = run("staged"), run("registers")
   used = int(layout.num_tiles) * 128
@@ -508,46 +415,6 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
     g, w = np.asarray(in_use(g), np.float32), np.asarray(in_use(w), np.float32)
     assert np.all(np.isfinite(w)) and np.abs(w).max() > 0
     np.testing.assert_array_equal(g, w)
-
-
-# Interpreted, the 256-column tile in 2-CTA clusters only (the row store is the core's, the same
-# for both tiles; the race detector weighs each of its stores against the stage's other accesses);
-# compiled, both.
-@pytest.mark.parametrize("block_n,cluster,compiled", [
-    pytest.param(256, 2, False, id="256-2-interpret"),
-    pytest.param(128, 1, True, id="128-1-compiled", marks=pytest.mark.gpu),
-    pytest.param(256, 2, True, id="256-2-compiled", marks=pytest.mark.gpu)])
-def test_dh_projection_writes_gathered_d_out_rows(rng, compiled, block_n, cluster):
-  """write_d_out_rows: the kernel also stores the dO rows it gathered (for dw2), row r =
-  dO[row_token[r]] on every row of the tiles in use, skewed experts, one empty; its dH, A_s and dS
-  partials stay bit for bit those of the kernel that does not store them."""
-  from sonic_jax.mosaic_gpu import dh_projection as dh
-  from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
-  T, d, n, E = (150, 128, 256, 4) if not compiled else (6000, 1024, 512, 16)
-  counts = np.diff(np.sort(rng.integers(0, 2 * T, E - 2)), prepend=0, append=2 * T)
-  counts = np.concatenate([[0], counts, [0]])[:E]  # an empty expert first
-  counts[-1] += 2 * T - counts.sum()
-  ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
-  act = acts.get_activation("swiglu")
-  h = jnp.asarray(rng.standard_normal((layout.num_rows, 2 * n)), jnp.bfloat16)
-  d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
-  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
-  scores = jnp.where(layout.row_valid(), 0.5, 0.0).astype(jnp.float32)
-  config = dh.DhProjectionConfig(GroupedGemmConfig(cluster_m=cluster), block_n=block_n)
-  run = lambda write: jax.jit(lambda g, h, s, w: dh.dh_projection(
-      g, h, s, w, layout, act, config=config, gather=True, write_d_out_rows=write))(
-          d_out, h, scores, w2)
-  with kernel_mode(compiled, num_cores=4):
-    want = run(False)
-    *got, rows = run(True)
-  used = int(layout.num_tiles) * 128
-  np.testing.assert_array_equal(np.asarray(rows[:used], np.float32),
-                                np.asarray(d_out[layout.row_token[:used]], np.float32))
-  in_use = lambda v: v[:used] if v.shape[0] == layout.num_rows else v[:, :used]  # dS: (blocks, R)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(in_use(g), np.float32),
-                                  np.asarray(in_use(w), np.float32))
 
 
 @pytest.mark.parametrize("compiled", MODES)
@@ -565,20 +432,16 @@ def test_dx_projection_matches_reference(rng, compiled, width):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,gathered,cluster,block,transposed", [
-    (128, 256, False, None, 1, (128, 256), False),
-    (256, 512, True, None, 1, (128, 256), False), (128, 256, True, "lhs", 1, (128, 256), False),
-    (256, 256, True, None, 2, (128, 256), False),
-    (256, 256, True, "rhs", 2, (256, 128), False), (256, 256, True, "lhs", 2, (128, 256), True),
-    (128, 256, False, None, 1, (128, 256), True)])
-def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, cluster, block,
-                                       transposed):
-  """Varlen-K out[e] = lhs_e^T rhs_e, one operand optionally gathered by token inside the kernel
+@pytest.mark.parametrize("m,n,skew,cluster,block,transposed", [
+    (128, 256, False, 1, (128, 256), False), (256, 512, True, 1, (128, 256), False),
+    (256, 256, True, 2, (128, 256), False), (256, 256, True, 2, (128, 256), True),
+    (256, 256, True, 1, (256, 128), False), (128, 256, False, 1, (128, 256), True)])
+def test_weight_grad_matches_reference(rng, compiled, m, n, skew, cluster, block, transposed):
+  """Varlen-K out[e] = lhs_rows_e^T rhs_e with the lhs rows gathered by token inside the kernel
   (as dw1 = x_rows^T dH runs); experts without rows get exact zeros. cluster=2: 2-CTA clusters
-  multicasting the rhs tile (pairs of m blocks) or, when rhs is gathered, the lhs tile (pairs of
-  n blocks). block (256, 128): each warpgroup two 64-row accumulators. transposed: out[e]^T
-  stored (E, n, m), the accumulators written through transposed staging buffers (as dw2 =
-  (dO_rows^T A_s)^T runs with dO gathered)."""
+  multicasting the rhs tile (pairs of m blocks). block (256, 128): each warpgroup two 64-row
+  accumulators. transposed: out[e]^T stored (E, n, m), the accumulators written through
+  transposed staging buffers (as dw2 = (dO_rows^T A_s)^T runs)."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E = (120, 4) if not compiled else (4000, 16)
   if compiled:
@@ -586,18 +449,14 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, gathered, clus
   _, _, _, ids = _problem(rng, T, 64, 128, E, 2, "swiglu", skew)
   layout = build_grouped_layout(ids, E, 128)
   valid = layout.row_valid()[:, None]
-  # The grouped operand is zero on padding rows (as dH and A_s are); a gathered one is not.
-  grouped = lambda w: jnp.where(valid, jnp.asarray(rng.standard_normal((layout.num_rows, w)),
-                                                   jnp.bfloat16), 0)
-  source = lambda w: jnp.asarray(rng.standard_normal((T, w)), jnp.bfloat16)
-  lhs = source(m) if gathered == "lhs" else grouped(m)
-  rhs = source(n) if gathered == "rhs" else grouped(n)
+  # The grouped operand is zero on padding rows (as dH and A_s are); the gathered one is not.
+  lhs = jnp.asarray(rng.standard_normal((T, m)), jnp.bfloat16)
+  rhs = jnp.where(valid, jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16), 0)
   with kernel_mode(compiled):
     got = jax.jit(lambda a, b: wg.weight_grad(
         a, b, layout, wg.WeightGradConfig(block_m=block[0], block_n=block[1], cluster=cluster),
-        gathered=gathered, transpose_out=transposed))(lhs, rhs)
-  rows = lambda v, side: v[layout.row_token] if gathered == side else v
-  want = xla_backend.grouped_weight_grad(rows(lhs, "lhs"), rows(rhs, "rhs"), layout)
+        transpose_out=transposed))(lhs, rhs)
+  want = xla_backend.grouped_weight_grad(lhs[layout.row_token], rhs, layout)
   if transposed:
     want = want.swapaxes(1, 2)
   assert got.shape == want.shape == ((E, n, m) if transposed else (E, m, n))
@@ -631,11 +490,10 @@ SKIP_COUNTS = [40, 192, 65, 0, 256]
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("gathered", [None, "lhs"])
-def test_weight_grad_stops_at_the_last_real_row(rng, compiled, gathered):
+def test_weight_grad_stops_at_the_last_real_row(rng, compiled):
   """The varlen-K reduction ends with the 64-row step that holds an expert's last real row: NaN in
-  the padding-only steps after it never reaches the gradient (in both grouped operands; with the
-  gathered lhs, whose padding rows read a real token, in the rhs)."""
+  the padding-only steps after it (in the grouped rhs; the gathered lhs's padding rows read a
+  real token) never reaches the gradient."""
   from sonic_jax.mosaic_gpu import weight_grad as wg
   m, n, scale = (128, 256, 1) if not compiled else (512, 512, 8)
   counts = [c * scale for c in SKIP_COUNTS]
@@ -649,13 +507,10 @@ def test_weight_grad_stops_at_the_last_real_row(rng, compiled, gathered):
     return jnp.asarray(np.where(valid, v, np.where(skipped, np.nan, 0)), jnp.bfloat16)
 
   rhs = grouped(n)
-  if gathered:
-    source = jnp.asarray(rng.standard_normal((sum(counts), m)), jnp.bfloat16)
-    lhs, lhs_rows = source, source[layout.row_token]
-  else:
-    lhs = lhs_rows = grouped(m)
+  lhs = jnp.asarray(rng.standard_normal((sum(counts), m)), jnp.bfloat16)
+  lhs_rows = lhs[layout.row_token]
   with kernel_mode(compiled):
-    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout, gathered=gathered))(lhs, rhs)
+    got = jax.jit(lambda a, b: wg.weight_grad(a, b, layout))(lhs, rhs)
   zeroed = lambda v: jnp.where(valid, v, 0)
   want = xla_backend.grouped_weight_grad(zeroed(lhs_rows), zeroed(rhs), layout)
   assert np.all(np.isfinite(np.asarray(got, np.float32)))
@@ -664,7 +519,7 @@ def test_weight_grad_stops_at_the_last_real_row(rng, compiled, gathered):
 
 # (role, variant): every role in 2-CTA clusters, and the row-band tile walk (with and without
 # clusters) for the roles whose tables use it.
-WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "dx"]]
+WALK_CASES = ([(role, "cluster") for role in ["up", "down", "dh", "dx"]]
               + [(role, "m_band") for role in ["up", "down", "dh", "dx"]]
               + [("dx", "m_band+cluster")])
 # Bands of 3 (not a power of two: planar_snake's branchless path) over 8 row tiles or 4 tile pairs
@@ -672,9 +527,9 @@ WALK_CASES = ([(role, "cluster") for role in ["up", "down", "down-128", "dh", "d
 WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 3},
                  "m_band+cluster": {"grid_band": "m", "grid_tile_width": 3, "cluster_m": 2}}
 # Interpreted, a subset: the walk is the core's (`grouped_gemm`'s tile loop), the same for every
-# role, so each variant at least once, over a gathered A (up, dH), a plain one (down, both
-# column-block widths) and a transposed B (dX); compiled, every case.
-WALK_INTERPRETED = [("up", "cluster"), ("down-128", "cluster"), ("down", "m_band"), ("dh", "m_band"),
+# role, so each variant at least once, over a gathered A (up, dH), a plain one (down) and a
+# transposed B (dX); compiled, every case.
+WALK_INTERPRETED = [("up", "cluster"), ("down", "cluster"), ("down", "m_band"), ("dh", "m_band"),
                     ("dx", "m_band+cluster")]
 WALK_PARAMS = ([pytest.param(role, variant, False, id=f"{role}-{variant}-interpret")
                 for role, variant in WALK_INTERPRETED]
@@ -716,10 +571,8 @@ def test_walk_variants_equal_default(rng, compiled, role, variant):
       "up": lambda c: up.up_projection(x, w1, None, layout, act, "concat",
                                        config=up.UpProjectionConfig(c)),
       "down": lambda c: down.down_projection(a, w2, None, layout, down.DownProjectionConfig(c)),
-      "down-128": lambda c: down.down_projection(a, w2, None, layout,
-                                                 down.DownProjectionConfig(c, block_n=128)),
       "dh": lambda c: dh.dh_projection(d_out, h, scores, w2, layout, act,
-                                       config=dh.DhProjectionConfig(c), gather=True)[:2],
+                                       config=dh.DhProjectionConfig(c))[:2],
       "dx": lambda c: dx.dx_projection(d_h, w1, layout, dx.DxProjectionConfig(c)),
   }[role]
   with kernel_mode(compiled, num_cores=4):
@@ -739,129 +592,80 @@ def _lowering_cases():
   from sonic_jax.mosaic_gpu import up_projection as up
   from sonic_jax.mosaic_gpu import weight_grad as wgrad
   from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
-  E, d, n = 4, 256, 256
-  ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (1000, 2)), jnp.int32)
+  E, d, n, T = 4, 256, 256, 1000
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (T, 2)), jnp.int32)
   layout = build_grouped_layout(ids, E, 128)
   R, bf = layout.num_rows, jnp.bfloat16
   spec = lambda *shape, dtype=bf: jax.ShapeDtypeStruct(shape, dtype)
+  dh_specs = lambda width: (spec(T, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d))
   cases = {}
   for name in ("swiglu", "gelu", "relu_sq"):
     act = acts.get_activation(name)
     width = act.width_multiplier() * n
-    cases[f"up-{name}"] = (lambda x, w, b, act=act: up.up_projection(x, w, b, layout, act, "concat",
-                                                                      gather=False),
-                           (spec(R, d), spec(E, d, width), spec(E, width)))
-    if act.is_glu:
-      cases[f"up-{name}-interleaved"] = (
-          lambda x, w, b, act=act: up.up_projection(x, w, b, layout, act, "interleaved",
-                                                    gather=False),
-          (spec(R, d), spec(E, d, width), spec(E, width)))
+    for gate_up in ("concat", "interleaved") if act.is_glu else ("concat",):
+      suffix = "-interleaved" if gate_up == "interleaved" else ""
+      cases[f"up-{name}{suffix}"] = (
+          lambda x, w, b, act=act, gate_up=gate_up: up.up_projection(x, w, b, layout, act, gate_up),
+          (spec(T, d), spec(E, d, width), spec(E, width)))
     if act.is_glu:
       for block_n in (128, 256):
         cases[f"dh-{name}-interleaved-{block_n}"] = (
             lambda a, h, s, w, act=act, block_n=block_n: dh.dh_projection(
                 a, h, s, w, layout, act, config=dh.DhProjectionConfig(block_n=block_n),
-                gate_up_layout="interleaved"),
-            (spec(R, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d)))
+                gate_up_layout="interleaved"), dh_specs(width))
     cases[f"dh-{name}"] = (lambda a, h, s, w, act=act: dh.dh_projection(a, h, s, w, layout, act),
-                           (spec(R, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d)))
-  cp_async = up.UpProjectionConfig(GroupedGemmConfig(gather_impl="cp_async"))
-  cases["up-swiglu-cp_async"] = (
-      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
-                                       config=cp_async),
-      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
-  pingpong = GroupedGemmConfig(schedule="pingpong", num_stages=5)
-  for gate_up in ("concat", "interleaved"):
-    cases[f"up-swiglu-{gate_up}-pingpong"] = (
-        lambda x, w, b, gate_up=gate_up: up.up_projection(
-            x, w, b, layout, acts.get_activation("swiglu"), gate_up,
-            config=up.UpProjectionConfig(pingpong)),
-        (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
-  cases["down-pingpong"] = (
-      lambda a, w, b: down.down_projection(a, w, b, layout,
-                                           down.DownProjectionConfig(pingpong, block_n=128)),
-      (spec(R, n), spec(E, n, d), spec(E, d)))
-  deep_epilogue = up.UpProjectionConfig(GroupedGemmConfig(num_stages=3, epilogue_buffers=4))
-  cases["up-swiglu-4-epilogue-buffers"] = (
-      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
-                                       config=deep_epilogue),
-      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+                           dh_specs(width))
+  swiglu = acts.get_activation("swiglu")
   for loads in ("staged", "registers"):
     cases[f"dh-swiglu-wide-{loads}"] = (
         lambda a, h, s, w, loads=loads: dh.dh_projection(
-            a, h, s, w, layout, acts.get_activation("swiglu"),
-            config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads)),
-        (spec(R, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+            a, h, s, w, layout, swiglu,
+            config=dh.DhProjectionConfig(block_n=256, wide_h_loads=loads)), dh_specs(2 * n))
+  cases["dh-swiglu-pingpong"] = (
+      lambda a, h, s, w: dh.dh_projection(
+          a, h, s, w, layout, swiglu,
+          config=dh.DhProjectionConfig(GroupedGemmConfig(schedule="pingpong"), block_n=128)),
+      dh_specs(2 * n))
   cases["down"] = (lambda a, w, b: down.down_projection(a, w, b, layout),
                    (spec(R, n), spec(E, n, d), spec(E, d)))
   cases["dx"] = (lambda g, w: dx.dx_projection(g, w, layout), (spec(R, 2 * n), spec(E, d, 2 * n)))
-  cases["weight_grad"] = (lambda a, b: wgrad.weight_grad(a, b, layout),
-                          (spec(R, d), spec(R, 2 * n)))
-  cases["weight_grad-gathered_lhs"] = (
-      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
-  cases["weight_grad-gathered_rhs"] = (
-      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="rhs"), (spec(R, n), spec(1000, d)))
-  cases["weight_grad-gathered_lhs-indices_after_wait"] = (
+  cases["weight_grad"] = (lambda a, b: wgrad.weight_grad(a, b, layout), (spec(T, d), spec(R, 2 * n)))
+  cases["weight_grad-indices_after_wait"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
-          indices_before_wait=False), gathered="lhs"), (spec(1000, d), spec(R, 2 * n)))
-  cases["weight_grad-gathered_lhs-transposed"] = (
-      lambda a, b: wgrad.weight_grad(a, b, layout, gathered="lhs", transpose_out=True),
-      (spec(1000, d), spec(R, n)))
-  cases["weight_grad-gathered_rhs-256x128-cluster"] = (
+          indices_before_wait=False)), (spec(T, d), spec(R, 2 * n)))
+  cases["weight_grad-transposed"] = (
+      lambda a, b: wgrad.weight_grad(a, b, layout, transpose_out=True), (spec(T, d), spec(R, n)))
+  cases["weight_grad-256x128-cluster"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
-          block_m=256, block_n=128, cluster=2), gathered="rhs"), (spec(R, n), spec(1000, d)))
-  cases["dh-swiglu-gathered"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
-                                          gather=True),
-      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
-  cases["dh-swiglu-gathered-writes-rows"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
-                                          gather=True, write_d_out_rows=True),
-      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
-  cases["dh-swiglu-interleaved-256-gathered-writes-rows"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
-                                          config=dh.DhProjectionConfig(block_n=256), gather=True,
-                                          gate_up_layout="interleaved", write_d_out_rows=True),
-      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
-  cases["dh-swiglu-pingpong-gathered-writes-rows"] = (
-      lambda a, h, s, w: dh.dh_projection(
-          a, h, s, w, layout, acts.get_activation("swiglu"), gather=True, write_d_out_rows=True,
-          config=dh.DhProjectionConfig(GroupedGemmConfig(schedule="pingpong", num_stages=4),
-                                       block_n=128)),
-      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+          block_m=256, block_n=128, cluster=2)), (spec(T, d), spec(R, n)))
   # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
   cluster = GroupedGemmConfig(cluster_m=2)
   cases["up-swiglu-cluster"] = (
-      lambda x, w, b: up.up_projection(x, w, b, layout, acts.get_activation("swiglu"), "concat",
+      lambda x, w, b: up.up_projection(x, w, b, layout, swiglu, "concat",
                                        config=up.UpProjectionConfig(cluster)),
-      (spec(1000, d), spec(E, d, 2 * n), spec(E, 2 * n)))
+      (spec(T, d), spec(E, d, 2 * n), spec(E, 2 * n)))
   cases["down-cluster"] = (
       lambda a, w, b: down.down_projection(a, w, b, layout, down.DownProjectionConfig(cluster)),
       (spec(R, n), spec(E, n, d), spec(E, d)))
-  cases["dh-swiglu-gathered-cluster"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, acts.get_activation("swiglu"),
-                                          config=dh.DhProjectionConfig(gemm=cluster), gather=True),
-      (spec(1000, d), spec(R, 2 * n), spec(R, dtype=jnp.float32), spec(E, n, d)))
+  cases["dh-swiglu-cluster"] = (
+      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, swiglu,
+                                          config=dh.DhProjectionConfig(gemm=cluster)),
+      dh_specs(2 * n))
   cases["dx-cluster"] = (lambda g, w: dx.dx_projection(g, w, layout, dx.DxProjectionConfig(cluster)),
                          (spec(R, 2 * n), spec(E, d, 2 * n)))
   return cases
 
 
-@pytest.mark.parametrize("role", ["up-swiglu-cluster", "down-cluster",
-                                  "dh-swiglu-gathered-cluster", "dx-cluster", "up-swiglu", "up-swiglu-interleaved", "up-gelu",
-                                  "up-swiglu-4-epilogue-buffers", "up-relu_sq",
-                                  "up-swiglu-cp_async", "dh-swiglu", "up-swiglu-concat-pingpong",
-                                  "up-swiglu-interleaved-pingpong", "down-pingpong", "dh-swiglu-interleaved-128",
-                                  "dh-swiglu-interleaved-256", "dh-gelu", "dh-swiglu-gathered",
-                                  "dh-swiglu-interleaved-256-gathered-writes-rows",
-                                  "dh-swiglu-wide-staged", "dh-swiglu-wide-registers",
-                                  "dh-swiglu-gathered-writes-rows",
-                                  "dh-swiglu-pingpong-gathered-writes-rows",
-                                  "weight_grad-gathered_lhs", "weight_grad-gathered_rhs",
-                                  "weight_grad-gathered_lhs-transposed",
-                                  "weight_grad-gathered_lhs-indices_after_wait",
-                                  "weight_grad-gathered_rhs-256x128-cluster",
-                                  "dh-relu_sq", "down", "dx", "weight_grad"])
+LOWERING_CASES = [
+    "up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq", "up-swiglu-cluster",
+    "down", "down-cluster", "dx", "dx-cluster",
+    "dh-swiglu", "dh-gelu", "dh-relu_sq", "dh-swiglu-interleaved-128", "dh-swiglu-interleaved-256",
+    "dh-swiglu-wide-staged", "dh-swiglu-wide-registers", "dh-swiglu-pingpong", "dh-swiglu-cluster",
+    "weight_grad", "weight_grad-transposed", "weight_grad-indices_after_wait",
+    "weight_grad-256x128-cluster"]
+
+
+@pytest.mark.parametrize("role", LOWERING_CASES)
 def test_kernel_lowers_for_sm90(role):
   """Each kernel lowers to Mosaic GPU for an H100 from this machine (`jax.export` for 'cuda'):
   layout inference and the kernel's static checks run without a GPU, so CI catches what the
@@ -906,12 +710,12 @@ def test_weight_grad_config_rejects_unsupported_fields(field, value):
     wg.WeightGradConfig(**{field: value})
 
 
-@pytest.mark.parametrize("gather_impl", [None, "row_tma", "cp_async"])
-def test_register_split_fits_the_launch(gather_impl):
+@pytest.mark.parametrize("gathers", [False, True])
+def test_register_split_fits_the_launch(gathers):
   """setmaxnreg moves registers inside the pool the launch gave the CTA (168 per thread for
   3 warpgroups): a split that asks for more blocks forever on the GPU, so it must fit."""
   from sonic_jax.mosaic_gpu.grouped_gemm import register_split
-  memory, compute = register_split(gather_impl)
+  memory, compute = register_split(gathers)
   assert memory % 8 == 0 and compute % 8 == 0 and 24 <= memory <= compute <= 256
   assert memory + 2 * compute <= (65536 // 384) // 8 * 8 * 3
 

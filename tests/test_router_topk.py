@@ -59,12 +59,11 @@ def test_top_k_program_shapes_agree(rng, compiled, values_per_program, num_warps
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("selection", router_topk.SELECTIONS)
-def test_near_ties_select_as_lax_top_k(rng, compiled, selection):
+def test_near_ties_select_as_lax_top_k(rng, compiled):
   """Values one ulp apart share a bucket of the packed selection's keys, which would order them
   by id instead of by value: inside the k largest (even rows), at the edge between the k-th and
-  the (k+1)-th (odd rows), and far below (every row, no effect). Either selection gives
-  lax.top_k's ids; the blocks without such rows take the packed selection's fast path."""
+  the (k+1)-th (odd rows), and far below (every row, no effect). The blocks with such rows take
+  the exact selection and give lax.top_k's ids; those without take the packed fast path."""
   if compiled != ON_GPU:
     pytest.skip("compiled on a GPU, interpreted elsewhere")
   t, e, k = (64 * 97 if compiled else 64), 256, 16
@@ -77,7 +76,7 @@ def test_near_ties_select_as_lax_top_k(rng, compiled, selection):
     v[r, lo] = np.nextafter(v[r, hi], -np.inf)
     v[r, order[r, 100]] = np.nextafter(v[r, order[r, 99]], -np.inf)
   v = jnp.asarray(v)
-  top, ids = router_topk.top_k(v, k, interpret=not compiled, selection=selection)
+  top, ids = router_topk.top_k(v, k, interpret=not compiled)
   want_top, want_ids = jax.lax.top_k(v, k)
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
   np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
@@ -91,8 +90,6 @@ def test_unsupported_problems_are_named():
   assert "float32" in router_topk.supports(jnp.zeros((8, 64), jnp.bfloat16), 4)
   with pytest.raises(ValueError, match="power of two"):
     router_topk.top_k(v, 4, interpret=True)
-  with pytest.raises(ValueError, match="selection must be one of"):
-    router_topk.top_k(jnp.zeros((8, 64)), 4, interpret=True, selection="sorted")
 
 
 def test_kernel_lowers_for_cuda():

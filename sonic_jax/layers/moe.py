@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
+from sonic_jax.config import Config, check_config
 from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 from sonic_jax.precision import dot_f32
@@ -49,7 +50,7 @@ class MoE(nnx.Module):
 
   Args:
     d_model: d. num_experts: E. expert_dim: n (each expert's intermediate width). top_k: K.
-    activation, routing, gate_up_layout, backend: as `sonic_jax.moe`.
+    activation, routing, gate_up_layout, backend, config: as `sonic_jax.moe`.
     use_bias: per-expert biases b1, b2.
     num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
       num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
@@ -72,7 +73,7 @@ class MoE(nnx.Module):
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
       "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
-      slots hold the worst case), and it was the faster one on 2 GPUs (BENCHMARKS.md); with a
+      slots hold the worst case), and it is the faster one on 2 GPUs (docs/decisions.md); with a
       capacity factor the all-to-all's traffic stays flat as the axis grows.
     capacity_factor: None (dropless) or, for the all-to-all, each (sender, receiver) slot in
       multiples of the balanced share; dropped pairs are counted in `aux.stats.dropped_pairs`.
@@ -94,13 +95,15 @@ class MoE(nnx.Module):
                token_axes: tuple[str, ...] | None = None,
                init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
-               backend: str = "auto", expert_axis: str | None = "expert",
+               backend: str = "auto", config: Config | None = None,
+               expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
     act = acts.get_activation(activation)
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     self.top_k, self.activation, self.routing = top_k, activation, routing
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
+    self.config = check_config(config)
     self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
     self.bias_update_rate = bias_update_rate
     if token_rounding is not None and token_rounding not in routing_lib.TOKEN_ROUNDINGS:
@@ -169,7 +172,7 @@ class MoE(nnx.Module):
     kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
               gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, selection_bias=selection_bias,
               token_rounding=None if self.deterministic else self.token_rounding,
-              backend=self.backend)
+              backend=self.backend, config=self.config)
     if self.expert_parallel_axis is None:
       return moe(h, router, w1, w2, **kw)
     if self.expert_parallel_scheme == "all_to_all":

@@ -15,23 +15,17 @@ from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
 
-BLOCK_N = 256
+BLOCK_N = 256  # output columns per tile
 
 
 @dataclasses.dataclass(frozen=True)
 class DownProjectionConfig:
-  """block_n: output columns per tile (256, or 128: half the B block, so a warpgroup's two
-  staging buffers hold its whole output and the stores drain under the next tile's mainloop)."""
-
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
-  block_n: int = BLOCK_N
 
   def __post_init__(self):
-    if self.block_n not in (128, BLOCK_N):
-      raise ValueError(f"block_n must be 128 or {BLOCK_N}, got {self.block_n}")
-    if self.gemm.schedule == "pingpong" and self.block_n != 128:
-      raise ValueError("a pingpong down-projection takes block_n=128 (a warpgroup holds a whole "
-                       f"tile's rows), got {self.block_n}")
+    if self.gemm.schedule != "cooperative":  # a 128 x 128 warpgroup tile reads more per FLOP
+      raise ValueError(f"the down-projection runs the cooperative schedule only, got "
+                       f"{self.gemm.schedule!r}")
 
 
 def supports(a, w2) -> str | None:
@@ -44,7 +38,7 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
   dtype = a.dtype
-  bn = config.block_n
+  bn = BLOCK_N
 
   def rhs_copy(w2_ref, expert, k_slice, nb, j):
     del j
@@ -64,8 +58,7 @@ def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjec
       name="down_projection",
       block_n=bn, num_rhs_blocks=1, num_column_blocks=d // bn, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype,
-                                           config.gemm.epilogue_buffers),
+      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),))
   (y,) = grouped_gemm(a, w2, layout.tile_expert, layout.num_tiles, None, role,
                       () if b2 is None else (b2,), config.gemm)

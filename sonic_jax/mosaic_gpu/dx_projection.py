@@ -24,7 +24,8 @@ class DxProjectionConfig:
 
   def __post_init__(self):
     if self.gemm.schedule != "cooperative":
-      raise ValueError(f"dX runs the cooperative schedule only, got {self.gemm.schedule!r}")
+      raise ValueError(f"the dX role runs the cooperative schedule only, got "
+                       f"{self.gemm.schedule!r}")
 
 
 def supports(d_h, w1) -> str | None:
@@ -54,7 +55,7 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
       name="dx_projection",
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(tm // 2, dtype, config.gemm.epilogue_buffers),
+      epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),), rhs_transposed=True)
   (dx,) = grouped_gemm(d_h, w1, layout.tile_expert, layout.num_tiles, None, role, (), config.gemm)
   return dx

@@ -73,7 +73,7 @@ def column_vector(ref, like):
   return lax.broadcast_in_dim(v, like.shape, [1])
 
 
-def store_tiles(stores, staging, transposed: bool = False, wait_all_first: bool | None = None):
+def store_tiles(stores, staging, transposed: bool = False):
   """Stores [(value (rows, c), GMEM ref view (rows, c)), ...] through the staging buffers.
 
   Each value is cut into 64-column pieces, one staging buffer each in turn; a buffer is reused
@@ -86,16 +86,14 @@ def store_tiles(stores, staging, transposed: bool = False, wait_all_first: bool 
   same order, so a piece waits only for the store that read its buffer last, the same piece of
   the previous call: at most `slots - 1` bulk stores of this thread may still be reading (every
   other store committed since is younger). The previous tile's stores then drain under this
-  tile's register-to-SMEM copies instead of all being waited for first (down-projection 1-3.5%
-  faster at d = 4096, benchmarks/NOTES.md, twenty-first session). Otherwise, or with
-  wait_all_first=True, the call first waits until every earlier store has read its buffer.
+  tile's register-to-SMEM copies instead of all being waited for first. Otherwise the call first
+  waits until every earlier store has read its buffer.
   """
   if transposed and staging.shape[1:] != (STORE_COLS, STORE_COLS):
     raise ValueError(f"transposed stores take square ({STORE_COLS}, {STORE_COLS}) staging buffers")
   slots = staging.shape[0]
   pieces = sum(pl.cdiv(value.shape[1], STORE_COLS) for value, _ in stores)
-  if wait_all_first is None:
-    wait_all_first = pieces % slots != 0
+  wait_all_first = pieces % slots != 0
   if wait_all_first:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores read the buffers
   i = 0

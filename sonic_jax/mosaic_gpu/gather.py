@@ -8,15 +8,11 @@ Each thread then arms `cp.async.mbarrier.arrive.noinc` on the stage's own barrie
 consumers wait on that barrier next to the TMA barrier of the other operand, and fence the async
 proxy before wgmma reads the stage.
 
-Measured on an H100 over the paper's grid (`benchmarks/kernel_bench.py`, sustained load): the
-up-projection with its gather takes -4% to +13% more time than the same kernel on pre-gathered
-rows (+6% to +13% at d = 4096), while an XLA gather of those rows alone costs 14-106% of the
-kernel. Two earlier versions and what they taught:
-one thread per row (each warp instruction touched 32 rows, half a sector each: +58-87%), and
-completion by `cp.async.wait_group` + a fence + a warpgroup barrier + an mbarrier arrive in the
-producer, which serialised the producer on its own copies (+25-35%; `gather_variants.py`). The
-hang of the first version was the register split, not the gather (see
-`grouped_gemm.register_split`). The interpreter cannot run inline Mosaic GPU code: interpreted
+The gather costs a few percent of the up-projection's time, far less than an XLA gather of the
+same rows (docs/decisions.md). Completion by `cp.async.wait_group` + fence + barrier in the
+producer would serialise the producer on its own copies; the noinc arrival does not. The memory
+warpgroup needs more registers for the addressing than a TMA-only producer: see
+`grouped_gemm.register_split`. The interpreter cannot run inline Mosaic GPU code: interpreted
 kernels gather a stage's rows with one indexed read instead (`interpreted_rows`).
 """
 
@@ -55,9 +51,8 @@ def load_row_indices(row_index, *, width: int, dtype):
   """The source rows that a `cp_async_rows` call of `width` columns will copy, loaded ahead of
   it: register p of a thread holds the index of the row it copies in pass p. Loaded before the
   producer waits for the stage to be free and passed as `cp_async_rows(..., loaded_indices=...)`
-  after that wait, the index loads' latency is off the path from the wait to the copies (the
-  weight-gradient kernel's gathers: 5-7% faster at d = 4096 on an H100). Must run on a whole
-  warpgroup."""
+  after that wait, the index loads' latency is off the path from the wait to the copies. Must run
+  on a whole warpgroup."""
   rows = row_index.shape[0]
   pieces_per_row, rows_per_pass = _passes(rows, width, dtype)
   passes = rows // rows_per_pass
@@ -102,8 +97,7 @@ def cp_async_rows(src, row_index, dst, ready, *, source_row_stride: int,
   loaded_indices: `load_row_indices(row_index, ...)` of an earlier point: no index loads here.
 
   Consecutive threads copy consecutive 16-byte pieces of a row, so a warp instruction reads whole
-  128-byte rows (one thread per row made every instruction touch 32 rows, half a sector each: the
-  gather ran 58-87% slower than a contiguous operand on the H100).
+  128-byte rows (with one thread per row every instruction would touch 32 rows, half a sector each).
   """
   rows = row_index.shape[0]
   width = src.shape[1]

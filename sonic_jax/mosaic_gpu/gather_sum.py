@@ -1,17 +1,16 @@
 """Aggregation role: out[t] = sum_s w[t, s] * rows[pair_row[t, s]], each token's S grouped rows
-summed in float32, in slot order: no atomics, deterministic.
+weighted and summed in float32, in slot order: no atomics, deterministic. The forward's
+y = sum_k s_k Y[row(t, k)] runs it where its pieces are large (`sonic_jax.Config`).
 
 The rows are read once, by TMA, a whole row piece per copy: seen as (R * d / C, C) (C = 256
 columns where d allows), a token's piece of `block_columns` columns of row r is
-`block_columns // C` consecutive rows of that view, one box (2-8 KB at d = 4096). (A (1, C) box per
-row would move at most 512 bytes a copy, and TMA issue from one thread is what limited the
-row-by-row A gather of the GEMMs, benchmarks/NOTES.md.) A work item is one token's piece: the
+`block_columns // C` consecutive rows of that view, one box (2-8 KB at d = 4096): TMA issue from
+one thread limits copies of a few hundred bytes. A work item is one token's piece: the
 memory warpgroup loads its S row pieces into a ring stage; two summing warpgroups take the items in
 turn (an even number of stages, so that each stage always goes to the same warpgroup), add the
 pieces weighted in float32 and store the sum through SMEM by TMA. Each loop loads its next item's
 scalars (row indices, weights) before it waits on this item's barriers: their latency then runs
-under the waits (loaded at the start of each item, they made the memory warpgroup the bottleneck:
-1596 against 1556 us at 32768 x 4096, K = 16, on an H100).
+under the waits instead of making the memory warpgroup the bottleneck.
 
 Pairs routed nowhere (pair_row outside [0, R)) add nothing: their copy reads row 0 and the sum
 selects zero in its place (rows that no GEMM wrote may hold NaN). Reference:
@@ -30,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
-from sonic_jax.backends import interpreting, warn_if_interpreter_may_hang
+from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, persistent_launch
 
 # The view's width C: the widest that divides d (a TMA box is at most 256 wide); a piece of C
@@ -78,7 +77,7 @@ def default_config(d: int, slots: int, itemsize: int = 2, out_itemsize: int = 2)
                          num_stages=ring_stages(block, slots, itemsize, out_itemsize))
 
 
-def supports(rows: jax.Array, pair_row: jax.Array, weights: jax.Array | None = None) -> str | None:
+def supports(rows: jax.Array, pair_row: jax.Array, weights: jax.Array) -> str | None:
   """None when the kernel takes these operands, else why not."""
   if rows.ndim != 2 or pair_row.ndim != 2:
     return f"rows (R, d) and pair_row (T, S) expected, got shapes {rows.shape}, {pair_row.shape}"
@@ -92,15 +91,15 @@ def supports(rows: jax.Array, pair_row: jax.Array, weights: jax.Array | None = N
     return f"S={pair_row.shape[1]} slots per token (1 to {MAX_SLOTS} taken)"
   if pair_row.shape[0] < 1 or rows.shape[0] < 1:
     return "no tokens or no rows"
-  if weights is not None and weights.shape != pair_row.shape:
+  if weights.shape != pair_row.shape:
     return f"weights must be {pair_row.shape} like pair_row, got {weights.shape}"
   return None
 
 
 def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | None = None):
-  """(T, d) `out_dtype`: out[t] = sum_s weights[t, s] * rows[pair_row[t, s]] (weights None: 1),
-  float32 accumulation; pairs with pair_row outside [0, R) add nothing.
-  rows: (R, d) bfloat16 or float16; pair_row: (T, S) int32; weights: (T, S) or None."""
+  """(T, d) `out_dtype`: out[t] = sum_s weights[t, s] * rows[pair_row[t, s]], float32
+  accumulation; pairs with pair_row outside [0, R) add nothing.
+  rows: (R, d) bfloat16 or float16; pair_row: (T, S) int32; weights: (T, S)."""
   reason = supports(rows, pair_row, weights)
   if reason is not None:
     raise ValueError(f"gather-sum kernel: {reason}")
@@ -116,9 +115,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
   per_row, piece_rows, pieces = d // c, bc // c, d // bc
   items = t_count * pieces
   num_ctas = num_sms()
-  weighted = weights is not None
-  if weighted:
-    weights = weights.astype(jnp.float32)
+  weights = weights.astype(jnp.float32)
   if interpreting():
     warn_if_interpreter_may_hang()
 
@@ -175,7 +172,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
     def _summing_wg():
       # This warpgroup's items: j = wg, wg + 2, ... (each ring slot always comes to one of them).
       def read(t, s):
-        return (pair_row_ref[t, s], weights_ref[t, s] if weighted else None)
+        return (pair_row_ref[t, s], weights_ref[t, s])
 
       def add(m, now):
         j = m * _SUMMING_WGS + wg
@@ -185,9 +182,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
         plgpu.barrier_wait(full.at[slot])
         acc = None
         for s, (r, scale) in enumerate(now):
-          piece = ring[slot, s].astype(jnp.float32)
-          if weighted:
-            piece = piece * scale
+          piece = ring[slot, s].astype(jnp.float32) * scale
           # A select, not a product with 0: an unwritten row may hold NaN.
           piece = jnp.where(lax.broadcast(pick(r), piece.shape), piece, jnp.zeros_like(piece))
           acc = piece if acc is None else acc + piece
@@ -214,8 +209,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, reduction_scratch_bytes=0),
   )
-  w = weights if weighted else jnp.zeros((1, 1), jnp.float32)
-  out = kernel(pair_row, w, rows.reshape(num_rows * per_row, c))
+  out = kernel(pair_row, weights, rows.reshape(num_rows * per_row, c))
   return out.reshape(t_count, d)
 
 
@@ -223,7 +217,7 @@ def reference(rows, pair_row, weights, dtype=np.float64):
   """The gather-sum in `dtype` on the host, a loop over tokens and slots."""
   rows = np.asarray(rows, dtype)
   ids = np.asarray(pair_row)
-  w = np.ones(ids.shape, dtype) if weights is None else np.asarray(weights, dtype)
+  w = np.asarray(weights, dtype)
   out = np.zeros((ids.shape[0], rows.shape[1]), dtype)
   for t in range(ids.shape[0]):
     for s in range(ids.shape[1]):

@@ -1,7 +1,7 @@
 """The grouped GEMM core shared by every GEMM role: persistent, warp-specialised, varlen-M.
 
-One kernel shape serves the up-projection, the down-projection and (later) the backward roles; a
-role supplies only how its B operand is read and what its epilogue does (`GemmRole`).
+One kernel shape serves the up- and down-projections and the backward's dH and dX roles; a role
+supplies only how its B operand is read and what its epilogue does (`GemmRole`).
 
 Work: the grouped layout (`sonic_jax.layout`) cuts the rows into tiles of `tile_m` rows that each
 belong to one expert; a tile's expert is `tile_expert[tile]` and only the first `num_tiles` tiles
@@ -26,10 +26,9 @@ even number of times (k-steps a multiple of 2 * num_stages) the schedule is deco
 alone waits for and releases a tile's stages (in a 2-CTA cluster, the owners in both CTAs: they
 walk the same tiles in step); elsewhere, and always in the interpreter
 (which checks that every thread that waits on a barrier sees each of its phases), the other
-warpgroup waits for and releases them too, without reading them. On an H100 a warpgroup's
-128 x 128 tile moves more operand bytes per FLOP than the cooperative 64 x 256 one: the up- and
-down-projections lost 10-30% with it; dH, whose epilogue is the heaviest, gains 2-9% at d = 1536
-(the tuning table picks it there; benchmarks/NOTES.md, thirteenth to sixteenth sessions).
+warpgroup waits for and releases them too, without reading them. A warpgroup's 128 x 128 tile
+moves more operand bytes per FLOP than the cooperative 64 x 256 one, so only dH, whose epilogue is
+the heaviest, runs it, where the tuning table says so (docs/decisions.md).
 
 With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
 consecutive row tiles (one per CTA) of a column block: where the pair shares its expert, B is TMA-
@@ -38,12 +37,9 @@ multicast (each CTA loads half of each block for both) and the `empty` barriers 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
 row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
 memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the
-source is written to HBM unless asked for (`write_lhs_rows`): then the compute warpgroups also
-TMA-store each gathered A stage of a tile's first column block to a (rows, k) output, so that a
-later kernel reads the rows contiguously instead of gathering them again.
-Gathered rows are written through other views of the stage than the (8, 64)-tiled one wgmma reads
-(`RefUnion`): with 128-byte rows and the 128-byte swizzle, the (8, 64) and (1, 64) tilings both put
-row r at byte r * 128 and the swizzle is a function of the address, so the views are byte-identical.
+source is ever written to HBM. The gather addresses the stage through an untransformed view of its
+bytes (`RefUnion`) and writes each 16-byte piece where the (8, 64)-tiled, 128-byte-swizzled view
+that wgmma reads expects it.
 """
 
 from __future__ import annotations
@@ -57,8 +53,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sonic_jax.backends import interpreting, warn_if_interpreter_may_hang
+from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import gather
+from sonic_jax.mosaic_gpu.tuning import target_device
 
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
 _NUM_COMPUTE_WGS = 2
@@ -77,8 +74,8 @@ class GroupedGemmConfig:
   grid_band: what a band spans `grid_tile_width` of: "n", column blocks (the band runs down every
     row tile of every expert, so each band re-reads all A rows), or "m", row tiles (the band runs
     across every column block, so A rows are read once and each expert's weights once per band
-    of its rows). Which one moves fewer bytes from DRAM depends on the role and the problem
-    (benchmarks/NOTES.md, twenty-sixth session).
+    of its rows). Which one moves fewer bytes from DRAM depends on the role and the problem:
+    the tuning table picks.
   """
 
   tile_m: int = 128
@@ -86,20 +83,9 @@ class GroupedGemmConfig:
   num_stages: int = 4
   grid_tile_width: int = 4
   grid_band: str = "n"
-  # How a gathered A operand is loaded (sonic_jax.mosaic_gpu.gather): "cp_async" (the memory
-  # warpgroup's threads copy 16-byte pieces) or "row_tma" (one TMA per row: exact but issue-bound,
-  # about 7x slower). The interpreter runs "cp_async" as one indexed read a stage
-  # (`gather.interpreted_rows`).
-  gather_impl: str = "cp_async"
   # Registers per thread of the memory warpgroup (None: 80 for the cp.async gather, which computes
   # addresses, else 40); the compute warpgroups share the rest of the launch's pool.
   memory_registers: int | None = None
-  # SMEM buffers that a role's epilogue stages its 64-column output pieces through (roles using
-  # `epilogue.store_tiles`). A piece's buffer is rewritten once its TMA store has read it, so more
-  # buffers leave more stores in flight; each costs tile_m * 128 bytes next to the operand ring.
-  # On an H100 a 3-stage ring with 2-4 buffers was slower than 4 stages with 2 (up and down
-  # projections, benchmarks/NOTES.md); the autotuner tries them.
-  epilogue_buffers: int = 2
   # CTAs per cluster along M (1 or 2). With 2, the CTAs of a cluster take consecutive row tiles of
   # the same column block; when both tiles belong to one expert (all but the pairs that straddle an
   # expert boundary), each CTA TMA-loads half of every B block and multicasts it to both, halving
@@ -121,16 +107,12 @@ class GroupedGemmConfig:
       raise ValueError(f"tile_m must be a multiple of 128, got {self.tile_m}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
-    if not 1 <= self.epilogue_buffers <= 8:
-      raise ValueError(f"epilogue_buffers must be in [1, 8], got {self.epilogue_buffers}")
     if self.cluster_m not in (1, 2):
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.grid_band not in ("n", "m"):
       raise ValueError(f"grid_band must be 'n' or 'm', got {self.grid_band!r}")
-    if self.gather_impl not in ("cp_async", "row_tma"):
-      raise ValueError(f"gather_impl must be 'cp_async' or 'row_tma', got {self.gather_impl!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,24 +220,15 @@ def check_layout_tile(layout, tile_m: int):
 _REGISTER_POOL = (65536 // (128 * (_NUM_COMPUTE_WGS + 1))) // 8 * 8 * (_NUM_COMPUTE_WGS + 1)
 
 
-def register_split(gather_impl: str | None, memory: int | None = None) -> tuple[int, int]:
+def register_split(gathers: bool, memory: int | None = None) -> tuple[int, int]:
   """(memory warpgroup, compute warpgroup) registers per thread; the cp.async gather computes
   addresses in the memory warpgroup, so by default it gets more than a TMA-only producer."""
   if memory is None:
-    memory = 80 if gather_impl == "cp_async" else 40
+    memory = 80 if gathers else 40
   if memory % 8 or not 24 <= memory <= 256:
     raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {memory}")
   compute = (_REGISTER_POOL - memory) // _NUM_COMPUTE_WGS // 8 * 8
   return memory, compute
-
-
-def target_device():
-  """The GPU the kernels are built for: the abstract mesh's device (export, interpret mode), else
-  the first device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and getattr(mesh, "abstract_device", None) is not None:
-    return mesh.abstract_device
-  return jax.devices()[0]
 
 
 def num_sms() -> int:
@@ -286,53 +259,41 @@ def _at_warpgroup(refs, scratch, wg):
 
 
 def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
-                 extra_inputs: Sequence[jax.Array], config: GroupedGemmConfig,
-                 write_lhs_rows: bool = False):
+                 extra_inputs: Sequence[jax.Array], config: GroupedGemmConfig):
   """Runs `role` over the grouped layout. lhs: (rows, k) source of A; rhs: the role's weights.
 
   row_token: (R,) int32 gather indices into lhs, or None when lhs is the (R, k) grouped buffer.
-  write_lhs_rows: also return the gathered A rows, (R, k) with row r = lhs[row_token[r]] on the
-  tiles in use (the rest unwritten); each compute warpgroup TMA-stores its half of every stage of
-  a tile's first column block once the stage's wgmmas are issued, and releases the stage only
-  after the store has read it.
-  Returns the role's outputs (then the A rows).
+  Returns the role's outputs.
   """
   tm, tk, stages = config.tile_m, config.tile_k, config.num_stages
   k = lhs.shape[1]
   if k % tk:
     raise ValueError(f"the contraction dim ({k}) must be a multiple of tile_k={tk}")
-  if write_lhs_rows and row_token is None:
-    raise ValueError("write_lhs_rows needs row_token: contiguous A rows are already in HBM")
   k_iters = k // tk
   dtype = lhs.dtype
-  gather_impl = None
-  if row_token is not None:
-    gather_impl = config.gather_impl
-    if gather_impl == "cp_async" and interpreting():
-      gather_impl = "interpreted"
-  memory_regs, compute_regs = register_split(gather_impl, config.memory_registers)
+  interpret_mode = interpreting()
+  # How A arrives: "tma" (contiguous rows), "cp_async" (gathered, `gather.cp_async_rows`) or
+  # "interpreted" (gathered by one indexed read a stage: the interpreter runs no inline Mosaic GPU).
+  gather_impl = "tma" if row_token is None else "interpreted" if interpret_mode else "cp_async"
+  memory_regs, compute_regs = register_split(row_token is not None, config.memory_registers)
   m_tiles = tile_expert.shape[0]
   num_experts = rhs.shape[0]
   cluster = config.cluster_m
   m_groups = pl.cdiv(m_tiles, cluster)
   walk_grid = (m_groups * role.num_column_blocks,)
   pingpong = config.schedule == "pingpong"
-  decoupled = pingpong and k_iters % (2 * stages) == 0 and not interpreting()
-  interpret_mode = interpreting()
+  decoupled = pingpong and k_iters % (2 * stages) == 0 and not interpret_mode
   if interpret_mode:
     warn_if_interpreter_may_hang()
 
   def body(tile_expert_ref, num_tiles_ref, row_token_ref, lhs_ref, rhs_ref, *refs):
     n_in, n_out = len(extra_inputs), len(role.out_types)
     inputs, outputs = refs[:n_in], refs[n_in:n_in + n_out]
-    lhs_rows_ref = refs[n_in + n_out] if write_lhs_rows else None
 
     def scoped(a_union, b_smem, full, empty, epi_scratch, a_ready, prefetch_bar, order):
-      a_rows, a_tiles, a_raw = a_union
+      a_tiles, a_raw = a_union
       if gather_impl == "cp_async":
         gather.init_stage_barriers(a_ready)
-      if interpret_mode:
-        a_tiles = a_rows  # the interpreter keeps RefUnion members apart; on a GPU they alias
       wg = lax.axis_index("wg")
       n_tiles_used = num_tiles_ref[0]
 
@@ -387,16 +348,8 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             if gather_impl == "cp_async":
               gather.cp_async_rows(lhs_ref.at[:, k_slice], row_token_ref.at[pl.ds(mi * tm, tm)],
                                    a_raw.at[slot], a_ready.at[slot], source_row_stride=k)
-            elif gather_impl == "row_tma":
-              base = mi * tm
-
-              @pl.loop(0, tm)
-              def _row(r):
-                tok = row_token_ref[base + r]
-                plgpu.copy_gmem_to_smem(lhs_ref.at[pl.ds(tok, 1), k_slice],
-                                        a_rows.at[slot, pl.ds(r, 1)], full.at[slot])
             elif gather_impl == "interpreted":
-              a_rows[slot] = gather.interpreted_rows(lhs_ref.at[:, k_slice],
+              a_tiles[slot] = gather.interpreted_rows(lhs_ref.at[:, k_slice],
                                                      row_token_ref.at[pl.ds(mi * tm, tm)])
               plgpu.barrier_arrive(full.at[slot])
             else:
@@ -430,9 +383,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
               scratch=_at_warpgroup(epi_scratch, role.epilogue_scratch, wg),
               prefetched=None if prefetch_bar is None else prefetch_bar.at[wg])
 
-          # The first column block's tile writes its gathered A rows (write_lhs_rows).
-          write_rows = (active & (nb == 0)) if write_lhs_rows else None
-
           def acc_scope(*acc_refs):
             if decoupled:  # the other warpgroup's mainloop waited for all its stages
               plgpu.barrier_wait(order.at[wg])
@@ -449,9 +399,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                 if role.rhs_transposed:
                   b_block = b_block.transpose((1, 0))
                 plgpu.wgmma(acc_refs[j], a_half, b_block)
-              if write_lhs_rows:  # the stage landed (waited above): store this warpgroup's rows
-                pl.when(write_rows)(lambda: plgpu.copy_smem_to_gmem(
-                    a_half, lhs_rows_ref.at[pl.ds(ctx.row0, rows), pl.ds(ki * tk, tk)]))
               if role.epilogue_prefetch is not None:
                 # While the first wgmmas run: the previous tile's stores must have read the
                 # scratch before the prefetch overwrites it.
@@ -461,8 +408,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
                   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                   role.epilogue_prefetch(ctx, ctx.prefetched)
               plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
-              if write_lhs_rows:  # ... once its row store has read it (this step's may go on)
-                pl.when(write_rows)(lambda: plgpu.wait_smem_to_gmem(1, wait_read_only=True))
 
               @pl.when(ki > 0)
               def _():
@@ -471,8 +416,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             if decoupled:
               plgpu.barrier_arrive(order.at[1 - wg])
             plgpu.wgmma_wait(0)
-            if write_lhs_rows:
-              pl.when(write_rows)(lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True))
             plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
             return [r[...] for r in acc_refs]
 
@@ -512,15 +455,11 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         walk_tiles(compute_tile)
         plgpu.wait_smem_to_gmem(0)
 
-    # Arrivals on full[s]: the B copies, plus one per A row copy (row_tma), the A copy (TMA) or
-    # the interpreter's gathered store; the cp.async gather signals its own per-stage barriers
-    # instead (`gather.stage_barriers`).
-    a_copies = {"row_tma": tm, "cp_async": 0, "interpreted": 1, None: 1}[gather_impl]
+    # Arrivals on full[s]: the B copies, plus the A copy (TMA) or the interpreter's gathered store;
+    # the cp.async gather signals its own per-stage barriers instead (`gather.stage_barriers`).
+    a_copies = {"cp_async": 0, "interpreted": 1, "tma": 1}[gather_impl]
     copies_per_stage = a_copies + role.num_rhs_blocks
-    elems = _SWIZZLE // jnp.dtype(dtype).itemsize
     a_union = plgpu.RefUnion(
-        plgpu.SMEM((stages, tm, tk), dtype, transforms=(plgpu.TilingTransform((1, elems)),
-                                                         plgpu.SwizzleTransform(_SWIZZLE))),
         plgpu.SMEM((stages, tm, tk), dtype, transforms=tiled(dtype)),
         plgpu.SMEM((stages, tm, tk), dtype),  # raw bytes, for the cp.async gather's addressing
     )
@@ -538,8 +477,6 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
         collective_axes="wg")
 
   out_types = tuple(role.out_types)
-  if write_lhs_rows:
-    out_types += (jax.ShapeDtypeStruct((m_tiles * tm, k), dtype),)
   if row_token is None:
     row_token = jnp.zeros((1,), jnp.int32)
   kernel = plgpu.kernel(

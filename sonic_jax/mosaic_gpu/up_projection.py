@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sonic_jax import activations as acts
-from sonic_jax.backends import interpreting
+from sonic_jax.interpret import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
                                                 grouped_gemm, unsupported_operands)
@@ -35,15 +35,14 @@ GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 co
 PLAIN_BLOCK_N = 256
 
 
-def block_n(glu: bool, schedule: str) -> int:
-  """Columns per B block: a pingpong warpgroup holds a whole tile's rows, so half as many."""
-  bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
-  return bn // 2 if schedule == "pingpong" else bn
-
-
 @dataclasses.dataclass(frozen=True)
 class UpProjectionConfig:
   gemm: GroupedGemmConfig = GroupedGemmConfig(num_stages=4)
+
+  def __post_init__(self):
+    if self.gemm.schedule != "cooperative":  # a 128 x 128 warpgroup tile reads more per FLOP
+      raise ValueError(f"the up-projection runs the cooperative schedule only, got "
+                       f"{self.gemm.schedule!r}")
 
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
@@ -56,12 +55,9 @@ def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | N
 
 
 def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout: str,
-                  config: UpProjectionConfig = UpProjectionConfig(), gather: bool = True):
-  """(H, A) for the grouped layout; shapes and dtypes as `xla_backend.up_projection`.
-
-  With gather=False, x must already be the (R, d) grouped buffer x[layout.row_token]: the same
-  kernel with a contiguous A operand, which measures what the fused gather costs.
-  """
+                  config: UpProjectionConfig = UpProjectionConfig()):
+  """(H, A) for the grouped layout; shapes and dtypes as `xla_backend.up_projection`. x: (T, d),
+  its rows gathered by `layout.row_token` as they load."""
   _, d, width = w1.shape
   tm = config.gemm.tile_m
   check_layout_tile(layout, tm)
@@ -70,7 +66,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   interleaved = glu and gate_up_layout == "interleaved"
   n = width // 2 if glu else width
   act_fn = acts.kernel_fn(activation)
-  bn = block_n(glu, config.gemm.schedule)
+  bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
   rows_per_wg = config.gemm.rows_per_warpgroup
   cols = epi.STORE_COLS
 
@@ -105,8 +101,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   def interleaved_epilogue(accs, ctx):
     """Per 64-column H piece: store it, read its pairs back from SMEM as words, store 32 columns
     of A. SMEM allows one H buffer (it fills between the previous piece's H store and A
-    computation) and two A buffers next to the 4-stage ring (its own buffers: the config's
-    `epilogue_buffers` does not apply)."""
+    computation) and two A buffers next to the 4-stage ring."""
     h_ref, a_ref = ctx.outputs
     h_stage, a_stage, h_words = ctx.scratch
     rows = pl.ds(ctx.row0, ctx.rows)
@@ -137,7 +132,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
     scratch = epi.pair_staging_buffers(rows_per_wg, dtype,
                                        epi.half_staging_buffers(rows_per_wg, dtype))
   else:
-    scratch = epi.staging_buffers(rows_per_wg, dtype, config.gemm.epilogue_buffers)
+    scratch = epi.staging_buffers(rows_per_wg, dtype)
   role = GemmRole(
       name="up_projection",
       block_n=bn, num_rhs_blocks=2 if glu else 1, num_column_blocks=n // bn, rhs_copy=rhs_copy,
@@ -145,6 +140,6 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, width), dtype),
                  jax.ShapeDtypeStruct((layout.num_rows, n), dtype)))
   h, a = grouped_gemm(x, w1, layout.tile_expert, layout.num_tiles,
-                      layout.row_token if gather else None, role, () if b1 is None else (b1,),
+                      layout.row_token, role, () if b1 is None else (b1,),
                       config.gemm)
   return h, a

@@ -8,9 +8,10 @@ exact zeros. Same warp specialisation as the varlen-M core (`grouped_gemm.py`): 
 fills a ring of stages with TMA, two compute warpgroups each own half of the block's rows (64, or
 128 as two 64-row accumulators in 256-row blocks) and read their part of the A tile transposed
 (wgmma transposes 16-bit SMEM operands for free), so no transposed copy of the activations is ever
-made. Either operand can be gathered by token as it loads (`gather.py`); `transpose_out` stores
-each block transposed, so that dw2 = A_s^T dO runs as (dO_rows^T A_s)^T with the gathered dO on
-the wgmma's M side (`backend.dw2_gathering_d_out`). Reference: `xla_backend.grouped_weight_grad`.
+made. The lhs rows are gathered by token as they load (`gather.py`: x for dw1, dO for dw2), the rhs
+rows (dH, A_s) read contiguously by TMA; `transpose_out` stores each block transposed, so that
+dw2 = A_s^T dO runs as (dO_rows^T A_s)^T with the gathered dO on the wgmma's M side
+(`backend.dw2_gathering_d_out`). Reference: `xla_backend.grouped_weight_grad`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sonic_jax.backends import interpreting, warn_if_interpreter_may_hang
+from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
 from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, persistent_launch, register_split,
@@ -38,24 +39,18 @@ class WeightGradConfig:
   """block_m: output rows per work item, split between the two compute warpgroups (128: 64 rows
   each, one accumulator; 256: 128 rows each as two 64-row accumulators); block_n: output columns;
   tile_k: grouped rows per reduction step; num_stages: depth of the operand ring.
-  A gathered operand is re-gathered for every block along the other dimension, and the cp.async
-  gather moves about 3 TB/s over the whole H100 (identity-gather probe,
-  benchmarks/wgrad_variants.py): a gathered rhs (dw2's dO) wants block_m = 256 with block_n = 128,
-  half the gathered bytes per FLOP of 128 x 256.
   cluster: CTAs per cluster (1 or 2). With 2, the CTAs of a cluster take two blocks of one expert
-  that share an operand tile (the rhs one, consecutive m blocks, unless rhs is gathered; else the
-  lhs one, consecutive n blocks): each CTA TMA-loads half of that tile and multicasts it to both.
-  Where the paired dimension has an odd number of blocks the kernel runs unclustered."""
+  that share their rhs tile (consecutive m blocks): each CTA TMA-loads half of that tile and
+  multicasts it to both. Where the number of m blocks is odd the kernel runs unclustered."""
 
   block_m: int = 128
   block_n: int = 256
   tile_k: int = 64
   num_stages: int = 4
   cluster: int = 1
-  # The cp.async gather: load a k-step's row indices before waiting for its stage to be free,
-  # not after (their latency off the path from that wait to the copies): 5-7% faster dw1 and dw2
-  # at d = 4096 on an H100; at d <= 1536 between 2% faster and 4% slower, and off in the tuning
-  # table where slower (benchmarks/wgrad_variants.py, autotune.py).
+  # The cp.async gather: load a k-step's row indices before waiting for its stage to be free, not
+  # after (their latency off the path from that wait to the copies); the tuning table turns it
+  # off where that loses.
   indices_before_wait: bool = True
 
   def __post_init__(self):
@@ -69,31 +64,27 @@ class WeightGradConfig:
       raise ValueError(f"tile_k must be 64, got {self.tile_k}")
 
 
-def supports(lhs_rows, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> str | None:
-  return unsupported_operands(lhs_rows, rhs_rows,
-                              [("lhs width", lhs_rows.shape[1], config.block_m),
-                               ("rhs width", rhs_rows.shape[1], config.block_n)])
+def supports(lhs, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> str | None:
+  return unsupported_operands(lhs, rhs_rows, [("lhs width", lhs.shape[1], config.block_m),
+                                              ("rhs width", rhs_rows.shape[1], config.block_n)])
 
 
-def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig(),
-                gathered: str | None = None, transpose_out: bool = False):
-  """(E, m, n) in lhs's dtype, float32 accumulation; lhs_rows (R, m), rhs_rows (R, n) grouped rows
-  whose padding rows are zero in at least one of the two. Expert e's reduction runs over its first
+def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig(),
+                transpose_out: bool = False):
+  """(E, m, n) in lhs's dtype, float32 accumulation: out[e] = sum over e's grouped rows r of
+  lhs[row_token[r]]^T rhs_rows[r].
+
+  lhs: the (T, m) source whose row `layout.row_token[r]` is grouped row r, gathered as the
+  reduction runs (cp.async on the GPU; `gather.py`; no gathered copy is written to HBM).
+  rhs_rows: (R, n) grouped rows, zero on padding rows. Expert e's reduction runs over its first
   `layout.expert_counts[e]` rows rounded up to `tile_k` (its real rows come first in its group):
   the padding rows past them are never read, and an expert without rows gets a zero gradient.
-
-  gathered="lhs" / "rhs": that operand is instead the (T, m) / (T, n) source whose row
-  `layout.row_token[r]` is grouped row r, gathered as the reduction runs (cp.async on the GPU;
-  `gather.py`); no gathered copy is written to HBM.
   transpose_out: return (E, n, m), each block's accumulators stored transposed, so that a product
-  wanted as rhs^T lhs (dw2 = A_s^T dO) can put a gathered operand on the wgmma's M side (128-wide
-  gathered tiles with the 64 x 256 wgmmas of 128 x 256 blocks).
+  wanted as rhs^T lhs (dw2 = A_s^T dO) puts its gathered operand on the wgmma's M side.
   """
   if layout.row_tile % config.tile_k:
     raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of tile_k")
-  if gathered not in (None, "lhs", "rhs"):
-    raise ValueError(f"gathered must be None, 'lhs' or 'rhs', got {gathered!r}")
-  m, n = lhs_rows.shape[1], rhs_rows.shape[1]
+  m, n = lhs.shape[1], rhs_rows.shape[1]
   e_count = layout.num_experts
   bm, bn, tk, stages = config.block_m, config.block_n, config.tile_k, config.num_stages
   half = bm // _NUM_COMPUTE_WGS  # output rows per compute warpgroup
@@ -101,31 +92,26 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
   lhs_boxes = bm // 64  # the lhs stage as (tk, 64) boxes, warpgroup w's are w*subs .. +subs
   m_blocks, n_blocks = m // bm, n // bn
   items = e_count * m_blocks * n_blocks
-  dtype = lhs_rows.dtype
+  dtype = lhs.dtype
   group_start = (jnp.cumsum(layout.group_sizes) - layout.group_sizes).astype(jnp.int32)
   itemsize = jnp.dtype(dtype).itemsize
-  memory_regs, compute_regs = register_split("cp_async" if gathered else None)
-  # Arrivals on full[s]: one per TMA copy (two lhs halves, one rhs block), plus the store of a
-  # gathered operand in the interpreter; the cp.async gather signals `ready` instead.
-  gathered_copies = 1 if gathered and interpreting() else 0
-  full_arrivals = {None: lhs_boxes + 1, "lhs": 1, "rhs": lhs_boxes}[gathered] + gathered_copies
-
+  memory_regs, compute_regs = register_split(True)
   interpret_mode = interpreting()
   if interpret_mode:
     warn_if_interpreter_may_hang()
-  cp_async = gathered is not None and not interpret_mode
-  # The operand both CTAs of a cluster read (TMA multicast): never a gathered one.
-  shared = "lhs" if gathered == "rhs" else "rhs"
+  cp_async = not interpret_mode
+  # Arrivals on full[s]: the rhs block's TMA copy, plus the interpreter's store of the gathered
+  # lhs; the cp.async gather signals `ready` instead.
+  full_arrivals = 1 if cp_async else 2
+  # Both CTAs of a cluster read the same rhs tile (TMA multicast): never the gathered operand.
   cluster = config.cluster
-  if (m_blocks if shared == "rhs" else n_blocks) % cluster:
+  if m_blocks % cluster:
     cluster = 1
   multicast = {"collective_axes": "cluster"} if cluster > 1 else {}
 
   def body(sizes_ref, starts_ref, row_token_ref, lhs_ref, rhs_ref, out_ref):
-    def scoped(a_union, b_union, full, empty, staging, ready):
-      (a_smem, a_raw), (b_smem, b_raw) = a_union, b_union
-      if interpret_mode:  # the interpreter keeps RefUnion members apart; on a GPU they alias
-        a_raw, b_raw = a_smem, b_smem
+    def scoped(a_union, b_smem, full, empty, staging, ready):
+      a_smem, a_raw = a_union  # the raw view: the cp.async gather's byte addressing
       if cp_async:
         gather.init_stage_barriers(ready)
       wg = lax.axis_index("wg")
@@ -133,10 +119,8 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
       def walk_items(per_item):
         """per_item(expert, m_block, n_block, first_row, steps, first_step) over this CTA's
         items, in the same order in every warpgroup; returns the k-steps taken."""
-        # A cluster walks items of cluster-wide blocks along its paired dimension; each CTA
-        # takes its own block of the pair.
-        mbs, nbs = (m_blocks // cluster, n_blocks) if shared == "rhs" else (m_blocks,
-                                                                           n_blocks // cluster)
+        # A cluster walks items of pairs of m blocks; each CTA takes its own block of the pair.
+        mbs, nbs = m_blocks // cluster, n_blocks
 
         @plgpu.nd_loop((items // cluster,), collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
@@ -146,32 +130,28 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
           mb = lax.rem(idx, mbs * nbs) // nbs
           nb = lax.rem(idx, nbs)
           if cluster > 1:
-            cta = lax.axis_index("cluster")
-            if shared == "rhs":
-              mb = mb * cluster + cta
-            else:
-              nb = nb * cluster + cta
+            mb = mb * cluster + lax.axis_index("cluster")
           steps = sizes_ref[e] // tk  # of the expert's rows that the reduction reads
           per_item(e, mb, nb, starts_ref[e], steps, step)
           return step + steps
         return _items
 
-      def load_rows(src, rows, cols, slot, barrier, store, dst_raw, indices, block_stride,
-                    group_stride):
-        """Gathers the grouped rows `rows` of the (T, .) source `src`, columns `cols`, into the
-        stage; store(value) writes the (tk, cols) rows into the stage (interpreter)."""
+      def load_lhs_rows(rows, cols, slot, indices):
+        """Gathers the grouped rows `rows` of lhs, columns `cols`, into the stage's (tk, 64)
+        boxes."""
         if cp_async:
           # Each step reads new indices: prefetch the next step's (clamped to the buffer).
           next_rows = pl.ds(jnp.minimum(rows.start + tk, row_token_ref.shape[0] - tk), tk)
-          gather.cp_async_rows(src.at[:, cols], row_token_ref.at[rows], dst_raw.at[slot],
-                               ready.at[slot], source_row_stride=src.shape[1],
-                               block_stride=block_stride, group_stride=group_stride,
+          gather.cp_async_rows(lhs_ref.at[:, cols], row_token_ref.at[rows], a_raw.at[slot],
+                               ready.at[slot], source_row_stride=lhs_ref.shape[1],
+                               block_stride=tk * 64 * itemsize, group_stride=8 * 64 * itemsize,
                                next_row_index=row_token_ref.at[next_rows],
                                loaded_indices=indices)
           return
-
-        store(gather.interpreted_rows(src.at[:, cols], row_token_ref.at[rows]))
-        plgpu.barrier_arrive(barrier)
+        value = gather.interpreted_rows(lhs_ref.at[:, cols], row_token_ref.at[rows])
+        for j in range(lhs_boxes):
+          a_smem[slot, j] = value[:, j * 64:(j + 1) * 64]
+        plgpu.barrier_arrive(full.at[slot])
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
@@ -188,37 +168,15 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
             rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
             indices = None
             if cp_async and config.indices_before_wait:
-              indices = gather.load_row_indices(row_token_ref.at[rows],
-                                                width=bm if gathered == "lhs" else bn,
-                                                dtype=dtype)
+              indices = gather.load_row_indices(row_token_ref.at[rows], width=bm, dtype=dtype)
 
             @pl.when(s >= stages)
             def _():
               plgpu.barrier_wait(empty.at[slot])
 
-            if gathered == "lhs":  # the 64-column boxes are separate (tk, 64) buffers
-              def store_boxes(value):
-                for j in range(lhs_boxes):
-                  a_smem[slot, j] = value[:, j * 64:(j + 1) * 64]
-
-              load_rows(lhs_ref, rows, pl.ds(mb * bm, bm), slot, full.at[slot], store_boxes,
-                        a_raw, indices, block_stride=tk * 64 * itemsize,
-                        group_stride=8 * 64 * itemsize)
-            else:
-              for h in range(lhs_boxes):
-                plgpu.copy_gmem_to_smem(lhs_ref.at[rows, pl.ds(mb * bm + h * 64, 64)],
-                                        a_smem.at[slot, h], full.at[slot],
-                                        **(multicast if shared == "lhs" else {}))
-            if gathered == "rhs":
-              def store_block(value):
-                b_smem[slot] = value
-
-              load_rows(rhs_ref, rows, pl.ds(nb * bn, bn), slot, full.at[slot], store_block,
-                        b_raw, indices, block_stride=8 * 64 * itemsize,
-                        group_stride=8 * bn * itemsize)
-            else:
-              plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
-                                      full.at[slot], **(multicast if shared == "rhs" else {}))
+            load_lhs_rows(rows, pl.ds(mb * bm, bm), slot, indices)
+            plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
+                                    full.at[slot], **multicast)
 
         drain_ring(empty, walk_items(load), stages)
 
@@ -266,12 +224,12 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
         plgpu.wait_smem_to_gmem(0)
 
     staging = epi.staging_buffers(64, dtype)
-    with_raw = lambda shape: plgpu.RefUnion(  # raw bytes: the cp.async gather's addressing
-        plgpu.SMEM(shape, dtype, transforms=tiled(dtype)), plgpu.SMEM(shape, dtype))
+    a_shape = (stages, lhs_boxes, tk, 64)
     pl.run_scoped(
         scoped,
-        with_raw((stages, lhs_boxes, tk, 64)),
-        with_raw((stages, tk, bn)),
+        plgpu.RefUnion(plgpu.SMEM(a_shape, dtype, transforms=tiled(dtype)),
+                       plgpu.SMEM(a_shape, dtype)),
+        plgpu.SMEM((stages, tk, bn), dtype, transforms=tiled(dtype)),
         plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
         stage_release_barriers(cluster, stages),
         plgpu.SMEM((_NUM_COMPUTE_WGS,) + staging.shape, dtype, transforms=staging.transforms),
@@ -282,15 +240,13 @@ def weight_grad(lhs_rows, rhs_rows, layout, config: WeightGradConfig = WeightGra
       body,
       out_type=jax.ShapeDtypeStruct((e_count, n, m) if transpose_out else (e_count, m, n), dtype),
       **persistent_launch(cluster),
-      kernel_name="weight_grad" + (f"_gathered_{gathered}" if gathered else ""),
+      kernel_name="weight_grad",
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  row_token = layout.row_token if gathered else jnp.zeros((1,), jnp.int32)
   # The reduction stops at the tile_k step holding an expert's last real row: padding only
-  # follows it (an expert's padding ends its group). Half a 128-row tile of padding per expert on
-  # average, 1.1-2.8% of dw1's and dw2's time at d = 4096 on an H100 (benchmarks/NOTES.md).
+  # follows it (an expert's padding ends its group), half a 128-row tile per expert on average.
   reduced_rows = (layout.expert_counts + tk - 1) // tk * tk
-  return kernel(reduced_rows.astype(jnp.int32), group_start, row_token, lhs_rows, rhs_rows)
+  return kernel(reduced_rows.astype(jnp.int32), group_start, layout.row_token, lhs, rhs_rows)

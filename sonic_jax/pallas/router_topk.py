@@ -1,7 +1,7 @@
 """Router top-K: the K largest of each token's E routing values and their expert ids, in one pass.
 
-XLA's GPU top-K reads the (T, E) routing values at about 0.1 TB/s on an H100 (0.33 ms for
-T = 32768, E = 256, K = 16: a third of the whole routing-metadata pass). Here one Pallas (Triton)
+XLA's GPU top-K reads the (T, E) routing values at a small fraction of HBM bandwidth (on an H100 a
+third of the whole routing-metadata pass at T = 32768, E = 256, K = 16). Here one Pallas (Triton)
 program takes a block of tokens, keeps their E values in registers and picks the K experts one at a
 time on order-preserving int32 keys, so the values are read once from HBM. By default a key packs
 the value's upper bits with the expert id (one max per pick gives both), and a program in which two
@@ -34,10 +34,8 @@ except ImportError:  # pragma: no cover
 
 MAX_EXPERTS = 1024
 MAX_K = 32  # the selection loop is unrolled k times
-# The programs' default shape: (tokens, E) values per program and warps, 16 values per thread. On
-# an H100 (benchmarks/router_variants.py --topk_sweep, twenty-third session) 36.7 us per call at
-# T = 32768, E = 256, K = 16 with the packed selection against 51.0 for 2048 values on 4 warps
-# (52.5 and 59.7 with the exact one); 16.9 against 17.3 at T = 40960, E = 128, K = 8.
+# The programs' default shape: (tokens, E) values per program and warps, 16 values per thread (the
+# fastest of the shapes measured, docs/decisions.md).
 VALUES_PER_PROGRAM = 512
 NUM_WARPS = 1
 
@@ -92,9 +90,6 @@ def _select_ids(values, k: int, k_block: int):
   return ids
 
 
-SELECTIONS = ("packed", "exact")
-
-
 def _select_ids_packed(values, k: int, k_block: int):
   """`_select_ids` with half the operations per pick where no two of a row's k + 1 largest values
   are close.
@@ -126,26 +121,16 @@ def _select_ids_packed(values, k: int, k_block: int):
   return lax.cond(jnp.max(close) > 0, lambda: _select_ids(values, k, k_block), lambda: ids)
 
 
-def _selector(selection: str):
-  if selection not in SELECTIONS:
-    raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-  return _select_ids_packed if selection == "packed" else _select_ids
+def _kernel(values_ref, ids_ref, *, k: int):
+  ids_ref[...] = _select_ids_packed(values_ref[...], k, ids_ref.shape[1])
 
 
-def _kernel(values_ref, ids_ref, *, k: int, select):
-  ids_ref[...] = select(values_ref[...], k, ids_ref.shape[1])
-
-
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps",
-                                             "selection"))
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps"))
 def top_k(values: jax.Array, k: int, interpret: bool = False,
-          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = NUM_WARPS,
-          selection: str = "packed"):
+          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = NUM_WARPS):
   """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E).
   values_per_program, num_warps: the programs' shape (block_tokens(E, values_per_program) tokens,
-  Triton's warps). selection: "packed" (`_select_ids_packed`, the exact one where it must) or
-  "exact" (`_select_ids` always); the same ids either way."""
-  select = _selector(selection)
+  Triton's warps)."""
   reason = supports(values, k)
   if reason is not None:
     raise ValueError(f"router top-K kernel: {reason}")
@@ -155,7 +140,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
   k_block = next_pow2(k)  # Triton blocks are powers of two; the extra slots are sliced off
   rows = padded.shape[0]
   ids = pl.pallas_call(
-      functools.partial(_kernel, k=k, select=select),
+      functools.partial(_kernel, k=k),
       out_shape=jax.ShapeDtypeStruct((rows, k_block), jnp.int32),
       grid=(rows // bt,),
       in_specs=[pl.BlockSpec((bt, e), lambda i: (i, 0))],
@@ -173,10 +158,8 @@ LOGITS_MAX_EXPERTS = 256
 
 def logits_block_tokens(e: int) -> int:
   """Tokens per program of `logits_top_k`: 64 (every program reads all of the router weight, from
-  L2), fewer where the (tokens, E) logits would not stay in the registers of 4 warps. Measured on
-  an H100 (benchmarks/router_variants.py --sweep --device_times): 46.2 us of device time at
-  T=40960, d=768, E=128 with 64 tokens and 4 warps against 55.3 with 128 tokens and 8 warps and
-  52.3 with 32 tokens; within 2 us of the best of ten shapes at d = 768, 1536 and 4096."""
+  L2), fewer where the (tokens, E) logits would not stay in the registers of 4 warps: the fastest
+  of the shapes measured (docs/decisions.md)."""
   return max(16, min(64, 8192 // e))
 
 
@@ -196,8 +179,7 @@ def logits_supports(x: jax.Array, w: jax.Array, k: int) -> str | None:
   return None
 
 
-def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bias: bool,
-                   select):
+def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bias: bool):
   bias_ref = refs[0] if has_bias else None
   logits_ref, ids_ref = refs[-2:]
   t0 = pl.program_id(0) * bt
@@ -216,15 +198,15 @@ def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bi
   pltriton.store(logits_ref.at[pl.ds(t0, bt), :], logits, mask=jnp.broadcast_to(in_range, (bt, e)))
   values = logits + bias_ref[...] if has_bias else logits  # as routing adds the selection bias
   k_block = ids_ref.shape[1]
-  pltriton.store(ids_ref.at[pl.ds(t0, bt), :], select(values, k, k_block),
+  pltriton.store(ids_ref.at[pl.ds(t0, bt), :], _select_ids_packed(values, k, k_block),
                  mask=jnp.broadcast_to(in_range, (bt, k_block)))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "block_tokens", "num_warps",
-                                             "num_stages", "selection"))
+                                             "num_stages"))
 def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = None,
                  interpret: bool = False, block_tokens: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3, selection: str = "packed"):
+                 num_stages: int = 3):
   """(logits (T, E) float32, ids (T, k) int32): logits = x @ w with float32 accumulation, ids the
   experts of each token's k largest logits (+ bias (E,) float32, which moves the selection only),
   as `jax.lax.top_k` picks them from these logits.
@@ -234,9 +216,7 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   GEMM and the top-K kernel, and the logits are not read back. x is read once; every program reads
   all of w (from L2). block_tokens (default `logits_block_tokens(E)`), num_warps, num_stages:
   the programs' shape (Triton's warps and software-pipelining depth of the GEMM loop).
-  selection: as in `top_k`.
   """
-  select = _selector(selection)
   reason = logits_supports(x, w, k)
   if reason is not None:
     raise ValueError(f"router logits + top-K kernel: {reason}")
@@ -247,8 +227,7 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   has_bias = bias is not None
   operands = (x, w) + ((bias.astype(jnp.float32).reshape(1, e),) if has_bias else ())
   logits, ids = pl.pallas_call(
-      functools.partial(_logits_kernel, k=k, bt=bt, num_tokens=t, has_bias=has_bias,
-                        select=select),
+      functools.partial(_logits_kernel, k=k, bt=bt, num_tokens=t, has_bias=has_bias),
       out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32),
                  jax.ShapeDtypeStruct((t, k_block), jnp.int32)),
       grid=(blocks,),

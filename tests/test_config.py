@@ -1,0 +1,72 @@
+"""`sonic_jax.Config`: validation, hashability (a static value under jit), and that the op, the
+Flax layer and the parallel ops take it per call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import sonic_jax
+from sonic_jax.layers import MoE
+
+
+def _args(T=32, d=64, n=32, E=4):
+  k = jax.random.split(jax.random.key(0), 4)
+  return (jax.random.normal(k[0], (T, d)), jax.random.normal(k[1], (d, E)) * 0.1,
+          jax.random.normal(k[2], (E, d, 2 * n)) * 0.1, jax.random.normal(k[3], (E, n, d)) * 0.1)
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("router_kernel_max_experts", -1, ValueError), ("layout_kernel_max_experts", 1.5, ValueError),
+    ("gather_sum_kernel_min_d", True, ValueError), ("gather_sum_kernel", 1, TypeError),
+    ("tuning", {"entries": []}, TypeError)])
+def test_bad_fields_are_named(field, value, error):
+  with pytest.raises(error, match=field):
+    sonic_jax.Config(**{field: value})
+
+
+def test_config_is_frozen_and_hashable():
+  a, b = sonic_jax.Config(), sonic_jax.Config()
+  assert a == b and hash(a) == hash(b)
+  assert sonic_jax.Config(gather_sum_kernel=False) != a
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    a.gather_sum_kernel = False
+
+
+def test_the_op_takes_a_config_per_call_and_refuses_anything_else():
+  args = _args()
+  y_default, _ = sonic_jax.moe(*args, top_k=2)
+  y, _ = sonic_jax.moe(*args, top_k=2, config=sonic_jax.Config(layout_kernel_max_experts=0))
+  assert jnp.allclose(y, y_default)
+  with pytest.raises(TypeError, match="config must be a sonic_jax.Config"):
+    sonic_jax.moe(*args, top_k=2, config={"gather_sum_kernel": False})
+
+
+def test_a_config_is_static_under_jit():
+  """Equal configs share one trace; a different config is another trace."""
+  traces = []
+
+  def f(x, rw, w1, w2, config):
+    traces.append(config)
+    return sonic_jax.moe(x, rw, w1, w2, top_k=2, config=config)[0]
+
+  g = jax.jit(f, static_argnames="config")
+  args = _args()
+  g(*args, config=sonic_jax.Config())
+  g(*args, config=sonic_jax.Config())
+  g(*args, config=sonic_jax.Config(router_kernel_max_experts=0))
+  assert len(traces) == 2
+
+
+def test_the_layer_keeps_its_config():
+  config = sonic_jax.Config(gather_sum_kernel=False)
+  layer = MoE(64, 4, 32, 2, config=config, rngs=nnx.Rngs(0))
+  assert layer.config is config
+  y, _ = layer(_args()[0])
+  assert y.shape == (32, 64)
+  with pytest.raises(TypeError, match="config"):
+    MoE(64, 4, 32, 2, config="fast", rngs=nnx.Rngs(0))
