@@ -232,7 +232,12 @@ def main(_):
 
 
 def plot(csv_path, png_path):
-  import matplotlib
+  """Writes the loss curves to png_path; without matplotlib, says so and writes nothing."""
+  try:
+    import matplotlib
+  except ImportError:
+    print("matplotlib is not installed: no loss.png (pip install 'sonic_jax[examples]')")
+    return
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   with open(csv_path) as f:
