@@ -92,14 +92,18 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
       weight_grad=dataclasses.replace(wgrad.WeightGradConfig(), **fields("weight_grad", n)))
 
 
+def dw2_config(n: int, config: wgrad.WeightGradConfig) -> wgrad.WeightGradConfig:
+  """dw2's blocks: 128 x 256 (d, n) where n allows, else 128 x 128."""
+  return dataclasses.replace(config, block_m=128, block_n=256 if n % 256 == 0 else 128)
+
+
 def dw2_gathering_d_out(d_out, a_s, layout, config: wgrad.WeightGradConfig):
   """dw2 = A_s^T dO (E, n, d) with the rows of dO gathered inside the kernel, run as dO_rows^T A_s
   with the accumulators stored transposed, so that the gathered dO is on the wgmma's M side:
-  128 x 256 (d, n) blocks, one 64 x 256 wgmma a warpgroup per 16-deep slice, as SonicMoE's dw2
-  does (docs/decisions.md)."""
-  block_n = 256 if a_s.shape[1] % 256 == 0 else 128
-  config = dataclasses.replace(config, block_m=128, block_n=block_n)
-  return wgrad.weight_grad(d_out, a_s, layout, config, transpose_out=True)
+  one 64 x 256 wgmma a warpgroup per 16-deep slice where n allows, as SonicMoE's dw2 does
+  (docs/decisions.md)."""
+  return wgrad.weight_grad(d_out, a_s, layout, dw2_config(a_s.shape[1], config),
+                           transpose_out=True)
 
 
 def up_projection(x, w1, b1, layout, activation, gate_up_layout, *, config: Config):
@@ -138,12 +142,14 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
 def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, with_b2, *,
                  config: Config):
   del d_out_rows  # this backend's dH returns none: the kernels gather the dO rows themselves
-  if _falls_back("weight gradient", wgrad.supports(x, d_h) or wgrad.supports(a_s, d_out)):
+  n, d = a_s.shape[1], x.shape[1]
+  wg_config = role_configs(d, n, layout.num_experts, True, config=config).weight_grad
+  reason = (wgrad.supports(x, d_h, wg_config)
+            or wgrad.supports(d_out, a_s, dw2_config(n, wg_config)))
+  if _falls_back("weight gradient", reason):
     return xla_backend.weight_grads(x, d_out, None, d_h, a_s, row_scores, layout, with_b1,
                                     with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
-  n, d = a_s.shape[1], x.shape[1]
-  wg_config = role_configs(d, n, layout.num_experts, True, config=config).weight_grad
   dw1 = wgrad.weight_grad(x, d_h, layout, wg_config)
   dw2 = dw2_gathering_d_out(d_out, a_s, layout, wg_config)
   db2_rows = d_out[layout.row_token] if with_b2 else None  # db2 alone needs the dO rows

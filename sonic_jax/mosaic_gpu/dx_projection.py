@@ -55,7 +55,7 @@ def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConf
       name="dx_projection",
       block_n=BLOCK_N, num_rhs_blocks=1, num_column_blocks=d // BLOCK_N, rhs_copy=rhs_copy,
       epilogue=epilogue,
-      epilogue_scratch=epi.staging_buffers(tm // 2, dtype),
+      epilogue_scratch=epi.staging_buffers(config.gemm.rows_per_warpgroup, dtype),
       out_types=(jax.ShapeDtypeStruct((layout.num_rows, d), dtype),), rhs_transposed=True)
   (dx,) = grouped_gemm(d_h, w1, layout.tile_expert, layout.num_tiles, None, role, (), config.gemm)
   return dx

@@ -120,7 +120,7 @@ class EpilogueContext:
   """What a role's epilogue sees for one (tile, column block, warpgroup)."""
 
   row0: jax.Array  # first grouped row of this warpgroup's rows
-  rows: int  # rows per warpgroup (tile_m // 2)
+  rows: int  # rows per warpgroup (`GroupedGemmConfig.rows_per_warpgroup`)
   expert: jax.Array
   column_block: jax.Array
   inputs: Sequence[Any]  # the role's extra GMEM inputs
@@ -138,8 +138,8 @@ class GemmRole:
   block j of the stage is copied from (one dense TMA box); (block_n, tile_k) when rhs_transposed,
   for weights stored (N, K) per expert: wgmma reads the transposed 16-bit block for free, so the
   backward's w^T products need no transposed copy of the weights.
-  epilogue(accs, ctx) consumes the float32 accumulators [(tile_m // 2, block_n)] * num_rhs_blocks
-  of one warpgroup and stores the outputs.
+  epilogue(accs, ctx) consumes the float32 accumulators [(rows, block_n)] * num_rhs_blocks of one
+  warpgroup (rows: `GroupedGemmConfig.rows_per_warpgroup`) and stores the outputs.
   epilogue_scratch: one plgpu.SMEM, a tuple of them, or one plgpu.RefUnion (a union unpacks only
   as the whole scratch), per warpgroup; the epilogue sees this warpgroup's refs (a RefUnion as the
   flat tuple of its members' leaves).
@@ -154,7 +154,7 @@ class GemmRole:
   num_column_blocks: int
   rhs_copy: Callable
   epilogue: Callable
-  epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (a plgpu.SMEM)
+  epilogue_scratch: Any  # SMEM scratch for one warpgroup's epilogue (see above)
   out_types: Sequence[jax.ShapeDtypeStruct]
   rhs_transposed: bool = False
   epilogue_prefetch: Callable | None = None

@@ -6,9 +6,9 @@ pre-activation H (kept for the backward) and A (read by the down-projection).
 
 GLU activations take either gate/up layout of w1 as it is (no permuted copy of w1). A column
 block covers GLU_BLOCK_N hidden units and reads two B blocks of GLU_BLOCK_N columns each:
-- "concat": the gate columns (w1[e][:, u0:u0+BLOCK_N]) and the up columns (w1[e][:, n+u0:...]),
-  so both halves of act(gate) * up meet in one warpgroup's registers;
-- "interleaved": the block's 2 * BLOCK_N consecutive columns, (gate, up) side by side. H is
+- "concat": the gate columns (w1[e][:, u0:u0+GLU_BLOCK_N]) and the up columns
+  (w1[e][:, n+u0:...]), so both halves of act(gate) * up meet in one warpgroup's registers;
+- "interleaved": the block's 2 * GLU_BLOCK_N consecutive columns, (gate, up) side by side. H is
   stored as it comes; each 64-column H piece, once in SMEM for its store, is read back as 32
   uint32 words, one (gate, up) pair each, so a pair lands in one thread (a wgmma fragment puts
   adjacent columns in one thread, but Mosaic GPU has no strided register slice) and gives 32

@@ -3,9 +3,10 @@ over expert e's rows of the grouped layout.
 
 dw1_e = x_rows_e^T dH_e and dw2_e = A_s,e^T dO_rows_e. Each work item is one (expert, block_m x
 block_n) block of out[e]; its k-loop walks the expert's rows tile_k at a time, so the number of
-steps is data (the expert's group size): nothing syncs with the host and experts with no rows get
-exact zeros. Same warp specialisation as the varlen-M core (`grouped_gemm.py`): a memory warpgroup
-fills a ring of stages with TMA, two compute warpgroups each own half of the block's rows (64, or
+steps is data (the expert's row count, rounded up to tile_k): nothing syncs with the host and
+experts with no rows get exact zeros. Same warp specialisation as the varlen-M core
+(`grouped_gemm.py`): a memory warpgroup fills a ring of stages (the gathered lhs rows by cp.async,
+the rhs tile by TMA), two compute warpgroups each own half of the block's rows (64, or
 128 as two 64-row accumulators in 256-row blocks) and read their part of the A tile transposed
 (wgmma transposes 16-bit SMEM operands for free), so no transposed copy of the activations is ever
 made. The lhs rows are gathered by token as they load (`gather.py`: x for dw1, dO for dw2), the rhs

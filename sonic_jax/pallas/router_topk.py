@@ -1,7 +1,7 @@
 """Router top-K: the K largest of each token's E routing values and their expert ids, in one pass.
 
-XLA's GPU top-K reads the (T, E) routing values at a small fraction of HBM bandwidth (on an H100 a
-third of the whole routing-metadata pass at T = 32768, E = 256, K = 16). Here one Pallas (Triton)
+XLA's GPU top-K reads the (T, E) routing values at a small fraction of HBM bandwidth (on an H100
+about 30% of the whole routing-metadata pass at T = 32768, E = 256, K = 16). Here one Pallas (Triton)
 program takes a block of tokens, keeps their E values in registers and picks the K experts one at a
 time on order-preserving int32 keys, so the values are read once from HBM. By default a key packs
 the value's upper bits with the expert id (one max per pick gives both), and a program in which two
