@@ -60,6 +60,11 @@ def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout)
   expert, used = _tile_weights(layout)
   acc = _acc(lhs_rows.dtype)
   init = jnp.zeros((layout.num_experts, lhs_rows.shape[1], rhs_rows.shape[1]), acc)
+  # Under shard_map the carry must vary over the manual axes that the tiles' products vary over.
+  varying = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying
+                                       for a in (lhs_rows, rhs_rows, expert)))))
+  if varying:
+    init = jax.lax.pcast(init, varying, to="varying")
 
   def tile(total, xs):
     lhs_tile, rhs_tile, e, in_use = xs

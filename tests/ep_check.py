@@ -61,7 +61,11 @@ def main():
 
     sharded = jax.shard_map(local, mesh=mesh,
                             in_specs=(P("ep"), P(), P("ep"), P("ep"), P("ep")),
-                            out_specs=(P("ep"), P()), check_vma=False)
+                            out_specs=(P("ep"), P()),
+                            # The all-to-all's losses are pmean'd, so shard_map's replication
+                            # check holds; the all-gather scheme's and a rounded routing's are
+                            # equal on every device but typed as varying.
+                            check_vma=sys.argv[1].startswith("all_to_all") and rounding is None)
 
     def loss_ep(x, rw, w1, w2, b1):
       y, lb = sharded(x, rw, w1, w2, b1)
