@@ -1,6 +1,6 @@
 """The layers sonic_jax is measured against, on the same inputs.
 
-- `tokamax_moe`: the best MoE layer a JAX user can assemble from public parts today: router, argsort,
+- `tokamax_moe`: the best MoE layer a JAX user can assemble from public parts: router, argsort,
   XLA gather of x, tokamax's Mosaic GPU `ragged_dot` (up), SwiGLU, `ragged_dot` (down), scaling by
   the scores, scatter-add back to tokens; autodiff for the backward.
 - `uniform_upper_bound`: the same FLOPs as batched GEMMs with exactly T*K/E tokens per expert, no
@@ -19,6 +19,17 @@ def tokamax_available() -> bool:
   except Exception:  # ImportError, or a missing transitive dependency
     return False
   return True
+
+
+def tokamax_version():
+  """tokamax's version where it imports, else None."""
+  if not tokamax_available():
+    return None
+  import importlib.metadata
+  try:
+    return importlib.metadata.version("tokamax")
+  except importlib.metadata.PackageNotFoundError:
+    return "(version unknown)"
 
 
 def tokamax_moe(x, router_weight, w1, w2, *, top_k, implementation="mosaic"):

@@ -1,11 +1,18 @@
 r"""Expert parallelism: both sharded schemes against one device, and the cost of their collectives.
 
   python -m benchmarks.ep_bench [--thiek=T_local,d,n,E,K ...] [--backend=auto] [--out=dir]
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.ep_bench \
+      --thiek=128,32,16,4,2 --backend=xla                              # 2 CPU devices
+
+On a machine of several GPUs (nvidia-h100-x2 or larger):
+`PYTHONPATH=$PWD python3 -m benchmarks.ep_bench --repeats=5 --out=$OUT`; it writes
+$OUT/<device>x<P>_<date>_ep.json for benchmarks/results/.
 
 With P devices (all of `jax.devices()`, or --devices), each configuration gives the work of one
-device: T_local tokens per device, E experts in all (E/P per device), K per token. First a
-correctness check of the dropless schemes against the single-device op at a small float32 size (on
-GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot reach).
+device: T_local tokens per device, E experts in all (E/P per device), K per token. The run opens
+with a correctness check of the dropless schemes against the single-device op at a small float32
+size (on GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot
+reach).
 Then, measured forward and forward+backward (median of repeated runs after warm-up):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
@@ -233,9 +240,10 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
 
 
 def table(results, inter_node_gbps):
-  lines = ["| per-device config (T_local,d,n,E,K) | P | single fwd+bwd ms (TF/s) | scheme | sharded "
-           "fwd+bwd ms (TF/s per device) | dropped pairs | collectives ms (GB/s) | comm share | "
-           "extrapolated fwd+bwd ms at 8 / 64 GPUs |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| per-device config (T_local,d,n,E,K) | P | single fwd+bwd ms (TF/s) | scheme | "
+           "sharded fwd+bwd ms (TF/s per device) | dropped pairs | collectives ms (GB/s) | "
+           "comm share | extrapolated fwd+bwd ms at 8 / 64 GPUs |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     gbps = lambda v: "–" if v is None else f"{v:.0f}"
     for scheme in SCHEMES:
@@ -260,19 +268,20 @@ def main(_):
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
   os.makedirs(FLAGS.out, exist_ok=True)
-  out = {"jax": jax.__version__, "backend": backend,
-         "native_ragged_all_to_all": exchange.native_ragged_all_to_all(),
-         "inter_node_gbps_assumed": FLAGS.inter_node_gbps,
-         "check_max_rel_err": check_against_single_device(devices, backend), "results": []}
+  out = grid.run_record("ep_bench", devices, backend=backend,
+                        native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
+                        inter_node_gbps_assumed=FLAGS.inter_node_gbps,
+                        check_max_rel_err=check_against_single_device(devices, backend),
+                        results=[])
   print("correctness vs one device (max rel err of output and gradients):",
         out["check_max_rel_err"], flush=True)
+  path = os.path.join(FLAGS.out, grid.results_name(out, "ep"))
   for cfg in configs:
     out["results"].append(run_config(cfg, devices, backend))
-    with open(os.path.join(FLAGS.out, "ep.json"), "w") as f:
+    with open(path, "w") as f:
       json.dump(out, f, indent=1)
     print(table(out["results"][-1:], FLAGS.inter_node_gbps), flush=True)
-  with open(os.path.join(FLAGS.out, "ep.md"), "w") as f:
-    f.write(table(out["results"], FLAGS.inter_node_gbps) + "\n")
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 r"""Token rounding against plain top-K: padding removed and grouped-GEMM kernel time.
 
   python -m benchmarks.token_rounding_bench [--thiek=T,d,n,E,K ...] [--backend=auto] [--out=dir]
+  python -m benchmarks.token_rounding_bench --grid=tiny --backend=xla     # a CPU run
 
-For each configuration and routing (top-K, then each token-rounding mode): the (token, expert) pairs
-after routing, the padding rows of the tile-aligned layout, the time of the expert GEMMs alone (up-
-projection with its activation epilogue and down-projection, on the routing's layout: what the
-paper's "kernel execution time" compares), of the routing metadata (router, top-K, rounding,
-layout), and of the whole layer's forward. TFLOP/s count the pairs actually computed, as SonicMoE's
-token-rounding benchmark does. The default configurations are the grid's high-sparsity ones and
-the paper's token-rounding benchmark shape (16384, 4096, 1024, 256, 8).
+On a GPU machine: `PYTHONPATH=$PWD python3 -m benchmarks.token_rounding_bench --out=$OUT` (about
+3 minutes on an H100); it writes $OUT/<device>_<date>_token_rounding.json for benchmarks/results/.
+
+For each configuration and routing (top-K, then each token-rounding mode): the (token, expert)
+pairs after routing, the padding rows of the tile-aligned layout, the time of the expert GEMMs
+alone (up-projection with its activation and down-projection on the routing's layout: the paper's
+"kernel execution time"), of the routing (router, top-K, rounding, layout), and of the layer's
+forward. TFLOP/s count the pairs actually computed, as SonicMoE's token-rounding benchmark does.
+The default configurations are the grid's high-sparsity ones and the paper's token-rounding shape
+(16384, 4096, 1024, 256, 8).
 """
 
 from __future__ import annotations
@@ -19,10 +23,9 @@ import os
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import sonic_jax
-from benchmarks import grid, timing
+from benchmarks import grid, report, timing
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
@@ -33,9 +36,10 @@ DEFAULT_CONFIGS = [(16384, 4096, 1024, 256, 8), (32768, 4096, 256, 256, 16),
                    (24576, 1536, 256, 128, 8)]
 
 flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
-flags.DEFINE_enum("grid", "default", ["default", "tiny"], "configurations when --thiek is not given")
+flags.DEFINE_enum("grid", "default", ["default", "tiny"], "configurations without --thiek")
 flags.DEFINE_string("backend", "auto", "sonic_jax backend")
 flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
+flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
@@ -46,14 +50,9 @@ def _time(fn, *args):
 
 
 def run_config(cfg, impl):
-  t_count, d, n, e, k = cfg
+  _, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-  keys = jax.random.split(jax.random.key(0), 4)
-  x = jax.random.normal(keys[0], (t_count, d), dtype)
-  rw = jax.random.normal(keys[1], (d, e), jnp.float32) / np.sqrt(d)
-  w1 = (jax.random.normal(keys[2], (e, d, 2 * n), jnp.float32) / np.sqrt(d)).astype(dtype)
-  w2 = (jax.random.normal(keys[3], (e, n, d), jnp.float32) / np.sqrt(n)).astype(dtype)
+  x, rw, w1, w2, _ = grid.random_problem(cfg, data=FLAGS.data)
   out = {"config": list(cfg), "row_tile": impl.row_tile, "routings": []}
   for mode in [None] + FLAGS.modes:
 
@@ -75,8 +74,8 @@ def run_config(cfg, impl):
     pairs = int(jnp.sum(layout.expert_counts))
     rows = int(layout.num_tiles) * impl.row_tile
     flops = 6 * pairs * d * n
-    t_gemm, t_route, t_layer = _time(gemms, x, w1, w2, layout), _time(route, x, rw), _time(
-        layer, x, rw, w1, w2)
+    t_gemm, t_route = _time(gemms, x, w1, w2, layout), _time(route, x, rw)
+    t_layer = _time(layer, x, rw, w1, w2)
     out["routings"].append({
         "routing": "top-K" if mode is None else f"token rounding ({mode})",
         "pairs": pairs, "rows": rows, "padding_fraction": (rows - pairs) / max(pairs, 1),
@@ -90,35 +89,20 @@ def run_config(cfg, impl):
   return out
 
 
-def table(results):
-  lines = ["| config (T,d,n,E,K) | routing | pairs | padding rows | expert GEMMs ms (TF/s) | "
-           "speed-up vs top-K | route+layout ms | layer forward ms (TF/s) | speed-up vs top-K |",
-           "|---|---|---|---|---|---|---|---|---|"]
-  for res in results["configs"]:
-    for r in res["routings"]:
-      lines.append(
-          f"| {','.join(map(str, res['config']))} | {r['routing']} | {r['pairs']} | "
-          f"{100 * r['padding_fraction']:.1f}% | {r['gemm_ms']:.3f} ({r['gemm_tflops']:.0f}) | "
-          f"{r['gemm_speedup']:.3f}× | {r['route_layout_ms']:.3f} | "
-          f"{r['forward_ms']:.3f} ({r['forward_tflops']:.0f}) | {r['forward_speedup']:.3f}× |")
-  return "\n".join(lines)
-
-
 def main(_):
   configs = grid.parse_configs(FLAGS.thiek,
                                grid.TINY_GRID if FLAGS.grid == "tiny" else DEFAULT_CONFIGS)
   impl = resolve_backend(FLAGS.backend)
   os.makedirs(FLAGS.out, exist_ok=True)
-  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "backend": impl.name, "command": "python -m benchmarks.token_rounding_bench",
-             "configs": []}
+  results = grid.run_record("token_rounding_bench", backend=impl.name, data=FLAGS.data,
+                            configs=[])
+  path = os.path.join(FLAGS.out, grid.results_name(results, "token_rounding"))
   for cfg in configs:
     results["configs"].append(run_config(cfg, impl))
-    with open(os.path.join(FLAGS.out, "token_rounding.json"), "w") as f:
+    with open(path, "w") as f:
       json.dump(results, f, indent=1)
-    print(table({"configs": results["configs"][-1:]}), flush=True)
-  with open(os.path.join(FLAGS.out, "token_rounding.md"), "w") as f:
-    f.write(table(results) + "\n")
+    print(report.token_rounding_table({"configs": results["configs"][-1:]}), flush=True)
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":
