@@ -47,14 +47,18 @@ def _check_rank(name, a, rank, shape_doc):
     raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(a.shape)}")
 
 
+def _check_array(name, a):
+  if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+  _check_float(name, a)
+
+
 def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-              num_local_experts=None):
+              num_local_experts=None, selection_bias=None):
   """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
   `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
   for name, a in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
-    _check_float(name, a)
+    _check_array(name, a)
   act = acts.get_activation(activation)
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
@@ -102,6 +106,11 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
   if not 1 <= top_k <= e_router:
     raise ValueError(f"top_k must be in [1, E] = [1, {e_router}], got {top_k}")
+  if selection_bias is not None:
+    _check_array("selection_bias", selection_bias)
+    if tuple(selection_bias.shape) != (e_router,):
+      raise ValueError(f"selection_bias must have shape (E,) = ({e_router},), got "
+                       f"{tuple(selection_bias.shape)}")
   return act
 
 
@@ -142,7 +151,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   Gradients flow to x (through the experts and the router), router_weight, w1, w2, b1 and b2. The
   backward keeps only x, the pre-activation H, the scores and integer routing metadata.
   """
-  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout)
+  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+                  selection_bias=selection_bias)
   x, router_weight, w1, w2 = map(jnp.asarray, (x, router_weight, w1, w2))
   b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   if routing not in routing_lib.ROUTINGS:
@@ -150,27 +160,27 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   config = check_config(config)
   impl = resolve_backend(backend, config)
   e_count = router_weight.shape[1]
-
-  if selection_bias is not None:
-    _check_float("selection_bias", selection_bias)
-    if tuple(selection_bias.shape) != (e_count,):
-      raise ValueError(f"selection_bias must have shape (E,) = ({e_count},), got "
-                       f"{tuple(selection_bias.shape)}")
+  t_count, d = x.shape
   logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
                                                   selection_bias, config=config)
   routed, _ = routing_lib.route_tokens(logits, top_k, routing, selection_bias, token_rounding,
                                        impl.row_tile, ids)
   layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
                                 routed.extra_experts, config=config)
-  y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1, w2,
-                     b1, b2, act, gate_up_layout, impl)
+  if t_count and d:
+    y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1,
+                       w2, b1, b2, act, gate_up_layout, impl)
+  else:  # no tokens, or d = 0: the output is empty and no expert has work (no GEMM of size 0)
+    y = jnp.zeros_like(x)
+  no_tokens = lambda loss: loss if t_count else jnp.zeros((), loss.dtype)  # a mean over none
   aux = MoEAux(
       expert_counts=layout.expert_counts,
       expert_ids=routed.expert_ids,
       scores=routed.scores,
       router_logits=logits,
-      load_balance_loss=routing_lib.load_balance_loss(routed.probs, layout.expert_counts),
-      z_loss=routing_lib.z_loss(logits),
+      load_balance_loss=no_tokens(routing_lib.load_balance_loss(routed.probs,
+                                                                layout.expert_counts)),
+      z_loss=no_tokens(routing_lib.z_loss(logits)),
       extra_tokens=routed.extra_tokens,
       extra_experts=routed.extra_experts,
       extra_scores=routed.extra_scores,

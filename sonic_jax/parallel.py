@@ -76,7 +76,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   _check_router(router_weight, p, e_local)
   x_all = jax.lax.all_gather(x, axis_name, tiled=True)  # (T, d)
   act = _validate(x_all, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local)
+                  num_local_experts=e_local, selection_bias=selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   logits, ids = routing_lib.router_logits_and_ids(x_all, router_weight, top_k, routing,
@@ -210,7 +210,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local)
+                  num_local_experts=e_local, selection_bias=selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)

@@ -113,12 +113,18 @@ def _with_router_gradient_bwd(residuals, g):
 _with_router_gradient.defvjp(_with_router_gradient_fwd, _with_router_gradient_bwd)
 
 
-def _select(values: Array, top_k: int, selection_bias: Array | None):
-  """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids)."""
-  biased = values
+def _select(values: Array, top_k: int, selection_bias: Array | None, logits: Array | None = None):
+  """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids).
+
+  logits: the logits that `values` are a per-token monotonic function of (softmax, sigmoid).
+  Without a bias the selection ranks them instead: float32 probabilities and gates saturate (a
+  sigmoid is exactly 1.0 above a logit of about 17, a softmax probability 0.0 far below the
+  maximum), and ties among saturated values would fall to the lower expert id."""
   if selection_bias is not None:
-    biased = values + jax.lax.stop_gradient(selection_bias).astype(values.dtype)
-  ids = _top_k_ids(biased, top_k)
+    ranked = values + jax.lax.stop_gradient(selection_bias).astype(values.dtype)
+  else:
+    ranked = values if logits is None else logits
+  ids = _top_k_ids(ranked, top_k)
   return jnp.take_along_axis(values, ids, axis=-1), ids
 
 
@@ -154,13 +160,13 @@ def route(logits: Array, top_k: int, routing: str,
     return RouterOutput(jax.nn.softmax(top_logits, axis=-1), ids, jax.nn.softmax(logits, axis=-1))
   if routing in ("topk_softmax", "topk_softmax_raw"):
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, ids = _select(probs, top_k, selection_bias)
+    top_probs, ids = _select(probs, top_k, selection_bias, logits)
     if routing == "topk_softmax":
       top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     return RouterOutput(top_probs, ids, probs)
   if routing == "sigmoid_topk":
     gates = jax.nn.sigmoid(logits)
-    top_gates, ids = _select(gates, top_k, selection_bias)
+    top_gates, ids = _select(gates, top_k, selection_bias, logits)
     scores = top_gates / (jnp.sum(top_gates, axis=-1, keepdims=True) + 1e-20)
     # DeepSeek's sequence-wise balance loss normalises the sigmoid gates per token.
     probs = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
@@ -197,7 +203,7 @@ def z_loss(logits: Array) -> Array:
 # Token rounding (SonicMoE, DESIGN.md section 4): a training-time router that moves each expert's
 # number of tokens to a multiple of the grouped GEMM's row tile, so no tile is partly padding.
 TOKEN_ROUNDINGS = ("down", "up", "nearest")
-_ROUNDABLE = ("softmax_topk", "topk_softmax", "topk_softmax_raw")
+ROUNDABLE = ("softmax_topk", "topk_softmax", "topk_softmax_raw")
 
 
 class RoundedRouting(NamedTuple):
@@ -298,8 +304,8 @@ def route_tokens(logits: Array, top_k: int, routing: str, selection_bias: Array 
   if token_rounding not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be None or one of {TOKEN_ROUNDINGS}, "
                      f"got {token_rounding!r}")
-  if routing not in _ROUNDABLE:
-    raise ValueError(f"token_rounding needs a softmax routing {_ROUNDABLE}, got routing={routing!r}")
+  if routing not in ROUNDABLE:
+    raise ValueError(f"token_rounding needs a softmax routing {ROUNDABLE}, got routing={routing!r}")
   return round_tokens(routed, tile, token_rounding), routed
 
 

@@ -136,6 +136,15 @@ def test_bad_layer_arguments():
     _layer(top_k=5)
   with pytest.raises(ValueError, match="activation"):
     _layer(activation="tanh")
+  # Refused at construction, not at the first call (the last one would never be in eval mode).
+  with pytest.raises(ValueError, match="routing"):
+    _layer(routing="expert_choice")
+  with pytest.raises(ValueError, match="backend"):
+    _layer(backend="cuda")
+  with pytest.raises(ValueError, match="gate_up_layout"):
+    _layer(gate_up_layout="split")
+  with pytest.raises(ValueError, match="token_rounding needs a softmax routing"):
+    _layer(routing="sigmoid_topk", token_rounding="nearest", deterministic=True)
   with pytest.raises(ValueError, match="expert_parallel_scheme"):
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="ring")
   with pytest.raises(ValueError, match="capacity_factor"):

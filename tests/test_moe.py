@@ -109,6 +109,13 @@ def test_top_k_extremes(rng, top_k):
                        routing="topk_softmax_raw", gate_up_layout="concat")
 
 
+def test_one_expert(rng):
+  """E = 1: every token goes to the one expert, against the oracle."""
+  p, d_y = make_problem(rng, E=1, K=1)
+  check_against_oracle(p, d_y, jnp.float32, top_k=1, activation="swiglu",
+                       routing="topk_softmax_raw", gate_up_layout="concat")
+
+
 def _small_f64_problem(rng, bias):
   p, _ = make_problem(rng, T=12, d=8, n=4, E=4, activation="swiglu", bias=bias)
   return {k: None if v is None else jnp.asarray(v, jnp.float64) for k, v in p.items()}
@@ -292,6 +299,9 @@ BAD = [
     ("layout", dict(gate_up_layout="split"), ValueError, "gate_up_layout"),
     ("backend", dict(backend="cuda"), ValueError, "backend"),
     ("non-glu width", dict(activation="gelu"), ValueError, "GLU"),
+    ("selection_bias list", dict(selection_bias=[0.0] * 4), TypeError,
+     "selection_bias must be an array"),
+    ("selection_bias shape", dict(selection_bias=jnp.zeros((5,))), ValueError, "selection_bias"),
 ]
 
 
@@ -301,6 +311,41 @@ def test_bad_input_raises_naming_the_argument(rng, name, change, exc, match):
   kw.update(change)
   with pytest.raises(exc, match=match):
     sonic_jax.moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w1"), kw.pop("w2"), **kw)
+
+
+@pytest.mark.parametrize("T,d", [(0, 16), (16, 0), (0, 0)])
+def test_no_tokens_or_no_features(rng, T, d):
+  """T = 0 or d = 0: an empty output of x's shape, zero gradients of the right shapes, finite
+  losses, under jit."""
+  E, n = 4, 8
+  x, rw = jnp.ones((T, d)), jnp.ones((d, E))
+  w1, w2 = jnp.ones((E, d, 2 * n)), jnp.ones((E, n, d))
+
+  def loss(x, rw, w1, w2):
+    y, aux = sonic_jax.moe(x, rw, w1, w2, top_k=2, backend="xla")
+    return jnp.sum(y) + aux.load_balance_loss + aux.z_loss, (y, aux)
+
+  (total, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3),
+                                                        has_aux=True))(x, rw, w1, w2)
+  assert y.shape == (T, d) and np.isfinite(float(total))
+  assert int(jnp.sum(aux.expert_counts)) == 2 * T
+  for g, a in zip(grads, (x, rw, w1, w2)):  # no token or no feature reaches a weight
+    assert g.shape == a.shape and not np.any(np.asarray(g))
+
+
+def test_sigmoid_routing_selects_by_logit_where_gates_saturate(rng):
+  """Logits of thousands: float32 sigmoid gates are all exactly 1.0, so a selection on the gates
+  would fall to the lowest expert ids; the routing picks the largest logits."""
+  p, _ = make_problem(rng, T=32, d=16, n=8, E=8)
+  x = jnp.asarray(p["x"] * 1e3, jnp.float32)
+  rw = jnp.asarray(p["router_weight"], jnp.float32)
+  _, aux = sonic_jax.moe(x, rw, jnp.asarray(p["w1"], jnp.float32),
+                         jnp.asarray(p["w2"], jnp.float32), top_k=2, routing="sigmoid_topk",
+                         backend="xla")
+  gates = np.asarray(jax.nn.sigmoid(aux.router_logits))
+  assert np.sum(gates == 1.0, axis=1).max() > 2  # saturated ties among more than K experts
+  want = select_experts(np.asarray(x, np.float64), np.asarray(rw, np.float64), 2)
+  np.testing.assert_array_equal(np.sort(np.asarray(aux.expert_ids), 1), np.sort(want, 1))
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)

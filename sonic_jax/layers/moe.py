@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax import activations as acts
+from sonic_jax import backends
 from sonic_jax import routing as routing_lib
 from sonic_jax.config import Config, check_config
 from sonic_jax.ops import MoEAux, moe
@@ -98,9 +99,17 @@ class MoE(nnx.Module):
                backend: str = "auto", config: Config | None = None,
                expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
+    # Everything a call would refuse is refused here, eval-mode-only paths included.
     act = acts.get_activation(activation)
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if routing not in routing_lib.ROUTINGS:
+      raise ValueError(f"routing must be one of {routing_lib.ROUTINGS}, got {routing!r}")
+    if gate_up_layout not in acts.GATE_UP_LAYOUTS:
+      raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got "
+                       f"{gate_up_layout!r}")
+    if backend not in backends.BACKENDS:
+      raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
     self.top_k, self.activation, self.routing = top_k, activation, routing
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
     self.config = check_config(config)
@@ -109,6 +118,9 @@ class MoE(nnx.Module):
     if token_rounding is not None and token_rounding not in routing_lib.TOKEN_ROUNDINGS:
       raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
                        f"got {token_rounding!r}")
+    if token_rounding is not None and routing not in routing_lib.ROUNDABLE:
+      raise ValueError(f"token_rounding needs a softmax routing {routing_lib.ROUNDABLE}, got "
+                       f"routing={routing!r}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
       raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
