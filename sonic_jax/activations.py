@@ -4,10 +4,11 @@ Every backend evaluates activations through these functions, in float32: the for
 (H -> A), and the backward epilogue that recomputes A from the stored pre-activation H and forms dH
 from dA (SonicMoE stores neither A nor Y). The derivatives are written out rather than taken with
 `jax.vjp` so that kernels can call the same elementwise code inside an epilogue; the Mosaic GPU
-kernels take them through `kernel_fn` / `kernel_grad`, the same functions written with what an
-epilogue lowers cheaply (a tanh for the sigmoid, a polynomial for erf, no IEEE division).
+kernels call them with `kernel=True`, the same functions written with what an epilogue lowers
+cheaply (a tanh for the sigmoid, a polynomial for erf, no IEEE division).
 
-GLU activations split H (2n wide) into a gate and an up half: A = act(gate) * up. Where the halves
+GLU activations split H (2n wide) into a gate and an up half: A = act(gate) * up (gpt-oss's clamped
+form: `clamped_swiglu`). Where the halves
 sit is the gate/up layout: "concat" (gate = H[:, :n], up = H[:, n:], Hugging Face order) or
 "interleaved" (gate = H[:, 0::2], up = H[:, 1::2], SonicMoE's order).
 """
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 
@@ -29,72 +28,204 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-def _silu(g):
-  return g * jax.nn.sigmoid(g)
+def _sigmoid_kernel(g):
+  # sigmoid(g) = (1 + tanh(g / 2)) / 2: one tanh (tanh.approx.f32 in a Mosaic GPU epilogue, whose
+  # kernels use approximate math) and an FMA, where 1 / (1 + exp(-g)), the lowering of
+  # jax.nn.sigmoid, adds an exp and an IEEE division (a dozen instructions) per element.
+  return 0.5 + 0.5 * jnp.tanh(0.5 * g)
 
 
-def _silu_grad(g):
-  sig = jax.nn.sigmoid(g)
-  return sig * (1.0 + g * (1.0 - sig))
+def _reciprocal_kernel(x):
+  # 1 / x for x > 0 as rsqrt(x)^2: rsqrt.approx.f32 and a multiply instead of an IEEE division.
+  r = jax.lax.rsqrt(x)
+  return r * r
 
 
-def _gelu(g):  # exact (erf) form
-  return 0.5 * g * (1.0 + jax.lax.erf(g * _INV_SQRT2))
+def _erf_kernel(x):
+  # Abramowitz & Stegun 7.1.26, |error| < 1.5e-7: Mosaic GPU kernels have no erf instruction.
+  ax = jnp.abs(x)
+  t = _reciprocal_kernel(1.0 + 0.3275911 * ax)
+  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                          + t * 1.061405429))))
+  y = 1.0 - poly * jnp.exp(-ax * ax)
+  return jnp.where(x < 0, -y, y)
 
 
-def _gelu_grad(g):
-  cdf = 0.5 * (1.0 + jax.lax.erf(g * _INV_SQRT2))
-  pdf = _INV_SQRT_2PI * jnp.exp(-0.5 * g * g)
-  return cdf + g * pdf
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_C = 0.044715
 
 
-def _relu(g):
+def _silu(g, alpha, kernel):  # g * sigmoid(alpha * g)
+  sig = _sigmoid_kernel(alpha * g) if kernel else jax.nn.sigmoid(alpha * g)
+  return g * sig
+
+
+def _silu_grad(g, alpha, kernel):
+  sig = _sigmoid_kernel(alpha * g) if kernel else jax.nn.sigmoid(alpha * g)
+  return sig * (1.0 + alpha * g * (1.0 - sig))
+
+
+def _gelu(g, alpha, kernel):  # exact (erf) form
+  del alpha
+  erf = _erf_kernel if kernel else jax.lax.erf
+  return 0.5 * g * (1.0 + erf(g * _INV_SQRT2))
+
+
+def _gelu_grad(g, alpha, kernel):
+  del alpha
+  erf = _erf_kernel if kernel else jax.lax.erf
+  cdf = 0.5 * (1.0 + erf(g * _INV_SQRT2))
+  return cdf + g * (_INV_SQRT_2PI * jnp.exp(-0.5 * g * g))
+
+
+def _gelu_tanh(g, alpha, kernel):  # tanh approximation (jax.nn.gelu(approximate=True))
+  del alpha, kernel  # tanh lowers to one instruction in the kernels
+  return 0.5 * g * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g)))
+
+
+def _gelu_tanh_grad(g, alpha, kernel):
+  del alpha, kernel
+  t = jnp.tanh(_SQRT_2_OVER_PI * (g + _GELU_TANH_C * g * g * g))
+  return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+      1.0 + 3.0 * _GELU_TANH_C * g * g)
+
+
+def _relu(g, alpha, kernel):
+  del alpha, kernel
   return jnp.maximum(g, 0.0)
 
 
-def _relu_grad(g):
+def _relu_grad(g, alpha, kernel):
+  del alpha, kernel
   return (g > 0).astype(g.dtype)
 
 
-def _relu_sq(g):
+def _relu_sq(g, alpha, kernel):
+  del alpha, kernel
   r = jnp.maximum(g, 0.0)
   return r * r
 
 
-def _relu_sq_grad(g):
+def _relu_sq_grad(g, alpha, kernel):
+  del alpha, kernel
   return 2.0 * jnp.maximum(g, 0.0)
+
+
+_FUNCTIONS = {
+    "silu": (_silu, _silu_grad),
+    "gelu": (_gelu, _gelu_grad),
+    "gelu_tanh": (_gelu_tanh, _gelu_tanh_grad),
+    "relu": (_relu, _relu_grad),
+    "relu_sq": (_relu_sq, _relu_sq_grad),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Activation:
-  """An expert activation: the elementwise function `fn`, its derivative `grad`, GLU or not."""
+  """An expert activation: frozen and hashable (a static value under `jax.jit`).
+
+  function: the elementwise function, one of "silu" (g * sigmoid(alpha * g)), "gelu" (exact erf
+    form), "gelu_tanh" (tanh approximation), "relu", "relu_sq".
+  is_glu: A = function(gate) * (up + up_offset) on the two halves of H, else A = function(H).
+  alpha: the sigmoid's slope in "silu" (1: SiLU; gpt-oss uses 1.702).
+  limit: GLU only, None or > 0: the gate is clamped to at most `limit` and the up half to
+    [-limit, limit] before they combine (gpt-oss); gradients pass where the clamp is inactive
+    (bounds included, as torch.clamp's).
+  up_offset: GLU only: added to the (clamped) up half (gpt-oss: 1).
+  """
 
   name: str
-  fn: Callable[[Array], Array]
-  grad: Callable[[Array], Array]
+  function: str
   is_glu: bool
+  alpha: float = 1.0
+  limit: float | None = None
+  up_offset: float = 0.0
+
+  def __post_init__(self):
+    if self.function not in _FUNCTIONS:
+      raise ValueError(f"Activation.function must be one of {sorted(_FUNCTIONS)}, got "
+                       f"{self.function!r}")
+    if self.alpha != 1.0 and self.function != "silu":
+      raise ValueError(f"Activation.alpha applies to the 'silu' function only, got alpha="
+                       f"{self.alpha} for {self.function!r}")
+    if not self.is_glu and (self.limit is not None or self.up_offset):
+      raise ValueError("Activation.limit and up_offset apply to GLU activations only")
+    if self.limit is not None and not self.limit > 0:
+      raise ValueError(f"Activation.limit must be None or > 0, got {self.limit}")
 
   def width_multiplier(self) -> int:
     """Columns of H (and w1) per column of A: 2 for GLU activations, else 1."""
     return 2 if self.is_glu else 1
 
+  def fn(self, g: Array, kernel: bool = False) -> Array:
+    """The elementwise function. kernel=True: written with what a Mosaic GPU epilogue lowers
+    cheaply (float32; no erf instruction, no IEEE division: tanh and rsqrt, approximate there)."""
+    return _FUNCTIONS[self.function][0](g, self.alpha, kernel)
+
+  def grad(self, g: Array, kernel: bool = False) -> Array:
+    """The function's derivative (kernel: as in `fn`)."""
+    return _FUNCTIONS[self.function][1](g, self.alpha, kernel)
+
+  def glu(self, gate: Array, up: Array, kernel: bool = False) -> Array:
+    """A = fn(gate) * (up + up_offset), gate and up clamped first when `limit` is set."""
+    if self.limit is not None:
+      gate = jnp.minimum(gate, self.limit)
+      up = jnp.minimum(jnp.maximum(up, -self.limit), self.limit)
+    if self.up_offset:
+      up = up + self.up_offset
+    return self.fn(gate, kernel) * up
+
+  def glu_backward(self, gate: Array, up: Array, d_a: Array,
+                   kernel: bool = False) -> tuple[Array, Array, Array]:
+    """(A, dgate, dup) for the cotangent dA of `glu`."""
+    gate_in, up_in = gate, up
+    if self.limit is not None:
+      gate = jnp.minimum(gate, self.limit)
+      up = jnp.minimum(jnp.maximum(up, -self.limit), self.limit)
+    if self.up_offset:
+      up = up + self.up_offset
+    act_gate = self.fn(gate, kernel)
+    d_gate = d_a * up * self.grad(gate, kernel)
+    d_up = d_a * act_gate
+    if self.limit is not None:  # zero where the clamp is active
+      zero = jnp.zeros_like(d_gate)
+      d_gate = jnp.where(gate_in > self.limit, zero, d_gate)
+      d_up = jnp.where(up_in > self.limit, zero, jnp.where(up_in < -self.limit, zero, d_up))
+    return act_gate * up, d_gate, d_up
+
+
+def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0, up_offset: float = 1.0) -> Activation:
+  """gpt-oss's expert activation: gate = min(gate, limit), up = clip(up, -limit, limit),
+  A = gate * sigmoid(alpha * gate) * (up + up_offset). The defaults are gpt-oss's constants."""
+  name = "clamped_swiglu"
+  if (alpha, limit, up_offset) != (1.702, 7.0, 1.0):
+    name = f"clamped_swiglu(alpha={alpha}, limit={limit}, up_offset={up_offset})"
+  return Activation(name, "silu", is_glu=True, alpha=float(alpha), limit=float(limit),
+                    up_offset=float(up_offset))
+
 
 ACTIVATIONS: dict[str, Activation] = {
-    "swiglu": Activation("swiglu", _silu, _silu_grad, is_glu=True),
-    "geglu": Activation("geglu", _gelu, _gelu_grad, is_glu=True),
-    "reglu": Activation("reglu", _relu, _relu_grad, is_glu=True),
-    "gelu": Activation("gelu", _gelu, _gelu_grad, is_glu=False),
-    "relu": Activation("relu", _relu, _relu_grad, is_glu=False),
-    "relu_sq": Activation("relu_sq", _relu_sq, _relu_sq_grad, is_glu=False),
-    "silu": Activation("silu", _silu, _silu_grad, is_glu=False),
+    "swiglu": Activation("swiglu", "silu", is_glu=True),
+    "geglu": Activation("geglu", "gelu", is_glu=True),
+    "geglu_tanh": Activation("geglu_tanh", "gelu_tanh", is_glu=True),
+    "reglu": Activation("reglu", "relu", is_glu=True),
+    "clamped_swiglu": clamped_swiglu(),
+    "gelu": Activation("gelu", "gelu", is_glu=False),
+    "gelu_tanh": Activation("gelu_tanh", "gelu_tanh", is_glu=False),
+    "relu": Activation("relu", "relu", is_glu=False),
+    "relu_sq": Activation("relu_sq", "relu_sq", is_glu=False),
+    "silu": Activation("silu", "silu", is_glu=False),
 }
 
 
-def get_activation(name: str) -> Activation:
-  if not isinstance(name, str) or name not in ACTIVATIONS:
-    raise ValueError(
-        f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
-  return ACTIVATIONS[name]
+def get_activation(activation: str | Activation) -> Activation:
+  """An `Activation` by name (a key of `ACTIVATIONS`), or the one given."""
+  if isinstance(activation, Activation):
+    return activation
+  if not isinstance(activation, str) or activation not in ACTIVATIONS:
+    raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} or a "
+                     f"sonic_jax.activations.Activation, got {activation!r}")
+  return ACTIVATIONS[activation]
 
 
 def split_gate_up(h: Array, layout: str) -> tuple[Array, Array]:
@@ -138,8 +269,7 @@ def apply_activation(h: Array, act: Activation, layout: str) -> Array:
   """A = act(H) in float32 (H: (..., 2n) for GLU, (..., n) otherwise)."""
   h = h.astype(compute_dtype(h.dtype))
   if act.is_glu:
-    gate, up = split_gate_up(h, layout)
-    return act.fn(gate) * up
+    return act.glu(*split_gate_up(h, layout))
   return act.fn(h)
 
 
@@ -148,61 +278,6 @@ def activation_backward(h: Array, d_a: Array, act: Activation, layout: str) -> t
   h = h.astype(compute_dtype(h.dtype))
   d_a = d_a.astype(h.dtype)
   if act.is_glu:
-    gate, up = split_gate_up(h, layout)
-    act_gate = act.fn(gate)
-    d_gate = d_a * up * act.grad(gate)
-    d_up = d_a * act_gate
-    return act_gate * up, merge_gate_up(d_gate, d_up, layout)
+    a, d_gate, d_up = act.glu_backward(*split_gate_up(h, layout), d_a)
+    return a, merge_gate_up(d_gate, d_up, layout)
   return act.fn(h), d_a * act.grad(h)
-
-
-def _sigmoid_kernel(g):
-  # sigmoid(g) = (1 + tanh(g / 2)) / 2: one tanh (tanh.approx.f32 in a Mosaic GPU epilogue, whose
-  # kernels use approximate math) and an FMA, where 1 / (1 + exp(-g)), the lowering of
-  # jax.nn.sigmoid, adds an exp and an IEEE division (a dozen instructions) per element.
-  return 0.5 + 0.5 * jnp.tanh(0.5 * g)
-
-
-def _silu_kernel(g):
-  return g * _sigmoid_kernel(g)
-
-
-def _silu_grad_kernel(g):
-  sig = _sigmoid_kernel(g)
-  return sig * (1.0 + g * (1.0 - sig))
-
-
-def _reciprocal_kernel(x):
-  # 1 / x for x > 0 as rsqrt(x)^2: rsqrt.approx.f32 and a multiply instead of an IEEE division.
-  r = jax.lax.rsqrt(x)
-  return r * r
-
-
-def _erf_kernel(x):
-  # Abramowitz & Stegun 7.1.26, |error| < 1.5e-7: Mosaic GPU kernels have no erf instruction.
-  ax = jnp.abs(x)
-  t = _reciprocal_kernel(1.0 + 0.3275911 * ax)
-  poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
-                                                                          + t * 1.061405429))))
-  y = 1.0 - poly * jnp.exp(-ax * ax)
-  return jnp.where(x < 0, -y, y)
-
-
-def _gelu_kernel(g):
-  return 0.5 * g * (1.0 + _erf_kernel(g * _INV_SQRT2))
-
-
-def kernel_fn(act: Activation) -> Callable[[Array], Array]:
-  """`act.fn` written with the operations a Mosaic GPU epilogue lowers cheaply (float32): no erf
-  instruction, and no IEEE division (tanh and rsqrt, approximate in the kernels)."""
-  return {_gelu: _gelu_kernel, _silu: _silu_kernel}.get(act.fn, act.fn)
-
-
-def _gelu_grad_kernel(g):
-  cdf = 0.5 * (1.0 + _erf_kernel(g * _INV_SQRT2))
-  return cdf + g * (_INV_SQRT_2PI * jnp.exp(-0.5 * g * g))
-
-
-def kernel_grad(act: Activation) -> Callable[[Array], Array]:
-  """`act.grad` written with the operations a Mosaic GPU epilogue lowers cheaply (float32)."""
-  return {_gelu_grad: _gelu_grad_kernel, _silu_grad: _silu_grad_kernel}.get(act.grad, act.grad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -32,9 +33,12 @@ class MoEAux(NamedTuple):
   extra_experts: Array | None = None  # (X,) int32, E for unused entries
   extra_scores: Array | None = None  # (X,) float32
   padded_rows: Array | None = None  # () int32: rows of the grouped GEMMs that hold no pair
-  # Expert parallelism with a capacity (`sonic_jax.parallel.moe_all_to_all`): pairs of the whole
-  # expert axis that did not fit their receiver's buffer and got no output (0 when dropless).
+  # Pairs dropped by a capacity: `capacity_factor` on one device, or the all-to-all's buffers
+  # under expert parallelism (`sonic_jax.parallel.moe_all_to_all`; 0 when dropless).
   dropped_pairs: Array | None = None  # () int32
+  # (T, E) the router's per-token distribution the balance losses use (softmax; sigmoid gates
+  # normalised over E), for `sonic_jax.routing.sequence_balance_loss`.
+  probs: Array | None = None
 
 
 def _check_float(name, a):
@@ -54,7 +58,8 @@ def _check_array(name, a):
 
 
 def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-              num_local_experts=None, selection_bias=None):
+              num_local_experts=None, selection_bias=None, routing="softmax_topk",
+              router_bias=None):
   """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
   `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
   for name, a in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
@@ -106,41 +111,249 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
   if not 1 <= top_k <= e_router:
     raise ValueError(f"top_k must be in [1, E] = [1, {e_router}], got {top_k}")
-  if selection_bias is not None:
-    _check_array("selection_bias", selection_bias)
-    if tuple(selection_bias.shape) != (e_router,):
-      raise ValueError(f"selection_bias must have shape (E,) = ({e_router},), got "
-                       f"{tuple(selection_bias.shape)}")
+  for name, b in (("selection_bias", selection_bias), ("router_bias", router_bias)):
+    if b is None:
+      continue
+    _check_array(name, b)
+    if tuple(b.shape) != (e_router,):
+      raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
+  routing_lib.get_router(routing).check(e_router, top_k)
   return act
 
 
-def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
-        activation: str = "swiglu", routing: str = "softmax_topk", gate_up_layout: str = "concat",
-        b1: Array | None = None, b2: Array | None = None, selection_bias: Array | None = None,
-        token_rounding: str | None = None, backend: str = "auto",
-        config: Config | None = None) -> tuple[Array, MoEAux]:
-  """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward.
+def _check_capacity(capacity_factor):
+  if capacity_factor is None:
+    return
+  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+    raise TypeError(f"capacity_factor must be None or a Python float, got "
+                    f"{type(capacity_factor).__name__}")
+  if not capacity_factor > 0:
+    raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+
+
+def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) -> int:
+  """Pairs an expert keeps at `capacity_factor`: ceil(c * P / E) for P routed pairs (P = T * K)."""
+  return max(1, math.ceil(capacity_factor * num_pairs / num_experts))
+
+
+def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
+                          capacity, config):
+  """The grouped layout after each expert keeps its first `capacity` pairs in pair order (token
+  by token, slots in order, then the extra pairs), as Switch and MaxText drop.
+
+  Returns (layout, kept expert ids (T, S), kept extra experts (X,), routed counts (E,) before the
+  drop, dropped pairs ())."""
+  layout = build_grouped_layout(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
+                                config=config)
+  if capacity is None:
+    return layout, expert_ids, extra_experts, layout.expert_counts, jnp.zeros((), jnp.int32)
+  starts = jnp.cumsum(layout.group_sizes) - layout.group_sizes
+  over = lambda rows, ids, valid: valid & (
+      rows - starts[jnp.clip(ids, 0, num_experts - 1)] >= capacity)
+  drop = over(layout.pair_row, expert_ids, layout.pair_valid())
+  kept = jnp.where(drop, -1, expert_ids)
+  kept_extra = extra_experts
+  dropped = jnp.sum(drop, dtype=jnp.int32)
+  if extra_experts is not None:
+    drop_extra = over(layout.extra_row, extra_experts, layout.extra_valid())
+    kept_extra = jnp.where(drop_extra, num_experts, extra_experts)
+    dropped = dropped + jnp.sum(drop_extra, dtype=jnp.int32)
+  kept_layout = build_grouped_layout(kept, num_experts, row_tile, extra_tokens, kept_extra,
+                                     config=config)
+  return kept_layout, kept, kept_extra, layout.expert_counts, dropped
+
+
+class ExpertsAux(NamedTuple):
+  """What `routed_experts` returns beside the output."""
+
+  expert_counts: Array  # (E,) int32: pairs each expert computed
+  expert_ids: Array  # (T, S) int32: the ids given, -1 where the capacity dropped the pair
+  padded_rows: Array  # () int32: rows of the grouped GEMMs that hold no pair
+  dropped_pairs: Array  # () int32: pairs dropped by the capacity (0 without one)
+
+
+def _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores):
+  """Llama 4's input scaling for any routing: one pseudo-token per pair, its token scaled by the
+  pair's weight, routed to the pair's expert with weight 1. Returns (x_pairs (P, d), ids (P, 1),
+  a function summing the pairs' outputs back into tokens)."""
+  t_count, slots = expert_ids.shape
+  d = x.shape[1]
+  scale = lambda rows, s: (rows.astype(s.dtype) * s[:, None]).astype(x.dtype)
+  if slots == 1 and extra_tokens is None:  # top-1 (Llama 4): the tokens themselves, scaled
+    return scale(x, scores[:, 0]), expert_ids, lambda y: y
+  parts = [scale(jnp.repeat(x, slots, axis=0), scores.reshape(-1))]
+  ids = [expert_ids.reshape(-1)]
+  if extra_tokens is not None:
+    parts.append(scale(x[jnp.clip(extra_tokens, 0, t_count - 1)], extra_scores))
+    ids.append(extra_experts)
+
+  def combine(y_pairs):
+    y = jnp.sum(y_pairs[:t_count * slots].reshape(t_count, slots, d), axis=1)
+    if extra_tokens is not None:
+      y = y + jax.ops.segment_sum(y_pairs[t_count * slots:], extra_tokens,
+                                  num_segments=t_count).astype(y.dtype)
+    return y
+
+  return jnp.concatenate(parts), jnp.concatenate(ids)[:, None], combine
+
+
+def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
+             extra_tokens=None, extra_experts=None, extra_scores=None, scale_input=False,
+             capacity_factor=None):
+  """The routed experts on a given routing: (y, ExpertsAux, routed counts before any drop)."""
+  t_count, d = x.shape
+  e_count = w1.shape[0]
+  num_pairs = expert_ids.size + (0 if extra_tokens is None else extra_tokens.shape[0])
+  capacity = (None if capacity_factor is None
+              else expert_capacity(num_pairs, e_count, capacity_factor))
+  combine = None
+  if scale_input:
+    x_in, ids_in, combine = _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts,
+                                           extra_scores)
+    layout, kept, _, counts, dropped = _layout_with_capacity(ids_in, e_count, impl.row_tile, None,
+                                                             None, capacity, config)
+    kept = kept[:expert_ids.size, 0].reshape(expert_ids.shape)
+    if t_count and d:
+      y = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1,
+                                 w2, b1, b2, act, gate_up_layout, impl))
+  else:
+    layout, kept, _, counts, dropped = _layout_with_capacity(
+        expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config)
+    if t_count and d:
+      y = expert_mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout,
+                         impl)
+  if not (t_count and d):  # no tokens, or d = 0: the output is empty and no expert has work
+    y = jnp.zeros_like(x)
+  aux = ExpertsAux(expert_counts=layout.expert_counts, expert_ids=kept,
+                   padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
+                   dropped_pairs=dropped)
+  return y, aux, counts
+
+
+def _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores):
+  t_count = x.shape[0]
+  for name, a in (("expert_ids", expert_ids), ("scores", scores)):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    _check_rank(name, a, 2, f"(T, S) with T = {t_count}")
+  if expert_ids.shape != scores.shape or expert_ids.shape[0] != t_count:
+    raise ValueError(f"expert_ids and scores must both have shape (T, S) with T = {t_count}, got "
+                     f"{tuple(expert_ids.shape)} and {tuple(scores.shape)}")
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+  _check_float("scores", scores)
+  extras = (extra_tokens, extra_experts, extra_scores)
+  if any(e is None for e in extras) and not all(e is None for e in extras):
+    raise ValueError("extra_tokens, extra_experts and extra_scores must be given together")
+  if extra_tokens is None:
+    return
+  for name, a in zip(("extra_tokens", "extra_experts", "extra_scores"), extras):
+    if not hasattr(a, "shape") or a.ndim != 1 or a.shape != extra_tokens.shape:
+      raise ValueError(f"extra_tokens, extra_experts and extra_scores must all be (X,), got "
+                       f"{name} with shape {getattr(a, 'shape', None)}")
+  for name, a in (("extra_tokens", extra_tokens), ("extra_experts", extra_experts)):
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise TypeError(f"{name} must have an integer dtype, got {a.dtype}")
+  _check_float("extra_scores", extra_scores)
+
+
+def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Array, *,
+                   activation: str | acts.Activation = "swiglu", gate_up_layout: str = "concat",
+                   b1: Array | None = None, b2: Array | None = None,
+                   extra_tokens: Array | None = None, extra_experts: Array | None = None,
+                   extra_scores: Array | None = None, scale_input: bool = False,
+                   capacity_factor: float | None = None, backend: str = "auto",
+                   config: Config | None = None) -> tuple[Array, ExpertsAux]:
+  """The experts of a Mixture-of-Experts layer on a routing you computed: any router (expert
+  choice, hash routing, a sampling router such as PhiMoE's sparsemixer, a family's own rule), the
+  same kernels and the same low-memory backward as `moe`.
+
+  y_t = sum over the pairs of token t of score * expert(x_t) (with scale_input:
+  sum of expert(score * x_t), Llama 4).
 
   Args:
     x: (T, d) tokens.
-    router_weight: (d, E); logits = x @ router_weight with float32 accumulation.
-    w1: (E, d, 2n) for GLU activations ("swiglu", "geglu", "reglu"), (E, d, n) otherwise.
+    expert_ids: (T, S) integer: S expert slots per token; -1 (any id outside [0, E)) is an empty
+      slot. A token may name an expert in several slots (each counts).
+    scores: (T, S) float: each slot's weight. Differentiable: the gradient flows into it (and from
+      there into whatever router produced it).
+    w1, w2, b1, b2, activation, gate_up_layout, backend, config: as `moe`.
+    extra_tokens, extra_experts, extra_scores: optional (X,) (token, expert, weight) triples beyond
+      the slots, for routings with no per-token bound (expert choice: expert e's C tokens, with
+      expert_ids of shape (T, 0)). Unused entries: expert id outside [0, E).
+    scale_input: Llama 4's form, each expert sees score * x_t and its output is summed with weight
+      1. With one slot and no extra pairs the scaled tokens feed the kernels directly; otherwise
+      every pair becomes a scaled row (S * T rows of x in memory).
+    capacity_factor: None (dropless) or c > 0: each expert keeps at most ceil(c * P / E) of the
+      P = T * S (+ X) pairs, the first in token order; the rest are dropped (counted in
+      `aux.dropped_pairs`, their ids -1 in `aux.expert_ids`), as Switch and MaxText drop.
+
+  Returns:
+    (y, aux): y (T, d) in x's dtype; aux an `ExpertsAux`.
+  """
+  act = acts.get_activation(activation)
+  _check_array("x", x)
+  _check_rank("x", x, 2, "(T, d)")
+  _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores)
+  # the expert weights' checks, with a stand-in router of the right shape
+  e_count = w1.shape[0] if getattr(w1, "ndim", 0) == 3 else 1
+  _validate(x, jax.ShapeDtypeStruct((x.shape[1], e_count), x.dtype), w1, w2, b1, b2, 1,
+            act, gate_up_layout)
+  _check_capacity(capacity_factor)
+  if scale_input and not isinstance(scale_input, bool):
+    raise TypeError(f"scale_input must be a bool, got {type(scale_input).__name__}")
+  config = check_config(config)
+  impl = resolve_backend(backend, config)
+  x, w1, w2 = map(jnp.asarray, (x, w1, w2))
+  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
+  scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
+  expert_ids = jnp.asarray(expert_ids).astype(jnp.int32)
+  if extra_tokens is not None:
+    extra_tokens = jnp.asarray(extra_tokens).astype(jnp.int32)
+    extra_experts = jnp.asarray(extra_experts).astype(jnp.int32)
+    extra_scores = jnp.asarray(extra_scores).astype(scores.dtype)
+  y, aux, _ = _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
+                       extra_tokens, extra_experts, extra_scores, scale_input, capacity_factor)
+  return y, aux
+
+
+def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
+        activation: str | acts.Activation = "swiglu",
+        routing: str | routing_lib.Router = "softmax_topk", gate_up_layout: str = "concat",
+        b1: Array | None = None, b2: Array | None = None, router_bias: Array | None = None,
+        selection_bias: Array | None = None, token_rounding: str | None = None,
+        capacity_factor: float | None = None, backend: str = "auto",
+        config: Config | None = None) -> tuple[Array, MoEAux]:
+  """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward:
+  a router, then `routed_experts`.
+
+  Args:
+    x: (T, d) tokens.
+    router_weight: (d, E); logits = x @ router_weight (+ router_bias) with float32 accumulation.
+    w1: (E, d, 2n) for GLU activations ("swiglu", "geglu", "geglu_tanh", "reglu",
+      "clamped_swiglu"), (E, d, n) otherwise.
     w2: (E, n, d).
     top_k: K, the experts per token, 1 <= K <= E.
-    activation: "swiglu", "geglu", "reglu" (act(gate) * up) or "gelu" (exact erf form), "relu",
-      "relu_sq", "silu".
-    routing: "softmax_topk", "topk_softmax", "topk_softmax_raw" or "sigmoid_topk"
-      (see `sonic_jax.routing.route`).
+    activation: a name in `sonic_jax.ACTIVATIONS` ("swiglu", "geglu", "geglu_tanh", "reglu",
+      "clamped_swiglu": act(gate) * up; "gelu" (exact erf form), "gelu_tanh", "relu", "relu_sq",
+      "silu") or an `Activation` such as `sonic_jax.clamped_swiglu(alpha, limit)`.
+    routing: a `sonic_jax.Router` (scores, renormalisation, groups, scaling, input scaling) or a
+      preset name: "softmax_topk", "topk_softmax", "topk_softmax_raw", "sigmoid_topk",
+      "sigmoid_topk_raw" (see `sonic_jax.routing.route`).
     gate_up_layout: for GLU activations, "concat" (w1[..., :n] is the gate, w1[..., n:] the up
       projection) or "interleaved" (gate and up alternate column by column).
     b1: optional (E, 2n) or (E, n) up-projection bias. b2: optional (E, d) down-projection bias.
-    selection_bias: optional (E,) bias that moves the expert selection but not the scores
+    router_bias: optional (E,) bias of the router's logits, trained like a weight (gpt-oss).
+    selection_bias: optional (E,) bias that moves the expert selection but not the weights
       (auxiliary-loss-free balancing; no gradient flows into it).
     token_rounding: None (plain top-K), or "down", "up", "nearest": SonicMoE's tile-aware token
       rounding for training (`sonic_jax.routing.round_tokens`), which moves every expert's token
       count to a multiple of the backend's row tile so that its grouped GEMMs compute no padding
-      rows. Needs a softmax routing ("softmax_topk", "topk_softmax", "topk_softmax_raw"). The
-      pairs it adds are in `aux.extra_*`; dropped slot pairs get expert id -1 and score 0.
+      rows. Needs a softmax router without groups or input scaling. The pairs it adds are in
+      `aux.extra_*`; dropped slot pairs get expert id -1 and score 0.
+    capacity_factor: None (dropless) or c > 0: each expert keeps at most ceil(c * T * K / E)
+      pairs, the first in token order (Switch, MaxText); the rest are dropped, counted in
+      `aux.dropped_pairs` and marked -1 in `aux.expert_ids`.
     backend: "auto", "xla" or "mosaic_gpu".
     config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
       Static: under `jax.jit` pass it by closure or as a static argument.
@@ -148,43 +361,44 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   Returns:
     (y, aux): y has x's shape and dtype; aux is a `MoEAux`.
 
-  Gradients flow to x (through the experts and the router), router_weight, w1, w2, b1 and b2. The
-  backward keeps only x, the pre-activation H, the scores and integer routing metadata.
+  Gradients flow to x (through the experts and the router), router_weight, router_bias, w1, w2, b1
+  and b2. The backward keeps only x, the pre-activation H, the scores and integer routing metadata.
   """
+  router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  selection_bias=selection_bias)
+                  selection_bias=selection_bias, routing=router, router_bias=router_bias)
+  _check_capacity(capacity_factor)
+  if token_rounding is not None and capacity_factor is not None:
+    raise ValueError("token_rounding and capacity_factor exclude each other")
   x, router_weight, w1, w2 = map(jnp.asarray, (x, router_weight, w1, w2))
-  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
-  if routing not in routing_lib.ROUTINGS:
-    raise ValueError(f"routing must be one of {routing_lib.ROUTINGS}, got {routing!r}")
+  b1, b2, router_bias = (None if b is None else jnp.asarray(b) for b in (b1, b2, router_bias))
   config = check_config(config)
   impl = resolve_backend(backend, config)
-  e_count = router_weight.shape[1]
-  t_count, d = x.shape
-  logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
-                                                  selection_bias, config=config)
-  routed, _ = routing_lib.route_tokens(logits, top_k, routing, selection_bias, token_rounding,
+  t_count = x.shape[0]
+  logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
+                                                  selection_bias, config=config,
+                                                  router_bias=router_bias)
+  routed, _ = routing_lib.route_tokens(logits, top_k, router, selection_bias, token_rounding,
                                        impl.row_tile, ids)
-  layout = build_grouped_layout(routed.expert_ids, e_count, impl.row_tile, routed.extra_tokens,
-                                routed.extra_experts, config=config)
-  if t_count and d:
-    y = expert_mixture(x, routed.scores, routing_lib.extra_scores_or_none(routed), layout, w1,
-                       w2, b1, b2, act, gate_up_layout, impl)
-  else:  # no tokens, or d = 0: the output is empty and no expert has work (no GEMM of size 0)
-    y = jnp.zeros_like(x)
+  extra = routing_lib.extra_scores_or_none(routed)
+  extras = (None, None, None) if extra is None else (routed.extra_tokens, routed.extra_experts,
+                                                     extra)
+  y, experts_aux, routed_counts = _experts(
+      x, routed.expert_ids, routed.scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
+      *extras, scale_input=router.scale_input, capacity_factor=capacity_factor)
   no_tokens = lambda loss: loss if t_count else jnp.zeros((), loss.dtype)  # a mean over none
   aux = MoEAux(
-      expert_counts=layout.expert_counts,
-      expert_ids=routed.expert_ids,
+      expert_counts=experts_aux.expert_counts,
+      expert_ids=experts_aux.expert_ids,
       scores=routed.scores,
       router_logits=logits,
-      load_balance_loss=no_tokens(routing_lib.load_balance_loss(routed.probs,
-                                                                layout.expert_counts)),
+      load_balance_loss=no_tokens(routing_lib.load_balance_loss(routed.probs, routed_counts)),
       z_loss=no_tokens(routing_lib.z_loss(logits)),
       extra_tokens=routed.extra_tokens,
       extra_experts=routed.extra_experts,
       extra_scores=routed.extra_scores,
-      padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
-      dropped_pairs=jnp.zeros((), jnp.int32),
+      padded_rows=experts_aux.padded_rows,
+      dropped_pairs=experts_aux.dropped_pairs,
+      probs=routed.probs,
   )
   return y, aux

@@ -43,7 +43,7 @@ from sonic_jax.backends import resolve_backend
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
-from sonic_jax.ops import MoEAux, _validate
+from sonic_jax.ops import MoEAux, _scaled_inputs, _validate
 
 Array = jax.Array
 
@@ -57,9 +57,11 @@ def _check_router(router_weight, p, e_local):
 
 
 def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
-                   top_k: int, activation: str = "swiglu", routing: str = "softmax_topk",
+                   top_k: int, activation: str | acts.Activation = "swiglu",
+                   routing: str | routing_lib.Router = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
-                   b2: Array | None = None, selection_bias: Array | None = None,
+                   b2: Array | None = None, router_bias: Array | None = None,
+                   selection_bias: Array | None = None,
                    token_rounding: str | None = None, backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
@@ -75,22 +77,32 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local)
   x_all = jax.lax.all_gather(x, axis_name, tiled=True)  # (T, d)
+  router = routing_lib.get_router(routing)
   act = _validate(x_all, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local, selection_bias=selection_bias)
+                  num_local_experts=e_local, selection_bias=selection_bias, routing=router,
+                  router_bias=router_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
-  logits, ids = routing_lib.router_logits_and_ids(x_all, router_weight, top_k, routing,
-                                                  selection_bias, config=config)
-  rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias,
+  logits, ids = routing_lib.router_logits_and_ids(x_all, router_weight, top_k, router,
+                                                  selection_bias, config=config,
+                                                  router_bias=router_bias)
+  rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                              token_rounding, impl.row_tile, ids)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
-  layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
-                                rounded.extra_tokens, localize(rounded.extra_experts, e_local),
-                                config=config)
-  y_partial = expert_mixture(x_all, rounded.scores, routing_lib.extra_scores_or_none(rounded),
-                             layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+  if router.scale_input:  # each pair's token row scaled by its weight, summed with weight 1
+    x_in, ids_in, combine = _scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
+                                           None)
+    layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
+    y_partial = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, rounded.scores.dtype), None,
+                                       layout, w1, w2, b1, b2, act, gate_up_layout, impl))
+  else:
+    layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
+                                  rounded.extra_tokens, localize(rounded.extra_experts, e_local),
+                                  config=config)
+    y_partial = expert_mixture(x_all, rounded.scores, routing_lib.extra_scores_or_none(rounded),
+                               layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
   acc = acts.compute_dtype(x.dtype)
   y = jax.lax.psum_scatter(y_partial.astype(acc), axis_name, tiled=True).astype(x.dtype)
@@ -103,7 +115,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
                                         axis_name),
-               dropped_pairs=jnp.zeros((), jnp.int32))
+               dropped_pairs=jnp.zeros((), jnp.int32), probs=routed.probs)
   return y, aux
 
 
@@ -180,9 +192,11 @@ def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile
 
 
 def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
-                   top_k: int, activation: str = "swiglu", routing: str = "softmax_topk",
+                   top_k: int, activation: str | acts.Activation = "swiglu",
+                   routing: str | routing_lib.Router = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
-                   b2: Array | None = None, selection_bias: Array | None = None,
+                   b2: Array | None = None, router_bias: Array | None = None,
+                   selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
                    transport: str = "auto", backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
@@ -209,8 +223,10 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local)
+  router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local, selection_bias=selection_bias)
+                  num_local_experts=e_local, selection_bias=selection_bias, routing=router,
+                  router_bias=router_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)
@@ -218,13 +234,16 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   me = jax.lax.axis_index(axis_name)
 
   if token_rounding is None:
-    logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, routing,
-                                                    selection_bias, config=config)
-    rounded, routed = routing_lib.route_tokens(logits, top_k, routing, selection_bias, None,
+    logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
+                                                    selection_bias, config=config,
+                                                    router_bias=router_bias)
+    rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
                                                impl.row_tile, ids)
   else:
     logits = routing_lib.router_logits(x, router_weight)
-    rounded, routed = _local_rounding(logits, top_k, routing, selection_bias, token_rounding,
+    if router_bias is not None:
+      logits = logits + router_bias.astype(logits.dtype)
+    rounded, routed = _local_rounding(logits, top_k, router, selection_bias, token_rounding,
                                       impl.row_tile, axis_name)
   # The sender's pairs in expert order, then moved into one slot per receiving device.
   pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
@@ -240,6 +259,9 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   s_recv = move(scores_by_row(rounded.scores, extra_scores, send)[:, None], dispatch)
   experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile,
                                  config=config)
+  if router.scale_input:  # Llama 4: the received row scaled by its weight, the output by 1
+    x_recv = (x_recv.astype(s_recv.dtype) * s_recv).astype(x.dtype)
+    s_recv = jnp.ones_like(s_recv)
   y_recv = expert_mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout,
                           impl)  # (P*S, d): each received row times its score
   y = _sum_pairs(move(y_recv, combine), send)
@@ -255,5 +277,5 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(experts.group_sizes - experts.expert_counts),
                                         axis_name),
-               dropped_pairs=dispatch.dropped)
+               dropped_pairs=dispatch.dropped, probs=routed.probs)
   return y, aux

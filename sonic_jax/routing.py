@@ -9,6 +9,7 @@ fed by the score gradient dS that the expert op returns.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -21,7 +22,118 @@ from sonic_jax.precision import dot_f32
 
 Array = jax.Array
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "topk_softmax_raw", "sigmoid_topk")
+SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """How a token-choice router turns logits (T, E) into K experts per token and their weights.
+
+  Frozen and hashable: a static value under `jax.jit`. The fields read like the families' configs
+  (`sonic_jax.hf` builds one from a Hugging Face config).
+
+  scoring: "softmax" (probabilities over all E) or "sigmoid" (an independent gate per expert).
+  renormalize: divide the K selected scores by their p-norm (`renorm_p`, default 1: their sum) plus
+    `renorm_epsilon` (HF's norm_topk_prob; DeepSeek-V3 adds 1e-20, DBRX takes a p-norm). With
+    selection_bias_on="logits" (the "softmax_topk" preset), renormalised softmax weights (p = 1, no
+    epsilon) are computed as a softmax over the K selected logits: the same math in fewer
+    operations, SonicMoE's router; it loses float32 precision in the gradient where the selected
+    logits are far apart, which the probabilities-then-divide form keeps.
+  selection_bias_on: where a `selection_bias` (auxiliary-loss-free balancing, no gradient) is added
+    for the selection: "scores" (DeepSeek-V3's e_score_correction_bias, ERNIE, MiniMax) or
+    "logits". The weights always come from the unbiased scores.
+  n_group, topk_group: group-limited selection (DeepSeek-V2/V3): the E experts form n_group equal
+    groups of consecutive ids, each token keeps its topk_group best groups and picks its K experts
+    among theirs. group_score: a group's score, "max" of its experts' selection values
+    (DeepSeek-V2's group_limited_greedy) or "top2_sum", the sum of its two best (DeepSeek-V3).
+    Experts outside the kept groups are never selected (DeepSeek's reference masks them to -inf;
+    transformers masks them to 0, which differs only when a kept value is negative).
+  routed_scaling_factor: multiplies the weights after renormalisation (DeepSeek-V2/V3, GLM-4.5,
+    Kimi-K2, LongCat).
+  scale_input: Llama 4: each expert sees its token scaled by the weight, y = sum_k expert_k(s_k x),
+    instead of y = sum_k s_k expert_k(x).
+
+  Selection ranks the selection values (scores, plus the bias where given); with no bias and no
+  groups it ranks the logits instead, which softmax and sigmoid preserve and which do not
+  saturate (a float32 sigmoid is exactly 1.0 above a logit of about 17).
+  """
+
+  scoring: str = "softmax"
+  renormalize: bool = True
+  renorm_epsilon: float = 0.0
+  renorm_p: float = 1.0
+  selection_bias_on: str = "scores"
+  n_group: int = 1
+  topk_group: int = 1
+  group_score: str = "max"
+  routed_scaling_factor: float = 1.0
+  scale_input: bool = False
+
+  def __post_init__(self):
+    if self.scoring not in SCORINGS:
+      raise ValueError(f"Router.scoring must be one of {SCORINGS}, got {self.scoring!r}")
+    if self.selection_bias_on not in ("scores", "logits"):
+      raise ValueError(f"Router.selection_bias_on must be 'scores' or 'logits', got "
+                       f"{self.selection_bias_on!r}")
+    if self.group_score not in GROUP_SCORES:
+      raise ValueError(f"Router.group_score must be one of {GROUP_SCORES}, got "
+                       f"{self.group_score!r}")
+    for name in ("n_group", "topk_group"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Router.{name} must be an int >= 1, got {value!r}")
+    if self.topk_group > self.n_group:
+      raise ValueError(f"Router.topk_group must be <= n_group = {self.n_group}, got "
+                       f"{self.topk_group}")
+    if not self.renorm_p > 0 or not self.renorm_epsilon >= 0:
+      raise ValueError(f"Router.renorm_p must be > 0 and renorm_epsilon >= 0, got "
+                       f"{self.renorm_p}, {self.renorm_epsilon}")
+
+  def check(self, num_experts: int, top_k: int) -> None:
+    """Raises a ValueError naming the field when this router cannot pick top_k of num_experts."""
+    if self.n_group == 1:
+      return
+    if num_experts % self.n_group:
+      raise ValueError(f"Router.n_group = {self.n_group} must divide the number of experts "
+                       f"E = {num_experts}")
+    per_group = num_experts // self.n_group
+    if self.group_score == "top2_sum" and per_group < 2:
+      raise ValueError(f"Router.group_score='top2_sum' needs >= 2 experts per group, got "
+                       f"E / n_group = {per_group}")
+    if top_k > self.topk_group * per_group:
+      raise ValueError(f"top_k = {top_k} exceeds the experts of the topk_group = "
+                       f"{self.topk_group} kept groups ({self.topk_group * per_group})")
+
+  @property
+  def softmax_of_selected(self) -> bool:
+    """The weights are a softmax over the selected logits (see `renormalize`)."""
+    return (self.scoring == "softmax" and self.renormalize and self.renorm_p == 1.0
+            and self.renorm_epsilon == 0.0 and self.selection_bias_on == "logits")
+
+  def ranks_logits(self, selection_bias) -> bool:
+    """The selection is a top-K of the logits (plus a bias): what the fused router kernel does."""
+    return self.n_group == 1 and (selection_bias is None or self.selection_bias_on == "logits")
+
+
+ROUTINGS: dict[str, Router] = {
+    # SonicMoE's default: top-K of the logits, softmax over those K (= softmax, top-K, renormalise)
+    "softmax_topk": Router("softmax", selection_bias_on="logits"),
+    "topk_softmax": Router("softmax"),  # softmax over E, top-K, renormalise (Mixtral, Qwen3)
+    "topk_softmax_raw": Router("softmax", renormalize=False),  # not renormalised (OLMoE, Qwen2)
+    "sigmoid_topk": Router("sigmoid", renorm_epsilon=1e-20),  # DeepSeek-V3 without groups
+    "sigmoid_topk_raw": Router("sigmoid", renormalize=False),  # dots.llm1's default
+}
+
+
+def get_router(routing: str | Router) -> Router:
+  """A `Router` by preset name (a key of `ROUTINGS`), or the one given."""
+  if isinstance(routing, Router):
+    return routing
+  if not isinstance(routing, str) or routing not in ROUTINGS:
+    raise ValueError(f"routing must be one of {tuple(ROUTINGS)} or a sonic_jax.Router, got "
+                     f"{routing!r}")
+  return ROUTINGS[routing]
 
 
 class RouterOutput(NamedTuple):
@@ -49,14 +161,19 @@ def _top_k_ids(values: Array, top_k: int) -> Array:
   return jax.lax.top_k(jax.lax.stop_gradient(values), top_k)[1]
 
 
-def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing: str,
-                            gpu_only: bool = True, config: Config | None = None) -> str | None:
+def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing: str | Router,
+                            gpu_only: bool = True, config: Config | None = None,
+                            selection_bias: Array | None = None,
+                            router_bias: Array | None = None) -> str | None:
   """None when `router_logits_and_ids` computes the logits and the expert ids in one kernel (by
   default only on a GPU, up to `config.router_kernel_max_experts` experts; gpu_only=False:
   whether the interpreter can run it elsewhere)."""
   config = check_config(config)
-  if routing != "softmax_topk":
-    return f"routing {routing!r} (the fused kernel selects on the logits: 'softmax_topk')"
+  router = get_router(routing)
+  if not router.ranks_logits(selection_bias):
+    return "the selection ranks scores, not logits (groups, or a selection bias on the scores)"
+  if router_bias is not None:
+    return "a router bias (the kernel computes x @ router_weight alone)"
   if not router_topk.AVAILABLE:
     return "Pallas's Triton lowering is not available"
   if gpu_only and jax.default_backend() != "gpu":
@@ -67,20 +184,26 @@ def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing:
   return router_topk.logits_supports(x, router_weight, top_k)
 
 
-def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: str,
+def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: str | Router,
                           selection_bias: Array | None = None, fused: bool | None = None,
-                          config: Config | None = None) -> tuple[Array, Array | None]:
-  """(logits, expert ids or None): `router_logits(x, router_weight)` and, where one kernel can
-  give them with the logits (`fused_top_k_unsupported` is None: a GPU, 16-bit x and weight,
-  'softmax_topk'), the ids that `route` would select, for `route(..., expert_ids=ids)`. The fused
+                          config: Config | None = None,
+                          router_bias: Array | None = None) -> tuple[Array, Array | None]:
+  """(logits, expert ids or None): `router_logits(x, router_weight)` (+ router_bias, (E,),
+  differentiable: gpt-oss's router Linear bias) and, where one kernel can give them with the
+  logits (`fused_top_k_unsupported` is None: a GPU, 16-bit x and weight, a selection that ranks
+  the logits), the ids that `route` would select, for `route(..., expert_ids=ids)`. The fused
   kernel saves the top-K's pass over the logits and a launch; the gradients are those of
   `router_logits` (16-bit GEMMs, float32 accumulation; none into the selection bias).
   fused: None (where it applies and `config` chooses it), False (never: ids None), True (always;
   interpreted off a GPU; a ValueError where it does not apply)."""
   reason = fused_top_k_unsupported(x, router_weight, top_k, routing, gpu_only=fused is None,
-                                   config=config)
+                                   config=config, selection_bias=selection_bias,
+                                   router_bias=router_bias)
   if fused is False or (reason is not None and not fused):
-    return router_logits(x, router_weight), None
+    logits = router_logits(x, router_weight)
+    if router_bias is not None:
+      logits = logits + router_bias.astype(logits.dtype)
+    return logits, None
   if reason is not None:
     raise ValueError(f"router_logits_and_ids(fused=True): {reason}")
   # The kernel runs on stopped inputs, so autodiff never differentiates it (nor, through its integer
@@ -113,65 +236,83 @@ def _with_router_gradient_bwd(residuals, g):
 _with_router_gradient.defvjp(_with_router_gradient_fwd, _with_router_gradient_bwd)
 
 
-def _select(values: Array, top_k: int, selection_bias: Array | None, logits: Array | None = None):
-  """Top-K of values (+ bias): the bias moves the selection only; returns (values[ids], ids).
-
-  logits: the logits that `values` are a per-token monotonic function of (softmax, sigmoid).
-  Without a bias the selection ranks them instead: float32 probabilities and gates saturate (a
-  sigmoid is exactly 1.0 above a logit of about 17, a softmax probability 0.0 far below the
-  maximum), and ties among saturated values would fall to the lower expert id."""
-  if selection_bias is not None:
-    ranked = values + jax.lax.stop_gradient(selection_bias).astype(values.dtype)
+def _group_mask(values: Array, router: Router) -> Array:
+  """values with the experts outside each token's topk_group best groups set to -inf."""
+  t_shape, e_count = values.shape[:-1], values.shape[-1]
+  grouped = values.reshape(*t_shape, router.n_group, e_count // router.n_group)
+  if router.group_score == "max":
+    group_scores = jnp.max(grouped, axis=-1)
   else:
-    ranked = values if logits is None else logits
-  ids = _top_k_ids(ranked, top_k)
-  return jnp.take_along_axis(values, ids, axis=-1), ids
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+  _, groups = jax.lax.top_k(group_scores, router.topk_group)
+  keep = jnp.any(groups[..., :, None] == jnp.arange(router.n_group), axis=-2)  # (T, n_group)
+  keep = jnp.broadcast_to(keep[..., None], grouped.shape).reshape(values.shape)
+  return jnp.where(keep, values, -jnp.inf)
 
 
-def route(logits: Array, top_k: int, routing: str,
+def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
+                   selection_bias: Array | None) -> Array:
+  """The K selected experts (T, K) int32; no gradient flows through the choice."""
+  stop = jax.lax.stop_gradient
+  if router.ranks_logits(selection_bias):
+    ranked = stop(logits)
+    if selection_bias is not None:
+      ranked = ranked + stop(selection_bias).astype(ranked.dtype)
+  else:
+    ranked = stop(scores) if router.selection_bias_on == "scores" else stop(logits)
+    if selection_bias is not None:
+      ranked = ranked + stop(selection_bias).astype(ranked.dtype)
+    if router.n_group > 1:
+      ranked = _group_mask(ranked, router)
+  return _top_k_ids(ranked, top_k)
+
+
+def route(logits: Array, top_k: int, routing: str | Router,
           selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
-  """Selects K experts per token and their scores.
+  """Selects K experts per token and their weights, as `routing` (a `Router` or the name of one
+  of `ROUTINGS`) says.
 
-  selection_bias (E,), optional: added to the routing values (logits for "softmax_topk",
-  probabilities or sigmoid gates otherwise) for choosing the experts only; the scores come from the
-  unbiased values (DeepSeek-V3's auxiliary-loss-free balancing). It receives no gradient.
+  selection_bias (E,), optional: added to the selection values (`Router.selection_bias_on`) for
+  choosing the experts only; the weights come from the unbiased scores (DeepSeek-V3's
+  auxiliary-loss-free balancing). It receives no gradient.
 
-  - "softmax_topk": top-K of the logits, softmax over those K (SonicMoE's default; equal to a
-    softmax over all E followed by top-K and renormalisation, gradients included).
-  - "topk_softmax": softmax over all E, top-K, renormalised to sum to one (Qwen3 style).
-  - "topk_softmax_raw": softmax over all E, top-K, not renormalised (Switch / Gemma style).
-  - "sigmoid_topk": sigmoid scores, top-K, renormalised (DeepSeek-V3 style, without bias).
+  Presets: "softmax_topk" (SonicMoE's default: top-K of the logits, softmax over those K),
+  "topk_softmax" (softmax over E, top-K, renormalised; the same weights, a bias on the
+  probabilities), "topk_softmax_raw" (not renormalised), "sigmoid_topk" (sigmoid gates,
+  renormalised), "sigmoid_topk_raw" (not renormalised).
 
-  expert_ids (T, K), optional ("softmax_topk" only): the selection, already made
-  (`router_logits_and_ids`); the scores come from these logits.
+  expert_ids (T, K), optional: the selection, already made (`router_logits_and_ids`); the weights
+  come from these logits.
   """
+  router = get_router(routing)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-  if expert_ids is not None and routing != "softmax_topk":
-    raise ValueError(f"expert_ids are taken with routing='softmax_topk' only, got {routing!r}")
-  if routing == "softmax_topk":
-    if expert_ids is None:
-      top_logits, ids = _select(logits, top_k, selection_bias)
-    else:
-      if expert_ids.shape != logits.shape[:-1] + (top_k,):
-        raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
-                         f"{expert_ids.shape}")
-      ids = expert_ids.astype(jnp.int32)
-      top_logits = jnp.take_along_axis(logits, ids, axis=-1)
-    return RouterOutput(jax.nn.softmax(top_logits, axis=-1), ids, jax.nn.softmax(logits, axis=-1))
-  if routing in ("topk_softmax", "topk_softmax_raw"):
+  if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, ids = _select(probs, top_k, selection_bias, logits)
-    if routing == "topk_softmax":
-      top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-    return RouterOutput(top_probs, ids, probs)
-  if routing == "sigmoid_topk":
-    gates = jax.nn.sigmoid(logits)
-    top_gates, ids = _select(gates, top_k, selection_bias, logits)
-    scores = top_gates / (jnp.sum(top_gates, axis=-1, keepdims=True) + 1e-20)
-    # DeepSeek's sequence-wise balance loss normalises the sigmoid gates per token.
-    probs = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
-    return RouterOutput(scores, ids, probs)
-  raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+  else:
+    probs = jax.nn.sigmoid(logits)
+  if expert_ids is None:
+    ids = _selection_ids(logits, probs, top_k, router, selection_bias)
+  else:
+    if expert_ids.shape != logits.shape[:-1] + (top_k,):
+      raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
+                       f"{expert_ids.shape}")
+    ids = expert_ids.astype(jnp.int32)
+  if router.softmax_of_selected:
+    scores = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+  else:
+    scores = jnp.take_along_axis(probs, ids, axis=-1)
+    if router.renormalize:
+      if router.renorm_p == 1.0:
+        norm = jnp.sum(scores, axis=-1, keepdims=True)
+      else:
+        norm = jnp.sum(scores ** router.renorm_p, axis=-1, keepdims=True) ** (1 / router.renorm_p)
+      scores = scores / (norm + router.renorm_epsilon)
+  if router.routed_scaling_factor != 1.0:
+    scores = scores * router.routed_scaling_factor
+  if router.scoring == "sigmoid":
+    # The balance losses take per-token distributions: the gates normalised over E (DeepSeek).
+    probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
+  return RouterOutput(scores, ids, probs)
 
 
 def expert_counts(expert_ids: Array, num_experts: int) -> Array:
@@ -203,7 +344,19 @@ def z_loss(logits: Array) -> Array:
 # Token rounding (SonicMoE, DESIGN.md section 4): a training-time router that moves each expert's
 # number of tokens to a multiple of the grouped GEMM's row tile, so no tile is partly padding.
 TOKEN_ROUNDINGS = ("down", "up", "nearest")
-ROUNDABLE = ("softmax_topk", "topk_softmax", "topk_softmax_raw")
+
+
+def rounding_unsupported(routing: str | Router) -> str | None:
+  """None when token rounding applies to this router, else why not: SonicMoE's rounding ranks an
+  expert's other tokens by their softmax probability."""
+  router = get_router(routing)
+  if router.scoring != "softmax":
+    return f"token_rounding needs a softmax router, got scoring={router.scoring!r}"
+  if router.n_group > 1:
+    return "token_rounding does not take group-limited routing (n_group > 1)"
+  if router.scale_input:
+    return "token_rounding does not take scale_input routing"
+  return None
 
 
 class RoundedRouting(NamedTuple):
@@ -291,7 +444,7 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
   return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
 
 
-def route_tokens(logits: Array, top_k: int, routing: str, selection_bias: Array | None,
+def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,
                  token_rounding: str | None, tile: int,
                  expert_ids: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
   """`route`, then `round_tokens` when token_rounding is not None (an empty extra-pair list
@@ -304,12 +457,65 @@ def route_tokens(logits: Array, top_k: int, routing: str, selection_bias: Array 
   if token_rounding not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be None or one of {TOKEN_ROUNDINGS}, "
                      f"got {token_rounding!r}")
-  if routing not in ROUNDABLE:
-    raise ValueError(f"token_rounding needs a softmax routing {ROUNDABLE}, got routing={routing!r}")
-  return round_tokens(routed, tile, token_rounding), routed
+  reason = rounding_unsupported(routing)
+  if reason is not None:
+    raise ValueError(reason)
+  rounded = round_tokens(routed, tile, token_rounding)
+  scale = get_router(routing).routed_scaling_factor
+  if scale != 1.0:  # the added pairs' raw probabilities, scaled as the slot pairs' weights are
+    rounded = rounded._replace(extra_scores=rounded.extra_scores * scale)
+  return rounded, routed
 
 
 def extra_scores_or_none(rounded: RoundedRouting) -> Array | None:
   """The extra pairs' scores for `expert_mixture`: None when there are none, since a zero-size
   differentiable input crashes XLA:CPU's collectives under shard_map on jax 0.11.2."""
   return rounded.extra_scores if rounded.extra_scores.shape[0] else None
+
+
+def sequence_balance_loss(probs: Array, expert_ids: Array) -> Array:
+  """DeepSeek-V2/V3's (and MaxText's) sequence-wise balance loss, averaged over sequences.
+
+  probs (B, S, E): per-token router distributions (`RouterOutput.probs`: softmax, or sigmoid gates
+  normalised over E); expert_ids (B, S, K), ids outside [0, E) not counted. Per sequence,
+  f_e = E / (K S) * (pairs routed to e) (not differentiable) and P_e = mean_t probs[t, e]; the loss
+  is sum_e f_e P_e (1 when uniform), averaged over the B sequences.
+  """
+  if probs.ndim != 3 or expert_ids.ndim != 3 or probs.shape[:2] != expert_ids.shape[:2]:
+    raise ValueError(f"probs must be (B, S, E) and expert_ids (B, S, K) with the same B and S, got "
+                     f"{probs.shape} and {expert_ids.shape}")
+  _, seq, e_count = probs.shape
+  k_count = expert_ids.shape[2]
+  counts = jax.vmap(lambda ids: expert_counts(ids, e_count))(expert_ids)  # (B, E)
+  f = counts.astype(probs.dtype) * (e_count / max(k_count * seq, 1))
+  p = jnp.mean(probs, axis=1)
+  return jnp.mean(jnp.sum(jax.lax.stop_gradient(f) * p, axis=-1))
+
+
+def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | None = None) -> Array:
+  """transformers' `load_balancing_loss_func` over all layers (Mixtral, Qwen-MoE, OLMoE, ...).
+
+  router_logits: a sequence of (T, E) logits, one per layer (`aux.stats.router_logits`), or one
+  (L, T, E) array; attention_mask: optional (B, S) with B * S = T, 0 for padding tokens. As in
+  transformers, the token counts and the mean probabilities are summed over layers before they
+  multiply: E * sum_{k, e} (fraction of tokens whose k-th choice is e) * (mean probability of e).
+  The per-layer `MoEAux.load_balance_loss` differs (its f sums to 1 per layer).
+  """
+  logits = jnp.concatenate([jnp.asarray(l).reshape(-1, jnp.shape(l)[-1]) for l in router_logits])
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  e_count = logits.shape[-1]
+  probs = jax.nn.softmax(logits, axis=-1)
+  ids = jax.lax.top_k(jax.lax.stop_gradient(probs), top_k)[1]
+  mask = jax.nn.one_hot(ids, e_count, dtype=probs.dtype)  # (N, K, E)
+  if attention_mask is None:
+    tokens_per_expert = jnp.mean(mask, axis=0)
+    prob_per_expert = jnp.mean(probs, axis=0)
+  else:
+    per_layer = attention_mask.size
+    if logits.shape[0] % per_layer:
+      raise ValueError(f"attention_mask has {per_layer} tokens, which do not divide the "
+                       f"{logits.shape[0]} rows of router_logits")
+    m = jnp.tile(attention_mask.reshape(-1), logits.shape[0] // per_layer).astype(probs.dtype)
+    tokens_per_expert = jnp.sum(mask * m[:, None, None], axis=0) / jnp.sum(m)
+    prob_per_expert = jnp.sum(probs * m[:, None], axis=0) / jnp.sum(m)
+  return e_count * jnp.sum(tokens_per_expert * prob_per_expert[None, :])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-GLU = {"swiglu", "geglu", "reglu"}
+GLU = {"swiglu", "geglu", "reglu", "geglu_tanh", "clamped_swiglu"}
 
 
 def make_problem(rng, T=48, d=32, n=16, E=8, K=2, activation="swiglu", bias=False, skew=False):

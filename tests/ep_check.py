@@ -27,7 +27,13 @@ def main():
             "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
             "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[sys.argv[1]]
   skew = sys.argv[2] == "skew"
-  rounding = sys.argv[3] if len(sys.argv) > 3 else None  # token rounding mode
+  mode = sys.argv[3] if len(sys.argv) > 3 else None  # a token rounding mode or a router below
+  routers = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
+      "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
+                                      group_score="top2_sum", routed_scaling_factor=2.5),
+      "llama4": sonic_jax.Router("sigmoid", renormalize=False, scale_input=True)}
+  router = routers.get(mode, "softmax_topk")
+  rounding = None if mode in routers else mode
   T, d, n, E, K = 64, 32, 16, 8, 2
   rng = np.random.default_rng(0)
   x = rng.standard_normal((T, d))
@@ -41,10 +47,15 @@ def main():
   d_y = rng.standard_normal((T, d))
   args = [jnp.asarray(a, jnp.float64) for a in (x, rw, w1, w2, b1)]
   dy = jnp.asarray(d_y, jnp.float64)
+  # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3)
+  extra = {}
+  if mode in routers:
+    extra = dict(router_bias=jnp.asarray(rng.standard_normal(E) * 0.1),
+                 selection_bias=jnp.asarray(rng.standard_normal(E) * 0.01))
 
   def loss_single(x, rw, w1, w2, b1):
     y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, token_rounding=rounding,
-                           backend="xla")
+                           routing=router, backend="xla", **extra)
     if rounding == "up":
       assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
@@ -54,8 +65,8 @@ def main():
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
     def local(x, rw, w1, w2, b1):
-      y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
-                              token_rounding=rounding, backend="xla")
+      y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, routing=router,
+                      token_rounding=rounding, backend="xla", **extra)
       assert aux.dropped_pairs is not None
       return y, aux.load_balance_loss + 0.1 * aux.z_loss
 

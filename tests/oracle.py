@@ -12,8 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+def _clamped_swiglu(gate, up, alpha=1.702, limit=7.0):
+  """gpt-oss's expert activation as transformers writes it."""
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+
+
+GLU_FNS = {"clamped_swiglu": _clamped_swiglu}  # GLU activations that are not act(gate) * up
+
 ACT_FNS = {
     "swiglu": (jax.nn.silu, True),
+    "geglu_tanh": (lambda g: jax.nn.gelu(g, approximate=True), True),
+    "gelu_tanh": (lambda g: jax.nn.gelu(g, approximate=True), False),
+    "clamped_swiglu": (None, True),
     "geglu": (lambda g: jax.nn.gelu(g, approximate=False), True),
     "reglu": (jax.nn.relu, True),
     "gelu": (lambda g: jax.nn.gelu(g, approximate=False), False),
@@ -34,9 +46,9 @@ def routing_scores(logits, ids, routing):
   if routing in ("topk_softmax", "topk_softmax_raw"):
     top = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=-1)
     return top / jnp.sum(top, -1, keepdims=True) if routing == "topk_softmax" else top
-  if routing == "sigmoid_topk":
+  if routing in ("sigmoid_topk", "sigmoid_topk_raw"):
     top = jnp.take_along_axis(jax.nn.sigmoid(logits), ids, axis=-1)
-    return top / jnp.sum(top, -1, keepdims=True)
+    return top / jnp.sum(top, -1, keepdims=True) if routing == "sigmoid_topk" else top
   raise ValueError(routing)
 
 
@@ -50,7 +62,7 @@ def expert_forward(x_e, w1_e, b1_e, w2_e, b2_e, activation, gate_up_layout):
       gate, up = h[:, :n], h[:, n:]
     else:
       gate, up = h[:, 0::2], h[:, 1::2]
-    a = fn(gate) * up
+    a = GLU_FNS[activation](gate, up) if activation in GLU_FNS else fn(gate) * up
   else:
     a = fn(h)
   return h, a @ w2_e + b2_e
@@ -150,4 +162,63 @@ def moe_reference_masks(x, router_weight, w1, w2, b1, b2, tc, kept, added, *, ac
   for e in range(e_count):
     _, y_e = expert_forward(x, w1[e], b1[e], w2[e], b2[e], activation, gate_up_layout)
     y = y + weights[:, e][:, None] * y_e
+  return y
+
+
+def route_reference(logits, top_k, *, scoring="softmax", renormalize=True, renorm_epsilon=0.0,
+                    renorm_p=1.0, n_group=1, topk_group=1, group_score="max", scaling=1.0,
+                    selection_bias=None, bias_on="scores"):
+  """The families' routers from their description (model-families.md), in NumPy float64 for the
+  selection: returns (ids (T, K), a function logits -> (T, K) weights for autodiff)."""
+  logits = np.asarray(logits, np.float64)
+  score_fn = ((lambda l: jax.nn.softmax(l, axis=-1)) if scoring == "softmax"
+              else jax.nn.sigmoid)
+  with jax.enable_x64(True):
+    scores = np.asarray(score_fn(jnp.asarray(logits)))
+  choice = (scores if bias_on == "scores" else logits).copy()
+  if selection_bias is not None:
+    choice = choice + np.asarray(selection_bias, np.float64)
+  t_count, e_count = choice.shape
+  if n_group > 1:
+    per = e_count // n_group
+    for t in range(t_count):
+      groups = choice[t].reshape(n_group, per)
+      g_score = (groups.max(-1) if group_score == "max"
+                 else np.sort(groups, -1)[:, -2:].sum(-1))
+      keep = np.argsort(-g_score, kind="stable")[:topk_group]
+      masked = np.full(n_group, True)
+      masked[keep] = False
+      choice[t].reshape(n_group, per)[masked] = -np.inf
+  ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+
+  def weights(l):
+    w = jnp.take_along_axis(score_fn(l), jnp.asarray(ids), axis=-1)
+    if renormalize:
+      w = w / (jnp.sum(w ** renorm_p, -1, keepdims=True) ** (1.0 / renorm_p) + renorm_epsilon)
+    return w * scaling
+
+  return ids, weights
+
+
+def moe_reference_weights(x, router_weight, w1, w2, b1, b2, router_bias, ids, weights_fn, *,
+                          activation, gate_up_layout, scale_input=False):
+  """y (T, d) for fixed ids and weights = weights_fn(logits): sum_k w_k expert_k(x), or with
+  scale_input (Llama 4) sum_k expert_k(w_k x)."""
+  e_count = w1.shape[0]
+  b1 = jnp.zeros(w1.shape[::2], w1.dtype) if b1 is None else b1
+  b2 = jnp.zeros((e_count, w2.shape[2]), w2.dtype) if b2 is None else b2
+  logits = x @ router_weight + (0.0 if router_bias is None else router_bias)
+  w = weights_fn(logits)
+  ids = jnp.asarray(ids)
+  y = jnp.zeros_like(x)
+  for e in range(e_count):
+    for k in range(ids.shape[1]):
+      w_k = jnp.where(ids[:, k] == e, w[:, k], 0.0)
+      if scale_input:
+        _, y_e = expert_forward(x * w_k[:, None], w1[e], b1[e], w2[e], b2[e], activation,
+                                gate_up_layout)
+        y = y + jnp.where((ids[:, k] == e)[:, None], y_e, 0.0)
+      else:
+        _, y_e = expert_forward(x, w1[e], b1[e], w2[e], b2[e], activation, gate_up_layout)
+        y = y + w_k[:, None] * y_e
   return y

@@ -11,7 +11,7 @@ import pytest
 
 import sonic_jax
 from sonic_jax import activations as acts
-from sonic_jax.layers import MoE, RouterBias
+from sonic_jax.layers import MoE, SelectionBias
 from cases import gemm_operand_dtypes
 from oracle import rel_err
 
@@ -97,23 +97,23 @@ def test_adamw_training_lowers_the_loss(rng):
       return jnp.mean((y - target) ** 2) + aux.loss, aux
     (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     opt.update(model, grads)
-    model.update_router_bias(aux.stats.expert_counts)
+    model.update_selection_bias(aux.stats.expert_counts)
     return loss
 
   losses = [float(step(student, opt, x, target)) for _ in range(60)]
   assert losses[-1] < 0.5 * losses[0], losses[::10]
-  assert isinstance(student.router_bias, RouterBias)
-  assert np.any(np.asarray(student.router_bias[...]) != 0)  # moved by the update, not the optimizer
-  assert "router_bias" not in nnx.state(student, nnx.Param)
+  assert isinstance(student.selection_bias, SelectionBias)
+  assert np.any(np.asarray(student.selection_bias[...]) != 0)  # moved by the update, not the optimizer
+  assert "selection_bias" not in nnx.state(student, nnx.Param)
 
 
-def test_router_bias_update_moves_towards_balance():
+def test_selection_bias_update_moves_towards_balance():
   m = _layer(bias_update_rate=0.1)
-  m.update_router_bias(jnp.array([10, 0, 5, 5]))
-  np.testing.assert_allclose(m.router_bias[...], [-0.1, 0.1, 0.0, 0.0])
+  m.update_selection_bias(jnp.array([10, 0, 5, 5]))
+  np.testing.assert_allclose(m.selection_bias[...], [-0.1, 0.1, 0.0, 0.0])
   plain = _layer()
-  plain.update_router_bias(jnp.array([10, 0, 5, 5]))  # no bias: a no-op
-  assert plain.router_bias is None
+  plain.update_selection_bias(jnp.array([10, 0, 5, 5]))  # no bias: a no-op
+  assert plain.selection_bias is None
 
 
 def test_linen_bridge(rng):
@@ -143,7 +143,7 @@ def test_bad_layer_arguments():
     _layer(backend="cuda")
   with pytest.raises(ValueError, match="gate_up_layout"):
     _layer(gate_up_layout="split")
-  with pytest.raises(ValueError, match="token_rounding needs a softmax routing"):
+  with pytest.raises(ValueError, match="token_rounding needs a softmax router"):
     _layer(routing="sigmoid_topk", token_rounding="nearest", deterministic=True)
   with pytest.raises(ValueError, match="expert_parallel_scheme"):
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="ring")

@@ -86,19 +86,61 @@ def test_activation_backward_matches_autodiff(rng, name, layout):
 
 @pytest.mark.parametrize("name", sorted(acts.ACTIVATIONS))
 def test_kernel_activations_match_the_reference(name):
-  """The kernels' forms of every activation and derivative (`kernel_fn`, `kernel_grad`: tanh for
-  the sigmoid, a polynomial for erf, rsqrt for the reciprocal) against `fn` and `grad`, over
-  [-30, 30] (saturated tails included), on the CPU where they evaluate exactly (a GPU kernel
-  evaluates tanh and rsqrt approximately: the compiled kernel and layer tests bound that)."""
+  """The kernels' forms of every activation, derivative and GLU backward (`kernel=True`: tanh for
+  the sigmoid, a polynomial for erf, rsqrt for the reciprocal) against the reference forms, over
+  [-30, 30] (saturated tails and gpt-oss's clamps included), on the CPU where they evaluate
+  exactly (a GPU kernel evaluates tanh and rsqrt approximately: the compiled kernel and layer
+  tests bound that)."""
   act = acts.get_activation(name)
   g = jnp.concatenate([jnp.linspace(-30.0, 30.0, 60001, dtype=jnp.float32),
                        jnp.asarray([0.0, -0.0, 1e-30, -1e-30], jnp.float32)])
-  for kernel, ref in ((acts.kernel_fn(act), act.fn), (acts.kernel_grad(act), act.grad)):
+  pairs = [(lambda v: act.fn(v, kernel=True), act.fn),
+           (lambda v: act.grad(v, kernel=True), act.grad)]
+  if act.is_glu:
+    up = jnp.flip(g) * 0.7
+    pairs += [(lambda v: act.glu(v, up, kernel=True), lambda v: act.glu(v, up))]
+    pairs += [(lambda v, i=i: act.glu_backward(v, up, 0.3 * up, kernel=True)[i],
+               lambda v, i=i: act.glu_backward(v, up, 0.3 * up)[i]) for i in range(3)]
+  for kernel, ref in pairs:
     got, want = np.asarray(jax.jit(kernel)(g)), np.asarray(jax.jit(ref)(g))
     assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
-  if name in ("swiglu", "silu"):  # the tanh form, not the reference's division
-    assert acts.kernel_fn(act) is not act.fn
+    # GLU products scale the sigmoid's absolute float32 error by |gate| * |up| (up to ~200 here)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-4 if act.is_glu else 2e-6)
+
+
+def test_activation_objects_are_static_values():
+  """Activations are frozen and compare by value: two equal ones give one jit trace."""
+  assert acts.clamped_swiglu() == acts.ACTIVATIONS["clamped_swiglu"]
+  assert hash(acts.clamped_swiglu(1.5, 5.0)) == hash(acts.clamped_swiglu(1.5, 5.0))
+  assert acts.get_activation(acts.clamped_swiglu(1.5, 5.0)).limit == 5.0
+  with pytest.raises(ValueError, match="limit"):
+    acts.Activation("x", "silu", is_glu=True, limit=-1.0)
+  with pytest.raises(ValueError, match="alpha"):
+    acts.Activation("x", "relu", is_glu=True, alpha=2.0)
+  with pytest.raises(ValueError, match="GLU"):
+    acts.Activation("x", "silu", is_glu=False, up_offset=1.0)
+
+
+def test_clamped_swiglu_matches_gpt_oss():
+  """gpt-oss's formula as transformers writes it, values and gradients (the clamps' gradients
+  are zero where they are active)."""
+  # off the clamps' bounds: at a bound jnp.minimum splits the gradient, torch.clamp passes it
+  gate = jnp.linspace(-12.0, 12.0, 97) + 0.01
+  up = jnp.linspace(9.0, -9.0, 97) + 0.01
+  def hf(gate, up):
+    gate = jnp.minimum(gate, 7.0)
+    up = jnp.clip(up, -7.0, 7.0)
+    return gate * jax.nn.sigmoid(gate * 1.702) * (up + 1)
+  act = acts.ACTIVATIONS["clamped_swiglu"]
+  d_a = jnp.cos(gate)
+  a, vjp = jax.vjp(hf, gate, up)
+  a2, d_gate, d_up = act.glu_backward(gate, up, d_a)
+  np.testing.assert_allclose(a2, a, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(act.glu(gate, up), a, rtol=1e-6, atol=1e-6)
+  want_gate, want_up = vjp(d_a)
+  np.testing.assert_allclose(d_gate, want_gate, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(d_up, want_up, rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(d_up)[np.abs(np.asarray(up)) > 7] == 0)
 
 
 def test_gate_up_split_and_merge_are_inverse(rng):

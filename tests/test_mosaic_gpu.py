@@ -42,7 +42,7 @@ MODES = [pytest.param(False, id="interpret"), pytest.param(True, id="compiled", 
 
 
 def _problem(rng, T, d, n, E, K, activation, skew=False):
-  glu = sonic_jax.ACTIVATIONS[activation].is_glu
+  glu = acts.get_activation(activation).is_glu
   width = 2 * n if glu else n
   x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((E, d, width)) / np.sqrt(d), jnp.bfloat16)
@@ -62,8 +62,14 @@ def _rows_err(got, want, layout):
   return rel_err(got, want)
 
 
+# gpt-oss's clamped SwiGLU with a limit that unit-scale pre-activations cross (its own, 7, they
+# rarely reach): both clamps and their zero gradients are exercised.
+CLAMPED = acts.clamped_swiglu(alpha=1.702, limit=1.0)
+
 UP_CASES = [
     # (T, d, n, E, K, activation, bias, skew, gate_up_layout)
+    (100, 128, 128, 4, 2, CLAMPED, True, False, "interleaved"),
+    (70, 64, 128, 3, 2, "geglu_tanh", False, True, "concat"),
     (100, 128, 128, 4, 2, "swiglu", True, False, "concat"),
     (70, 64, 128, 3, 1, "geglu", False, True, "concat"),
     (50, 128, 256, 4, 2, "gelu", True, False, "concat"),
@@ -199,7 +205,9 @@ def _with_modes(cases, compiled_only=()):
 @pytest.mark.parametrize("compiled,activation,bias,dtype,gate_up_layout", _with_modes(
     LAYER_CASES,
     # on the GPU also SonicMoE's own layout with biases (CI's interpreter time goes elsewhere)
-    compiled_only=[("swiglu", True, jnp.bfloat16, "interleaved")]))
+    compiled_only=[("swiglu", True, jnp.bfloat16, "interleaved"),
+                   ("clamped_swiglu", True, jnp.bfloat16, "interleaved"),
+                   ("geglu_tanh", False, jnp.bfloat16, "concat")]))
 def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_up_layout):
   """sonic_jax.moe(backend="mosaic_gpu"): output and every gradient against the float64 oracle."""
   _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout)
@@ -346,6 +354,9 @@ def test_moe_layer_token_rounding_against_oracle(rng, compiled, mode):
 
 DH_CASES = [
     # (T, d, n, E, K, activation, skew, block_n, gate_up_layout)
+    (90, 64, 128, 3, 2, CLAMPED, True, 128, "interleaved"),
+    (70, 64, 256, 2, 2, CLAMPED, False, 256, "concat"),
+    (60, 64, 256, 2, 2, "geglu_tanh", False, 256, "interleaved"),
     (100, 64, 128, 3, 2, "swiglu", False, 128, "concat"),
     (80, 128, 128, 4, 2, "geglu", True, 128, "concat"),
     (60, 64, 256, 2, 1, "gelu", False, 128, "concat"),
@@ -599,7 +610,7 @@ def _lowering_cases():
   spec = lambda *shape, dtype=bf: jax.ShapeDtypeStruct(shape, dtype)
   dh_specs = lambda width: (spec(T, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d))
   cases = {}
-  for name in ("swiglu", "gelu", "relu_sq"):
+  for name in ("swiglu", "gelu", "relu_sq", "clamped_swiglu", "geglu_tanh"):
     act = acts.get_activation(name)
     width = act.width_multiplier() * n
     for gate_up in ("concat", "interleaved") if act.is_glu else ("concat",):
@@ -658,6 +669,8 @@ def _lowering_cases():
 
 LOWERING_CASES = [
     "up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq", "up-swiglu-cluster",
+    "up-clamped_swiglu-interleaved", "up-geglu_tanh", "dh-clamped_swiglu-interleaved-128",
+    "dh-clamped_swiglu", "dh-geglu_tanh",
     "down", "down-cluster", "dx", "dx-cluster",
     "dh-swiglu", "dh-gelu", "dh-relu_sq", "dh-swiglu-interleaved-128", "dh-swiglu-interleaved-256",
     "dh-swiglu-wide-staged", "dh-swiglu-wide-registers", "dh-swiglu-pingpong", "dh-swiglu-cluster",

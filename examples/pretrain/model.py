@@ -117,9 +117,9 @@ class TransformerLM(nnx.Module):
     logits = jnp.dot(x, w.astype(dtype), preferred_element_type=jnp.float32)
     return logits, aux_loss, counts
 
-  def update_router_biases(self, counts):
+  def update_selection_biases(self, counts):
     for block, c in zip(self.blocks, counts):
-      block.moe.update_router_bias(c)
+      block.moe.update_selection_bias(c)
 
 
 def moe_flops_per_token(cfg: ModelConfig) -> float:

@@ -123,7 +123,7 @@ def loss_fn(model, inputs, targets):
 def train_step(model, optimizer, inputs, targets):
   (_, (ce, counts)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, inputs, targets)
   optimizer.update(model, grads)
-  model.update_router_biases(counts)  # after the optimizer step, outside the gradient
+  model.update_selection_biases(counts)  # after the optimizer step, outside the gradient
   return ce, jnp.stack(counts)
 
 

@@ -1,5 +1,5 @@
 """Flax layers over the functional op (NNX; Linen users wrap them with `flax.nnx.bridge`)."""
 
-from sonic_jax.layers.moe import MoE, MoELayerAux, RouterBias
+from sonic_jax.layers.moe import MoE, MoELayerAux, SelectionBias
 
-__all__ = ["MoE", "MoELayerAux", "RouterBias"]
+__all__ = ["MoE", "MoELayerAux", "SelectionBias"]

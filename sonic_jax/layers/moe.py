@@ -30,14 +30,14 @@ def _constrain(x, spec, mesh):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-class RouterBias(nnx.Variable):
+class SelectionBias(nnx.Variable):
   """Per-expert selection bias of auxiliary-loss-free balancing: not an `nnx.Param`, so optimizers
-  (`nnx.Optimizer(..., wrt=nnx.Param)`) leave it alone; `MoE.update_router_bias` moves it."""
+  (`nnx.Optimizer(..., wrt=nnx.Param)`) leave it alone; `MoE.update_selection_bias` moves it."""
 
 
 class MoELayerAux(NamedTuple):
-  loss: Array  # () load_balance_coef * load_balance_loss + z_loss_coef * z_loss: add it to yours
-  stats: MoEAux  # routing results and the unweighted losses
+  loss: Array  # () load_balance_coef * (the balance loss) + z_loss_coef * z_loss: add it to yours
+  stats: MoEAux  # routing results and the unweighted losses (load_balance_loss: the one in `loss`)
 
 
 def _param(rngs, init, shape, dtype, names):
@@ -51,13 +51,20 @@ class MoE(nnx.Module):
 
   Args:
     d_model: d. num_experts: E. expert_dim: n (each expert's intermediate width). top_k: K.
-    activation, routing, gate_up_layout, backend, config: as `sonic_jax.moe`.
+    activation, routing, gate_up_layout, backend, config: as `sonic_jax.moe` (routing: a preset
+      name or a `sonic_jax.Router`: scores, renormalisation, n_group / topk_group, routed
+      scaling factor, Llama 4's input scaling).
     use_bias: per-expert biases b1, b2.
+    use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
     num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
       num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
+    shared_expert_gate: the shared output is multiplied by sigmoid(x @ w_g), a learned scalar gate
+      per token (Qwen2-MoE, Qwen3-Next).
     load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
-    bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `RouterBias` that moves the
-      selection, updated by `update_router_bias` outside the gradient.
+    balance_loss: "batch" (Switch: E * sum_e f_e P_e over all the call's tokens) or "sequence"
+      (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d)).
+    bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `SelectionBias` that moves the
+      selection, updated by `update_selection_bias` outside the gradient.
     token_rounding: None, "down", "up" or "nearest": tile-aware token rounding while training
       (`sonic_jax.moe`); evaluation (`deterministic=True`, e.g. after `model.eval()`) routes with
       plain top-K.
@@ -76,8 +83,10 @@ class MoE(nnx.Module):
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
       slots hold the worst case), and it is the faster one on 2 GPUs (docs/decisions.md); with a
       capacity factor the all-to-all's traffic stays flat as the axis grows.
-    capacity_factor: None (dropless) or, for the all-to-all, each (sender, receiver) slot in
-      multiples of the balanced share; dropped pairs are counted in `aux.stats.dropped_pairs`.
+    capacity_factor: None (dropless) or a number c: on one device each expert keeps at most
+      ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText); under expert
+      parallelism (the all-to-all) each (sender, receiver) slot holds c times the balanced share.
+      Dropped pairs are counted in `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
       The router weight is used as stored (not cast to `dtype`): float32 storage keeps the router
@@ -86,10 +95,14 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
-               activation: str = "swiglu", routing: str = "softmax_topk",
+               activation: str | acts.Activation = "swiglu",
+               routing: str | routing_lib.Router = "softmax_topk",
                gate_up_layout: str = "concat", use_bias: bool = False,
+               use_router_bias: bool = False,
                num_shared_experts: int = 0, shared_expert_dim: int | None = None,
+               shared_expert_gate: bool = False,
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
+               balance_loss: str = "batch",
                bias_update_rate: float = 0.0, token_rounding: str | None = None,
                deterministic: bool = False, expert_parallel_axis: str | None = None,
                expert_parallel_scheme: str = "auto", capacity_factor: float | None = None,
@@ -103,14 +116,19 @@ class MoE(nnx.Module):
     act = acts.get_activation(activation)
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if routing not in routing_lib.ROUTINGS:
-      raise ValueError(f"routing must be one of {routing_lib.ROUTINGS}, got {routing!r}")
+    router = routing_lib.get_router(routing)
+    router.check(num_experts, top_k)
     if gate_up_layout not in acts.GATE_UP_LAYOUTS:
       raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got "
                        f"{gate_up_layout!r}")
     if backend not in backends.BACKENDS:
       raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
-    self.top_k, self.activation, self.routing = top_k, activation, routing
+    if balance_loss not in ("batch", "sequence"):
+      raise ValueError(f"balance_loss must be 'batch' or 'sequence', got {balance_loss!r}")
+    if shared_expert_gate and not num_shared_experts:
+      raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+    self.top_k, self.activation, self.routing = top_k, act, router
+    self.balance_loss = balance_loss
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
     self.config = check_config(config)
     self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
@@ -118,17 +136,22 @@ class MoE(nnx.Module):
     if token_rounding is not None and token_rounding not in routing_lib.TOKEN_ROUNDINGS:
       raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
                        f"got {token_rounding!r}")
-    if token_rounding is not None and routing not in routing_lib.ROUNDABLE:
-      raise ValueError(f"token_rounding needs a softmax routing {routing_lib.ROUNDABLE}, got "
-                       f"routing={routing!r}")
+    if token_rounding is not None and routing_lib.rounding_unsupported(router) is not None:
+      raise ValueError(routing_lib.rounding_unsupported(router))
+    if token_rounding is not None and capacity_factor is not None:
+      raise ValueError("token_rounding and capacity_factor exclude each other")
+    if capacity_factor is not None and not capacity_factor > 0:
+      raise ValueError(f"capacity_factor must be None or > 0, got {capacity_factor}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
       raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
                        f"{EXPERT_PARALLEL_SCHEMES}, got {expert_parallel_scheme!r}")
     if expert_parallel_scheme == "auto":
       expert_parallel_scheme = "all_gather" if capacity_factor is None else "all_to_all"
-    if capacity_factor is not None and expert_parallel_scheme != "all_to_all":
-      raise ValueError("capacity_factor applies to expert_parallel_scheme='all_to_all' only")
+    if (capacity_factor is not None and expert_parallel_axis is not None
+        and expert_parallel_scheme != "all_to_all"):
+      raise ValueError("under expert parallelism capacity_factor applies to "
+                       "expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     self.token_axes = None if token_axes is None else tuple(token_axes)
@@ -146,8 +169,10 @@ class MoE(nnx.Module):
                               (expert_axis, mlp_axis)) if use_bias else None)
     self.b2 = nnx.data(_param(rngs, zeros, (num_experts, d_model), param_dtype,
                               (expert_axis, embed_axis)) if use_bias else None)
-    self.router_bias = nnx.data(RouterBias(jnp.zeros((num_experts,), jnp.float32))
-                                if bias_update_rate > 0 else None)
+    self.router_bias = nnx.data(_param(rngs, zeros, (num_experts,), param_dtype, (None,))
+                                if use_router_bias else None)
+    self.selection_bias = nnx.data(SelectionBias(jnp.zeros((num_experts,), jnp.float32))
+                                   if bias_update_rate > 0 else None)
     shared_in = shared_out = None
     if num_shared_experts:
       s_dim = num_shared_experts * (shared_expert_dim or expert_dim)
@@ -156,6 +181,8 @@ class MoE(nnx.Module):
       shared_out = _param(rngs, normal(init_std), (s_dim, d_model), param_dtype,
                           (mlp_axis, embed_axis))
     self.shared_in, self.shared_out = nnx.data(shared_in), nnx.data(shared_out)
+    self.shared_gate = nnx.data(_param(rngs, normal(init_std), (d_model, 1), param_dtype,
+                                       (embed_axis, None)) if shared_expert_gate else None)
 
   def __call__(self, x: Array) -> tuple[Array, MoELayerAux]:
     """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens."""
@@ -163,30 +190,41 @@ class MoE(nnx.Module):
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
-    bias = None if self.router_bias is None else self.router_bias[...]
-    experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2), bias)
+    if self.balance_loss == "sequence" and x.ndim != 3:
+      raise ValueError(f"balance_loss='sequence' takes x of shape (B, S, d), got {x.shape}")
+    sel_bias = None if self.selection_bias is None else self.selection_bias[...]
+    router_bias = None if self.router_bias is None else self.router_bias[...]
+    experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2),
+               router_bias, sel_bias)
     axis = self.expert_parallel_axis
     if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
       y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
     else:
       y, stats = self._routed_shard_map(h, experts)
     if self.shared_in is not None:
-      act = acts.get_activation(self.activation)
       # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute
       u = dot_f32(h, cast(self.shared_in))
-      a = acts.apply_activation(u, act, self.gate_up_layout).astype(dtype)
-      y = y + dot_f32(a, cast(self.shared_out)).astype(dtype)
+      a = acts.apply_activation(u, self.activation, self.gate_up_layout).astype(dtype)
+      shared = dot_f32(a, cast(self.shared_out))
+      if self.shared_gate is not None:
+        shared = shared * jax.nn.sigmoid(dot_f32(h, cast(self.shared_gate)))
+      y = y + shared.astype(dtype)
+    if self.balance_loss == "sequence":
+      sequence_loss = routing_lib.sequence_balance_loss(
+          stats.probs.reshape(*lead, -1), stats.expert_ids.reshape(*lead, -1))
+      stats = stats._replace(load_balance_loss=sequence_loss)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
 
-  def _routed(self, h, router, w1, w2, b1, b2, selection_bias):
+  def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias):
     """The routed experts on tokens h (T, d): one device, or this device's part of the axis."""
     kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
-              gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, selection_bias=selection_bias,
+              gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, router_bias=router_bias,
+              selection_bias=selection_bias,
               token_rounding=None if self.deterministic else self.token_rounding,
               backend=self.backend, config=self.config)
     if self.expert_parallel_axis is None:
-      return moe(h, router, w1, w2, **kw)
+      return moe(h, router, w1, w2, capacity_factor=self.capacity_factor, **kw)
     if self.expert_parallel_scheme == "all_to_all":
       return moe_all_to_all(h, router, w1, w2, axis_name=self.expert_parallel_axis,
                             capacity_factor=self.capacity_factor, **kw)
@@ -214,7 +252,7 @@ class MoE(nnx.Module):
     data_axes = tuple(a for a in token_axes if a != axis)
     tokens, expert_dim, whole = P(token_axes), P(axis), P()
     specs = tuple(None if v is None else s for v, s in zip(
-        experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole)))
+        experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole, whole)))
 
     def local(h, *experts):
       y, st = self._routed(h, *experts)
@@ -222,7 +260,7 @@ class MoE(nnx.Module):
         mine = lambda a: jax.lax.dynamic_slice_in_dim(
             a, jax.lax.axis_index(axis) * h.shape[0], h.shape[0], axis=0)
         st = st._replace(expert_ids=mine(st.expert_ids), scores=mine(st.scores),
-                         router_logits=mine(st.router_logits))
+                         router_logits=mine(st.router_logits), probs=mine(st.probs))
       over_data = lambda v, op: op(v, data_axes) if data_axes else v
       st = st._replace(
           expert_counts=over_data(st.expert_counts, jax.lax.psum),
@@ -235,19 +273,19 @@ class MoE(nnx.Module):
 
     stats_specs = MoEAux(expert_counts=whole, expert_ids=tokens, scores=tokens,
                          router_logits=tokens, load_balance_loss=whole, z_loss=whole,
-                         padded_rows=whole, dropped_pairs=whole)
+                         padded_rows=whole, dropped_pairs=whole, probs=tokens)
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
                          out_specs=(tokens, stats_specs), check_vma=False)(
                              _constrain(h, tokens, mesh), *experts)
 
-  def update_router_bias(self, expert_counts: Array) -> None:
+  def update_selection_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
 
     Call it after the optimizer step with the step's `aux.stats.expert_counts` (summed over layers'
     micro-batches or devices as you see fit). A no-op when bias_update_rate is 0.
     """
-    if self.router_bias is None:
+    if self.selection_bias is None:
       return
     counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
     step = self.bias_update_rate * jnp.sign(jnp.mean(counts) - counts)
-    self.router_bias[...] = self.router_bias[...] + step
+    self.selection_bias[...] = self.selection_bias[...] + step

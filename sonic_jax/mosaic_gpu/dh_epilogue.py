@@ -18,7 +18,6 @@ The interleaved gate/up layout reads its (gate, up) pairs from SMEM as uint32 wo
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 from jax import lax
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sonic_jax import activations as acts
 from sonic_jax.interpret import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import tiled
@@ -43,8 +43,7 @@ class DhTile:
   dtype: jnp.dtype
   glu: bool
   interleaved: bool
-  act_fn: Callable
-  act_grad: Callable
+  activation: acts.Activation  # evaluated in its kernel form
 
   @property
   def pieces(self) -> int:  # 64-column pieces of the column block
@@ -79,13 +78,11 @@ class DhTile:
     [pre-activation] in float32."""
     s_d_a = lax.broadcast_in_dim(s, d_a.shape, [0]) * d_a
     if self.glu:
-      gate, up = pre
-      act_gate = self.act_fn(gate)
-      a = act_gate * up
-      d_h = [s_d_a * up * self.act_grad(gate), s_d_a * act_gate]
+      a, d_gate, d_up = self.activation.glu_backward(*pre, s_d_a, kernel=True)
+      d_h = [d_gate, d_up]
     else:
-      a = self.act_fn(pre[0])
-      d_h = [s_d_a * self.act_grad(pre[0])]
+      a = self.activation.fn(pre[0], kernel=True)
+      d_h = [s_d_a * self.activation.grad(pre[0], kernel=True)]
     return d_h, lax.broadcast_in_dim(s, a.shape, [0]) * a, jnp.sum(d_a * a, axis=1)
 
   def piece(self, acc, p, r0=0, rows=None):

@@ -91,8 +91,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
     raise ValueError("a pingpong dH takes the concat gate/up layout (the interleaved layout reads "
                      "its pairs from SMEM)")
   tile = dh_epilogue.DhTile(n=n, block_n=bn, rows=config.gemm.rows_per_warpgroup, dtype=h.dtype,
-                            glu=glu, interleaved=interleaved,
-                            act_fn=acts.kernel_fn(activation), act_grad=acts.kernel_grad(activation))
+                            glu=glu, interleaved=interleaved, activation=activation)
   gemm_config = config.gemm
   if bn == PREFETCH_BLOCK_N and not pingpong:
     strategy = dh_epilogue.Prefetched(tile)

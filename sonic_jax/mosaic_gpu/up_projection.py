@@ -65,7 +65,6 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
   glu = activation.is_glu
   interleaved = glu and gate_up_layout == "interleaved"
   n = width // 2 if glu else width
-  act_fn = acts.kernel_fn(activation)
   bn = GLU_BLOCK_N if glu else PLAIN_BLOCK_N
   rows_per_wg = config.gemm.rows_per_warpgroup
   cols = epi.STORE_COLS
@@ -90,9 +89,9 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
     c0 = ctx.column_block * bn
     h = rounded_h(accs, ctx)
     if glu:  # A from the rounded H, as the backward will recompute it
-      a = act_fn(h[0].astype(jnp.float32)) * h[1].astype(jnp.float32)
+      a = activation.glu(h[0].astype(jnp.float32), h[1].astype(jnp.float32), kernel=True)
     else:
-      a = act_fn(h[0].astype(jnp.float32))
+      a = activation.fn(h[0].astype(jnp.float32), kernel=True)
     stores = [(hj, h_ref.at[rows, pl.ds(w1_column(ctx.column_block, j), bn)])
               for j, hj in enumerate(h)]
     stores.append((a.astype(dtype), a_ref.at[rows, pl.ds(c0, bn)]))
@@ -123,7 +122,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
       slot = i % epi.NUM_STAGING
       if i >= epi.NUM_STAGING:  # since this buffer's last store: H, A, H
         plgpu.wait_smem_to_gmem(3, wait_read_only=True)
-      a_stage[slot] = (act_fn(gate) * up).astype(dtype)
+      a_stage[slot] = activation.glu(gate, up, kernel=True).astype(dtype)
       plgpu.commit_smem()
       unit = pl.multiple_of(col // 2, cols // 2)  # the pairs' first hidden unit
       plgpu.copy_smem_to_gmem(a_stage.at[slot], a_ref.at[rows, pl.ds(unit, cols // 2)])

@@ -1,0 +1,284 @@
+"""The families' routers (`sonic_jax.Router`), capacity dropping and the bring-your-own-routing op
+(`sonic_jax.routed_experts`) against the float64 oracle written from the math (tests/oracle.py).
+
+Everything here runs in float64 on the xla backend: a routing rule that is wrong shows as an error
+of 1e-2 or more, rounding as 1e-15. The Hopper kernels run the same routings (the routing is plain
+JAX ahead of them); `test_mosaic_gpu.py` and `test_families.py` check them in bf16 on the GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sonic_jax
+from cases import make_problem
+from oracle import moe_reference_weights, rel_err, route_reference
+
+Router = sonic_jax.Router
+TOL = 1e-10
+
+# (name, Router, the oracle's description of it, top_k, router bias, selection bias, activation)
+CASES = [
+    ("deepseek_v3", Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
+                           group_score="top2_sum", routed_scaling_factor=2.5),
+     dict(scoring="sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
+          group_score="top2_sum", scaling=2.5), 2, False, True, "swiglu"),
+    ("deepseek_v2", Router("softmax", renormalize=False, n_group=4, topk_group=2,
+                           routed_scaling_factor=16.0),
+     dict(renormalize=False, n_group=4, topk_group=2, scaling=16.0), 3, False, False, "swiglu"),
+    ("dots_llm1", Router("sigmoid", renormalize=False), dict(scoring="sigmoid", renormalize=False),
+     2, False, True, "swiglu"),
+    ("dbrx_p2", Router("softmax", renorm_p=2.0), dict(renorm_p=2.0), 2, False, False, "swiglu"),
+    ("ernie", Router("softmax", renorm_epsilon=1e-12), dict(renorm_epsilon=1e-12), 2, False, True,
+     "swiglu"),
+    ("gpt_oss", Router("softmax"), dict(), 2, True, False, "clamped_swiglu"),
+    ("llama4", Router("sigmoid", renormalize=False, scale_input=True),
+     dict(scoring="sigmoid", renormalize=False), 1, False, False, "swiglu"),
+    ("scale_input_k2", Router("softmax", scale_input=True), dict(), 2, True, False, "geglu_tanh"),
+    ("logit_bias", Router("softmax", selection_bias_on="logits"), dict(bias_on="logits"), 2, False,
+     True, "swiglu"),
+]
+
+
+def _f64(a):
+  return None if a is None else jnp.asarray(np.asarray(a, np.float64))
+
+
+@pytest.mark.parametrize("name,router,spec,top_k,router_bias,selection_bias,activation", CASES,
+                         ids=[c[0] for c in CASES])
+def test_family_routers_against_oracle(rng, name, router, spec, top_k, router_bias,
+                                       selection_bias, activation):
+  """Output and the gradients of x, the router weight and bias, w1, w2, b1, b2."""
+  p, d_y = make_problem(rng, T=40, d=16, n=8, E=8, activation=activation, bias=True)
+  if activation == "clamped_swiglu":
+    p["w1"] = p["w1"] * 6.0  # pre-activations past gpt-oss's limit of 7: the clamps act
+  p["router_bias"] = rng.standard_normal(8) * 0.5 if router_bias else None
+  sel = rng.standard_normal(8) * 0.05 if selection_bias else None
+  names = [k for k in ("x", "router_weight", "w1", "w2", "b1", "b2", "router_bias")
+           if p[k] is not None]
+  with jax.enable_x64(True):
+    a = {k: _f64(v) for k, v in p.items()}
+    s_bias = _f64(sel)
+
+    def loss(*flat):
+      v = dict(a, **dict(zip(names, flat)))
+      y, aux = sonic_jax.moe(v["x"], v["router_weight"], v["w1"], v["w2"], b1=v["b1"],
+                             b2=v["b2"], router_bias=v["router_bias"], selection_bias=s_bias,
+                             top_k=top_k, routing=router, activation=activation, backend="xla")
+      return jnp.vdot(y, _f64(d_y)), (y, aux)
+
+    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(
+        loss, argnums=tuple(range(len(names))), has_aux=True))(*[a[k] for k in names])
+    logits = np.asarray(p["x"]) @ p["router_weight"] + (
+        0.0 if p["router_bias"] is None else p["router_bias"])
+    ids, weights = route_reference(logits, top_k, selection_bias=sel, **spec)
+    np.testing.assert_array_equal(np.sort(np.asarray(aux.expert_ids), -1), np.sort(ids, -1))
+
+    def ref_loss(*flat):
+      v = dict(a, **dict(zip(names, flat)))
+      y = moe_reference_weights(v["x"], v["router_weight"], v["w1"], v["w2"], v["b1"], v["b2"],
+                                v["router_bias"], ids, weights, activation=activation,
+                                gate_up_layout="concat", scale_input=router.scale_input)
+      return jnp.vdot(y, _f64(d_y)), y
+
+    (_, y_ref), g_ref = jax.value_and_grad(ref_loss, argnums=tuple(range(len(names))),
+                                           has_aux=True)(*[a[k] for k in names])
+  errs = {"y": rel_err(y, y_ref), **{f"d{k}": rel_err(g, r) for k, g, r in
+                                     zip(names, grads, g_ref)}}
+  assert all(e < TOL for e in errs.values()), errs
+  if router_bias:
+    assert float(jnp.linalg.norm(grads[names.index("router_bias")])) > 0
+
+
+def test_group_limited_selection_stays_in_the_kept_groups(rng):
+  """With n_group = 4 and topk_group = 1 every token's K experts share one group, the group with
+  the best score (DeepSeek-V3: the sum of its top two)."""
+  x = jnp.asarray(rng.standard_normal((64, 16)))
+  w = jnp.asarray(rng.standard_normal((16, 16)))
+  router = Router("sigmoid", n_group=4, topk_group=1, group_score="top2_sum")
+  out = sonic_jax.route(x @ w, 3, router)
+  groups = np.asarray(out.expert_ids) // 4
+  assert np.all(groups == groups[:, :1])
+  s = np.asarray(jax.nn.sigmoid(x @ w)).reshape(64, 4, 4)
+  best = np.argmax(np.sort(s, -1)[..., -2:].sum(-1), -1)
+  np.testing.assert_array_equal(groups[:, 0], best)
+
+
+def test_capacity_keeps_each_experts_first_pairs_in_token_order(rng):
+  """capacity_factor c: expert e keeps its first ceil(c T K / E) pairs (token-major, slots in
+  order), the rest get no output, are counted and marked -1; gradients match the oracle with the
+  dropped pairs' weights zeroed."""
+  p, d_y = make_problem(rng, T=48, d=16, n=8, E=4, K=2, skew=True)
+  with jax.enable_x64(True):
+    a = {k: _f64(v) for k, v in p.items()}
+    f = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=2, routing="topk_softmax",
+                                            capacity_factor=1.0, backend="xla")
+    (y, aux), vjp = jax.vjp(f, a["x"], a["router_weight"], a["w1"], a["w2"])
+    grads = vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux)))
+    ids, weights = route_reference(np.asarray(p["x"]) @ p["router_weight"], 2)
+    cap = int(np.ceil(1.0 * 48 * 2 / 4))
+    kept, seen = ids.copy(), np.zeros(4, int)
+    for t in range(48):
+      for k in range(2):
+        seen[ids[t, k]] += 1
+        if seen[ids[t, k]] > cap:
+          kept[t, k] = -1
+    np.testing.assert_array_equal(np.asarray(aux.expert_ids), kept)
+    assert int(aux.dropped_pairs) == int(np.sum(kept < 0)) > 0
+    np.testing.assert_array_equal(np.asarray(aux.expert_counts),
+                                  np.minimum(np.bincount(ids.reshape(-1), minlength=4), cap))
+    masked = lambda l: jnp.where(jnp.asarray(kept) >= 0, weights(l), 0.0)
+    ref = lambda x, rw, w1, w2: moe_reference_weights(x, rw, w1, w2, None, None, None, ids,
+                                                      masked, activation="swiglu",
+                                                      gate_up_layout="concat")
+    y_ref, ref_vjp = jax.vjp(ref, a["x"], a["router_weight"], a["w1"], a["w2"])
+    g_ref = ref_vjp(_f64(d_y))
+  assert rel_err(y, y_ref) < TOL
+  for g, r in zip(grads, g_ref):
+    assert rel_err(g, r) < TOL
+
+
+def _dense_reference(x, w1, w2, weights):
+  """y = sum_e weights[:, e] * expert_e(x) for a dense (T, E) weight matrix."""
+  y = jnp.zeros_like(x)
+  for e in range(w1.shape[0]):
+    h = x @ w1[e]
+    n = h.shape[-1] // 2
+    y = y + weights[:, e][:, None] * ((jax.nn.silu(h[:, :n]) * h[:, n:]) @ w2[e])
+  return y
+
+
+def test_routed_experts_takes_expert_choice_pairs_and_differentiates_scores(rng):
+  """Expert choice written by the user (each expert picks its C best tokens), given as pair lists
+  with no slots: output and gradients of x, the router weight (through the scores), w1, w2."""
+  T, d, n, E, C = 32, 16, 8, 4, 10
+  p, d_y = make_problem(rng, T=T, d=d, n=n, E=E)
+  with jax.enable_x64(True):
+    a = {k: _f64(v) for k, v in p.items()}
+
+    def expert_choice(x, rw, w1, w2):
+      probs = jax.nn.softmax(x @ rw, axis=-1)
+      scores, tokens = jax.lax.top_k(probs.T, C)  # (E, C)
+      y, aux = sonic_jax.routed_experts(
+          x, jnp.zeros((T, 0), jnp.int32), jnp.zeros((T, 0)), w1, w2,
+          extra_tokens=tokens.reshape(-1), extra_experts=jnp.repeat(jnp.arange(E), C),
+          extra_scores=scores.reshape(-1), backend="xla")
+      return y, aux
+
+    (y, aux), vjp = jax.vjp(expert_choice, a["x"], a["router_weight"], a["w1"], a["w2"])
+    grads = vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux)))
+    probs = np.asarray(jax.nn.softmax(a["x"] @ a["router_weight"], axis=-1))
+    chosen = np.zeros((T, E), bool)
+    for e in range(E):
+      chosen[np.argsort(-probs[:, e], kind="stable")[:C], e] = True
+
+    def ref(x, rw, w1, w2):
+      return _dense_reference(x, w1, w2, jnp.where(chosen, jax.nn.softmax(x @ rw, -1), 0.0))
+
+    y_ref, ref_vjp = jax.vjp(ref, a["x"], a["router_weight"], a["w1"], a["w2"])
+    g_ref = ref_vjp(_f64(d_y))
+  np.testing.assert_array_equal(np.asarray(aux.expert_counts), [C] * E)
+  assert rel_err(y, y_ref) < TOL
+  for g, r in zip(grads, g_ref):
+    assert rel_err(g, r) < TOL
+
+
+def test_routed_experts_slots_with_empty_and_repeated_experts(rng):
+  """Slots may be empty (-1) or name one expert twice (both count); the same op under jit and
+  vmap; `moe` equals a router followed by `routed_experts`."""
+  T, d, n, E = 24, 16, 8, 4
+  p, d_y = make_problem(rng, T=T, d=d, n=n, E=E)
+  with jax.enable_x64(True):
+    a = {k: _f64(v) for k, v in p.items()}
+    ids = jnp.asarray(rng.integers(-1, E, (T, 3)), jnp.int32).at[:, 2].set(
+        jnp.asarray(rng.integers(0, E, T)))
+    ids = ids.at[:4, 1].set(ids[:4, 2])  # repeated experts
+    scores = jnp.asarray(rng.uniform(0.1, 1.0, (T, 3)))
+    y, aux = jax.jit(lambda s: sonic_jax.routed_experts(a["x"], ids, s, a["w1"], a["w2"],
+                                                        backend="xla"))(scores)
+    dense = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], jnp.maximum(ids, 0)].add(
+        jnp.where(ids >= 0, scores, 0.0))
+    assert rel_err(y, _dense_reference(a["x"], a["w1"], a["w2"], dense)) < TOL
+    assert int(aux.expert_counts.sum()) == int(np.sum(np.asarray(ids) >= 0))
+    g = jax.grad(lambda s: jnp.vdot(sonic_jax.routed_experts(a["x"], ids, s, a["w1"], a["w2"],
+                                                             backend="xla")[0], _f64(d_y)))(scores)
+    g_ref = jax.grad(lambda s: jnp.vdot(_dense_reference(
+        a["x"], a["w1"], a["w2"], jnp.zeros((T, E)).at[jnp.arange(T)[:, None],
+                                                      jnp.maximum(ids, 0)].add(
+            jnp.where(ids >= 0, s, 0.0))), _f64(d_y)))(scores)
+    assert rel_err(g, g_ref) < TOL
+    batched = jax.vmap(lambda x: sonic_jax.routed_experts(x, ids, scores, a["w1"], a["w2"],
+                                                          backend="xla")[0])(
+        jnp.stack([a["x"], 2 * a["x"]]))
+    assert rel_err(batched[0], y) < TOL
+    # token choice = a router + routed_experts
+    y_moe, aux_moe = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], top_k=2,
+                                   backend="xla")
+    y_own, _ = sonic_jax.routed_experts(a["x"], aux_moe.expert_ids, aux_moe.scores, a["w1"],
+                                        a["w2"], backend="xla")
+    assert rel_err(y_own, y_moe) < TOL
+
+
+def test_balance_losses_follow_their_formulas(rng):
+  """sequence_balance_loss: DeepSeek's per-sequence E/(K S) count * mean probability, averaged;
+  hf_load_balancing_loss: transformers' all-layers form (counts and probabilities summed over
+  layers before they multiply; test_families.py checks it against transformers itself)."""
+  B, S, E, K = 3, 10, 6, 2
+  probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((B, S, E))), -1)
+  ids = jax.lax.top_k(probs, K)[1]
+  want = np.mean([np.sum(np.bincount(np.asarray(ids[b]).reshape(-1), minlength=E) * E / (K * S)
+                         * np.asarray(probs[b]).mean(0)) for b in range(B)])
+  np.testing.assert_allclose(sonic_jax.sequence_balance_loss(probs, ids), want, rtol=1e-6)
+  layers = [jnp.asarray(rng.standard_normal((12, E))) for _ in range(3)]
+  cat = np.concatenate([np.asarray(l) for l in layers])
+  pr = np.exp(cat) / np.exp(cat).sum(-1, keepdims=True)
+  top = np.argsort(-pr, -1)[:, :K]
+  per_slot = np.stack([np.bincount(top[:, k], minlength=E) / len(cat) for k in range(K)])
+  want = E * np.sum(per_slot * pr.mean(0)[None])
+  np.testing.assert_allclose(sonic_jax.hf_load_balancing_loss(layers, K), want, rtol=1e-6)
+  mask = jnp.ones((3, 4)).at[:, -1].set(0)  # B * S = 12 tokens per layer
+  m = np.tile(np.asarray(mask).reshape(-1), 3)
+  per_slot = np.stack([(np.eye(E)[top[:, k]] * m[:, None]).sum(0) / m.sum() for k in range(K)])
+  want = E * np.sum(per_slot * ((pr * m[:, None]).sum(0) / m.sum())[None])
+  np.testing.assert_allclose(sonic_jax.hf_load_balancing_loss(layers, K, mask), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scoring="tanh"), "scoring"),
+    (dict(n_group=0), "n_group"),
+    (dict(n_group=2, topk_group=3), "topk_group"),
+    (dict(group_score="mean"), "group_score"),
+    (dict(selection_bias_on="probs"), "selection_bias_on"),
+    (dict(renorm_p=0.0), "renorm_p"),
+])
+def test_bad_router_fields_are_refused_by_name(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Router(**kwargs)
+
+
+def test_bad_routing_arguments_are_refused_by_name(rng):
+  p, _ = make_problem(rng, T=8, d=16, n=8, E=8)
+  a = [jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")]
+  with pytest.raises(ValueError, match="n_group = 3 must divide"):
+    sonic_jax.moe(*a, top_k=2, routing=Router(n_group=3), backend="xla")
+  with pytest.raises(ValueError, match="exceeds the experts"):
+    sonic_jax.moe(*a, top_k=3, routing=Router(n_group=4, topk_group=1), backend="xla")
+  with pytest.raises(ValueError, match="router_bias must have shape"):
+    sonic_jax.moe(*a, top_k=2, router_bias=jnp.zeros(7), backend="xla")
+  with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+    sonic_jax.moe(*a, top_k=2, capacity_factor=0.0, backend="xla")
+  with pytest.raises(ValueError, match="exclude each other"):
+    sonic_jax.moe(*a, top_k=2, capacity_factor=1.0, token_rounding="up", backend="xla")
+  with pytest.raises(ValueError, match="softmax router"):
+    sonic_jax.moe(*a, top_k=2, routing="sigmoid_topk", token_rounding="up", backend="xla")
+  ids, s = jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2))
+  with pytest.raises(TypeError, match="expert_ids must have an integer dtype"):
+    sonic_jax.routed_experts(a[0], s, s, a[2], a[3], backend="xla")
+  with pytest.raises(ValueError, match="expert_ids and scores"):
+    sonic_jax.routed_experts(a[0], ids, s[:, :1], a[2], a[3], backend="xla")
+  with pytest.raises(ValueError, match="given together"):
+    sonic_jax.routed_experts(a[0], ids, s, a[2], a[3], extra_tokens=jnp.zeros(3, jnp.int32),
+                             backend="xla")
+  with pytest.raises(ValueError, match="w2 must have shape"):
+    sonic_jax.routed_experts(a[0], ids, s, a[2], a[3][:, :4], backend="xla")
