@@ -3,6 +3,9 @@ r"""The MoE layer's forward, backward and forward+backward against its baselines
   python -m benchmarks.moe_bench                                  # the paper's 12 configurations
   python -m benchmarks.moe_bench --thiek=32768,4096,512,128,8     # one configuration
   python -m benchmarks.moe_bench --grid=tiny --backends=xla --out=/tmp/bench   # a CPU run
+  python -m benchmarks.moe_bench --thiek=32768,4096,1024,128,8 --backends=mosaic_gpu \
+      --timing=interleaved --options=deepseek_v3_router,gpt_oss_router_and_activation,...
+                                  # model-family options against plain softmax top-K
 
 On a GPU machine (no network there; the tokamax baseline needs its wheels, which travel in the
 ignored folder .whl: run `bash benchmarks/wheels.sh tokamax` on a CPU machine beforehand and carry
@@ -60,8 +63,28 @@ flags.DEFINE_integer("xla_max_pairs", 1 << 18, "skip the xla backend when T*K ex
 flags.DEFINE_bool("kernel_trace", False, "per-kernel device times from a profiler trace")
 flags.DEFINE_string("tuning", None, "a tuning table JSON (benchmarks.autotune --out) for the "
                     "mosaic_gpu kernels; default: the packaged table")
+flags.DEFINE_list("options", [], "model-family options (names of OPTIONS) measured as rows beside "
+                  "plain softmax top-K on the first backend; the run is written with kind "
+                  "'options' instead of 'layer' and without baselines")
 flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
+
+
+# Model-family options, each the moe keyword arguments for a configuration (T, d, n, E, K); the
+# weights stay those of the plain SwiGLU layer (every option keeps w1's 2n columns).
+OPTIONS = {
+    # DeepSeek-V3's router: sigmoid, 8 groups (top-2 sums), 4 kept, a selection bias, scaling 2.5
+    "deepseek_v3_router": lambda cfg: dict(
+        routing=sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=8, topk_group=4,
+                                 group_score="top2_sum", routed_scaling_factor=2.5),
+        selection_bias=jnp.linspace(-0.01, 0.01, cfg[3], dtype=jnp.float32)),
+    # gpt-oss's trainable router bias and clamped SwiGLU (the expert biases are an older option)
+    "gpt_oss_router_and_activation": lambda cfg: dict(
+        router_bias=jnp.zeros((cfg[3],), jnp.bfloat16), activation="clamped_swiglu"),
+    "geglu_tanh": lambda cfg: dict(activation="geglu_tanh"),
+    "sigmoid_without_renormalisation": lambda cfg: dict(routing="sigmoid_topk_raw"),
+    "capacity_factor_1.25": lambda cfg: dict(capacity_factor=1.25),
+}
 
 
 def _measure(name, fwd, fwd_sets, fb_sets, flops):
@@ -119,6 +142,14 @@ def _sonic_rows(cfg, sets, weights, config):
                            gate_up_layout=FLAGS.gate_up_layout)[0]
 
     rows.append(_measure(name, fwd, fwd_sets, fb_sets, grid.forward_flops(cfg)))
+    for option in FLAGS.options if len(rows) == 1 else ():
+
+      def fwd_option(x, rw, w1, w2, backend=resolved, kw=OPTIONS[option](cfg)):
+        return sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4], backend=backend, config=config,
+                             gate_up_layout=FLAGS.gate_up_layout, **kw)[0]
+
+      rows.append(_measure(f"{name} {option}", fwd_option, fwd_sets, fb_sets,
+                           grid.forward_flops(cfg)))
   return rows
 
 
@@ -152,7 +183,8 @@ def run_config(cfg, config):
             "expert_counts": {"min": int(counts.min()), "max": int(counts.max()),
                               "mean": float(counts.mean())},
             "padded_rows": int(np.sum(np.asarray(layout.group_sizes)) - counts.sum()),
-            "rows": _sonic_rows(cfg, sets, weights, config) + _baseline_rows(cfg, sets, weights)}
+            "rows": _sonic_rows(cfg, sets, weights, config)
+                    + ([] if FLAGS.options else _baseline_rows(cfg, sets, weights))}
   return result
 
 
@@ -161,13 +193,17 @@ def main(_):
                                else grid.TINY_GRID)
   config = sonic_jax.Config(tuning=TuningTable.load(FLAGS.tuning) if FLAGS.tuning else None)
   os.makedirs(FLAGS.out, exist_ok=True)
+  unknown = set(FLAGS.options) - set(OPTIONS)
+  if unknown:
+    raise app.UsageError(f"--options: unknown {sorted(unknown)}; known: {sorted(OPTIONS)}")
   record = grid.run_record("moe_bench", timing=FLAGS.timing, data=FLAGS.data,
                            router_dtype=FLAGS.router_dtype, gate_up_layout=FLAGS.gate_up_layout,
                            tuning=FLAGS.tuning or "packaged",
                            tokamax=baselines.tokamax_version())
   print(json.dumps(record), flush=True)
   results = {"environment": record, "configs": []}
-  path = os.path.join(FLAGS.out, grid.results_name(record, "layer"))
+  path = os.path.join(FLAGS.out, grid.results_name(record,
+                                                   "options" if FLAGS.options else "layer"))
   for cfg in configs:
     print(f"== {grid.config_name(cfg)}", flush=True)
     res = run_config(cfg, config)
@@ -176,7 +212,9 @@ def main(_):
     results["configs"].append(res)
     with open(path, "w") as f:
       json.dump(results, f, indent=1)
-  print(f"wrote {path}\n\n{report.layer_table([results], with_published=False, hidden=())}")
+  table = (report.options_table(results) if FLAGS.options
+           else report.layer_table([results], with_published=False, hidden=()))
+  print(f"wrote {path}\n\n{table}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,47 @@ def test_layer_equals_functional_op_with_biases_and_shared_experts(rng, activati
                              rtol=1e-6)
 
 
+def test_layer_family_options_equal_the_functional_op(rng):
+  """A family router with groups and a scaling factor, a trainable router bias, gpt-oss's clamped
+  SwiGLU, a sigmoid-gated shared expert (Qwen2-MoE) and the sequence-wise balance loss."""
+  router = sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=2, topk_group=1,
+                            group_score="top2_sum", routed_scaling_factor=2.5)
+  m = _layer(routing=router, activation="clamped_swiglu", use_router_bias=True,
+             num_shared_experts=1, shared_expert_gate=True, balance_loss="sequence")
+  m.router_bias[...] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
+  y, aux = m(x)
+  flat = x.reshape(-1, 32)
+  want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2, routing=router,
+                              activation="clamped_swiglu", router_bias=m.router_bias[...],
+                              backend="xla")
+  act = acts.get_activation("clamped_swiglu")
+  shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
+  shared = shared * jax.nn.sigmoid(flat @ m.shared_gate[...])
+  assert rel_err(y.reshape(-1, 32), want + shared) < 1e-5
+  seq = sonic_jax.sequence_balance_loss(stats.probs.reshape(3, 10, 4),
+                                        stats.expert_ids.reshape(3, 10, 2))
+  np.testing.assert_allclose(aux.stats.load_balance_loss, seq, rtol=1e-6)
+  np.testing.assert_allclose(aux.loss, 0.01 * seq + 1e-3 * stats.z_loss, rtol=1e-6)
+  grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2) + m(x)[1].loss)(m)
+  for name in ("router_bias", "shared_gate", "router"):
+    assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
+  assert "router_bias" in nnx.state(m, nnx.Param)
+  with pytest.raises(ValueError, match="balance_loss='sequence'"):
+    m(flat)
+
+
+def test_layer_capacity_on_one_device_drops_and_counts(rng):
+  m = _layer(capacity_factor=0.5)
+  x = jnp.asarray(rng.standard_normal((40, 32)), jnp.float32)
+  y, aux = m(x)
+  want, stats = sonic_jax.moe(x, m.router[...], m.w1[...], m.w2[...], top_k=2,
+                              capacity_factor=0.5, backend="xla")
+  assert rel_err(y, want) < 1e-6
+  assert int(aux.stats.dropped_pairs) == int(stats.dropped_pairs) >= 40 * 2 // 2
+  assert int(jnp.max(aux.stats.expert_counts)) <= 10
+
+
 def test_bfloat16_layer_runs_every_gemm_on_bfloat16_operands(rng):
   """A bfloat16 layer (router, experts and shared experts in bfloat16): no GEMM of its forward or
   backward takes float32 operands (autodiff of a float32-result dot would make the backward's
@@ -147,6 +188,14 @@ def test_bad_layer_arguments():
     _layer(routing="sigmoid_topk", token_rounding="nearest", deterministic=True)
   with pytest.raises(ValueError, match="expert_parallel_scheme"):
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="ring")
+  with pytest.raises(ValueError, match="n_group = 3 must divide"):
+    _layer(routing=sonic_jax.Router(n_group=3))
+  with pytest.raises(ValueError, match="balance_loss"):
+    _layer(balance_loss="token")
+  with pytest.raises(ValueError, match="shared_expert_gate needs"):
+    _layer(shared_expert_gate=True)
+  with pytest.raises(ValueError, match="exclude each other"):
+    _layer(capacity_factor=1.0, token_rounding="up")
   with pytest.raises(ValueError, match="capacity_factor"):
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="all_gather", capacity_factor=1.25)
 
