@@ -1,0 +1,660 @@
+"""Hugging Face transformers interop: the `MoE` layer of a transformers MoE block, its weights both
+ways.
+
+For each supported family (`FAMILIES`, keyed by the config's `model_type`):
+
+- `layer_kwargs(config)`: the `sonic_jax.layers.MoE` arguments (d_model, num_experts, expert_dim,
+  top_k, activation, routing, gate_up_layout, biases, shared experts, selection bias) from the
+  family's config, given as a dict (`config.to_dict()` or a checkpoint's config.json), read with
+  the family's own field names;
+- `layer_params_from_hf(config, state_dict)`: the block's state dict (NumPy arrays, keys exactly as
+  the block's `state_dict()` in transformers 5.x: relative to the block, e.g. "gate.weight",
+  "experts.gate_up_proj") to the layer's parameter arrays, and `hf_state_from_layer` back. Both
+  directions only transpose, reshape and reorder: they are exact, and the map is orthogonal, so
+  `hf_state_from_layer` also takes the layer's *gradients* to the block's;
+- `load_into_layer(layer, params)` sets an `MoE` layer's variables, `layer_params(layer)` reads
+  them (from a layer, or from an `nnx.State` of gradients), and `moe_layer(config, state_dict)`
+  builds and loads a layer in one call; `block_state_dict` takes one layer's block out of a whole
+  model's state dict.
+
+The state dicts are transformers' in-memory ones (fused experts, `experts.gate_up_proj`). Hub
+checkpoints that store experts one by one (Mixtral's `block_sparse_moe.experts.0.w1.weight`, ...)
+are fused by transformers when it loads them: load the model with transformers, then take its
+`state_dict()`. Nothing here imports torch; arrays are NumPy.
+
+How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
+
+  router        gate.weight / router.weight (E, d) (nn.Linear) -> router (d, E) = W^T.
+                DBRX: router.layer.weight; Hunyuan: gate.wg.weight.
+  experts       experts.gate_up_proj (E, 2n, d), gate rows first ("concat") -> w1 (E, d, 2n) =
+                transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
+                w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
+                OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3, GLM-4.5, dots.llm1, MiniMax-M2, ERNIE 4.5,
+                LFM2-MoE, Hunyuan, Granite.)
+                Llama 4: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first) and
+                down_proj (E, n, d): taken as they are.
+                gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
+                (gate = [..., 0::2], up = [..., 1::2]) and its bias gate_up_proj_bias (E, 2n) the
+                same way -> w1, b1 as they are, gate_up_layout "interleaved"; down_proj (E, n, d)
+                and down_proj_bias (E, d) -> w2, b2; the router's Linear bias router.bias (E,) ->
+                router_bias (trained, added to the logits).
+                DBRX: separate experts.mlp.w1 (gate) and experts.mlp.v1 (up), each (E * n, d),
+                -> w1 = [w1_e^T | v1_e^T]; experts.mlp.w2 (E * n, d) is x-side already ->
+                w2 = reshape (E, n, d).
+  gate/up       w1's (and b1's and shared_in's) columns are put in the layer's gate_up_layout
+                ("concat" by default, gpt-oss "interleaved"; `convert_gate_up_layout` order):
+                pass gate_up_layout="interleaved" to convert a concat family for the faster
+                mosaic_gpu up-projection, the same value to every function here.
+  shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
+                Qwen3-Next, DeepSeek-V2/V3, GLM-4.5, dots.llm1, ERNIE 4.5, Llama 4; Hunyuan's
+                shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                Granite (granitemoeshared): the decoder layer's shared_mlp.input_linear.weight
+                (2s, d), gate rows first, -> shared_in = W^T; output_linear.weight (d, s) ->
+                shared_out = W^T. Its state dict is the decoder layer's MoE part:
+                "block_sparse_moe.*" and "shared_mlp.*".
+  shared gate   Qwen2-MoE / Qwen3-Next shared_expert_gate.weight (1, d) -> shared_gate (d, 1):
+                the shared output times sigmoid(x @ shared_gate).
+  selection     DeepSeek-V3 / GLM-4.5 / dots.llm1 gate.e_score_correction_bias (E,), MiniMax-M2
+  bias          e_score_correction_bias (E,), LFM2-MoE expert_bias (E,), ERNIE 4.5
+                gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
+                `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
+
+The routers (`layer_kwargs`' routing, a `Router`):
+
+  Mixtral, MiniMax, Qwen3-MoE, Hunyuan, Granite, ERNIE 4.5   Router("softmax"): softmax over E,
+      top-K, renormalised (Granite's softmax over the K selected logits is the same; ERNIE selects
+      on the probabilities plus its bias). Qwen2-MoE, Qwen3-Next, OLMoE, FlexOlmo: renormalised
+      as norm_topk_prob says; Jamba never.
+  DeepSeek-V2    Router("softmax", renormalize=norm_topk_prob, routed_scaling_factor); topk_method
+      "group_limited_greedy": n_group, topk_group, group_score="max".
+  DeepSeek-V3, GLM-4.5, dots.llm1    Router("sigmoid", renormalize=norm_topk_prob,
+      renorm_epsilon=1e-20, n_group, topk_group, group_score="top2_sum", routed_scaling_factor)
+      with the selection bias. MiniMax-M2: Router("sigmoid") with its bias. LFM2-MoE:
+      Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-6, routed_scaling_factor),
+      the bias where use_expert_bias.
+  gpt-oss        Router("softmax") on logits + router_bias (top-K of them, softmax over the K),
+      activation clamped_swiglu(swiglu_alpha, swiglu_limit), interleaved gate/up, expert biases.
+  Llama 4        Router("sigmoid", renormalize=False, scale_input=True): top-1 by logit, the
+      expert sees sigmoid(logit) * x.
+  DBRX           Router("softmax", renorm_p=moe_normalize_expert_weights) (None: not
+      renormalised); the activation from ffn_config's ffn_act_fn.
+
+Semantics that differ from transformers only where no real input reaches: group-limited selection
+never picks an expert of a dropped group (DeepSeek-V2's transformers code masks its probabilities
+to 0, which only matters if fewer than K kept experts had a positive probability); ERNIE clamps
+the renormalising sum at moe_norm_min (1e-12), the layer divides by the sum (at least K / E).
+Training-only noise (Mixtral's router_jitter_noise, DBRX's moe_jitter_eps) is not modelled.
+transformers' DeepSeek-V2 router ignores norm_topk_prob (False in the released checkpoints); the
+layer follows it, as DeepSeek's own code does. Several transformers routers compute the logits
+in float32 even for float64 weights, so a float64 comparison agrees to about 1e-7.
+
+Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
+family's own router): Gemma 4 (a router on a separately normalised input and a trainable
+per-expert scale), PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
+experts), DeepSeek-V4 (hash-routed layers), Switch / NLLB-MoE (capacity-dropping top-1 with
+their own layouts), Cohere2-MoE's "average" shared-expert combination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from sonic_jax import activations as acts
+from sonic_jax.routing import Router
+
+Array = np.ndarray
+
+# The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
+PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias", "shared_in",
+               "shared_out", "shared_gate")
+
+# transformers' hidden_act -> the layer's GLU activation (the experts compute act(gate) * up).
+GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
+                     "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh",
+                     "relu": "reglu"}
+
+_MISSING = object()
+
+
+def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer: int | None = None):
+  """The first of `names` that the config has (not None); per-layer lists need `layer`."""
+  for name in names:
+    value = config.get(name)
+    if value is None:
+      continue
+    if isinstance(value, (list, tuple)):
+      if layer is None:
+        raise ValueError(f"config[{name!r}] is a per-layer list {value}: pass layer=")
+      value = value[layer]
+    return value
+  if default is _MISSING:
+    raise ValueError(f"the {config.get('model_type')!r} config has none of the fields {names}")
+  return default
+
+
+def _glu(config: Mapping[str, Any], name: str = "hidden_act") -> str:
+  act = config.get(name, "silu")
+  if act not in GLU_OF_HIDDEN_ACT:
+    raise ValueError(f"{name}={act!r} has no sonic_jax GLU activation (known: "
+                     f"{sorted(GLU_OF_HIDDEN_ACT)})")
+  return GLU_OF_HIDDEN_ACT[act]
+
+
+def _shared(num: int, dim: int, gate: bool = False) -> dict:
+  if not num or not dim:
+    return dict(num_shared_experts=0, shared_expert_dim=None, shared_expert_gate=False)
+  return dict(num_shared_experts=int(num), shared_expert_dim=int(dim), shared_expert_gate=gate)
+
+
+def _base(d, e, n, k, routing, activation="swiglu", **extra) -> dict:
+  kw = dict(d_model=int(d), num_experts=int(e), expert_dim=int(n), top_k=int(k),
+            activation=activation, routing=routing, gate_up_layout="concat", use_bias=False,
+            use_router_bias=False, **_shared(0, 0))
+  kw.update(extra)
+  return kw
+
+
+_E = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_K = ("num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k")
+
+
+def _softmax_family(n_field: str, renorm: str | bool, shared: str | None = None,
+                    shared_gate: bool = False):
+  """Softmax over E, top-K, renormalised (renorm: True, False, or the config field saying so)."""
+
+  def kwargs(c, layer):
+    renormalize = renorm if isinstance(renorm, bool) else bool(c.get(renorm) or False)
+    s = _get(c, shared, default=0) if shared else 0
+    return _base(c["hidden_size"], _get(c, *_E, layer=layer), _get(c, n_field),
+                 _get(c, *_K, layer=layer), Router("softmax", renormalize=renormalize),
+                 _glu(c), **_shared(1, s, shared_gate))
+
+  return kwargs
+
+
+def _deepseek_v2(c, layer):
+  method = c.get("topk_method") or "greedy"
+  if method not in ("greedy", "group_limited_greedy"):
+    raise ValueError(f"DeepSeek-V2 topk_method={method!r}: only 'greedy' and "
+                     f"'group_limited_greedy' (transformers' DeepseekV2TopkRouter)")
+  if c.get("mlp_bias"):
+    raise ValueError("DeepSeek-V2 mlp_bias=True: the layer's shared experts have no biases")
+  groups = method == "group_limited_greedy"
+  router = Router("softmax", renormalize=bool(c.get("norm_topk_prob") or False),
+                  n_group=int(c["n_group"]) if groups else 1,
+                  topk_group=int(c["topk_group"]) if groups else 1, group_score="max",
+                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  n = _get(c, "moe_intermediate_size")
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+               **_shared(c.get("n_shared_experts") or 0, n))
+
+
+def _deepseek_v3(c, layer):
+  """DeepSeek-V3's router (GLM-4.5, dots.llm1, Kimi-K2 share it)."""
+  n_group = int(c.get("n_group") or 1)
+  router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
+                  renorm_epsilon=1e-20, n_group=n_group,
+                  topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
+                  group_score="top2_sum",
+                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  n = _get(c, "moe_intermediate_size")
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+               selection_bias=True, **_shared(c.get("n_shared_experts") or 0, n))
+
+
+def _minimax_m2(c, layer):
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+               Router("sigmoid"), _glu(c), selection_bias=True)
+
+
+def _ernie(c, layer):
+  if c.get("use_bias"):
+    raise ValueError("ERNIE 4.5 use_bias=True: the layer's shared experts have no biases")
+  n = _get(c, "moe_intermediate_size")
+  return _base(c["hidden_size"], _get(c, "moe_num_experts", *_E), n,
+               _get(c, "moe_k", *_K), Router("softmax"), _glu(c), selection_bias=True,
+               **_shared(c.get("moe_num_shared_experts") or 0, n))
+
+
+def _lfm2(c, layer):
+  router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob")), renorm_epsilon=1e-6,
+                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  # LFM2-MoE's experts apply silu whatever hidden_act says
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
+               router, "swiglu", selection_bias=bool(c.get("use_expert_bias")))
+
+
+def _hunyuan(c, layer):
+  n = _get(c, "intermediate_size")
+  return _base(c["hidden_size"], _get(c, "num_experts", *_E, layer=layer), n,
+               _get(c, "moe_topk", *_K, layer=layer), Router("softmax"), _glu(c),
+               **_shared(1, n))
+
+
+def _gpt_oss(c, layer):
+  """Top-K of (logits + router bias), softmax over the K: the softmax over E renormalised."""
+  act = acts.clamped_swiglu(alpha=float(c.get("swiglu_alpha", 1.702)),
+                            limit=float(c.get("swiglu_limit", 7.0)))
+  activation = "clamped_swiglu" if act == acts.ACTIVATIONS["clamped_swiglu"] else act
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+               Router("softmax"), activation, gate_up_layout="interleaved", use_bias=True,
+               use_router_bias=True)
+
+
+def _llama4(c, layer):
+  n = _get(c, "intermediate_size")
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K),
+               Router("sigmoid", renormalize=False, scale_input=True), _glu(c), **_shared(1, n))
+
+
+def _granite(c, layer):
+  s = c.get("shared_intermediate_size") or 0
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+               Router("softmax"), _glu(c), **_shared(1, s))
+
+
+def _dbrx(c, layer):
+  ffn = c.get("ffn_config") or {}
+  p = ffn.get("moe_normalize_expert_weights", 1.0)
+  router = (Router("softmax", renormalize=False) if p is None
+            else Router("softmax", renorm_p=float(p)))
+  act = (ffn.get("ffn_act_fn") or {"name": "silu"}).get("name", "silu")
+  return _base(_get(c, "d_model", "hidden_size"), ffn.get("moe_num_experts", 4),
+               ffn.get("ffn_hidden_size", 3584), ffn.get("moe_top_k", 1), router,
+               _glu({"act": act}, "act"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How one transformers MoE block maps to the layer.
+
+  model_type: the config's model_type. block: the transformers class of the block. prefix: where
+  the block's keys sit in the whole model's state dict ("{layer}": the decoder layer's index).
+  router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
+  gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
+  "gpt_oss" (fused_xw with interleaved gate/up and biases) or "dbrx" (separate w1, v1, w2).
+  experts_prefix: the experts' key prefix. router_bias, selection_bias: keys (or None);
+  selection_bias_shape: its shape in the state dict ((E,) or (1, E)). shared: the shared MLP's key
+  prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj) or "fused" (Granite's
+  input_linear / output_linear); shared_gate: key of the (1, d) shared-expert gate.
+  kwargs: config dict, layer index -> the layer's keyword arguments.
+  """
+
+  model_type: str
+  block: str
+  prefix: str
+  kwargs: Callable[[Mapping[str, Any], int | None], dict]
+  router: str = "gate.weight"
+  experts: str = "fused"
+  experts_prefix: str = "experts."
+  router_bias: str | None = None
+  selection_bias: str | None = None
+  selection_bias_shape: str = "(E,)"
+  shared: str | None = None
+  shared_kind: str = "split"
+  shared_gate: str | None = None
+  natural_layout: str = "concat"
+
+
+def _families():
+  mlp = "model.layers.{layer}.mlp."
+  fams = [
+      Family("mixtral", "MixtralSparseMoeBlock", mlp,
+             _softmax_family("intermediate_size", True)),
+      Family("minimax", "MiniMaxSparseMoeBlock", mlp,
+             _softmax_family("intermediate_size", True)),
+      Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", mlp,
+             _softmax_family("moe_intermediate_size", "norm_topk_prob",
+                             "shared_expert_intermediate_size", shared_gate=True),
+             shared="shared_expert.", shared_gate="shared_expert_gate.weight"),
+      Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", mlp,
+             _softmax_family("moe_intermediate_size", "norm_topk_prob")),
+      Family("qwen3_next", "Qwen3NextSparseMoeBlock", mlp,
+             _softmax_family("moe_intermediate_size", "norm_topk_prob",
+                             "shared_expert_intermediate_size", shared_gate=True),
+             shared="shared_expert.", shared_gate="shared_expert_gate.weight"),
+      Family("olmoe", "OlmoeSparseMoeBlock", mlp,
+             _softmax_family("intermediate_size", "norm_topk_prob")),
+      Family("flex_olmo", "FlexOlmoSparseMoeBlock", mlp,
+             _softmax_family("intermediate_size", "norm_topk_prob")),
+      Family("jamba", "JambaSparseMoeBlock", "model.layers.{layer}.feed_forward.",
+             _softmax_family("intermediate_size", False), router="router.weight"),
+      Family("deepseek_v2", "DeepseekV2Moe", mlp, _deepseek_v2, shared="shared_experts."),
+      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3,
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+      Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3,
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+      Family("dots1", "Dots1MoE", mlp, _deepseek_v3,
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+      Family("minimax_m2", "MiniMaxM2SparseMoeBlock", mlp, _minimax_m2,
+             selection_bias="e_score_correction_bias"),
+      Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", mlp, _ernie,
+             selection_bias="gate.moe_statics.e_score_correction_bias",
+             selection_bias_shape="(1, E)", shared="shared_experts."),
+      Family("lfm2_moe", "Lfm2MoeSparseMoeBlock", "model.layers.{layer}.feed_forward.", _lfm2,
+             selection_bias="expert_bias"),
+      Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", mlp, _hunyuan, router="gate.wg.weight",
+             shared="shared_mlp."),
+      Family("gpt_oss", "GptOssMLP", mlp, _gpt_oss, router="router.weight", experts="gpt_oss",
+             router_bias="router.bias", natural_layout="interleaved"),
+      Family("llama4_text", "Llama4TextMoe", "model.layers.{layer}.feed_forward.", _llama4,
+             router="router.weight", experts="fused_xw", shared="shared_expert."),
+      Family("granitemoe", "GraniteMoeMoE", "model.layers.{layer}.block_sparse_moe.", _granite,
+             router="router.weight"),
+      Family("granitemoeshared", "GraniteMoeSharedMoE + the decoder layer's GraniteMoeSharedMLP",
+             "model.layers.{layer}.", _granite, router="block_sparse_moe.router.weight",
+             experts_prefix="block_sparse_moe.experts.", shared="shared_mlp.",
+             shared_kind="fused"),
+      Family("dbrx", "DbrxFFN", "transformer.blocks.{layer}.ffn.", _dbrx,
+             router="router.layer.weight", experts="dbrx", experts_prefix="experts.mlp."),
+  ]
+  return {f.model_type: f for f in fams}
+
+
+FAMILIES: dict[str, Family] = _families()
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+  """A multimodal wrapper's text config (Llama 4's model_type "llama4")."""
+  if config.get("model_type") == "llama4" and "text_config" in config:
+    return config["text_config"]
+  return config
+
+
+def family(config: Mapping[str, Any] | str) -> Family:
+  """The `Family` of a config dict (or of a model_type)."""
+  model_type = config if isinstance(config, str) else _text_config(config).get("model_type")
+  if model_type not in FAMILIES:
+    raise ValueError(f"model_type {model_type!r} is not a supported MoE family; supported: "
+                     f"{sorted(FAMILIES)}")
+  return FAMILIES[model_type]
+
+
+def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None,
+                 bias_update_rate: float = 1e-3, layer: int | None = None) -> dict:
+  """Keyword arguments of `sonic_jax.layers.MoE` for the family's MoE block.
+
+  config: the transformers config as a dict (`config.to_dict()`, or a checkpoint's config.json).
+  gate_up_layout: the layer's gate/up layout (default: the family's, "concat"; gpt-oss
+    "interleaved"); pass the same to the weight converters. bias_update_rate: the rate of the
+    selection bias for families that have one (the config does not say; DeepSeek-V3's paper uses
+    0.001). layer: the decoder layer's index, for configs with per-layer lists (Hunyuan).
+  Returns d_model, num_experts, expert_dim, top_k, activation, routing (a `Router`),
+  gate_up_layout, use_bias, use_router_bias, num_shared_experts, shared_expert_dim,
+  shared_expert_gate and, with a selection bias, bias_update_rate. They describe the model's MoE
+  layers (families that mix in dense layers, first_k_dense_replace and the like, say which).
+  """
+  config = _text_config(config)
+  fam = family(config)
+  kw = fam.kwargs(config, layer)
+  if kw.pop("selection_bias", False):
+    if not bias_update_rate > 0:
+      raise ValueError(f"{fam.model_type} has a selection bias: bias_update_rate must be > 0")
+    kw["bias_update_rate"] = float(bias_update_rate)
+  if gate_up_layout is not None:
+    if gate_up_layout not in acts.GATE_UP_LAYOUTS:
+      raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got "
+                       f"{gate_up_layout!r}")
+    kw["gate_up_layout"] = gate_up_layout
+  return kw
+
+
+# --- gate/up columns in NumPy (as `sonic_jax.activations`, without JAX) -------------------------
+
+def _split(w: Array, layout: str) -> tuple[Array, Array]:
+  if layout == "concat":
+    half = w.shape[-1] // 2
+    return w[..., :half], w[..., half:]
+  return w[..., 0::2], w[..., 1::2]
+
+
+def _merge(gate: Array, up: Array, layout: str) -> Array:
+  if layout == "concat":
+    return np.concatenate([gate, up], axis=-1)
+  return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+
+
+def _relayout(w: Array, source: str, target: str) -> Array:
+  return w if source == target else _merge(*_split(w, source), target)
+
+
+def _t(w: Array) -> Array:
+  """Swaps the last two axes (a copy, C-contiguous)."""
+  return np.ascontiguousarray(np.swapaxes(np.asarray(w), -1, -2))
+
+
+def _layout(fam: Family, gate_up_layout: str | None) -> str:
+  layout = fam.natural_layout if gate_up_layout is None else gate_up_layout
+  if layout not in acts.GATE_UP_LAYOUTS:
+    raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got {layout!r}")
+  return layout
+
+
+def _shared_keys(fam: Family) -> tuple[str, ...]:
+  if fam.shared is None:
+    return ()
+  if fam.shared_kind == "fused":
+    return (fam.shared + "input_linear.weight", fam.shared + "output_linear.weight")
+  return tuple(fam.shared + f"{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+def _expert_keys(fam: Family) -> tuple[str, ...]:
+  p = fam.experts_prefix
+  if fam.experts == "dbrx":
+    return (p + "w1", p + "v1", p + "w2")
+  if fam.experts == "gpt_oss":
+    return (p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias")
+  return (p + "gate_up_proj", p + "down_proj")
+
+
+def hf_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+  """The keys of the family's block state dict that the converters read and write (a shared
+  expert's only where the config has one)."""
+  config = _text_config(config)
+  fam = family(config)
+  kw = fam.kwargs(config, 0 if _has_lists(config) else None)
+  keys = (fam.router,) + _expert_keys(fam)
+  keys += tuple(k for k in (fam.router_bias,) if k)
+  if kw.get("selection_bias"):
+    keys += (fam.selection_bias,)
+  if kw["num_shared_experts"]:
+    keys += _shared_keys(fam)
+    if kw["shared_expert_gate"]:
+      keys += (fam.shared_gate,)
+  return keys
+
+
+def _has_lists(config):
+  return any(isinstance(config.get(k), (list, tuple)) for k in ("num_experts", "moe_topk"))
+
+
+def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
+                         gate_up_layout: str | None = None) -> dict[str, Array]:
+  """The layer's parameter arrays (names as `MoE`'s attributes: router, w1, w2, b1, b2,
+  router_bias, selection_bias, shared_in, shared_out, shared_gate; only those the family has)
+  from the block's state dict (keys relative to the block; values NumPy arrays or anything
+  `np.asarray` takes). Exact: only transposes, reshapes and column reorders; dtypes kept.
+
+  gate_up_layout: the target layer's layout (default the family's). Raises a ValueError naming
+  the keys that are missing or not understood (a shared-expert bias, say).
+  """
+  config = _text_config(config)
+  fam = family(config)
+  layout = _layout(fam, gate_up_layout)
+  want = hf_keys(config)
+  sd = {k: np.asarray(v) for k, v in state_dict.items()}
+  missing = [k for k in want if k not in sd]
+  extra = [k for k in sd if k not in want]
+  if missing or extra:
+    raise ValueError(f"{fam.model_type} block state dict: missing keys {missing}, unexpected "
+                     f"keys {extra} (expected exactly {list(want)})")
+  out = {"router": _t(sd[fam.router])}
+  p = fam.experts_prefix
+  if fam.experts == "fused":
+    out["w1"] = _relayout(_t(sd[p + "gate_up_proj"]), "concat", layout)
+    out["w2"] = _t(sd[p + "down_proj"])
+  elif fam.experts == "fused_xw":
+    out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), "concat", layout)
+    out["w2"] = sd[p + "down_proj"].copy()
+  elif fam.experts == "gpt_oss":
+    out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), "interleaved", layout)
+    out["b1"] = _relayout(sd[p + "gate_up_proj_bias"].copy(), "interleaved", layout)
+    out["w2"] = sd[p + "down_proj"].copy()
+    out["b2"] = sd[p + "down_proj_bias"].copy()
+  else:  # dbrx: (E * n, d) each
+    e = int(layer_kwargs(config)["num_experts"])
+    gate, up, down = (sd[p + k].reshape(e, -1, sd[p + k].shape[-1]) for k in ("w1", "v1", "w2"))
+    out["w1"] = _merge(_t(gate), _t(up), layout)
+    out["w2"] = down.copy()
+  if fam.router_bias:
+    out["router_bias"] = sd[fam.router_bias].copy()
+  if fam.selection_bias and fam.selection_bias in sd:
+    out["selection_bias"] = sd[fam.selection_bias].reshape(-1).copy()
+  if fam.shared and _shared_keys(fam)[0] in sd:
+    if fam.shared_kind == "fused":
+      w_in, w_out = (sd[k] for k in _shared_keys(fam))
+      out["shared_in"] = _relayout(_t(w_in), "concat", layout)
+    else:
+      gate, up, w_out = (sd[k] for k in _shared_keys(fam))
+      out["shared_in"] = _merge(_t(gate), _t(up), layout)
+    out["shared_out"] = _t(w_out)
+    if fam.shared_gate and fam.shared_gate in sd:
+      out["shared_gate"] = _t(sd[fam.shared_gate])
+  return out
+
+
+def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
+                        gate_up_layout: str | None = None) -> dict[str, Array]:
+  """The block's state dict from the layer's parameter arrays (`layer_params`): the inverse of
+  `layer_params_from_hf`, exact. Parts absent from `params` (selection_bias, say, when mapping
+  gradients) are left out. Being a permutation of entries, it maps the layer's gradients to the
+  block's parameters' gradients too."""
+  config = _text_config(config)
+  fam = family(config)
+  layout = _layout(fam, gate_up_layout)
+  prm = {k: np.asarray(v) for k, v in params.items() if v is not None}
+  unknown = [k for k in prm if k not in PARAM_NAMES]
+  if unknown:
+    raise ValueError(f"unknown layer parameter names {unknown} (known: {PARAM_NAMES})")
+  for k in ("router", "w1", "w2"):
+    if k not in prm:
+      raise ValueError(f"params must hold {k!r}")
+  sd = {fam.router: _t(prm["router"])}
+  p = fam.experts_prefix
+  if fam.experts == "fused":
+    sd[p + "gate_up_proj"] = _t(_relayout(prm["w1"], layout, "concat"))
+    sd[p + "down_proj"] = _t(prm["w2"])
+  elif fam.experts == "fused_xw":
+    sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout, "concat"))
+    sd[p + "down_proj"] = prm["w2"].copy()
+  elif fam.experts == "gpt_oss":
+    sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout, "interleaved"))
+    if "b1" in prm:
+      sd[p + "gate_up_proj_bias"] = np.ascontiguousarray(
+          _relayout(prm["b1"], layout, "interleaved"))
+    sd[p + "down_proj"] = prm["w2"].copy()
+    if "b2" in prm:
+      sd[p + "down_proj_bias"] = prm["b2"].copy()
+  else:
+    gate, up = _split(prm["w1"], layout)
+    e, n, d = prm["w2"].shape
+    sd[p + "w1"] = _t(gate).reshape(e * n, d)
+    sd[p + "v1"] = _t(up).reshape(e * n, d)
+    sd[p + "w2"] = prm["w2"].reshape(e * n, d).copy()
+  if fam.router_bias and "router_bias" in prm:
+    sd[fam.router_bias] = prm["router_bias"].copy()
+  if fam.selection_bias and "selection_bias" in prm:
+    shape = (1, -1) if fam.selection_bias_shape == "(1, E)" else (-1,)
+    sd[fam.selection_bias] = prm["selection_bias"].reshape(shape).copy()
+  if fam.shared and "shared_in" in prm:
+    keys = _shared_keys(fam)
+    if fam.shared_kind == "fused":
+      sd[keys[0]] = _t(_relayout(prm["shared_in"], layout, "concat"))
+    else:
+      gate, up = _split(prm["shared_in"], layout)
+      sd[keys[0]], sd[keys[1]] = _t(gate), _t(up)
+    sd[keys[-1]] = _t(prm["shared_out"])
+  if fam.shared_gate and "shared_gate" in prm:
+    sd[fam.shared_gate] = _t(prm["shared_gate"])
+  return sd
+
+
+def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
+                     layer: int) -> dict[str, Any]:
+  """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
+  family's prefix ("model.layers.{layer}.mlp." and the like), the prefix removed. The family's
+  keys only (Granite's prefix is the whole decoder layer)."""
+  config = _text_config(config)
+  fam = family(config)
+  prefix = fam.prefix.format(layer=layer)
+  want = set(_expert_keys(fam) + (fam.router, fam.router_bias, fam.selection_bias, fam.shared_gate)
+             + _shared_keys(fam)) - {None}
+  out = {k[len(prefix):]: v for k, v in state_dict.items()
+         if k.startswith(prefix) and k[len(prefix):] in want}
+  if not out:
+    raise ValueError(f"no {fam.model_type} MoE block under {prefix!r} in the state dict")
+  return out
+
+
+# --- the nnx layer -------------------------------------------------------------------------------
+
+def _variable(tree, name):
+  if isinstance(tree, Mapping):
+    return tree[name] if name in tree else None
+  return getattr(tree, name, None)
+
+
+def layer_params(layer) -> dict[str, Array]:
+  """The parameter arrays of an `MoE` layer, or of an `nnx.State` with its names (gradients from
+  `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out."""
+  out = {}
+  for name in PARAM_NAMES:
+    v = _variable(layer, name)
+    if v is None:
+      continue
+    value = v[...] if hasattr(v, "__getitem__") and not isinstance(v, np.ndarray) else v
+    out[name] = np.asarray(value)
+  return out
+
+
+def load_into_layer(layer, params: Mapping[str, Any]) -> None:
+  """Sets the layer's variables to `params` (from `layer_params_from_hf`), each cast to the
+  variable's dtype (the selection bias stays float32). Raises a ValueError for a name the layer
+  lacks, a shape that differs, or a part of the layer that `params` does not set."""
+  import jax.numpy as jnp
+  present = {n for n in PARAM_NAMES if _variable(layer, n) is not None}
+  unknown = sorted(set(params) - present)
+  unset = sorted(present - set(params))
+  if unknown or unset:
+    raise ValueError(f"params and the layer differ: the layer has no {unknown}; params do not "
+                     f"set {unset}")
+  for name, value in params.items():
+    var = _variable(layer, name)
+    old = var[...]
+    value = np.asarray(value)
+    if tuple(value.shape) != tuple(old.shape):
+      raise ValueError(f"{name}: the layer's shape is {tuple(old.shape)}, params give "
+                       f"{tuple(value.shape)}")
+    var[...] = jnp.asarray(value, dtype=old.dtype)
+
+
+def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = None, *,
+              gate_up_layout: str | None = None, bias_update_rate: float = 1e-3,
+              layer: int | None = None, rngs=None, **overrides):
+  """A `sonic_jax.layers.MoE` for the family's block (`layer_kwargs`), with the block's weights
+  loaded when `state_dict` is given. overrides: further `MoE` arguments (param_dtype, dtype,
+  backend, load_balance_coef, ...). rngs: default `nnx.Rngs(0)` (the initial values are
+  overwritten when a state dict is given)."""
+  from flax import nnx
+  from sonic_jax.layers import MoE
+  kw = layer_kwargs(config, gate_up_layout=gate_up_layout, bias_update_rate=bias_update_rate,
+                    layer=layer)
+  kw.update(overrides)
+  m = MoE(**kw, rngs=rngs if rngs is not None else nnx.Rngs(0))
+  if state_dict is not None:
+    load_into_layer(m, layer_params_from_hf(config, state_dict,
+                                            gate_up_layout=kw["gate_up_layout"]))
+  return m

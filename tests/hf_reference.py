@@ -1,0 +1,300 @@
+"""Reference values of Hugging Face transformers' own MoE blocks, for `tests/test_families.py`.
+
+Runs under an interpreter that has torch and transformers (and needs no JAX):
+
+    python tests/hf_reference.py --out DIR [--size cpu|gpu] [--seed S] [CASE ...]
+
+writes DIR/<case>.npz for each case (default: all of `CASES`). `test_families.py` imports this
+module in-process where torch and transformers import, and runs it as a script otherwise.
+
+Each case builds its family's MoE block from transformers with a tiny random config, in float64 and
+eval mode ("eager" experts), gives every parameter and buffer random values (float32-representable:
+several routers compute in float32, and exact inputs keep that from adding rounding of its own),
+random router weights large enough that the routing matters, nonzero biases, a small random
+selection bias (e_score_correction_bias and the like), runs it on a random input (B, S, d) and
+backpropagates a random output cotangent with torch autograd. The .npz holds:
+
+  config_json        the config, `config.to_json_string(use_diff=False)`
+  model_type         the config's model_type
+  param/<key>        the block's state dict, keys exactly as `block.state_dict()`
+  input, cotangent   x (B, S, d) and dL/dy
+  output             y (B, S, d)
+  grad_input         dL/dx
+  grad/<key>         dL/dp for every parameter that has a gradient
+  router_logits      (T, E) the router's logits (a forward hook on the router module)
+  lb_loss, lb_loss_masked, lb_mask
+                     transformers' `load_balancing_loss_func` over two "layers" (the logits and
+                     half of them), without and with an attention mask `lb_mask` (B, S)
+
+Nothing at module level imports torch: `CASES` is plain data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One block to run: class `block` of transformers.models.`module`, built from the config class
+  of `model_type` with the sizes of `SIZES` and `overrides`.
+
+  router: the attribute path of the module whose forward gives the router logits, at output
+    index `logits_index` (None: the output is the logits).
+  fields: the config's names for (d, E, n, K). overrides: (field, value) pairs, a value "2n" meaning
+  twice n; gpu_overrides: replace them at size "gpu" where given.
+  """
+
+  model_type: str
+  module: str
+  block: str
+  router: str
+  logits_index: int | None = 0
+  fields: tuple[str, str, str, str] = ("hidden_size", "num_local_experts", "intermediate_size",
+                                       "num_experts_per_tok")
+  overrides: tuple[tuple[str, object], ...] = ()
+  top_k: int = 2
+  gpu_overrides: tuple[tuple[str, object], ...] | None = None  # in place of overrides at "gpu"
+
+
+_ATTN = (("num_attention_heads", 4), ("num_key_value_heads", 2), ("num_hidden_layers", 1))
+
+CASES: dict[str, Case] = {
+    "mixtral": Case("mixtral", "mixtral", "MixtralSparseMoeBlock", "gate"),
+    "minimax": Case("minimax", "minimax", "MiniMaxSparseMoeBlock", "gate"),
+    "qwen2_moe": Case("qwen2_moe", "qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate",
+                      fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                              "num_experts_per_tok"),
+                      overrides=(("shared_expert_intermediate_size", "2n"),
+                                 ("norm_topk_prob", False))),
+    "qwen3_moe": Case("qwen3_moe", "qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate",
+                      fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                              "num_experts_per_tok"),
+                      overrides=(("norm_topk_prob", True),)),
+    "qwen3_next": Case("qwen3_next", "qwen3_next", "Qwen3NextSparseMoeBlock", "gate",
+                       fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                               "num_experts_per_tok"),
+                       overrides=(("shared_expert_intermediate_size", "n"),
+                                  ("norm_topk_prob", True))),
+    "olmoe": Case("olmoe", "olmoe", "OlmoeSparseMoeBlock", "gate",
+                  fields=("hidden_size", "num_experts", "intermediate_size",
+                          "num_experts_per_tok")),
+    "flex_olmo": Case("flex_olmo", "flex_olmo", "FlexOlmoSparseMoeBlock", "gate",
+                      fields=("hidden_size", "num_experts", "intermediate_size",
+                              "num_experts_per_tok")),
+    "jamba": Case("jamba", "jamba", "JambaSparseMoeBlock", "router",
+                  fields=("hidden_size", "num_experts", "intermediate_size",
+                          "num_experts_per_tok")),
+    "deepseek_v2": Case("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "gate",
+                        fields=("hidden_size", "n_routed_experts", "moe_intermediate_size",
+                                "num_experts_per_tok"),
+                        # one group of 4 kept: K = 2 from it (with K <= topk_group a max-scored
+                        # group limit never changes the top-K)
+                        overrides=(("n_shared_experts", 2), ("topk_method", "group_limited_greedy"),
+                                   ("n_group", 2), ("topk_group", 1),
+                                   ("routed_scaling_factor", 1.5))),
+    "deepseek_v3": Case("deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "gate",
+                        fields=("hidden_size", "n_routed_experts", "moe_intermediate_size",
+                                "num_experts_per_tok"),
+                        overrides=(("n_shared_experts", 1), ("n_group", 4), ("topk_group", 2),
+                                   ("norm_topk_prob", True), ("routed_scaling_factor", 2.5))),
+    "glm4_moe": Case("glm4_moe", "glm4_moe", "Glm4MoeMoE", "gate",
+                     fields=("hidden_size", "n_routed_experts", "moe_intermediate_size",
+                             "num_experts_per_tok"),
+                     overrides=(("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1),
+                                ("norm_topk_prob", True), ("routed_scaling_factor", 2.5))),
+    "dots1": Case("dots1", "dots1", "Dots1MoE", "gate",
+                  fields=("hidden_size", "n_routed_experts", "moe_intermediate_size",
+                          "num_experts_per_tok"),
+                  overrides=(("n_shared_experts", 2), ("n_group", 1), ("topk_group", 1),
+                             ("norm_topk_prob", False), ("routed_scaling_factor", 2.5))),
+    "minimax_m2": Case("minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "gate"),
+    "ernie4_5_moe": Case("ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "gate",
+                         fields=("hidden_size", "moe_num_experts", "moe_intermediate_size",
+                                 "moe_k"),
+                         overrides=(("moe_num_shared_experts", 2), ("use_bias", False))),
+    "lfm2_moe": Case("lfm2_moe", "lfm2_moe", "Lfm2MoeSparseMoeBlock", "gate",
+                     fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                             "num_experts_per_tok"),
+                     overrides=(("use_expert_bias", True), ("norm_topk_prob", True),
+                                ("routed_scaling_factor", 1.5))),
+    "hunyuan_v1_moe": Case("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1Moe", "gate",
+                           fields=("hidden_size", "num_experts", "intermediate_size", "moe_topk")),
+    "gpt_oss": Case("gpt_oss", "gpt_oss", "GptOssMLP", "router",
+                    # a limit that the random pre-activations cross, so the clamps matter; on the
+                    # GPU gpt-oss's own (7): bfloat16 rounding moves values across a clamp, whose
+                    # gradient jumps there (6e-2 relative at 1.25 on XLA's bfloat16)
+                    overrides=(("swiglu_limit", 1.25),), gpu_overrides=()),
+    "llama4_text": Case("llama4_text", "llama4", "Llama4TextMoe", "router", logits_index=1,
+                        overrides=(("intermediate_size_mlp", "4n"),), top_k=1),
+    "granitemoe": Case("granitemoe", "granitemoe", "GraniteMoeMoE", "router"),
+    "granitemoeshared": Case("granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
+                             "block_sparse_moe.router",
+                             overrides=(("shared_intermediate_size", "2n"),)),
+    "dbrx": Case("dbrx", "dbrx", "DbrxFFN", "router", logits_index=None,
+                 fields=("d_model", "moe_num_experts", "ffn_hidden_size", "moe_top_k")),
+    "dbrx_p2": Case("dbrx", "dbrx", "DbrxFFN", "router", logits_index=None,
+                    fields=("d_model", "moe_num_experts", "ffn_hidden_size", "moe_top_k"),
+                    overrides=(("moe_normalize_expert_weights", 2.0),)),
+}
+
+# (d, E, n, B, S) per size (K is the case's): "cpu" for the float64 comparison, "gpu" for the
+# bfloat16 one on the Hopper kernels (d and n multiples of the kernels' column blocks, 256 and 128).
+SIZES = {"cpu": (32, 8, 16, 2, 12), "gpu": (256, 8, 128, 2, 128)}
+
+
+def _resolve(value, n):
+  if isinstance(value, str) and value.endswith("n"):
+    return int(value[:-1] or 1) * n
+  return value
+
+
+def make_config(case: Case, size: str = "cpu"):
+  """The case's transformers config at `size`."""
+  from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+  d, e, n, _, _ = SIZES[size]
+  values = dict(zip(case.fields, (d, e, n, case.top_k)))
+  overrides = case.overrides
+  if size == "gpu" and case.gpu_overrides is not None:
+    overrides = case.gpu_overrides
+  values.update((name, _resolve(v, n)) for name, v in overrides)
+  cls = CONFIG_MAPPING[case.model_type]
+  if case.model_type == "dbrx":
+    ffn = {name: values.pop(name) for name in list(values) if name != "d_model"}
+    config = cls(d_model=values["d_model"], n_heads=4, n_layers=1, ffn_config=ffn)
+  else:
+    values.update((name, v) for name, v in _ATTN if name not in values)
+    config = cls(**values)
+  config._experts_implementation = "eager"
+  for sub in ("ffn_config",):
+    if hasattr(config, sub):
+      getattr(config, sub)._experts_implementation = "eager"
+  return config
+
+
+def make_block(case: Case, config):
+  import torch
+  module = importlib.import_module(f"transformers.models.{case.module}.modeling_{case.module}")
+  block_cls = getattr(module, case.block)
+  if case.model_type == "granitemoeshared":
+    # The shared MLP lives in the decoder layer, beside `block_sparse_moe`: this block holds both
+    # under the layer's attribute names, so its keys are the layer's (without the layer prefix).
+    class GraniteMoeSharedBlock(torch.nn.Module):
+      def __init__(self):
+        super().__init__()
+        self.block_sparse_moe = block_cls(config)
+        self.shared_mlp = module.GraniteMoeSharedMLP(config)
+
+      def forward(self, x):
+        return self.block_sparse_moe(x) + self.shared_mlp(x)
+
+    return GraniteMoeSharedBlock()
+  if case.model_type == "dbrx":
+    return block_cls(config=config)
+  if case.model_type == "hunyuan_v1_moe":
+    return block_cls(config, layer_idx=0)
+  return block_cls(config)
+
+
+def _representable(values, size):
+  """float64 values that float32 holds exactly ("cpu"), or bfloat16 ("gpu": the bfloat16 layer
+  then sees the reference's own input and weights)."""
+  import torch
+  t = torch.from_numpy(np.asarray(values, np.float64))
+  return t.to(torch.float32 if size == "cpu" else torch.bfloat16).to(torch.float64)
+
+
+def _randomize(block, rng, d, router, size):
+  """Random representable (`_representable`) values for every parameter and buffer (in place)."""
+  import torch
+  with torch.no_grad():
+    for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+      leaf = name.rsplit(".", 1)[-1]
+      if "correction_bias" in name or leaf == "expert_bias":
+        values = 0.05 * rng.standard_normal(t.shape)  # selection bias: moves some choices
+      elif t.ndim == 1 or "bias" in leaf:
+        values = 0.3 * rng.standard_normal(t.shape)
+      elif name.startswith(router + ".") and t.ndim == 2:
+        values = 1.5 / np.sqrt(d) * rng.standard_normal(t.shape)  # logits of std ~1.5
+      else:
+        values = rng.standard_normal(t.shape) / np.sqrt(d)
+      t.copy_(_representable(values, size))
+
+
+def run_case(name: str, seed: int = 0, size: str = "cpu") -> dict[str, np.ndarray]:
+  """The reference arrays of one case (see the module docstring)."""
+  import torch
+  import transformers
+  from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+  transformers.logging.set_verbosity_error()
+  case = CASES[name]
+  config = make_config(case, size)
+  torch.manual_seed(seed)
+  block = make_block(case, config).double().eval()
+  d, e, _, b, s = SIZES[size]
+  k = case.top_k
+  rng = np.random.default_rng([seed, sum(map(ord, name))])
+  _randomize(block, rng, d, case.router, size)
+  x = _representable(rng.standard_normal((b, s, d)), size)
+  x.requires_grad_(True)
+  cot = torch.from_numpy(rng.standard_normal((b, s, d)))
+  router = block.get_submodule(case.router)
+  seen = {}
+
+  def hook(_module, _inputs, outputs):
+    seen["logits"] = outputs if case.logits_index is None else outputs[case.logits_index]
+
+  handle = router.register_forward_hook(hook)
+  state = {key: v.detach().numpy().copy() for key, v in block.state_dict().items()}
+  y = block(x)
+  handle.remove()
+  if isinstance(y, tuple):
+    y = y[0]
+  y = y.reshape(x.shape)
+  torch.sum(y * cot).backward()
+  out = {"config_json": np.array(config.to_json_string(use_diff=False)),
+         "model_type": np.array(config.model_type),
+         "input": x.detach().numpy(), "cotangent": cot.numpy(), "output": y.detach().numpy(),
+         "grad_input": x.grad.numpy()}
+  out.update({f"param/{key}": v for key, v in state.items()})
+  for key, p in block.named_parameters():
+    if p.grad is not None:
+      out[f"grad/{key}"] = p.grad.numpy()
+  logits = seen["logits"].detach().reshape(-1, e)
+  out["router_logits"] = logits.numpy().astype(np.float64)
+  mask = torch.ones((b, s), dtype=torch.long)
+  mask[0, s - 3:] = 0
+  mask[1, :2] = 0
+  layers = (logits.double(), 0.5 * logits.double())
+  out["lb_loss"] = np.array(float(load_balancing_loss_func(layers, e, k)))
+  out["lb_loss_masked"] = np.array(float(load_balancing_loss_func(layers, e, k, mask)))
+  out["lb_mask"] = mask.numpy()
+  out["top_k"] = np.array(k)
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="directory for <case>.npz")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
+  parser.add_argument("--keys", action="store_true", help="print each case's state dict")
+  parser.add_argument("cases", nargs="*", default=list(CASES))
+  args = parser.parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  for name in args.cases:
+    arrays = run_case(name, args.seed, args.size)
+    np.savez(os.path.join(args.out, f"{name}.npz"), **arrays)
+    if args.keys:
+      print(name, {k[6:]: v.shape for k, v in arrays.items() if k.startswith("param/")})
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

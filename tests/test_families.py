@@ -1,0 +1,387 @@
+"""The layer against Hugging Face transformers' own MoE blocks, family by family (`sonic_jax.hf`).
+
+The reference values come from `tests/hf_reference.py`, run where torch and transformers are:
+in this process when they import, else under the interpreter named by SONIC_JAX_REFERENCE_PYTHON,
+else under <repo>/.venv-ref/bin/python (CI builds it), else the comparisons skip. Each family's
+block runs in float64 on a tiny random config; the layer, built from the same config dict and
+loaded with the converted state dict, runs in float64 on the xla backend, and its output, router
+logits and every gradient (input, and each parameter mapped back to transformers' names) must
+agree to 1e-6 relative (several transformers routers compute in float32: about 1e-7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import warnings
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_reference
+from oracle import rel_err
+from sonic_jax import hf
+from sonic_jax.activations import clamped_swiglu
+from sonic_jax.routing import Router, hf_load_balancing_loss
+
+CASES = list(hf_reference.CASES)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-6
+GPU_TOL = 2e-2
+
+
+def _torch_here() -> bool:
+  try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def _reference_python() -> tuple[str | None, str]:
+  """(interpreter, why) for running hf_reference.py; None when there is none (why: the reason)."""
+  named = os.environ.get("SONIC_JAX_REFERENCE_PYTHON")
+  if named:
+    return named, ""
+  local = os.path.join(REPO, ".venv-ref", "bin", "python")
+  if not os.path.exists(local):
+    return None, ("no torch + transformers here, SONIC_JAX_REFERENCE_PYTHON unset and no "
+                  f"{local} (.ci/run builds it)")
+  probe = subprocess.run([local, "-c", "import torch, transformers"], capture_output=True,
+                         text=True)
+  if probe.returncode:
+    return None, f"{local} cannot import torch and transformers: {probe.stderr.strip()[-300:]}"
+  return local, ""
+
+
+class References:
+  """The reference arrays per (case, size), computed once per session."""
+
+  def __init__(self, directory):
+    self.directory = str(directory)
+    self.cache = {}
+    self.in_process = _torch_here()
+    self.python, self.why = (None, "") if self.in_process else _reference_python()
+
+  def get(self, case: str, size: str = "cpu") -> dict:
+    key = (case, size)
+    if key not in self.cache:
+      path = os.path.join(self.directory, size, f"{case}.npz")
+      if os.path.exists(path):  # computed earlier, or elsewhere (SONIC_JAX_REFERENCE_DIR)
+        with np.load(path) as z:
+          self.cache[key] = {k: z[k] for k in z.files}
+      elif self.in_process:
+        self.cache[key] = hf_reference.run_case(case, size=size)
+      else:
+        self.cache[key] = self._from_script(case, size)
+    return self.cache[key]
+
+  def _from_script(self, case, size):
+    if self.python is None:
+      pytest.skip(f"no transformers reference: {self.why}")
+    path = os.path.join(self.directory, size, f"{case}.npz")
+    if not os.path.exists(path):  # every case of this size in one run: torch starts once
+      cmd = [self.python, os.path.join(REPO, "tests", "hf_reference.py"), "--out",
+             os.path.dirname(path), "--size", size] + CASES
+      done = subprocess.run(cmd, capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+      if done.returncode:
+        pytest.fail(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    with np.load(path) as z:
+      return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+  # SONIC_JAX_REFERENCE_DIR: reference files written by `hf_reference.py --out DIR/<size>` on
+  # another machine (a GPU machine whose transformers lacks a family reads them from there).
+  return References(os.environ.get("SONIC_JAX_REFERENCE_DIR")
+                    or tmp_path_factory.mktemp("hf_reference"))
+
+
+def _config(r):
+  return json.loads(str(r["config_json"]))
+
+
+def _state(r):
+  return {k[len("param/"):]: r[k] for k in r if k.startswith("param/")}
+
+
+def _ref_grads(r):
+  return {k[len("grad/"):]: r[k] for k in r if k.startswith("grad/")}
+
+
+def _value_and_grads(layer, x, cot, jit=True):
+  """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot)."""
+  graph, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x):
+    y, aux = nnx.merge(graph, params, rest)(x)
+    return jnp.sum(y.astype(cot.dtype) * cot), (y, aux.stats.router_logits)
+
+  f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, x)
+  return y, logits, g_x, hf.layer_params(g_params)
+
+
+def _errors(config, r, y, logits, g_x, g_params, gate_up_layout=None):
+  """{name: relative error} of the output, the router logits and every gradient."""
+  errs = {"output": rel_err(y, r["output"]), "router_logits": rel_err(logits, r["router_logits"]),
+          "grad input": rel_err(g_x, r["grad_input"])}
+  got = hf.hf_state_from_layer(config, g_params, gate_up_layout=gate_up_layout)
+  want = _ref_grads(r)
+  assert set(got) == set(want), (sorted(got), sorted(want))
+  errs.update({f"grad {k}": rel_err(got[k], want[k]) for k in want})
+  return errs
+
+
+# --- against transformers, float64 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_matches_transformers_block(references, case):
+  r = references.get(case)
+  config = _config(r)
+  with jax.enable_x64(True):
+    layer = hf.moe_layer(config, _state(r), param_dtype=jnp.float64, backend="xla")
+    y, logits, g_x, g_params = _value_and_grads(layer, jnp.asarray(r["input"]),
+                                                jnp.asarray(r["cotangent"]))
+    errs = _errors(config, r, y, logits, g_x, g_params)
+  worst = max((k for k in errs if k.startswith("grad")), key=errs.get)
+  print(f"\n{case}: output {errs['output']:.1e}, worst gradient {errs[worst]:.1e} ({worst})")
+  bad = {k: v for k, v in errs.items() if not v <= TOL}
+  assert not bad, f"{case}: relative errors above {TOL}: {bad}"
+
+
+def _without(layer, feature):
+  """The layer with one feature of its family switched off."""
+  if feature == "selection bias":
+    layer.selection_bias[...] = jnp.zeros_like(layer.selection_bias[...])
+  elif feature == "groups":
+    layer.routing = dataclasses.replace(layer.routing, n_group=1, topk_group=1)
+  elif feature == "clamp":
+    layer.activation = dataclasses.replace(layer.activation, limit=None)
+  elif feature == "p-norm":
+    layer.routing = dataclasses.replace(layer.routing, renorm_p=1.0)
+  return layer
+
+
+@pytest.mark.parametrize("case, feature", [
+    ("deepseek_v3", "selection bias"), ("minimax_m2", "selection bias"),
+    ("ernie4_5_moe", "selection bias"), ("lfm2_moe", "selection bias"),
+    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"), ("gpt_oss", "clamp"),
+    ("dbrx_p2", "p-norm")])
+def test_reference_cases_exercise_their_family_features(references, case, feature):
+  """The random cases are not degenerate: without the feature the layer misses the block."""
+  r = references.get(case)
+  with jax.enable_x64(True):
+    layer = _without(hf.moe_layer(_config(r), _state(r), param_dtype=jnp.float64,
+                                  backend="xla"), feature)
+    y, _ = jax.jit(lambda x: layer(x))(jnp.asarray(r["input"]))
+  assert rel_err(y, r["output"]) > 1e-2
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "granitemoeshared", "gpt_oss", "dbrx"])
+def test_other_gate_up_layout_is_the_same_layer(references, case):
+  """Loading into a layer with the other gate/up layout (columns permuted by the converter) gives
+  the same layer: output and gradients as with the family's own layout."""
+  r = references.get(case)
+  config = _config(r)
+  layout = "concat" if hf.family(config).natural_layout == "interleaved" else "interleaved"
+  with jax.enable_x64(True):
+    layer = hf.moe_layer(config, _state(r), gate_up_layout=layout, param_dtype=jnp.float64,
+                         backend="xla")
+    assert layer.gate_up_layout == layout
+    y, logits, g_x, g_params = _value_and_grads(layer, jnp.asarray(r["input"]),
+                                                jnp.asarray(r["cotangent"]))
+    errs = _errors(config, r, y, logits, g_x, g_params, gate_up_layout=layout)
+  bad = {k: v for k, v in errs.items() if not v <= TOL}
+  assert not bad, f"{case} with {layout}: relative errors above {TOL}: {bad}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_state_dict_round_trip_through_the_layer_is_exact(references, case):
+  r = references.get(case)
+  config = _config(r)
+  state = _state(r)
+  params = hf.layer_params_from_hf(config, state)
+  for layout in ("concat", "interleaved"):
+    back = hf.hf_state_from_layer(config, hf.layer_params_from_hf(config, state,
+                                                                  gate_up_layout=layout),
+                                  gate_up_layout=layout)
+    assert set(back) == set(state)
+    for k in state:
+      assert back[k].dtype == state[k].dtype and np.array_equal(back[k], state[k]), (layout, k)
+  with jax.enable_x64(True):
+    layer = hf.moe_layer(config, state, param_dtype=jnp.float64, backend="xla")
+    loaded = hf.layer_params(layer)
+  assert set(loaded) == set(params)
+  back = hf.hf_state_from_layer(config, loaded)
+  for k in state:
+    assert np.array_equal(back[k], state[k]), k  # the float32 selection bias holds its values
+
+
+def _expected_kwargs(case):
+  """What each family's config means, written out independently of sonic_jax.hf."""
+  d, e, n, _, _ = hf_reference.SIZES["cpu"]
+  base = dict(d_model=d, num_experts=e, expert_dim=n, top_k=2, activation="swiglu",
+              routing=Router("softmax"), gate_up_layout="concat", use_bias=False,
+              use_router_bias=False, num_shared_experts=0, shared_expert_dim=None,
+              shared_expert_gate=False)
+  v3 = lambda **kw: Router("sigmoid", renorm_epsilon=1e-20, group_score="top2_sum", **kw)
+  raw = Router("softmax", renormalize=False)
+  specific = {
+      "mixtral": {}, "minimax": {}, "qwen3_moe": {}, "granitemoe": {}, "hunyuan_v1_moe":
+      dict(num_shared_experts=1, shared_expert_dim=n),
+      "qwen2_moe": dict(routing=raw, num_shared_experts=1, shared_expert_dim=2 * n,
+                        shared_expert_gate=True),
+      "qwen3_next": dict(num_shared_experts=1, shared_expert_dim=n, shared_expert_gate=True),
+      "olmoe": dict(routing=raw), "flex_olmo": dict(routing=raw), "jamba": dict(routing=raw),
+      "deepseek_v2": dict(routing=Router("softmax", renormalize=False, n_group=2, topk_group=1,
+                                         group_score="max", routed_scaling_factor=1.5),
+                          num_shared_experts=2, shared_expert_dim=n),
+      "deepseek_v3": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
+                          num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
+      "glm4_moe": dict(routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
+                       shared_expert_dim=n, bias_update_rate=1e-3),
+      "dots1": dict(routing=v3(renormalize=False, routed_scaling_factor=2.5),
+                    num_shared_experts=2, shared_expert_dim=n, bias_update_rate=1e-3),
+      "minimax_m2": dict(routing=Router("sigmoid"), bias_update_rate=1e-3),
+      "ernie4_5_moe": dict(num_shared_experts=2, shared_expert_dim=n, bias_update_rate=1e-3),
+      "lfm2_moe": dict(routing=Router("sigmoid", renorm_epsilon=1e-6, routed_scaling_factor=1.5),
+                       bias_update_rate=1e-3),
+      "gpt_oss": dict(activation=clamped_swiglu(alpha=1.702, limit=1.25),
+                      gate_up_layout="interleaved", use_bias=True, use_router_bias=True),
+      "llama4_text": dict(top_k=1, routing=Router("sigmoid", renormalize=False, scale_input=True),
+                          num_shared_experts=1, shared_expert_dim=n),
+      "granitemoeshared": dict(num_shared_experts=1, shared_expert_dim=2 * n),
+      "dbrx": {}, "dbrx_p2": dict(routing=Router("softmax", renorm_p=2.0)),
+  }
+  return {**base, **specific[case]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_layer_kwargs_read_the_config(references, case):
+  config = _config(references.get(case))
+  assert hf.layer_kwargs(config) == _expected_kwargs(case)
+  assert hf.family(config).model_type == hf_reference.CASES[case].model_type
+
+
+def test_hf_load_balancing_loss_equals_transformers(references):
+  """sonic_jax.hf_load_balancing_loss against transformers' load_balancing_loss_func, over two
+  layers' router logits, without and with an attention mask (a Mixtral block's logits)."""
+  r = references.get("mixtral")
+  logits = r["router_logits"]
+  layers = [logits, 0.5 * logits]
+  k = int(r["top_k"])
+  with jax.enable_x64(True):
+    plain = hf_load_balancing_loss(layers, k)
+    masked = hf_load_balancing_loss(layers, k, attention_mask=jnp.asarray(r["lb_mask"]))
+  assert rel_err(plain, r["lb_loss"]) < TOL
+  assert rel_err(masked, r["lb_loss_masked"]) < TOL
+  assert not np.isclose(float(r["lb_loss"]), float(r["lb_loss_masked"]))
+
+
+# --- without transformers: the converters on hand-written configs ---------------------------------
+
+MINIMAL_CONFIGS = {
+    "mixtral": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
+                    num_experts_per_tok=2),
+    "qwen2_moe": dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=24),
+    "deepseek_v3": dict(hidden_size=32, n_routed_experts=8, moe_intermediate_size=16,
+                        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                        norm_topk_prob=True, routed_scaling_factor=2.5),
+    "ernie4_5_moe": dict(hidden_size=32, moe_num_experts=4, moe_intermediate_size=16, moe_k=2,
+                         moe_num_shared_experts=1),
+    "gpt_oss": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
+                    num_experts_per_tok=2, swiglu_alpha=1.702, swiglu_limit=7.0),
+    "llama4": dict(text_config=dict(model_type="llama4_text", hidden_size=32, num_local_experts=4,
+                                    intermediate_size=16, num_experts_per_tok=1)),
+    "granitemoeshared": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
+                             num_experts_per_tok=2, shared_intermediate_size=8),
+    "hunyuan_v1_moe": dict(hidden_size=32, num_experts=[4, 6], intermediate_size=16,
+                           moe_topk=[2, 3]),
+    "dbrx": dict(d_model=32, ffn_config=dict(moe_num_experts=4, ffn_hidden_size=16, moe_top_k=2)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MINIMAL_CONFIGS))
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_layer_to_hf_to_layer_is_exact(model_type, layout):
+  """No torch needed: a layer built from a hand-written config, its (random) parameters to the
+  block's state dict and back, exactly; the state dict has exactly the family's keys."""
+  config = dict(MINIMAL_CONFIGS[model_type], model_type=model_type)
+  layer = hf.moe_layer(config, gate_up_layout=layout, use_bias=model_type == "gpt_oss",
+                       rngs=nnx.Rngs(1), layer=1 if model_type == "hunyuan_v1_moe" else None)
+  if layer.selection_bias is not None:
+    layer.selection_bias[...] = jnp.arange(layer.selection_bias.shape[0], dtype=jnp.float32)
+  params = hf.layer_params(layer)
+  state = hf.hf_state_from_layer(config, params, gate_up_layout=layout)
+  assert set(state) == set(hf.hf_keys(config))
+  again = hf.layer_params_from_hf(config, state, gate_up_layout=layout)
+  assert set(again) == set(params)
+  for k in params:
+    assert np.array_equal(again[k], params[k]), k
+
+
+def test_converters_refuse_a_state_dict_that_does_not_fit():
+  config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
+  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  with pytest.raises(ValueError, match="missing keys.*gate.weight"):
+    hf.layer_params_from_hf(config, {k: v for k, v in state.items() if k != "gate.weight"})
+  with pytest.raises(ValueError, match="unexpected keys.*experts.bias"):
+    hf.layer_params_from_hf(config, {**state, "experts.bias": np.zeros(4)})
+  with pytest.raises(ValueError, match="not a supported MoE family"):
+    hf.layer_kwargs({"model_type": "phimoe"})
+  layer = hf.moe_layer(config)
+  with pytest.raises(ValueError, match="shape"):
+    hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
+  with pytest.raises(ValueError, match="no \\['b1'\\]"):
+    hf.load_into_layer(layer, {**hf.layer_params(layer), "b1": np.zeros((4, 32))})
+
+
+def test_block_state_dict_takes_one_layer_out_of_a_model():
+  config = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe")
+  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  model = {f"model.layers.{i}.mlp.{k}": v + i for i in range(2) for k, v in state.items()}
+  model["model.layers.1.self_attn.q_proj.weight"] = np.zeros(3)
+  block = hf.block_state_dict(model, config, 1)
+  assert set(block) == set(state)
+  assert all(np.array_equal(block[k], state[k] + 1) for k in state)
+
+
+# --- on the Hopper kernels, bfloat16 -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_family_on_the_hopper_kernels(references, case):
+  """The layer in bfloat16 (float32 parameters, bfloat16 compute) on backend="mosaic_gpu", against
+  the float64 transformers block at kernel-friendly sizes (d = 256, n = 128; input and weights
+  bfloat16-representable), to 2e-2; no role of the backend falls back to XLA."""
+  from sonic_jax.backends import _device_is_hopper
+  from sonic_jax.mosaic_gpu.backend import FallbackWarning
+  if not _device_is_hopper():
+    pytest.skip("needs a Hopper GPU (sm90)")
+  r = references.get(case, size="gpu")
+  config = _config(r)
+  jax.clear_caches()  # a fallback warns when traced: trace this family's layer afresh
+  with warnings.catch_warnings(record=True) as caught, jax.default_matmul_precision("highest"):
+    warnings.simplefilter("always")
+    layer = hf.moe_layer(config, _state(r), param_dtype=jnp.float32, dtype=jnp.bfloat16,
+                         backend="mosaic_gpu")
+    y, logits, g_x, g_params = _value_and_grads(
+        layer, jnp.asarray(r["input"], jnp.bfloat16), jnp.asarray(r["cotangent"], jnp.float32))
+    errs = _errors(config, r, y, logits, g_x, g_params)
+  fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+  assert not fallbacks, fallbacks
+  worst = max((k for k in errs if k.startswith("grad")), key=errs.get)
+  print(f"\n{case} (bfloat16, mosaic_gpu): output {errs['output']:.1e}, worst gradient "
+        f"{errs[worst]:.1e} ({worst})")
+  bad = {k: v for k, v in errs.items() if not v <= GPU_TOL}
+  assert not bad, f"{case}: relative errors above {GPU_TOL}: {bad}"
