@@ -243,16 +243,23 @@ def kernels_table(runs):
 
 
 def token_rounding_table(run):
-  lines = ["| config (T,d,n,E,K) | routing | pairs | padding rows | expert GEMMs ms (TF/s) | "
-           "speed-up vs top-K | route+layout ms | layer forward ms (TF/s) | speed-up vs top-K |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| config (T,d,n,E,K) | routing | padding rows | expert GEMMs ms (TF/s) | "
+           "speed-up vs top-K | route+layout ms (× top-K) | layer forward ms | speed-up vs "
+           "top-K | training step ms (TF/s) | speed-up vs top-K |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for res in run["configs"]:
     for r in res["routings"]:
+      route = f"{r['route_layout_ms']:.3f}"
+      if "route_layout_vs_top_k" in r:
+        route += f" ({r['route_layout_vs_top_k']:.2f}×)"
+      step = "–", "–"
+      if "step_ms" in r:
+        step = f"{r['step_ms']:.3f} ({r['step_tflops']:.0f})", f"{r['step_speedup']:.3f}×"
       lines.append(
-          f"| {_cfg(res['config'])} | {r['routing']} | {r['pairs']} | "
+          f"| {_cfg(res['config'])} | {r['routing']} | "
           f"{100 * r['padding_fraction']:.1f}% | {r['gemm_ms']:.3f} ({r['gemm_tflops']:.0f}) | "
-          f"{r['gemm_speedup']:.3f}× | {r['route_layout_ms']:.3f} | "
-          f"{r['forward_ms']:.3f} ({r['forward_tflops']:.0f}) | {r['forward_speedup']:.3f}× |")
+          f"{r['gemm_speedup']:.3f}× | {route} | {r['forward_ms']:.3f} | "
+          f"{r['forward_speedup']:.3f}× | {step[0]} | {step[1]} |")
   return "\n".join(lines)
 
 
@@ -339,7 +346,8 @@ def benchmarks_md(found):
                  "the grouped GEMMs that hold no (token, expert) pair, as a fraction of the pairs; "
                  "\"expert GEMMs\": up-projection (with its row gather and activation) plus "
                  "down-projection on the routing's layout; \"route+layout\": router, top-K or "
-                 "rounding, grouped layout.\n\n" + token_rounding_table(run) + "\n")
+                 "rounding, grouped layout; \"training step\": the layer's forward and backward "
+                 "(the gradients of x, the router and the expert weights).\n\n" + token_rounding_table(run) + "\n")
   if found["options"]:
     run = found["options"][-1]
     parts.append(f"## Model-family options\n\n{runs_legend([('run', run)])}. The layer "

@@ -9,10 +9,12 @@ On a GPU machine: `PYTHONPATH=$PWD python3 -m benchmarks.token_rounding_bench --
 For each configuration and routing (top-K, then each token-rounding mode): the (token, expert)
 pairs after routing, the padding rows of the tile-aligned layout, the time of the expert GEMMs
 alone (up-projection with its activation and down-projection on the routing's layout: the paper's
-"kernel execution time"), of the routing (router, top-K, rounding, layout), and of the layer's
-forward. TFLOP/s count the pairs actually computed, as SonicMoE's token-rounding benchmark does.
-The default configurations are the grid's high-sparsity ones and the paper's token-rounding shape
-(16384, 4096, 1024, 256, 8).
+"kernel execution time"), of the routing (router, top-K, rounding, layout), of the layer's forward
+and of its training step (forward and backward: the gradients of x, the router and the expert
+weights for a random output gradient). TFLOP/s count the pairs actually computed, as SonicMoE's
+token-rounding benchmark does. The default configurations are the grid's high-sparsity ones, the
+paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
+--kernel_trace adds each routing's route+layout kernels (device us per call).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
 from sonic_jax.layout import build_grouped_layout
 
-DEFAULT_CONFIGS = [(16384, 4096, 1024, 256, 8), (32768, 4096, 256, 256, 16),
+DEFAULT_CONFIGS = [(16384, 4096, 1024, 256, 8), (16384, 4096, 1024, 128, 8),
+                   (16384, 4096, 1024, 512, 8), (32768, 4096, 256, 256, 16),
                    (32768, 4096, 512, 256, 16), (40960, 768, 256, 128, 8),
                    (24576, 1536, 256, 128, 8)]
 
@@ -41,6 +44,7 @@ flags.DEFINE_string("backend", "auto", "sonic_jax backend")
 flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
 flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
+flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout kernels from a profiler trace")
 flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
 
@@ -52,7 +56,7 @@ def _time(fn, *args):
 def run_config(cfg, impl):
   _, d, n, e, k = cfg
   act = acts.get_activation("swiglu")
-  x, rw, w1, w2, _ = grid.random_problem(cfg, data=FLAGS.data)
+  x, rw, w1, w2, d_y = grid.random_problem(cfg, data=FLAGS.data)
   out = {"config": list(cfg), "row_tile": impl.row_tile, "routings": []}
   for mode in [None] + FLAGS.modes:
 
@@ -76,16 +80,24 @@ def run_config(cfg, impl):
     flops = 6 * pairs * d * n
     t_gemm, t_route = _time(gemms, x, w1, w2, layout), _time(route, x, rw)
     t_layer = _time(layer, x, rw, w1, w2)
+    t_step = _time(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
+    kernels = {}
+    if FLAGS.kernel_trace:
+      compiled, _ = timing.compile_fn(route, x, rw)
+      kernels = dict(timing.kernel_times(compiled, (x, rw), top=20))
     out["routings"].append({
         "routing": "top-K" if mode is None else f"token rounding ({mode})",
         "pairs": pairs, "rows": rows, "padding_fraction": (rows - pairs) / max(pairs, 1),
         "gemm_ms": t_gemm * 1e3, "gemm_tflops": flops / t_gemm / 1e12,
         "route_layout_ms": t_route * 1e3, "forward_ms": t_layer * 1e3,
-        "forward_tflops": flops / t_layer / 1e12})
+        "forward_tflops": flops / t_layer / 1e12, "step_ms": t_step * 1e3,
+        "step_tflops": 3 * flops / t_step / 1e12, "route_layout_kernels_us": kernels})
   base = out["routings"][0]
   for r in out["routings"]:
     r["gemm_speedup"] = base["gemm_ms"] / r["gemm_ms"]
     r["forward_speedup"] = base["forward_ms"] / r["forward_ms"]
+    r["route_layout_vs_top_k"] = r["route_layout_ms"] / base["route_layout_ms"]
+    r["step_speedup"] = base["step_ms"] / r["step_ms"]
   return out
 
 
@@ -102,6 +114,9 @@ def main(_):
     with open(path, "w") as f:
       json.dump(results, f, indent=1)
     print(report.token_rounding_table({"configs": results["configs"][-1:]}), flush=True)
+    for r in results["configs"][-1]["routings"]:
+      for name, us in r["route_layout_kernels_us"].items():
+        print(f"  {r['routing']:<26} {us:8.1f} us  {name[:100]}", flush=True)
   print(f"wrote {path}")
 
 
