@@ -138,8 +138,9 @@ def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
   # counters serialise on a GPU): the first sorted position of each expert that has pairs is where
   # its run begins (one unique scatter); an expert without pairs starts where the next one does.
   position = jnp.arange(num_pairs, dtype=jnp.int32)
-  run_begins = jnp.concatenate([jnp.ones((min(num_pairs, 1),), bool),
-                                sorted_expert[1:] != sorted_expert[:-1]])
+  run_begins = jnp.ones((num_pairs,), bool)
+  if num_pairs > 1:  # (no zero-size concatenate, as above)
+    run_begins = run_begins.at[1:].set(sorted_expert[1:] != sorted_expert[:-1])
   first = jnp.full((e_count + 1,), num_pairs, jnp.int32).at[  # positions inside a run: dropped
       jnp.where(run_begins, sorted_expert, e_count + 1)].set(position, mode="drop")
   starts_all = jax.lax.cummin(first, reverse=True)  # (E + 1,), E: 'no expert'
@@ -230,7 +231,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   if _use_block_ranks(method, expert_ids, e_count, num_extra, config.layout_kernel_max_experts):
     pair_row, row_pair, counts = _rows_by_block_ranks(expert_ids, e_count, row_tile, rows)
   else:
-    flat = jnp.concatenate([expert_ids.reshape(-1), extra_experts]).astype(jnp.int32)
+    flat = expert_ids.reshape(-1)
+    if num_extra:  # no zero-size concatenate: run eagerly, XLA:CPU crashes compiling one
+      flat = jnp.concatenate([flat, extra_experts.astype(jnp.int32)])
     flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
     pair_row, row_pair, counts = _rows_by_sort(flat, e_count, row_tile, rows)
   group_sizes = _round_up(counts, row_tile)

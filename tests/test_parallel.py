@@ -47,3 +47,8 @@ def test_flax_layer_with_expert_parallel_axis_matches_single_device(scheme):
 def test_flax_layer_under_set_mesh_matches_single_device(scheme):
   """No user shard_map: a jit program under jax.set_mesh on a (data, ep) mesh."""
   _run("ep_mesh_layer_check.py", scheme)
+
+
+@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
+def test_flax_layer_runs_eagerly_under_set_mesh_with_unplaced_parameters(scheme):
+  _run("ep_eager_check.py", scheme)

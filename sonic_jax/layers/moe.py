@@ -245,6 +245,10 @@ class MoE(nnx.Module):
     if axis not in token_axes or any(a not in mesh.axis_names for a in token_axes):
       raise ValueError(f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} "
                        f"and include the expert axis {axis!r}")
+    e_count = experts[1].shape[0]
+    if e_count % mesh.shape[axis]:
+      raise ValueError(f"num_experts={e_count} does not split over the {mesh.shape[axis]} devices "
+                       f"of expert_parallel_axis={axis!r}: make E a multiple of that axis' size")
     shards = math.prod(mesh.shape[a] for a in token_axes)
     if h.shape[0] % shards:
       raise ValueError(f"the layer's {h.shape[0]} tokens do not split over the {shards} devices of "
@@ -276,7 +280,10 @@ class MoE(nnx.Module):
                          padded_rows=whole, dropped_pairs=whole, probs=tokens)
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
                          out_specs=(tokens, stats_specs), check_vma=False)(
-                             _constrain(h, tokens, mesh), *experts)
+                             _constrain(h, tokens, mesh),
+                             # parameters as stored may be unplaced: put each where it goes
+                             *(None if v is None else _constrain(v, spec, mesh)
+                               for v, spec in zip(experts, specs)))
 
   def update_selection_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
