@@ -61,10 +61,10 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
 
 The routers (`layer_kwargs`' routing, a `Router`):
 
-  Mixtral, MiniMax, Qwen3-MoE, Hunyuan, Granite, ERNIE 4.5   Router("softmax"): softmax over E,
-      top-K, renormalised (Granite's softmax over the K selected logits is the same; ERNIE selects
-      on the probabilities plus its bias). Qwen2-MoE, Qwen3-Next, OLMoE, FlexOlmo: renormalised
-      as norm_topk_prob says; Jamba never.
+  Mixtral, MiniMax, Hunyuan, Granite, ERNIE 4.5   Router("softmax"): softmax over E, top-K,
+      renormalised (Granite's softmax over the K selected logits is the same; ERNIE selects on
+      the probabilities plus its bias). Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, FlexOlmo:
+      renormalised as norm_topk_prob says; Jamba never.
   DeepSeek-V2    Router("softmax", renormalize=norm_topk_prob, routed_scaling_factor); topk_method
       "group_limited_greedy": n_group, topk_group, group_score="max".
   DeepSeek-V3, GLM-4.5, dots.llm1    Router("sigmoid", renormalize=norm_topk_prob,
