@@ -22,9 +22,12 @@ Array = jax.Array
 class MoEAux(NamedTuple):
   """What `moe` returns beside the output: routing results and the router's auxiliary losses."""
 
-  expert_counts: Array  # (E,) int32: (token, expert) pairs routed to each expert
-  expert_ids: Array  # (T, K) int32
-  scores: Array  # (T, K) float32
+  # (E,) int32: (token, expert) pairs routed to each expert (after token rounding, before any
+  # capacity drop: the load that `update_selection_bias` balances)
+  expert_counts: Array
+  # (T, K) int32: -1 where token rounding or (on one device) a capacity dropped the pair
+  expert_ids: Array
+  scores: Array  # (T, K) float32: 0 where the pair was dropped
   router_logits: Array  # (T, E) float32
   load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
   z_loss: Array  # () float32: mean logsumexp(logits)^2
@@ -39,6 +42,9 @@ class MoEAux(NamedTuple):
   # (T, E) the router's per-token distribution the balance losses use (softmax; sigmoid gates
   # normalised over E), for `sonic_jax.routing.sequence_balance_loss`.
   probs: Array | None = None
+  # (T, K) int32: the router's token-choice selection before token rounding or a capacity drop
+  # (`sonic_jax.moe`; None from the parallel ops)
+  choice_ids: Array | None = None
 
 
 def _check_float(name, a):
@@ -166,7 +172,7 @@ def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra
 class ExpertsAux(NamedTuple):
   """What `routed_experts` returns beside the output."""
 
-  expert_counts: Array  # (E,) int32: pairs each expert computed
+  expert_counts: Array  # (E,) int32: pairs routed to each expert, before any capacity drop
   expert_ids: Array  # (T, S) int32: the ids given, -1 where the capacity dropped the pair
   padded_rows: Array  # () int32: rows of the grouped GEMMs that hold no pair
   dropped_pairs: Array  # () int32: pairs dropped by the capacity (0 without one)
@@ -213,18 +219,18 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
     layout, kept, _, counts, dropped = _layout_with_capacity(ids_in, e_count, impl.row_tile, None,
                                                              None, capacity, config)
     kept = kept[:expert_ids.size, 0].reshape(expert_ids.shape)
-    if t_count and d:
+    if t_count and d and num_pairs:
       y = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1,
                                  w2, b1, b2, act, gate_up_layout, impl))
   else:
     layout, kept, _, counts, dropped = _layout_with_capacity(
         expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config)
-    if t_count and d:
+    if t_count and d and num_pairs:
       y = expert_mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout,
                          impl)
-  if not (t_count and d):  # no tokens, or d = 0: the output is empty and no expert has work
+  if not (t_count and d and num_pairs):  # no tokens, d = 0 or no pairs: no expert has work
     y = jnp.zeros_like(x)
-  aux = ExpertsAux(expert_counts=layout.expert_counts, expert_ids=kept,
+  aux = ExpertsAux(expert_counts=counts, expert_ids=kept,
                    padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
                    dropped_pairs=dropped)
   return y, aux, counts
@@ -378,8 +384,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
                                                   selection_bias, config=config,
                                                   router_bias=router_bias)
-  routed, _ = routing_lib.route_tokens(logits, top_k, router, selection_bias, token_rounding,
-                                       impl.row_tile, ids)
+  routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
+                                            token_rounding, impl.row_tile, ids)
   extra = routing_lib.extra_scores_or_none(routed)
   extras = (None, None, None) if extra is None else (routed.extra_tokens, routed.extra_experts,
                                                      extra)
@@ -390,7 +396,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   aux = MoEAux(
       expert_counts=experts_aux.expert_counts,
       expert_ids=experts_aux.expert_ids,
-      scores=routed.scores,
+      scores=(routed.scores if capacity_factor is None
+              else jnp.where(experts_aux.expert_ids >= 0, routed.scores, 0.0)),
       router_logits=logits,
       load_balance_loss=no_tokens(routing_lib.load_balance_loss(routed.probs, routed_counts)),
       z_loss=no_tokens(routing_lib.z_loss(logits)),
@@ -400,5 +407,6 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       padded_rows=experts_aux.padded_rows,
       dropped_pairs=experts_aux.dropped_pairs,
       probs=routed.probs,
+      choice_ids=choice.expert_ids,
   )
   return y, aux

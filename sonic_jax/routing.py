@@ -285,6 +285,7 @@ def route(logits: Array, top_k: int, routing: str | Router,
   come from these logits.
   """
   router = get_router(routing)
+  router.check(logits.shape[-1], top_k)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)

@@ -126,8 +126,11 @@ def test_capacity_keeps_each_experts_first_pairs_in_token_order(rng):
           kept[t, k] = -1
     np.testing.assert_array_equal(np.asarray(aux.expert_ids), kept)
     assert int(aux.dropped_pairs) == int(np.sum(kept < 0)) > 0
+    # expert_counts: the routed load (what a selection-bias update balances), before the drop
     np.testing.assert_array_equal(np.asarray(aux.expert_counts),
-                                  np.minimum(np.bincount(ids.reshape(-1), minlength=4), cap))
+                                  np.bincount(ids.reshape(-1), minlength=4))
+    np.testing.assert_array_equal(np.asarray(aux.choice_ids), ids)
+    assert np.all(np.asarray(aux.scores)[kept < 0] == 0)
     masked = lambda l: jnp.where(jnp.asarray(kept) >= 0, weights(l), 0.0)
     ref = lambda x, rw, w1, w2: moe_reference_weights(x, rw, w1, w2, None, None, None, ids,
                                                       masked, activation="swiglu",
@@ -255,6 +258,19 @@ def test_balance_losses_follow_their_formulas(rng):
 def test_bad_router_fields_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
     Router(**kwargs)
+
+
+def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
+  """No pair at all (S = 0, no extra pairs) gives zeros and zero gradients; `route` refuses a
+  Router that cannot pick K experts from the kept groups."""
+  x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((6, 16), (4, 16, 16), (4, 8, 16)))
+  f = lambda x: sonic_jax.routed_experts(x, jnp.zeros((6, 0), jnp.int32), jnp.zeros((6, 0)), w1,
+                                         w2, backend="xla")[0]
+  assert not np.any(np.asarray(jax.jit(f)(x)))
+  assert not np.any(np.asarray(jax.grad(lambda x: jnp.sum(f(x)))(x)))
+  with pytest.raises(ValueError, match="exceeds the experts"):
+    sonic_jax.route(jnp.zeros((3, 8)), 3, Router(n_group=4, topk_group=1))
 
 
 def test_bad_routing_arguments_are_refused_by_name(rng):

@@ -62,7 +62,9 @@ class MoE(nnx.Module):
       per token (Qwen2-MoE, Qwen3-Next).
     load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
     balance_loss: "batch" (Switch: E * sum_e f_e P_e over all the call's tokens) or "sequence"
-      (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d)).
+      (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d); one device,
+      no expert_parallel_axis). "sequence" counts the router's token-choice pairs, "batch" the
+      pairs after token rounding; neither loses the pairs a capacity drops.
     bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `SelectionBias` that moves the
       selection, updated by `update_selection_bias` outside the gradient.
     token_rounding: None, "down", "up" or "nearest": tile-aware token rounding while training
@@ -125,6 +127,9 @@ class MoE(nnx.Module):
       raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
     if balance_loss not in ("batch", "sequence"):
       raise ValueError(f"balance_loss must be 'batch' or 'sequence', got {balance_loss!r}")
+    if balance_loss == "sequence" and expert_parallel_axis is not None:
+      raise ValueError("balance_loss='sequence' is computed on one device's sequences: use "
+                       "balance_loss='batch' with expert_parallel_axis")
     if shared_expert_gate and not num_shared_experts:
       raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
     self.top_k, self.activation, self.routing = top_k, act, router
@@ -209,9 +214,12 @@ class MoE(nnx.Module):
       if self.shared_gate is not None:
         shared = shared * jax.nn.sigmoid(dot_f32(h, cast(self.shared_gate)))
       y = y + shared.astype(dtype)
-    if self.balance_loss == "sequence":
-      sequence_loss = routing_lib.sequence_balance_loss(
-          stats.probs.reshape(*lead, -1), stats.expert_ids.reshape(*lead, -1))
+    if self.balance_loss == "sequence":  # on the token-choice routing, as the batch loss
+      e_count = self.router.shape[1]
+      sequence_loss = jnp.zeros((), jnp.float32)
+      if h.shape[0]:
+        sequence_loss = routing_lib.sequence_balance_loss(
+            stats.probs.reshape(*lead, e_count), stats.choice_ids.reshape(*lead, self.top_k))
       stats = stats._replace(load_balance_loss=sequence_loss)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
