@@ -176,6 +176,8 @@ class ExpertsAux(NamedTuple):
   expert_ids: Array  # (T, S) int32: the ids given, -1 where the capacity dropped the pair
   padded_rows: Array  # () int32: rows of the grouped GEMMs that hold no pair
   dropped_pairs: Array  # () int32: pairs dropped by the capacity (0 without one)
+  # (X,) int32: the extra pairs' experts, E where unused or dropped by the capacity (None: none)
+  extra_experts: Array | None = None
 
 
 def _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores):
@@ -216,14 +218,16 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
   if scale_input:
     x_in, ids_in, combine = _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts,
                                            extra_scores)
-    layout, kept, _, counts, dropped = _layout_with_capacity(ids_in, e_count, impl.row_tile, None,
-                                                             None, capacity, config)
-    kept = kept[:expert_ids.size, 0].reshape(expert_ids.shape)
+    layout, kept_all, _, counts, dropped = _layout_with_capacity(
+        ids_in, e_count, impl.row_tile, None, None, capacity, config)
+    kept = kept_all[:expert_ids.size, 0].reshape(expert_ids.shape)
+    kept_extra = None if extra_tokens is None else jnp.where(
+        kept_all[expert_ids.size:, 0] >= 0, kept_all[expert_ids.size:, 0], e_count)
     if t_count and d and num_pairs:
       y = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1,
                                  w2, b1, b2, act, gate_up_layout, impl))
   else:
-    layout, kept, _, counts, dropped = _layout_with_capacity(
+    layout, kept, kept_extra, counts, dropped = _layout_with_capacity(
         expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config)
     if t_count and d and num_pairs:
       y = expert_mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout,
@@ -232,7 +236,7 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
     y = jnp.zeros_like(x)
   aux = ExpertsAux(expert_counts=counts, expert_ids=kept,
                    padded_rows=jnp.sum(layout.group_sizes - layout.expert_counts),
-                   dropped_pairs=dropped)
+                   dropped_pairs=dropped, extra_experts=kept_extra)
   return y, aux, counts
 
 
@@ -286,7 +290,8 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
     w1, w2, b1, b2, activation, gate_up_layout, backend, config: as `moe`.
     extra_tokens, extra_experts, extra_scores: optional (X,) (token, expert, weight) triples beyond
       the slots, for routings with no per-token bound (expert choice: expert e's C tokens, with
-      expert_ids of shape (T, 0)). Unused entries: expert id outside [0, E).
+      expert_ids of shape (T, 0)). Unused entries: expert id outside [0, E) or token outside
+      [0, T).
     scale_input: Llama 4's form, each expert sees score * x_t and its output is summed with weight
       1. With one slot and no extra pairs the scaled tokens feed the kernels directly; otherwise
       every pair becomes a scaled row (S * T rows of x in memory).
@@ -316,7 +321,10 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   expert_ids = jnp.asarray(expert_ids).astype(jnp.int32)
   if extra_tokens is not None:
     extra_tokens = jnp.asarray(extra_tokens).astype(jnp.int32)
-    extra_experts = jnp.asarray(extra_experts).astype(jnp.int32)
+    e_count = w1.shape[0]
+    # an entry is unused if its expert or its token is out of range
+    extra_experts = jnp.where((extra_tokens >= 0) & (extra_tokens < x.shape[0]),
+                              jnp.asarray(extra_experts).astype(jnp.int32), e_count)
     extra_scores = jnp.asarray(extra_scores).astype(scores.dtype)
   y, aux, _ = _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
                        extra_tokens, extra_experts, extra_scores, scale_input, capacity_factor)

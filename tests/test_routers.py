@@ -182,6 +182,7 @@ def test_routed_experts_takes_expert_choice_pairs_and_differentiates_scores(rng)
     y_ref, ref_vjp = jax.vjp(ref, a["x"], a["router_weight"], a["w1"], a["w2"])
     g_ref = ref_vjp(_f64(d_y))
   np.testing.assert_array_equal(np.asarray(aux.expert_counts), [C] * E)
+  np.testing.assert_array_equal(np.asarray(aux.extra_experts), np.repeat(np.arange(E), C))
   assert rel_err(y, y_ref) < TOL
   for g, r in zip(grads, g_ref):
     assert rel_err(g, r) < TOL
@@ -269,6 +270,12 @@ def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
                                          w2, backend="xla")[0]
   assert not np.any(np.asarray(jax.jit(f)(x)))
   assert not np.any(np.asarray(jax.grad(lambda x: jnp.sum(f(x)))(x)))
+  # an extra pair whose token is out of range is unused: no output, not counted
+  y, aux = sonic_jax.routed_experts(x, jnp.zeros((6, 0), jnp.int32), jnp.zeros((6, 0)), w1, w2,
+                                    extra_tokens=jnp.array([1, 6]), extra_experts=jnp.array([2, 3]),
+                                    extra_scores=jnp.ones(2), capacity_factor=1.0, backend="xla")
+  np.testing.assert_array_equal(np.asarray(aux.expert_counts), [0, 0, 1, 0])
+  np.testing.assert_array_equal(np.asarray(aux.extra_experts), [2, 4])
   with pytest.raises(ValueError, match="exceeds the experts"):
     sonic_jax.route(jnp.zeros((3, 8)), 3, Router(n_group=4, topk_group=1))
 
