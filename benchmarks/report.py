@@ -347,7 +347,8 @@ def benchmarks_md(found):
                  "\"expert GEMMs\": up-projection (with its row gather and activation) plus "
                  "down-projection on the routing's layout; \"route+layout\": router, top-K or "
                  "rounding, grouped layout; \"training step\": the layer's forward and backward "
-                 "(the gradients of x, the router and the expert weights).\n\n" + token_rounding_table(run) + "\n")
+                 "(the gradients of x, the router and the expert weights).\n\n"
+                 + token_rounding_table(run) + "\n")
   if found["options"]:
     run = found["options"][-1]
     parts.append(f"## Model-family options\n\n{runs_legend([('run', run)])}. The layer "

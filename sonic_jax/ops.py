@@ -63,26 +63,20 @@ def _check_array(name, a):
   _check_float(name, a)
 
 
-def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-              num_local_experts=None, selection_bias=None, routing="softmax_topk",
-              router_bias=None):
-  """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
-  `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
-  for name, a in (("x", x), ("router_weight", router_weight), ("w1", w1), ("w2", w2)):
+def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
+  """Checks x and the expert weights (E = e_count, or w1's first dim when None); returns the
+  `Activation`."""
+  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
     _check_array(name, a)
   act = acts.get_activation(activation)
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
   _check_rank("x", x, 2, "(T, d)")
-  t_count, d = x.shape
-  _check_rank("router_weight", router_weight, 2, f"(d, E) = ({d}, E)")
-  if router_weight.shape[0] != d:
-    raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
-                     f"got {tuple(router_weight.shape)}")
-  e_router = router_weight.shape[1]
-  e_count = e_router if num_local_experts is None else num_local_experts
+  _, d = x.shape
   mult = act.width_multiplier()
-  _check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = ({e_count}, {d}, ...)")
+  _check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = "
+                          f"({'E' if e_count is None else e_count}, {d}, ...)")
+  e_count = w1.shape[0] if e_count is None else e_count
   if w1.shape[0] != e_count or w1.shape[1] != d:
     raise ValueError(f"w1 must have shape (E, d, {'2n' if act.is_glu else 'n'}) with E = {e_count}, "
                      f"d = {d}, got {tuple(w1.shape)}")
@@ -113,6 +107,25 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
       raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
     if b.dtype != x.dtype:
       raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
+  return act
+
+
+def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+              num_local_experts=None, selection_bias=None, routing="softmax_topk",
+              router_bias=None):
+  """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
+  `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
+  for name, a in (("x", x), ("router_weight", router_weight)):
+    _check_array(name, a)
+  _check_rank("x", x, 2, "(T, d)")
+  d = x.shape[1]
+  _check_rank("router_weight", router_weight, 2, f"(d, E) = ({d}, E)")
+  if router_weight.shape[0] != d:
+    raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
+                     f"got {tuple(router_weight.shape)}")
+  e_router = router_weight.shape[1]
+  act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout,
+                       e_router if num_local_experts is None else num_local_experts)
   if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
     raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
   if not 1 <= top_k <= e_router:
@@ -302,14 +315,8 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   Returns:
     (y, aux): y (T, d) in x's dtype; aux an `ExpertsAux`.
   """
-  act = acts.get_activation(activation)
-  _check_array("x", x)
-  _check_rank("x", x, 2, "(T, d)")
+  act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
   _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores)
-  # the expert weights' checks, with a stand-in router of the right shape
-  e_count = w1.shape[0] if getattr(w1, "ndim", 0) == 3 else 1
-  _validate(x, jax.ShapeDtypeStruct((x.shape[1], e_count), x.dtype), w1, w2, b1, b2, 1,
-            act, gate_up_layout)
   _check_capacity(capacity_factor)
   if scale_input and not isinstance(scale_input, bool):
     raise TypeError(f"scale_input must be a bool, got {type(scale_input).__name__}")

@@ -61,7 +61,7 @@ def _reference_python() -> tuple[str | None, str]:
 
 
 class References:
-  """The reference arrays per (case, size), computed once per session."""
+  """The reference arrays per (case, size), computed once per test run."""
 
   def __init__(self, directory):
     self.directory = str(directory)
@@ -97,7 +97,7 @@ class References:
       return {k: z[k] for k in z.files}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # every test of this file shares one
 def references(tmp_path_factory):
   # SONIC_JAX_REFERENCE_DIR: reference files written by `hf_reference.py --out DIR/<size>` on
   # another machine (a GPU machine whose transformers lacks a family reads them from there).
