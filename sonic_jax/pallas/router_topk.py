@@ -23,14 +23,9 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sonic_jax.pallas import next_pow2
+from sonic_jax.pallas import TRITON_AVAILABLE, next_pow2, pltriton
 
-try:  # Pallas's Triton lowering is deprecated in jax 0.11; without it routing uses lax.top_k.
-  from jax.experimental.pallas import triton as pltriton
-  AVAILABLE = True
-except ImportError:  # pragma: no cover
-  pltriton = None
-  AVAILABLE = False
+AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering routing uses lax.top_k
 
 MAX_EXPERTS = 1024
 MAX_K = 32  # the selection loop is unrolled k times
