@@ -98,22 +98,23 @@ def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
 LAYOUT_METHODS = ("auto", "sort", "block_ranks")
 
 
-def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0) -> str | None:
+def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0,
+                           extras_by_expert: bool = False) -> str | None:
   """None when `build_grouped_layout(method="block_ranks")` handles this routing, else why not."""
-  if num_extra:
-    return "the block-rank kernel takes no extra pairs (token rounding)"
+  if num_extra and not extras_by_expert:
+    return "the block-rank method places extra pairs only when they come grouped by expert"
   if not layout_ranks.AVAILABLE:
     return "Pallas's Triton lowering is not available"
   return layout_ranks.supports(expert_ids, num_experts)
 
 
 def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra: int,
-                     max_experts: int) -> bool:
+                     extras_by_expert: bool, max_experts: int) -> bool:
   if method not in LAYOUT_METHODS:
     raise ValueError(f"method must be one of {LAYOUT_METHODS}, got {method!r}")
   if method == "sort":
     return False
-  reason = block_ranks_unsupported(expert_ids, num_experts, num_extra)
+  reason = block_ranks_unsupported(expert_ids, num_experts, num_extra, extras_by_expert)
   if method == "block_ranks":
     if reason is not None:
       raise ValueError(f"build_grouped_layout(method='block_ranks'): {reason}")
@@ -170,40 +171,57 @@ def _exclusive_cumsum_rows(x: Array, group: int = 32) -> Array:
   return before.reshape(-1, x.shape[1])[:blocks]
 
 
-def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: int):
-  """`_rows_by_sort` of the slot pairs alone as a counting sort: per token block, each expert's
-  pair count and each pair's rank among the block's pairs of its expert (one Pallas kernel,
-  `sonic_jax.pallas.layout_ranks`), then a prefix sum over blocks. Same layout, no sort."""
+def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: int,
+                         extra_used: Array | None = None):
+  """`_rows_by_sort` as a counting sort: per token block, each expert's pair count and each pair's
+  rank among the block's pairs of its expert (one Pallas kernel, `sonic_jax.pallas.layout_ranks`),
+  then a prefix sum over blocks. Same layout, no sort. extra_used (E, J) bool, optional: extra
+  pairs grouped by expert (entry (e, j) is expert e's or unused), placed after each expert's slot
+  pairs in order."""
   num_tokens, slots = expert_ids.shape
   interpret = jax.default_backend() != "gpu"
   ranks, block_counts = layout_ranks.block_ranks(expert_ids, e_count, interpret=interpret)
   bt = layout_ranks.block_tokens(e_count)
-  counts = jnp.sum(block_counts, axis=0)
-  block_starts = _exclusive_cumsum_rows(block_counts) + _expert_row_starts(counts, row_tile)
+  slot_counts = jnp.sum(block_counts, axis=0)
+  counts = slot_counts
+  if extra_used is not None:
+    counts = counts + jnp.sum(extra_used, axis=1, dtype=jnp.int32)
+  row_starts = _expert_row_starts(counts, row_tile)
+  block_starts = _exclusive_cumsum_rows(block_counts) + row_starts
   valid = (expert_ids >= 0) & (expert_ids < e_count)
   block = jax.lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0) // bt
   pair_row = block_starts[block, jnp.clip(expert_ids, 0, e_count - 1)] + ranks
-  pair = jnp.arange(num_tokens * slots, dtype=jnp.int32)
+  pair_row = jnp.where(valid, pair_row, rows).reshape(-1)
+  if extra_used is not None:
+    used = extra_used.astype(jnp.int32)
+    extra_row = (row_starts + slot_counts)[:, None] + jnp.cumsum(used, axis=1) - used
+    pair_row = jnp.concatenate(
+        [pair_row, jnp.where(extra_used, extra_row, rows).reshape(-1).astype(jnp.int32)])
+  pair = jnp.arange(pair_row.shape[0], dtype=jnp.int32)
   # Pairs routed nowhere point past the buffer, each at its own index: a scatter of unique
   # indices needs no atomics.
-  target = jnp.where(valid.reshape(-1), pair_row.reshape(-1), rows + pair)
+  target = jnp.where(pair_row < rows, pair_row, rows + pair)
   row_pair = jnp.full((rows,), -1, jnp.int32).at[target].set(
       pair, mode="drop", unique_indices=True)
-  return jnp.where(valid, pair_row, rows).reshape(-1), row_pair, counts
+  return pair_row, row_pair, counts
 
 
 def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          extra_tokens: Array | None = None,
-                         extra_experts: Array | None = None, *,
+                         extra_experts: Array | None = None, *, extras_by_expert: bool = False,
                          method: str = "auto", config: Config | None = None) -> GroupedLayout:
   """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
 
   extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
-  expert id outside [0, E) marks an unused entry. A token may appear in any number of them.
+  expert id outside [0, E) marks an unused entry. A token may appear in any number of them. An
+  expert's extra pairs follow its slot pairs, in list order.
+  extras_by_expert: the extra pairs come grouped by expert as token rounding gives them: X = E * J
+  and entry x is expert x // J's or unused (an entry naming any other expert counts as unused);
+  then the "block_ranks" method places them with no sort.
   method: how pairs are grouped, the same layout either way. "sort": a stable sort of the expert
   ids. "block_ranks": a counting sort whose per-block counts and ranks come from a Pallas kernel
-  (interpreted off the GPU; no extra pairs, E <= 1024, S <= 32). "auto" (default): "block_ranks"
-  on a GPU where it applies and E, rounded up to a power of two, is at most
+  (interpreted off the GPU; extra pairs only by expert, E <= 1024, S <= 32). "auto" (default):
+  "block_ranks" on a GPU where it applies and E, rounded up to a power of two, is at most
   `config.layout_kernel_max_experts` (faster there: one kernel instead of a radix sort and about
   ten small XLA kernels), "sort" otherwise.
   """
@@ -228,8 +246,18 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   expert_ids = expert_ids.astype(jnp.int32)
   extra_used = (extra_experts >= 0) & (extra_experts < e_count)
 
-  if _use_block_ranks(method, expert_ids, e_count, num_extra, config.layout_kernel_max_experts):
-    pair_row, row_pair, counts = _rows_by_block_ranks(expert_ids, e_count, row_tile, rows)
+  if extras_by_expert and num_extra:
+    if num_extra % e_count:
+      raise ValueError(
+          f"extras_by_expert needs E * J extra pairs, got {num_extra} for E={e_count}")
+    owner = jnp.arange(num_extra, dtype=jnp.int32) // (num_extra // e_count)
+    extra_used = extra_used & (extra_experts == owner)
+    extra_experts = jnp.where(extra_used, extra_experts, e_count)
+  if _use_block_ranks(method, expert_ids, e_count, num_extra, extras_by_expert,
+                      config.layout_kernel_max_experts):
+    extra_grid = extra_used.reshape(e_count, -1) if num_extra else None
+    pair_row, row_pair, counts = _rows_by_block_ranks(expert_ids, e_count, row_tile, rows,
+                                                      extra_grid)
   else:
     flat = expert_ids.reshape(-1)
     if num_extra:  # no zero-size concatenate: run eagerly, XLA:CPU crashes compiling one

@@ -156,14 +156,14 @@ def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) ->
 
 
 def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
-                          capacity, config):
+                          capacity, config, extras_by_expert=False):
   """The grouped layout after each expert keeps its first `capacity` pairs in pair order (token
   by token, slots in order, then the extra pairs), as Switch and MaxText drop.
 
   Returns (layout, kept expert ids (T, S), kept extra experts (X,), routed counts (E,) before the
   drop, dropped pairs ())."""
   layout = build_grouped_layout(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
-                                config=config)
+                                extras_by_expert=extras_by_expert, config=config)
   if capacity is None:
     return layout, expert_ids, extra_experts, layout.expert_counts, jnp.zeros((), jnp.int32)
   starts = jnp.cumsum(layout.group_sizes) - layout.group_sizes
@@ -178,7 +178,7 @@ def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra
     kept_extra = jnp.where(drop_extra, num_experts, extra_experts)
     dropped = dropped + jnp.sum(drop_extra, dtype=jnp.int32)
   kept_layout = build_grouped_layout(kept, num_experts, row_tile, extra_tokens, kept_extra,
-                                     config=config)
+                                     extras_by_expert=extras_by_expert, config=config)
   return kept_layout, kept, kept_extra, layout.expert_counts, dropped
 
 
@@ -220,8 +220,9 @@ def _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts, extra_sco
 
 def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
              extra_tokens=None, extra_experts=None, extra_scores=None, scale_input=False,
-             capacity_factor=None):
-  """The routed experts on a given routing: (y, ExpertsAux, routed counts before any drop)."""
+             capacity_factor=None, extras_by_expert=False):
+  """The routed experts on a given routing: (y, ExpertsAux, routed counts before any drop).
+  extras_by_expert: the extra pairs come grouped by expert (`build_grouped_layout`)."""
   t_count, d = x.shape
   e_count = w1.shape[0]
   num_pairs = expert_ids.size + (0 if extra_tokens is None else extra_tokens.shape[0])
@@ -241,7 +242,8 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
                                  w2, b1, b2, act, gate_up_layout, impl))
   else:
     layout, kept, kept_extra, counts, dropped = _layout_with_capacity(
-        expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config)
+        expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config,
+        extras_by_expert)
     if t_count and d and num_pairs:
       y = expert_mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout,
                          impl)
@@ -406,7 +408,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
                                                      extra)
   y, experts_aux, routed_counts = _experts(
       x, routed.expert_ids, routed.scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
-      *extras, scale_input=router.scale_input, capacity_factor=capacity_factor)
+      *extras, scale_input=router.scale_input, capacity_factor=capacity_factor,
+      extras_by_expert=token_rounding is not None)
   no_tokens = lambda loss: loss if t_count else jnp.zeros((), loss.dtype)  # a mean over none
   aux = MoEAux(
       expert_counts=experts_aux.expert_counts,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from sonic_jax import precision
 from sonic_jax.config import Config, check_config
-from sonic_jax.pallas import router_topk
+from sonic_jax.pallas import next_pow2, rounding_select, router_topk
 from sonic_jax.precision import dot_f32
 
 Array = jax.Array
@@ -344,7 +344,7 @@ def z_loss(logits: Array) -> Array:
 
 # Token rounding (SonicMoE, DESIGN.md section 4): a training-time router that moves each expert's
 # number of tokens to a multiple of the grouped GEMM's row tile, so no tile is partly padding.
-TOKEN_ROUNDINGS = ("down", "up", "nearest")
+TOKEN_ROUNDINGS = rounding_select.MODES  # ("down", "up", "nearest")
 
 
 def rounding_unsupported(routing: str | Router) -> str | None:
@@ -362,8 +362,9 @@ def rounding_unsupported(routing: str | Router) -> str | None:
 
 class RoundedRouting(NamedTuple):
   """A routing after token rounding: the K slots of token choice, minus the pairs rounding dropped,
-  plus X extra (token, expert) pairs that rounding added (at most `tile - 1` per expert, sorted by
-  token)."""
+  plus X = E * J extra (token, expert) pairs that rounding added, J = `extra_pairs_per_expert`:
+  entries [e * J, (e + 1) * J) are expert e's, its added tokens in increasing order, then unused
+  entries."""
 
   scores: Array  # (T, K) float32: kept pairs keep their token-choice score, dropped pairs 0
   expert_ids: Array  # (T, K) int32: -1 where the pair was dropped
@@ -373,39 +374,92 @@ class RoundedRouting(NamedTuple):
   probs: Array  # (T, E) router probabilities (softmax over all E)
 
 
-def extra_pairs_per_expert(mode: str, tile: int) -> int:
-  """Static bound on the pairs that rounding adds to one expert."""
-  return {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
+def extra_pairs_per_expert(mode: str, tile: int, num_tokens: int | None = None) -> int:
+  """Static bound J on the pairs that rounding adds to one expert (at most T when given)."""
+  return rounding_select.added_bound(mode, tile, num_tokens)
 
 
-def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
+ROUNDING_METHODS = ("auto", "kernel", "xla")
+
+
+def _rounding_kernel_unsupported(num_tokens: int, num_experts: int, per_expert: int) -> str | None:
+  if not rounding_select.AVAILABLE:
+    return "Pallas's Triton lowering is not available"
+  return rounding_select.supports(num_tokens, num_experts, per_expert)
+
+
+def round_tokens(routed: RouterOutput, tile: int, mode: str,
+                 method: str = "auto") -> RoundedRouting:
   """Token rounding of a softmax token-choice routing to multiples of `tile` rows per expert.
 
   With f_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
   round-half-to-even ("nearest") of f_e / tile, times tile, capped at T. Each expert ranks the
   tokens as SonicMoE does: its token-choice (TC) tokens first, by their score, then the
-  other tokens by raw probability, and takes the first target-many. So rounding down drops an
-  expert's lowest-scored TC pairs and rounding up adds its most probable non-TC tokens; kept TC pairs
-  keep their score, added pairs get their raw softmax probability (both differentiable; the
-  selection is not). A token may end up with fewer or more than K experts, or none.
-  Static shapes: the added pairs live in an (E * extra_pairs_per_expert(mode, tile),) list.
+  other tokens by raw probability (ties to the lower token), and takes the first target-many. So
+  rounding down drops an expert's lowest-scored TC pairs and rounding up adds its most probable
+  non-TC tokens; kept TC pairs keep their score, added pairs get their raw softmax probability (both
+  differentiable; the selection is not). A token may end up with fewer or more than K experts, or
+  none. Static shapes: the added pairs live in an (E * extra_pairs_per_expert(mode, tile, T),)
+  list, grouped by expert (`RoundedRouting`).
+
+  method: "kernel" selects with one Pallas program per expert (`sonic_jax.pallas.rounding_select`,
+  interpreted off a GPU; T <= 65536), "xla" with XLA's sort and top-K over the (E, T) matrix (the
+  kernel's reference), "auto" (default) the kernel on a GPU where it applies, else XLA. The same
+  pairs either way.
   """
   if mode not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
   if tile < 1:
     raise ValueError(f"token rounding tile must be >= 1, got {tile}")
+  if method not in ROUNDING_METHODS:
+    raise ValueError(f"method must be one of {ROUNDING_METHODS}, got {method!r}")
+  probs, ids = routed.probs, routed.expert_ids
+  t_count = ids.shape[0]
+  e_count = probs.shape[1]
+  per_expert = extra_pairs_per_expert(mode, tile, t_count)
+  reason = _rounding_kernel_unsupported(t_count, e_count, per_expert)
+  if method == "kernel" and reason is not None:
+    raise ValueError(f"round_tokens(method='kernel'): {reason}")
+  use_kernel = method == "kernel" or (method == "auto" and reason is None
+                                      and jax.default_backend() == "gpu")
+  if use_kernel:
+    keep, added = _select_by_kernel(routed, tile, mode, per_expert)
+  else:
+    keep, added = _select_by_xla(routed, tile, mode, per_expert)
+  scores = jnp.where(keep, routed.scores, 0.0)
+  kept_ids = jnp.where(keep, ids, -1).astype(jnp.int32)
+  if per_expert == 0:
+    empty = jnp.zeros((0,), jnp.int32)
+    return RoundedRouting(scores, kept_ids, empty, empty, jnp.zeros((0,), scores.dtype), probs)
+  extra_tokens = added.reshape(-1)
+  used = extra_tokens < t_count
+  experts = jax.lax.broadcasted_iota(jnp.int32, added.shape, 0).reshape(-1)
+  extra_experts = jnp.where(used, experts, e_count)
+  extra_scores = jnp.where(used, probs[jnp.minimum(extra_tokens, t_count - 1), experts], 0.0)
+  return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
+
+
+def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: int):
+  """(keep (T, K) bool, added (E, J) int32) by `sonic_jax.pallas.rounding_select`."""
+  ids = routed.expert_ids
+  t_count = ids.shape[0]
+  keys = rounding_select.selection_keys(routed.probs, ids, routed.scores, next_pow2(t_count))
+  keep_tc, added = rounding_select.select(keys, num_tokens=t_count, tile=tile, mode=mode,
+                                          added_per_expert=per_expert,
+                                          interpret=jax.default_backend() != "gpu")
+  token = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+  return keep_tc[ids, token] > 0, added
+
+
+def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
+  """(keep (T, K) bool, added (E, J) int32): the ranking by a sort of the TC pairs and XLA's top-K
+  of the other tokens' probabilities."""
   probs, ids = routed.probs, routed.expert_ids
   t_count, k_count = ids.shape
   e_count = probs.shape[1]
   flat_ids = ids.reshape(-1)
   counts = expert_counts(ids, e_count)
-  if mode == "down":
-    target = counts // tile * tile
-  elif mode == "up":
-    target = jnp.minimum((counts + tile - 1) // tile * tile, t_count)
-  else:
-    target = jnp.minimum(jnp.round(counts / tile).astype(jnp.int32) * tile, t_count)
-
+  target = rounding_select.target_count(counts, tile, mode, t_count)
   # Rounding down: rank each expert's TC pairs by score (ties by pair order) and keep the first
   # target_e of them.
   keep = jnp.ones_like(flat_ids, dtype=bool)
@@ -418,31 +472,16 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str) -> RoundedRouting:
     rank = jnp.zeros_like(flat_ids).at[order].set(rank_sorted)
     keep = rank < target[flat_ids]
   keep = keep.reshape(t_count, k_count)
-  scores = jnp.where(keep, routed.scores, 0.0)
-  kept_ids = jnp.where(keep, ids, -1).astype(jnp.int32)
-
-  # Rounding up: each expert adds its most probable tokens that did not choose it.
-  per_expert = extra_pairs_per_expert(mode, tile)
   if per_expert == 0:
-    empty = jnp.zeros((0,), jnp.int32)
-    return RoundedRouting(scores, kept_ids, empty, empty, jnp.zeros((0,), scores.dtype), probs)
-  per_expert = min(per_expert, t_count)
+    return keep, jnp.zeros((e_count, 0), jnp.int32)
+  # Rounding up: each expert adds its most probable tokens that did not choose it.
   chose = jnp.zeros((t_count, e_count), bool).at[
       jnp.arange(t_count)[:, None], ids].set(True)
   candidates = jnp.where(chose, -jnp.inf, jax.lax.stop_gradient(probs)).T  # (E, T)
   best, tokens = jax.lax.top_k(candidates, per_expert)  # (E, J)
   need = jnp.maximum(target - counts, 0)
   used = (jnp.arange(per_expert)[None, :] < need[:, None]) & (best > -jnp.inf)
-  experts = jnp.broadcast_to(jnp.arange(e_count, dtype=jnp.int32)[:, None], used.shape)
-  extra_tokens = jnp.where(used, tokens, t_count).reshape(-1).astype(jnp.int32)
-  extra_experts = jnp.where(used, experts, e_count).reshape(-1)
-  by_token = jnp.argsort(extra_tokens, stable=True)  # token order: locality in the aggregation
-  extra_tokens, extra_experts = extra_tokens[by_token], extra_experts[by_token]
-  ok = extra_tokens < t_count
-  extra_scores = jnp.where(
-      ok, probs[jnp.minimum(extra_tokens, t_count - 1), jnp.minimum(extra_experts, e_count - 1)],
-      0.0)
-  return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
+  return keep, jnp.sort(jnp.where(used, tokens, t_count).astype(jnp.int32), axis=1)
 
 
 def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,

@@ -77,6 +77,38 @@ def test_counting_sort_layout_equals_sorted_layout(rng, compiled, t, s, e, row_t
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+@pytest.mark.parametrize("compiled", MODES)
+@pytest.mark.parametrize("row_tile", [1, 32])
+@pytest.mark.parametrize("t,s,e,j", [(300, 2, 8, 16), (129, 1, 1, 4), (70, 4, 100, 3),
+                                     (5, 2, 3, 1)])
+def test_counting_sort_places_extras_grouped_by_expert(rng, compiled, t, s, e, j, row_tile):
+  """Extra pairs grouped by expert (token rounding's lists, with unused entries anywhere and an
+  entry naming another expert, which the grouping makes unused): the counting sort places them
+  as the stable sort does."""
+  if compiled != ON_GPU:
+    pytest.skip("compiled on a GPU, interpreted elsewhere")
+  if compiled:
+    t = t * 37
+  ids = _ids(rng, t, s, e, "unrouted")
+  tokens = rng.integers(0, t, (e, j))
+  experts = np.broadcast_to(np.arange(e)[:, None], (e, j)).copy()
+  experts[rng.random((e, j)) < 0.3] = e  # unused
+  experts[0, 0] = min(1, e - 1) if e > 1 else e  # another expert's entry in expert 0's group
+  tokens, experts = (jnp.asarray(a.reshape(-1), jnp.int32) for a in (tokens, experts))
+  build = jax.jit(build_grouped_layout, static_argnums=(1, 2),
+                  static_argnames=("method", "extras_by_expert"))
+  got = build(ids, e, row_tile, tokens, experts, extras_by_expert=True, method="block_ranks")
+  want = build(ids, e, row_tile, tokens, experts, extras_by_expert=True, method="sort")
+  for name, a, b in zip(got._fields, got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  # The entry naming another expert is unused; the others are where the plain sort puts them.
+  if e > 1:
+    assert int(got.extra_token[0]) == t
+    plain = build(ids, e, row_tile, tokens, experts.at[0].set(e), method="sort")
+    for name, a, b in zip(got._fields, got, plain):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("blocks", [1, 31, 32, 33, 64, 100, 1281])
 def test_two_level_block_prefix_is_the_exclusive_cumsum(rng, blocks):
   from sonic_jax.layout import _exclusive_cumsum_rows
@@ -106,6 +138,9 @@ def test_unsupported_routings_are_named():
   with pytest.raises(ValueError, match="extra pairs"):
     build_grouped_layout(ids, 8, 4, jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32),
                          method="block_ranks")
+  with pytest.raises(ValueError, match="E \\* J extra pairs"):
+    build_grouped_layout(ids, 8, 4, jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32),
+                         extras_by_expert=True)
   with pytest.raises(ValueError, match="E=2000"):
     build_grouped_layout(ids, 2000, 4, method="block_ranks")
   with pytest.raises(ValueError, match="method must be one of"):

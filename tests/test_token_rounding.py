@@ -74,7 +74,15 @@ def test_token_rounding_invariants_and_selection(rng, mode, skew):
   ok = np.asarray(aux.extra_tokens) < T
   tok, exp = np.asarray(aux.extra_tokens)[ok], np.asarray(aux.extra_experts)[ok]
   np.testing.assert_allclose(np.asarray(aux.extra_scores)[ok], probs[tok, exp], rtol=1e-5)
-  assert np.all(np.diff(np.asarray(aux.extra_tokens)) >= 0), "extras are sorted by token"
+  # Extras come grouped by expert, J entries each, tokens increasing, then unused entries.
+  grid = np.asarray(aux.extra_tokens).reshape(E, -1)
+  in_use = grid < T
+  assert np.all(in_use[:, :-1] >= in_use[:, 1:]), "an expert's extras come before unused entries"
+  for row, u in zip(grid, in_use):
+    assert np.all(np.diff(row[u]) > 0), "an expert's extras are in token order"
+  owners = np.broadcast_to(np.arange(E)[:, None], grid.shape)
+  np.testing.assert_array_equal(np.asarray(aux.extra_experts).reshape(grid.shape),
+                                np.where(grid < T, owners, E))
   # Tokens left with no expert give exactly zero output.
   nowhere = ~(kept | added).any(1)
   if mode == "down" and skew:
@@ -166,3 +174,91 @@ def test_layer_rounds_in_training_and_uses_top_k_in_eval(rng):
   assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))
   layer.train()
   assert layer(x)[1].stats.extra_tokens.shape[0] > 0
+
+
+COMPILED = [pytest.param(False, id="interpret"),
+            pytest.param(True, id="compiled", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t,e,k,tile,ties", [
+    (300, 8, 2, 32, False),   # T not a power of two
+    (513, 16, 4, 32, True),   # many equal scores and probabilities: ties go to the lower token
+    (100, 4, 1, 32, True),
+    (64, 8, 8, 16, False),    # every token picks every expert: nothing to add
+    (1, 4, 1, 32, False),     # one token
+    (90, 1, 1, 32, False),    # one expert
+])
+def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k, tile, ties):
+  """`round_tokens`'s Pallas selection (`sonic_jax.pallas.rounding_select`) returns the same
+  routing, bit for bit, as the XLA one (a sort and `lax.top_k`), which the NumPy model checks."""
+  if compiled != (jax.default_backend() == "gpu"):
+    pytest.skip("compiled on a GPU, interpreted elsewhere")
+  if compiled:
+    t *= 57
+  logits = rng.normal(size=(t, e)).astype(np.float32)
+  if ties:
+    logits = np.round(logits * 2) / 2
+  routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
+  want = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, tile, mode, "xla")
+  got = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, tile, mode, "kernel")
+  for name, a, b in zip(want._fields, want, got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  if mode != "down" and e > 1 and k < e and t > 1:
+    assert int(jnp.sum(got.extra_tokens < t)) > 0, "the case should add pairs"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_selection_kernel_over_several_chunks(rng, mode):
+  """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries)."""
+  from sonic_jax.pallas import rounding_select
+  t, e, k, tile = 300, 8, 2, 32
+  logits = np.round(rng.normal(size=(t, e)) * 2).astype(np.float32) / 2
+  routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
+  per_expert = routing_lib.extra_pairs_per_expert(mode, tile, t)
+  keys = rounding_select.selection_keys(routed.probs, routed.expert_ids, routed.scores, 512)
+  whole = rounding_select.select(keys, num_tokens=t, tile=tile, mode=mode,
+                                 added_per_expert=per_expert, interpret=True)
+  chunked = rounding_select.select(keys, num_tokens=t, tile=tile, mode=mode,
+                                   added_per_expert=per_expert, interpret=True, chunk=64)
+  want = routing_lib.round_tokens(routed, tile, mode, "xla")
+  for a, b in zip(whole, chunked):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if per_expert:
+    np.testing.assert_array_equal(np.asarray(chunked[1]).reshape(-1), np.asarray(want.extra_tokens))
+
+
+def test_selection_target_rounds_half_to_even():
+  from sonic_jax.pallas import rounding_select
+  counts = jnp.arange(0, 400, dtype=jnp.int32)
+  for mode, want in (("down", np.floor), ("up", np.ceil), ("nearest", np.round)):
+    got = rounding_select.target_count(counts, 32, mode, 390)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.minimum(want(np.arange(400) / 32) * 32, 390).astype(int))
+
+
+def test_selection_kernel_refusals_and_lowering():
+  from cases import export_for_h100
+  from sonic_jax.pallas import rounding_select
+  assert "T=70000" in rounding_select.supports(70000, 8, 4)
+  with pytest.raises(ValueError, match="method must be one of"):
+    routing_lib.round_tokens(routing_lib.route(jnp.zeros((4, 4)), 1, "softmax_topk"), 32, "up",
+                             "sorting")
+  keys = jnp.zeros((4, 8), jnp.int32)
+  with pytest.raises(ValueError, match="added_per_expert=3 is below"):
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="nearest", added_per_expert=3,
+                           interpret=True)
+  with pytest.raises(ValueError, match="chunk must be a power of two"):
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
+                           interpret=True, chunk=6)
+  big = routing_lib.route(jnp.zeros((70000, 2)), 1, "softmax_topk")
+  with pytest.raises(ValueError, match="T=70000"):
+    routing_lib.round_tokens(big, 32, "up", "kernel")
+  if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
+    module = export_for_h100(
+        lambda keys: rounding_select.select(keys, num_tokens=16384, tile=128, mode="nearest",
+                                            added_per_expert=64),
+        jax.ShapeDtypeStruct((256, 16384), jnp.int32))
+    assert "xla.gpu.triton" in module
+

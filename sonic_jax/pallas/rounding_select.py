@@ -1,0 +1,187 @@
+"""Token rounding's selection: for every expert, which tokens it keeps, one pass over its row.
+
+Token rounding (`sonic_jax.routing.round_tokens`) gives expert e a target count r_e, a multiple of
+the tile near its token-choice (TC) count c_e, and keeps the first r_e tokens of its ranking: its
+TC tokens by score, then the others by probability, ties to the lower token. When r_e <= c_e that
+drops the c_e - r_e lowest-scored TC tokens; when r_e > c_e it adds the r_e - c_e most probable
+others. Either way it is the m largest values of one region of the expert's row (TC scores, or
+the others' probabilities), which this kernel finds without a sort: one Pallas (Triton) program per
+expert holds the row's T keys in registers and finds the m-th largest by bisection over its 31
+bits (31 counts of the keys at or above a candidate), then keeps the keys above it and the first
+ties in token order (a prefix sum). XLA's `lax.top_k` over the (E, T) matrix is a segmented sort
+of all of it, and ranking the TC pairs a three-key sort.
+
+Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability); both
+values are floats >= 0, whose bit patterns order as the values do, so one array holds both regions
+(key < 0: TC) and each region's order. Outputs: `keep_tc` (E, T) int8, 1 where a TC pair is kept,
+and `added` (E, J) int32, the tokens the expert adds in increasing order, T past its last. It uses
+Pallas's Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where
+it is gone, and rounding uses the XLA path. Reference: `sonic_jax.routing.round_tokens` with
+method="xla".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from sonic_jax.pallas import TRITON_AVAILABLE, next_pow2, pltriton
+
+AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering rounding uses XLA
+
+# A program keeps its expert's whole row in registers, 64 keys per thread of up to 32 warps.
+MAX_TOKENS = 65536
+KEYS_PER_THREAD = 64
+CHUNK = 16384  # keys per prefix sum (its SMEM scratch)
+MODES = ("down", "up", "nearest")  # `sonic_jax.routing.TOKEN_ROUNDINGS`
+
+
+def supports(num_tokens: int, num_experts: int, added_per_expert: int) -> str | None:
+  """None when the kernel takes this problem, else why not."""
+  if not 1 <= num_tokens <= MAX_TOKENS:
+    return f"T={num_tokens} is not in [1, {MAX_TOKENS}]"
+  if num_experts < 1:
+    return "no experts"
+  if added_per_expert < 0:
+    return f"added_per_expert={added_per_expert} is negative"
+  return None
+
+
+def num_warps(num_tokens: int) -> int:
+  return max(4, min(32, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
+
+
+def added_bound(mode: str, tile: int, num_tokens: int | None = None) -> int:
+  """The most pairs the mode can add to one expert: its target is at most tile - 1 ("up") or
+  tile // 2 ("nearest") past its TC count, and at most T."""
+  bound = {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
+  return bound if num_tokens is None else min(bound, num_tokens)
+
+
+def target_count(counts, tile: int, mode: str, num_tokens: int):
+  """r_e: the TC count moved to a multiple of the tile ("nearest": half to even), at most T."""
+  if mode == "down":
+    return counts // tile * tile
+  if mode == "up":
+    return jnp.minimum((counts + tile - 1) // tile * tile, num_tokens)
+  # Round half to even in integers: q = counts // tile, and up when the remainder passes half the
+  # tile, or is exactly half with q odd.
+  q, rem = counts // tile, counts % tile
+  up = (2 * rem > tile) | ((2 * rem == tile) & (q % 2 == 1))
+  return jnp.minimum((q + up.astype(q.dtype)) * tile, num_tokens)
+
+
+def selection_keys(probs, expert_ids, scores, t_pad: int):
+  """(E, t_pad) int32 keys (module doc) of a TC routing; padding tokens get 0 (the kernel masks
+  them). probs (T, E) and scores (T, K) are read without gradient. The probabilities' bits,
+  transposed, then the TC pairs' keys scattered in (T * K unique places): a (T, K, E) comparison
+  that finds the TC pairs in place costs several times more."""
+  t_count, e_count = probs.shape
+  probs = lax.stop_gradient(probs).astype(jnp.float32)
+  scores = lax.stop_gradient(scores).astype(jnp.float32)
+  # max(., 0): a -0.0 score or probability has the sign bit set.
+  bits = lambda v: lax.bitcast_convert_type(jnp.maximum(v, 0.0), jnp.int32)
+  keys = jnp.pad(bits(probs).T, ((0, 0), (0, t_pad - t_count)))
+  valid = (expert_ids >= 0) & (expert_ids < e_count)
+  token = lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0)
+  # Top-K's pairs are distinct; a pair routed nowhere goes past the rows, each to its own place.
+  pair = token * expert_ids.shape[1] + lax.broadcasted_iota(jnp.int32, expert_ids.shape, 1)
+  return keys.at[jnp.where(valid, expert_ids, e_count + pair), token].set(
+      -bits(scores) - 1, mode="drop", unique_indices=True)
+
+
+def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: str,
+            added_per_expert: int, chunk: int):
+  # The row as a few chunks of `chunk` keys: a prefix sum over a chunk takes SMEM for its length.
+  pieces = range(keys_ref.shape[0] // chunk)
+  span = lambda i: pl.ds(i * chunk, chunk)
+  total = lambda parts: sum(jnp.sum(p.astype(jnp.int32)) for p in parts)
+  key = [keys_ref[span(i)] for i in pieces]
+  token = [lax.broadcasted_iota(jnp.int32, (chunk,), 0) + i * chunk for i in pieces]
+  real = [t < num_tokens for t in token]
+  tc = [(k < 0) & r for k, r in zip(key, real)]
+  count = total(tc)
+  target = target_count(count, tile, mode, num_tokens)
+  down = target <= count
+  # The region the boundary lies in, and how many of its largest values the expert keeps there.
+  take = jnp.where(down, target, target - count)
+  value = [jnp.where(down, jnp.where(c, -k - 1, -1), jnp.where(r & ~c, k, -1))
+           for k, r, c in zip(key, real, tc)]
+
+  def bisect(i, threshold):
+    candidate = threshold | (1 << (30 - i))
+    enough = total(v >= candidate for v in value) >= take
+    return jnp.where(enough, candidate, threshold)
+
+  # The largest threshold with at least `take` values at or above it: the take-th largest value.
+  threshold = lax.fori_loop(0, 31, bisect, jnp.int32(0))
+  ties_wanted = take - total(v > threshold for v in value)
+
+  def exclusive_ranks(masks):
+    """Per chunk, each position's count of True before it in the row."""
+    ranks, before = [], jnp.int32(0)
+    for m in masks:
+      m = m.astype(jnp.int32)
+      ranks.append(jnp.cumsum(m) - m + before)
+      before = before + jnp.sum(m)
+    return ranks
+
+  ties = [v == threshold for v in value]
+  chosen = [((v > threshold) | (t & (r < ties_wanted))) & (take > 0)
+            for v, t, r in zip(value, ties, exclusive_ranks(ties))]
+  for i, c, ch in zip(pieces, tc, chosen):
+    keep_ref[span(i)] = (c & (ch | ~down)).astype(jnp.int8)
+  if added_per_expert:
+    added = [ch & ~down for ch in chosen]
+    j_pad = added_ref.shape[0] // 2
+    column = lax.broadcasted_iota(jnp.int32, (added_ref.shape[0],), 0)
+    # Unused entries hold T; the scatters below write the used ones (disjoint columns). Lanes of
+    # tokens not added are masked off but still need an address, and interpret mode writes their
+    # old values back: they aim at a spare upper half that no used column shares.
+    pltriton.store(added_ref, jnp.full(column.shape, num_tokens, jnp.int32),
+                   mask=column >= total(added))
+    for a, r, t in zip(added, exclusive_ranks(added), token):
+      pltriton.store(added_ref.at[jnp.where(a, r, j_pad + (t & (j_pad - 1)))], t, mask=a)
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "tile", "mode", "added_per_expert",
+                                             "interpret", "chunk"))
+def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int,
+           interpret: bool = False, chunk: int = CHUNK):
+  """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, t_pad); J =
+  added_per_expert, at least what the mode can add to one expert. chunk: keys per prefix sum (a
+  power of two)."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  if tile < 1:
+    raise ValueError(f"tile must be >= 1, got {tile}")
+  if chunk < 1 or chunk & (chunk - 1):
+    raise ValueError(f"chunk must be a power of two, got {chunk}")
+  e_count, t_pad = keys.shape
+  reason = supports(num_tokens, e_count, added_per_expert)
+  if reason is not None:
+    raise ValueError(f"rounding selection kernel: {reason}")
+  if t_pad != next_pow2(num_tokens):
+    raise ValueError(f"keys must be (E, {next_pow2(num_tokens)}), got {keys.shape}")
+  bound = added_bound(mode, tile, num_tokens)
+  if added_per_expert < bound:  # the added tokens' scatter would run past the expert's columns
+    raise ValueError(f"added_per_expert={added_per_expert} is below what mode={mode!r} can add "
+                     f"to one expert ({bound})")
+  j_pad = next_pow2(max(added_per_expert, 1))
+  keep, added = pl.pallas_call(
+      functools.partial(_kernel, num_tokens=num_tokens, tile=tile, mode=mode,
+                        added_per_expert=added_per_expert, chunk=min(t_pad, chunk)),
+      out_shape=(jax.ShapeDtypeStruct((e_count, t_pad), jnp.int8),
+                 jax.ShapeDtypeStruct((e_count, 2 * j_pad), jnp.int32)),
+      grid=(e_count,),
+      in_specs=[pl.BlockSpec((None, t_pad), lambda e: (e, 0))],
+      out_specs=(pl.BlockSpec((None, t_pad), lambda e: (e, 0)),
+                 pl.BlockSpec((None, 2 * j_pad), lambda e: (e, 0))),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps(num_tokens), num_stages=1),
+      interpret=interpret,
+  )(keys)
+  return keep[:, :num_tokens], added[:, :added_per_expert]
