@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from sonic_jax import xla_backend
 from sonic_jax.config import Config
+from sonic_jax.interpret import interpreting
 from sonic_jax.mosaic_gpu import dh_projection as dh
 from sonic_jax.mosaic_gpu import down_projection as down
 from sonic_jax.mosaic_gpu import dx_projection as dx
@@ -33,6 +34,7 @@ from sonic_jax.mosaic_gpu import tuning
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
 from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+from sonic_jax.pallas import extras_sum
 
 ROW_TILE = 128
 
@@ -166,9 +168,22 @@ def dx_projection(d_h, w1, layout, *, config: Config):
 
 
 def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, config: Config):
-  """The forward's weighted sum by the kernel where `config` says so; all else by XLA's gather
-  fusion (the backward's unweighted dX sum fuses with the router's input gradient there).
-  Token rounding's extra pairs, and operands the kernel does not take, go to XLA either way."""
+  """The forward's weighted sum by the Mosaic GPU kernel where `config` says so, all else by XLA's
+  gather fusion (the backward's unweighted dX sum fuses with the router's input gradient there).
+  Token rounding's extra pairs, if any, are first folded into one more slot per token
+  (`sonic_jax.pallas.extras_sum`, reading only the pairs in use; compiled only: under interpret
+  mode, and where it does not apply, XLA's segment sum adds them). The folded slot has weight 1
+  where the slot pairs are weighted; unweighted (None), every slot counts 1."""
+  if layout.num_extra and extras_sum.AVAILABLE and not interpreting() and (
+      extras_sum.supports(rows) is None):
+    rows, token_row = extras_sum.fold_extras(rows, layout.extra_token, layout.extra_row,
+                                             extra_weights, num_tokens=layout.pair_row.shape[0])
+    layout = layout._replace(pair_row=jnp.concatenate([layout.pair_row, token_row[:, None]], 1),
+                             extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0])
+    if pair_weights is not None:
+      pair_weights = jnp.concatenate(
+          [pair_weights, jnp.ones((pair_weights.shape[0], 1), pair_weights.dtype)], 1)
+    extra_weights = None
   use_kernel = (config.gather_sum_kernel and pair_weights is not None and not layout.num_extra
                 and layout.pair_row.shape[1] >= config.gather_sum_kernel_min_slots
                 and rows.shape[1] >= config.gather_sum_kernel_min_d

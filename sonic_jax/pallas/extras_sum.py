@@ -1,0 +1,144 @@
+"""Token rounding's extra pairs folded into one more slot per token, read by the same gather-sum.
+
+The aggregation y_t = sum_s w_ts Y[row(t, s)] + sum_x w_x Y[row_x] (x: the extra pairs of token t)
+has a fixed number of slot pairs per token but any number of extra pairs. `fold_extras` sums each
+token's extra rows, weighted, into the first of them, in place in the grouped buffer, and returns
+that row per token (R for a token without extras): the gather-sum then reads it as one more slot
+(index S) with weight 1, so the extras cost one slot, the output is written once (and XLA fuses it as it does
+top-K's), and only the extra pairs in use are read. The list has a static length X = E * J, but
+rounding uses a fraction of it (about 2k of 16k entries at T = 16384, E = 256, tile 128); a
+segment sum over the whole list gathers and scatter-adds all X rows.
+
+The pairs are sorted by token first (X small integers). One Pallas (Triton) program per sorted
+entry: the program at the first entry of a token's run adds the run's rows in order in float32,
+column block by column block, and stores the sum, in the buffer's dtype, over the first row (whose
+piece it has already read); every other program returns at once. Each row of the buffer belongs to one pair, so no two
+programs touch the same row: no atomics, deterministic. The buffer is updated in place (aliased);
+the rows are the forward's Y or the backward's dX rows, which nothing reads after the gather-sum.
+Uses Pallas's Triton lowering (deprecated in jax 0.11, present in 0.11.2; `AVAILABLE` is False
+where it is gone). Reference: `reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from sonic_jax.pallas import TRITON_AVAILABLE, pltriton
+
+AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering the sum is XLA's
+
+BLOCK_COLUMNS = (1024, 512, 256, 128)
+
+
+def block_columns(d: int) -> int | None:
+  return next((b for b in BLOCK_COLUMNS if d % b == 0), None)
+
+
+def supports(rows: jax.Array) -> str | None:
+  """None when the kernel takes this buffer, else why not."""
+  if rows.ndim != 2:
+    return f"rows (R, d) expected, got shape {rows.shape}"
+  if block_columns(rows.shape[1]) is None:
+    return f"d={rows.shape[1]} is not a multiple of {BLOCK_COLUMNS[-1]}"
+  if rows.shape[0] < 1:
+    return "no rows"
+  return None
+
+
+def _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight):
+  """The pairs in use sorted by token (unused last), each run's first entry marked."""
+  used = (extra_token >= 0) & (extra_token < num_tokens) & (extra_row >= 0) & (
+      extra_row < num_rows)
+  token = jnp.where(used, extra_token, num_tokens).astype(jnp.int32)
+  order = jnp.argsort(token, stable=True)
+  token = token[order]
+  row = jnp.clip(extra_row[order], 0, num_rows - 1).astype(jnp.int32)
+  weight = (jnp.ones(token.shape, jnp.float32) if extra_weight is None
+            else extra_weight.astype(jnp.float32)[order])
+  first = jnp.ones(token.shape, bool)
+  if token.shape[0] > 1:
+    first = first.at[1:].set(token[1:] != token[:-1])
+  first = first & (token < num_tokens)
+  # The row each token's extras are folded into: a unique scatter (one first entry per token).
+  token_row = jnp.full((num_tokens,), num_rows, jnp.int32).at[
+      jnp.where(first, token, num_tokens)].set(row, mode="drop", unique_indices=True)
+  return token, row, weight, token_row
+
+
+def _kernel(token_ref, row_ref, weight_ref, rows_ref, out_ref, *, num_tokens: int, num_extra: int,
+            bd: int):
+  del rows_ref  # aliased to out_ref
+  i = pl.program_id(0)
+  token = token_ref[i]
+  previous = token_ref[jnp.maximum(i - 1, 0)]
+
+  @pl.when((token < num_tokens) & ((i == 0) | (previous != token)))
+  def _():
+    first_row = row_ref[i]
+    for c in range(out_ref.shape[1] // bd):
+      columns = pl.ds(c * bd, bd)
+
+      def more(carry):
+        j, _ = carry
+        return (j < num_extra) & (token_ref[jnp.minimum(j, num_extra - 1)] == token)
+
+      def add(carry):
+        j, acc = carry
+        return j + 1, acc + weight_ref[j] * out_ref[row_ref[j], columns].astype(jnp.float32)
+
+      _, acc = lax.while_loop(more, add, (i, jnp.zeros((bd,), jnp.float32)))
+      out_ref[first_row, columns] = acc.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "interpret"))
+def fold_extras(rows, extra_token, extra_row, extra_weight, *, num_tokens: int,
+                interpret: bool = False):
+  """(rows', token_row (T,) int32): rows (R, d) with each token's extra pairs summed, weighted
+  by extra_weight (X,) (None: 1), in float32, into its first extra row (in sorted order); token_row
+  names that row per token, R for tokens without extras. Pairs with extra_token outside [0, T) or
+  extra_row outside [0, R) are unused. The other rows are unchanged."""
+  reason = supports(rows)
+  if reason is not None:
+    raise ValueError(f"extras kernel: {reason}")
+  num_rows, d = rows.shape
+  num_extra = extra_token.shape[0]
+  token, row, weight, token_row = _sorted_runs(num_tokens, num_rows, extra_token, extra_row,
+                                               extra_weight)
+  if num_extra == 0:
+    return rows, token_row
+  bd = block_columns(d)
+  # Whole arrays left in place (no blocks copied per program): each program reads and writes only
+  # the rows of its token's run.
+  whole = pl.BlockSpec(memory_space=pl.ANY)
+  out = pl.pallas_call(
+      functools.partial(_kernel, num_tokens=num_tokens, num_extra=num_extra, bd=bd),
+      out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+      grid=(num_extra,),
+      in_specs=[whole] * 4,
+      out_specs=whole,
+      input_output_aliases={3: 0},
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      interpret=interpret,
+  )(token, row, weight, rows)
+  return out, token_row
+
+
+def reference(rows, extra_token, extra_row, extra_weight, *, num_tokens: int):
+  """`fold_extras` by a segment sum over the whole list (XLA)."""
+  num_rows = rows.shape[0]
+  _, _, _, token_row = _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight)
+  used = (extra_token >= 0) & (extra_token < num_tokens) & (extra_row >= 0) & (
+      extra_row < num_rows)
+  w = jnp.ones(extra_token.shape, jnp.float32) if extra_weight is None else extra_weight
+  pieces = rows[jnp.clip(extra_row, 0, num_rows - 1)].astype(jnp.float32)
+  pieces = jnp.where(used[:, None], pieces * w.astype(jnp.float32)[:, None], 0.0)
+  sums = jax.ops.segment_sum(pieces, jnp.where(used, extra_token, num_tokens),
+                             num_segments=num_tokens)
+  has = token_row < num_rows
+  return rows.at[jnp.where(has, token_row, num_rows)].set(
+      sums.astype(rows.dtype), mode="drop"), token_row
