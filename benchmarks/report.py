@@ -299,8 +299,9 @@ METHOD = """\
   `bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the
   upper bound: `--backends=mosaic_gpu`, with `.whl`); SonicMoE and sonic_jax on one GPU:
   `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table:
-  `bash benchmarks/gpu_check.sh`. Copy the results JSON from `$OUT` into `benchmarks/results/`,
-  then `python -m benchmarks.report`.
+  `bash benchmarks/gpu_check.sh`; token rounding's kernels' compiled tests and its table, about 7
+  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`. Copy the results JSON from `$OUT`
+  into `benchmarks/results/`, then `python -m benchmarks.report`.
 """
 
 

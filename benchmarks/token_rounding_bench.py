@@ -14,7 +14,8 @@ and of its training step (forward and backward: the gradients of x, the router a
 weights for a random output gradient). TFLOP/s count the pairs actually computed, as SonicMoE's
 token-rounding benchmark does. The default configurations are the grid's high-sparsity ones, the
 paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
---kernel_trace adds each routing's route+layout kernels (device us per call).
+--kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
+call).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def run_config(cfg, impl):
       if mode is None:
         return build_grouped_layout(routed.expert_ids, e, impl.row_tile)
       r = routing_lib.round_tokens(routed, impl.row_tile, mode)
-      return build_grouped_layout(r.expert_ids, e, impl.row_tile, r.extra_tokens, r.extra_experts)
+      return build_grouped_layout(r.expert_ids, e, impl.row_tile, r.extra_tokens, r.extra_experts,
+                                  extras_by_expert=True)
 
     def gemms(x, w1, w2, layout):
       _, a = impl.up_projection(x, w1, None, layout, act, "concat")
@@ -81,17 +83,20 @@ def run_config(cfg, impl):
     t_gemm, t_route = _time(gemms, x, w1, w2, layout), _time(route, x, rw)
     t_layer = _time(layer, x, rw, w1, w2)
     t_step = _time(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
-    kernels = {}
+    kernels, step_kernels = {}, {}
     if FLAGS.kernel_trace:
       compiled, _ = timing.compile_fn(route, x, rw)
       kernels = dict(timing.kernel_times(compiled, (x, rw), top=20))
+      compiled, _ = timing.compile_fn(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
+      step_kernels = dict(timing.kernel_times(compiled, (x, rw, w1, w2, d_y), top=40))
     out["routings"].append({
         "routing": "top-K" if mode is None else f"token rounding ({mode})",
         "pairs": pairs, "rows": rows, "padding_fraction": (rows - pairs) / max(pairs, 1),
         "gemm_ms": t_gemm * 1e3, "gemm_tflops": flops / t_gemm / 1e12,
         "route_layout_ms": t_route * 1e3, "forward_ms": t_layer * 1e3,
         "forward_tflops": flops / t_layer / 1e12, "step_ms": t_step * 1e3,
-        "step_tflops": 3 * flops / t_step / 1e12, "route_layout_kernels_us": kernels})
+        "step_tflops": 3 * flops / t_step / 1e12, "route_layout_kernels_us": kernels,
+        "step_kernels_us": step_kernels})
   base = out["routings"][0]
   for r in out["routings"]:
     r["gemm_speedup"] = base["gemm_ms"] / r["gemm_ms"]
@@ -115,8 +120,9 @@ def main(_):
       json.dump(results, f, indent=1)
     print(report.token_rounding_table({"configs": results["configs"][-1:]}), flush=True)
     for r in results["configs"][-1]["routings"]:
-      for name, us in r["route_layout_kernels_us"].items():
-        print(f"  {r['routing']:<26} {us:8.1f} us  {name[:100]}", flush=True)
+      for part in ("route_layout_kernels_us", "step_kernels_us"):
+        for name, us in r[part].items():
+          print(f"  {r['routing']:<26} {part[:4]} {us:8.1f} us  {name[:90]}", flush=True)
   print(f"wrote {path}")
 
 
