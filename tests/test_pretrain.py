@@ -1,12 +1,17 @@
-"""The example pretraining script: the tiny configuration learns the corpus on a CPU, and resumes."""
+"""The example pretraining script: the tiny configuration learns the corpus on a CPU and resumes;
+SIGTERM checkpoints and exits, a resumed run never repeats a metrics row; sample.py generates from
+a checkpoint."""
 
 import csv
+import json
 import os
+import signal
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain", "train.py")
+SAMPLE = os.path.join(ROOT, "examples", "pretrain", "sample.py")
 
 
 def _run(workdir, steps, *extra):
@@ -29,7 +34,55 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   # Clearly below what a context-free (unigram) model achieves on the held-out bytes.
   assert float(last["heldout_loss"]) < unigram - 0.4, (last, out)
   assert float(last["tokens_per_s"]) > 0 and float(last["expert_load_max_over_mean"]) >= 1
+  assert float(last["grad_norm"]) > 0 and 0 < float(last["lr"]) <= 3e-3
+  assert float(last["aux_loss"]) > 0 and float(last["dropped_pairs"]) == 0
   assert (tmp_path / "loss.png").stat().st_size > 0
+  # The run's configuration beside the checkpoints and inside each, as separate items.
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["model"]["num_experts"] == 8 and config["steps"] == 120
+  assert {"config", "model", "optimizer"} <= set(os.listdir(tmp_path / "ckpt" / "120"))
+  events = os.listdir(tmp_path / "tb")
+  assert events and all(e.startswith("events.out.tfevents") for e in events)
+  # sample.py: the model alone from the latest checkpoint, its config from inside it.
+  proc = subprocess.run([sys.executable, SAMPLE, f"--workdir={tmp_path}", "--prompt=import ",
+                         "--tokens=20", "--temperature=0"], capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith("[step 120] import ") and len(proc.stdout) > 30, proc.stdout
+
+
+def test_sigterm_checkpoints_and_a_resume_repeats_no_row(tmp_path):
+  """SIGTERM mid-run: the finished step is logged and checkpointed and the process exits 0; the
+  resumed run drops rows past the checkpoint (here a row written after it, as after a crash) and
+  continues, one row per logged step. The model's shape comes from flags; blocks rematerialised."""
+  cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=2000",
+         "--log_every=5", "--eval_every=1000", "--checkpoint_every=1000", "--backend=xla",
+         "--num_layers=1", "--d_model=64", "--warmup=5", "--remat=dots", "--plot=false",
+         "--tensorboard=false"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("step 10:"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.stdout.read()
+  assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  assert "num_layers=1" in out and "d_model=64" in out
+  (stopped,) = [int(l.split()[-2].rstrip(";")) for l in out.splitlines() if "SIGTERM" in l]
+  assert stopped >= 10 and os.path.isdir(tmp_path / "ckpt" / str(stopped))
+  with open(tmp_path / "metrics.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert int(rows[-1]["step"]) == stopped
+  with open(tmp_path / "metrics.csv", "a") as f:  # a row the crashed run wrote after its checkpoint
+    f.write(f"{stopped + 3}" + ",1" * 13 + "\n")
+  cmd[4] = f"--steps={stopped + 10}"
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"resumed from step {stopped}" in proc.stdout
+  with open(tmp_path / "metrics.csv") as f:
+    steps = [int(r["step"]) for r in csv.DictReader(f)]
+  assert steps == sorted(set(steps)) and stopped + 3 not in steps and steps[-1] == stopped + 10
 
 
 def test_token_rounding_training_runs(tmp_path):

@@ -33,6 +33,9 @@ class ModelConfig:
   expert_parallel_axis: str | None = None  # a mesh axis: experts sharded over it (jax.set_mesh)
   expert_parallel_scheme: str = "auto"
   capacity_factor: float | None = None
+  # Activation rematerialisation of each block in the backward: "none", "full" (keep only the
+  # block's input) or "dots" (keep the matmul outputs without batch dimensions).
+  remat: str = "none"
 
 
 def rope(x, base):
@@ -104,22 +107,49 @@ class TransformerLM(nnx.Module):
         nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size))))
 
   def __call__(self, tokens):
-    """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, [expert counts])."""
+    """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, [expert counts],
+    dropped pairs () summed over the layers)."""
     dtype = jnp.dtype(self.cfg.dtype)
     x = self.embed[...][tokens].astype(dtype)
-    aux_loss, counts = 0.0, []
+    aux_loss, counts, dropped = 0.0, [], 0
+    run = lambda block, x: block(x)
+    if self.cfg.remat != "none":
+      policy = (None if self.cfg.remat == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+      run = nnx.remat(run, policy=policy)
     for block in self.blocks:
-      x, aux = block(x)
+      x, aux = run(block, x)
       aux_loss = aux_loss + aux.loss
       counts.append(aux.stats.expert_counts)
+      dropped = dropped + aux.stats.dropped_pairs
     x = self.norm(x)
     w = self.embed[...].T * self.cfg.d_model ** -0.5 if self.unembed is None else self.unembed[...]
     logits = jnp.dot(x, w.astype(dtype), preferred_element_type=jnp.float32)
-    return logits, aux_loss, counts
+    return logits, aux_loss, counts, dropped
 
   def update_selection_biases(self, counts):
     for block, c in zip(self.blocks, counts):
       block.moe.update_selection_bias(c)
+
+
+REMATS = ("none", "full", "dots")
+
+
+def active_params(cfg: ModelConfig) -> int:
+  """Parameters a token's forward multiplies with, embeddings' lookup excluded but the output
+  projection (tied or not) included: per layer attention 4 d^2, the router d E, K routed and the
+  shared experts' (2 or 3) d n each."""
+  glu = cfg.activation in ("swiglu", "geglu", "reglu", "geglu_tanh")
+  expert = (3 if glu else 2) * cfg.d_model * cfg.expert_dim
+  per_layer = (4 * cfg.d_model ** 2 + cfg.d_model * cfg.num_experts
+               + (cfg.top_k + cfg.num_shared_experts) * expert)
+  return cfg.num_layers * per_layer + cfg.d_model * cfg.vocab_size
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token, PaLM's count: 6 N_active + 12 L d S (the attention scores and
+  values over the whole sequence, causal masking not discounted)."""
+  return 6 * active_params(cfg) + 12 * cfg.num_layers * cfg.d_model * seq_len
 
 
 def moe_flops_per_token(cfg: ModelConfig) -> float:

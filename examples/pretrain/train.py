@@ -1,29 +1,40 @@
-r"""Pretrain a small MoE language model with sonic_jax on the Python standard library's sources.
+r"""Pretrain an MoE language model with sonic_jax on the Python standard library's sources.
 
   python examples/pretrain/train.py --config=tiny            # CPU, a few minutes
   python examples/pretrain/train.py --config=h100 --workdir=/tmp/run   # one H100
+  python examples/pretrain/train.py --config=tiny --num_layers=4 --d_model=256   # any shape
+  python examples/pretrain/sample.py --workdir=/tmp/run --prompt="def "    # text from a checkpoint
   python examples/pretrain/train.py --help
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
       python examples/pretrain/train.py --expert_parallel=2   # experts over 2 of 4 devices
 
 Byte-level tokens, a decoder-only transformer (rotary attention, RMSNorm, tied embeddings) whose
 feed-forward layers are `sonic_jax.layers.MoE`, AdamW with warm-up and cosine decay, gradient
-clipping, float32 master weights with --dtype compute, the routers' auxiliary losses. Every
---eval_every steps: train and held-out loss (nats/byte, perplexity), tokens/s, the MoE layers'
-TFLOP/s (their forward+backward FLOPs over the whole step time: a lower bound) and the expert load
-(max/mean over experts, worst layer). Writes metrics.csv, loss.png and orbax checkpoints to
---workdir and resumes from the latest checkpoint there.
+clipping, float32 master weights with --dtype compute, the routers' auxiliary losses, optional
+activation rematerialisation (--remat), the model and optimizer buffers donated to each step.
+
+Every --log_every steps a row of metrics.csv (and TensorBoard scalars under workdir/tb where
+tensorboardX is installed): train loss, auxiliary loss, gradient norm, learning rate, tokens/s,
+MFU (6 N_active + 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s, the
+expert load (max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped;
+every --eval_every steps also the held-out loss. Checkpoints (model, optimizer and the run's
+configuration as separate items) every --checkpoint_every steps and on SIGTERM or SIGINT; a run
+resumes from the latest one in --workdir, and metrics rows past it are dropped first, so a
+resumed run never repeats a step's row.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import json
+import math
 import os
+import signal
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -33,7 +44,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
-from model import ModelConfig, TransformerLM, moe_flops_per_token  # noqa: E402
+from model import (REMATS, ModelConfig, TransformerLM, model_flops_per_token,  # noqa: E402
+                   moe_flops_per_token)
 
 CONFIGS = {
     # model, batch, steps: trains on a 2-core CPU in a few minutes.
@@ -56,7 +68,20 @@ flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
 flags.DEFINE_integer("warmup", None, "linear warm-up steps, then cosine decay to 10%")
 flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay")
 flags.DEFINE_float("clip_norm", 1.0, "global gradient-norm clipping")
-flags.DEFINE_integer("eval_every", None, "steps between evaluations, metrics and checkpoints")
+flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations")
+flags.DEFINE_integer("log_every", None, "steps between metrics rows (default: --eval_every)")
+flags.DEFINE_integer("checkpoint_every", None, "steps between checkpoints (default: --eval_every); "
+                     "one is also written on SIGTERM or SIGINT")
+for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer blocks"),
+                     ("num_heads", "attention heads"), ("num_experts", "experts per MoE layer E"),
+                     ("expert_dim", "expert hidden width n"), ("top_k", "experts per token K"),
+                     ("num_shared_experts", "always-on experts per MoE layer")):
+  flags.DEFINE_integer(_name, None, f"{_help} (the preset's by default)")
+flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
+                  "backward: none, full (keep its input) or dots (keep matmul outputs)")
+flags.DEFINE_float("peak_tflops", None, "the device's peak TFLOP/s for MFU (default: bf16 dense "
+                   "peak of a known GPU; none on a CPU)")
+flags.DEFINE_bool("tensorboard", True, "TensorBoard scalars under workdir/tb (needs tensorboardX)")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches per evaluation")
 flags.DEFINE_string("backend", None, "sonic_jax backend: auto, xla, mosaic_gpu")
 flags.DEFINE_string("dtype", None, "compute dtype (float32 or bfloat16); parameters stay float32")
@@ -75,13 +100,20 @@ flags.DEFINE_bool("plot", True, "write loss.png at the end")
 FLAGS = flags.FLAGS
 
 
+MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k",
+               "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat")
+# Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
+PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
+
+
 def settings():
   s = dict(CONFIGS[FLAGS.config])
   for k in ("steps", "batch_size", "seq_len", "lr", "warmup", "eval_every"):
     if getattr(FLAGS, k) is not None:
       s[k] = getattr(FLAGS, k)
-  overrides = {k: getattr(FLAGS, k) for k in ("backend", "dtype", "bias_update_rate")
-               if getattr(FLAGS, k) is not None}
+  s["log_every"] = FLAGS.log_every or s["eval_every"]
+  s["checkpoint_every"] = FLAGS.checkpoint_every or s["eval_every"]
+  overrides = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k) is not None}
   if FLAGS.token_rounding is not None:
     overrides["token_rounding"] = None if FLAGS.token_rounding == "none" else FLAGS.token_rounding
   if FLAGS.expert_parallel:
@@ -114,22 +146,23 @@ def place(tree, mesh):
 
 
 def loss_fn(model, inputs, targets):
-  logits, aux_loss, counts = model(inputs)
+  logits, aux_loss, counts, dropped = model(inputs)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-  return ce + aux_loss, (ce, counts)
+  return ce + aux_loss, dict(ce=ce, aux=aux_loss, counts=jnp.stack(counts), dropped=dropped)
 
 
-@nnx.jit
+# The model and optimizer buffers are donated: each step updates them in place.
+@nnx.jit(donate_argnums=(0, 1))
 def train_step(model, optimizer, inputs, targets):
-  (_, (ce, counts)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, inputs, targets)
+  (_, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, inputs, targets)
   optimizer.update(model, grads)
-  model.update_selection_biases(counts)  # after the optimizer step, outside the gradient
-  return ce, jnp.stack(counts)
+  model.update_selection_biases(list(stats["counts"]))  # after the step, outside the gradient
+  return dict(stats, grad_norm=optax.global_norm(grads))
 
 
 @nnx.jit
 def eval_step(model, inputs, targets):
-  logits, _, _ = model(inputs)
+  logits = model(inputs)[0]
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
@@ -142,7 +175,71 @@ def evaluate(model, heldout, s):
   return float(np.mean(losses))
 
 
+METRICS = ["step", "train_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s",
+           "tokens_per_s_per_device", "mfu", "moe_tflops", "expert_load_max_over_mean",
+           "dropped_pairs", "heldout_loss", "heldout_ppl", "unigram_entropy"]
+
+
+class StopRequest:
+  """Set by SIGTERM or SIGINT: the loop checkpoints the step it has finished and exits."""
+
+  def __init__(self):
+    self.signal = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal = signal.Signals(signum).name
+
+
+def open_metrics(path, start):
+  """metrics.csv for appending, its rows past step `start` dropped first (a run that resumes from
+  the checkpoint at `start` computes those steps again)."""
+  rows = []
+  if start and os.path.exists(path):
+    with open(path, newline="") as f:
+      rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start]
+  f = open(path, "w", newline="")
+  writer = csv.DictWriter(f, fieldnames=METRICS, extrasaction="ignore")
+  writer.writeheader()
+  writer.writerows(rows)
+  f.flush()
+  return f, writer
+
+
+def tensorboard(workdir, start):
+  """A tensorboardX writer under workdir/tb (events past `start` purged on resume), or None."""
+  if not FLAGS.tensorboard:
+    return None
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    print("tensorboardX is not installed: no TensorBoard scalars (pip install tensorboardX)",
+          flush=True)
+    return None
+  return SummaryWriter(os.path.join(workdir, "tb"), purge_step=start + 1 if start else None)
+
+
+def peak_flops():
+  """The devices' peak FLOP/s each for MFU: --peak_tflops, else a known GPU's bf16 dense peak."""
+  if FLAGS.peak_tflops:
+    return FLAGS.peak_tflops * 1e12
+  kind = jax.devices()[0].device_kind
+  return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if kind.startswith(k)), None)
+
+
+def run_config(s):
+  """What the run was configured with, JSON-ready: saved beside and inside every checkpoint."""
+  out = {k: v for k, v in s.items() if k != "model"}
+  out.update(model=dataclasses.asdict(s["model"]), preset=FLAGS.config, seed=FLAGS.seed,
+             weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm,
+             expert_parallel=FLAGS.expert_parallel)
+  return out
+
+
 def main(_):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   s = settings()
   cfg = s["model"]
   os.makedirs(FLAGS.workdir, exist_ok=True)
@@ -154,6 +251,9 @@ def main(_):
 
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
+  for k in ("eval_every", "log_every", "checkpoint_every"):
+    if s[k] < 1:
+      raise app.UsageError(f"--{k} must be >= 1, got {s[k]}")
   model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
@@ -170,65 +270,100 @@ def main(_):
     jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
     print(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)", flush=True)
 
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  config = run_config(s)
+  with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
+    json.dump(config, f, indent=1)
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
+                               item_names=("model", "optimizer", "config"),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  start = 0
-  if ckpt.latest_step() is not None:
-    start = ckpt.latest_step()
-    state = nnx.state((model, optimizer))
-    restored = ckpt.restore(start, args=ocp.args.StandardRestore(state))
-    nnx.update((model, optimizer), restored)
+  start = ckpt.latest_step() or 0
+  if start:
+    restored = ckpt.restore(start, args=ocp.args.Composite(
+        model=ocp.args.StandardRestore(nnx.state(model)),
+        optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
     print(f"resumed from step {start}", flush=True)
 
-  csv_path = os.path.join(FLAGS.workdir, "metrics.csv")
-  new_file = not os.path.exists(csv_path) or start == 0
-  log = open(csv_path, "w" if new_file else "a", newline="")
-  writer = csv.writer(log)
-  if new_file:
-    writer.writerow(["step", "train_loss", "heldout_loss", "heldout_ppl", "tokens_per_s",
-                     "moe_tflops", "expert_load_max_over_mean", "unigram_entropy"])
+  def save(step):
+    ckpt.save(step, args=ocp.args.Composite(
+        model=ocp.args.StandardSave(nnx.state(model)),
+        optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+        config=ocp.args.JsonSave(config)))
+
+  log, writer = open_metrics(os.path.join(FLAGS.workdir, "metrics.csv"), start)
+  tb = tensorboard(FLAGS.workdir, start)
+  stop = StopRequest()
   tokens_per_step = s["batch_size"] * s["seq_len"]
-  # Losses stay on the device and the loop never waits for a step: the host syncs only at
-  # evaluations, and a window's time runs from the end of its first step (which compiles after a
+  flops_per_token = model_flops_per_token(cfg, s["seq_len"])
+  peak = peak_flops()
+  # Step outputs stay on the device and the loop never waits for a step: the host syncs only at
+  # log steps, and a window's time runs from the end of its first step (which compiles after a
   # start) to that sync.
-  window_loss, window_t0, window_steps = [], None, 0
+  window, window_t0, window_steps = [], None, 0
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
     if mesh is not None:
       inputs, targets = (jax.device_put(a, batch_sharding) for a in (inputs, targets))
-    ce, counts = train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets))
-    window_loss.append(ce)
+    window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets)))
     if window_t0 is None:
-      jax.block_until_ready(ce)
+      jax.block_until_ready(window[-1])
       window_t0 = time.perf_counter()
     else:
       window_steps += 1
     done = step + 1
-    if sys.stdout.isatty():  # a progress bar on terminals; logs get the evaluation lines only
+    if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
       bar = "#" * int(30 * done / s["steps"])
       print(f"\r[{bar:<30}] {done}/{s['steps']}", end="", flush=True)
-    if done % s["eval_every"] == 0 or done == s["steps"]:
-      train_loss = float(jnp.mean(jnp.stack(window_loss)))  # the window's sync
+    stopping = stop.signal is not None  # read once: a later signal stops the next step
+    last = done == s["steps"] or stopping
+    if done % s["log_every"] == 0 or done % s["eval_every"] == 0 or last:
+      stats = jax.device_get(window)  # the window's sync
       step_s = (time.perf_counter() - window_t0) / max(window_steps, 1)
-      heldout_loss = evaluate(model, heldout, s)
-      c = np.asarray(counts, np.float64)
-      load = float((c.max(-1) / np.maximum(c.mean(-1), 1e-9)).max())
-      row = [done, train_loss, heldout_loss, float(np.exp(heldout_loss)),
-             tokens_per_step / step_s if window_steps else float("nan"),
-             moe_flops_per_token(cfg) * tokens_per_step / step_s / 1e12 if window_steps else float("nan"),
-             load, h_unigram]
+      rate = tokens_per_step / step_s if window_steps else math.nan
+      counts = np.asarray(stats[-1]["counts"], np.float64)  # (layers, E) of the last step
+      load = counts.max(-1) / np.maximum(counts.mean(-1), 1e-9)
+      row = dict(step=done, train_loss=np.mean([t["ce"] for t in stats]),
+                 aux_loss=np.mean([t["aux"] for t in stats]), grad_norm=stats[-1]["grad_norm"],
+                 lr=float(schedule(step)), tokens_per_s=rate,
+                 tokens_per_s_per_device=rate / jax.device_count(),
+                 mfu=flops_per_token * rate / jax.device_count() / peak if peak else math.nan,
+                 moe_tflops=moe_flops_per_token(cfg) * rate / 1e12,
+                 expert_load_max_over_mean=load.max(),
+                 dropped_pairs=sum(int(t["dropped"]) for t in stats),
+                 unigram_entropy=h_unigram)
+      if done % s["eval_every"] == 0 or done == s["steps"]:
+        row["heldout_loss"] = evaluate(model, heldout, s)
+        row["heldout_ppl"] = math.exp(row["heldout_loss"])
+      row = {k: float(v) if k != "step" else v for k, v in row.items()}
       writer.writerow(row)
       log.flush()
-      print(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row[1]:.3f} held-out {heldout_loss:.3f} nats/byte "
-            f"(ppl {row[3]:.2f}, unigram {h_unigram:.3f}), {row[4]:.0f} tokens/s, "
-            f"MoE {row[5]:.3f} TFLOP/s, expert load max/mean {load:.2f}", flush=True)
-      ckpt.save(done, args=ocp.args.StandardSave(nnx.state((model, optimizer))))
-      window_loss, window_t0, window_steps = [], time.perf_counter(), 0
+      if tb is not None:
+        for k, v in row.items():
+          if k != "step" and math.isfinite(v):
+            tb.add_scalar(k, v, done)
+        for layer, v in enumerate(load):
+          tb.add_scalar(f"expert_load_max_over_mean/layer_{layer}", v, done)
+        tb.flush()
+      held = (f" held-out {row['heldout_loss']:.3f} nats/byte (ppl {row['heldout_ppl']:.2f}, "
+              f"unigram {h_unigram:.3f})" if "heldout_loss" in row else "")
+      print(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f}"
+            f"{held}, aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
+            f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
+            f"expert load max/mean {load.max():.2f}", flush=True)
+      window, window_t0, window_steps = [], time.perf_counter(), 0
+    if done % s["checkpoint_every"] == 0 or last:
+      save(done)
+    if stopping:
+      print(f"{stop.signal}: checkpoint at step {done}; exiting", flush=True)
+      break
   ckpt.wait_until_finished()
   log.close()
-  if FLAGS.plot:
-    plot(csv_path, os.path.join(FLAGS.workdir, "loss.png"))
+  if tb is not None:
+    tb.close()
+  if FLAGS.plot and not stopping:
+    plot(os.path.join(FLAGS.workdir, "metrics.csv"), os.path.join(FLAGS.workdir, "loss.png"))
 
 
 def plot(csv_path, png_path):
@@ -243,9 +378,10 @@ def plot(csv_path, png_path):
   with open(csv_path) as f:
     rows = list(csv.DictReader(f))
   steps = [int(r["step"]) for r in rows]
+  held = [(int(r["step"]), float(r["heldout_loss"])) for r in rows if r["heldout_loss"]]
   fig, ax = plt.subplots(figsize=(6, 4))
   ax.plot(steps, [float(r["train_loss"]) for r in rows], label="train")
-  ax.plot(steps, [float(r["heldout_loss"]) for r in rows], label="held-out")
+  ax.plot(*zip(*held), label="held-out")
   ax.axhline(float(rows[0]["unigram_entropy"]), ls="--", c="gray", label="unigram entropy")
   ax.set_xlabel("step")
   ax.set_ylabel("nats / byte")
