@@ -95,10 +95,12 @@ def test_token_rounding_training_runs(tmp_path):
 def test_expert_parallel_training_tracks_one_device(tmp_path):
   """--expert_parallel=2 on 4 CPU devices ((data 2, ep 2) mesh, the layers' own shard_map) follows
   the one-device run: same data and init; the load-balance loss is per data shard, so close, not
-  bitwise."""
+  bitwise. So does it with FSDP (parameters and optimizer state also sharded over data: half the
+  bytes per device) and two accumulated micro-batches."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  losses = {}
-  for name, extra in (("one", []), ("ep", ["--expert_parallel=2"])):
+  losses, outs = {}, {}
+  for name, extra in (("one", []), ("ep", ["--expert_parallel=2"]),
+                      ("fsdp", ["--expert_parallel=2", "--fsdp", "--grad_accum=2"])):
     cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=40",
            "--eval_every=40", "--backend=xla", "--plot=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -106,6 +108,11 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
     with open(tmp_path / name / "metrics.csv") as f:
       (row,) = list(csv.DictReader(f))
     losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
-  assert "mesh {'data': 2, 'ep': 2}" in proc.stdout
-  for a, b in zip(losses["one"], losses["ep"]):
-    assert abs(a - b) < 0.02, losses
+    outs[name] = proc.stdout
+  assert "mesh {'data': 2, 'ep': 2}" in outs["ep"]
+  for name in ("ep", "fsdp"):
+    for a, b in zip(losses["one"], losses[name]):
+      assert abs(a - b) < 0.02, losses
+  per_device = {n: float(outs[n].split("parameters and optimizer state: ")[1].split()[0])
+                for n in ("ep", "fsdp")}
+  assert per_device["fsdp"] < 0.6 * per_device["ep"], per_device

@@ -49,14 +49,30 @@ def rope(x, base):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
 
 
+def param(value, *names):
+  """A parameter with logical axis names (sharding metadata, `nnx.get_partition_spec`), as
+  `sonic_jax.layers.MoE` names its own: "embed" for the model width; train.py maps them to mesh
+  axes."""
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def whole(p):
+  """A parameter's value gathered whole where it is used (FSDP stores it sharded): under a mesh
+  the constraint makes XLA all-gather the weight rather than reshard the activations."""
+  value = p[...]
+  if jax.sharding.get_abstract_mesh().empty:
+    return value
+  return jax.lax.with_sharding_constraint(value, jax.sharding.PartitionSpec())
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim, *, rngs):
     del rngs
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.scale = param(jnp.ones((dim,), jnp.float32), "embed")
 
   def __call__(self, x):
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * self.scale[...]
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * whole(self.scale)
     return y.astype(x.dtype)
 
 
@@ -64,17 +80,18 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs):
     init = nnx.initializers.normal(cfg.d_model ** -0.5)
     self.cfg = cfg
-    self.qkv = nnx.Param(init(rngs.params(), (cfg.d_model, 3 * cfg.d_model)))
-    self.out = nnx.Param(init(rngs.params(), (cfg.d_model, cfg.d_model)) / (2 * cfg.num_layers) ** 0.5)
+    self.qkv = param(init(rngs.params(), (cfg.d_model, 3 * cfg.d_model)), "embed", "heads")
+    self.out = param(init(rngs.params(), (cfg.d_model, cfg.d_model)) / (2 * cfg.num_layers) ** 0.5,
+                     "heads", "embed")
 
   def __call__(self, x):
     b, s, d = x.shape
     h = self.cfg.num_heads
-    q, k, v = jnp.split(x @ self.qkv[...].astype(x.dtype), 3, axis=-1)
+    q, k, v = jnp.split(x @ whole(self.qkv).astype(x.dtype), 3, axis=-1)
     q, k, v = (t.reshape(b, s, h, d // h) for t in (q, k, v))
     q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return o.reshape(b, s, d) @ self.out[...].astype(x.dtype)
+    return o.reshape(b, s, d) @ whole(self.out).astype(x.dtype)
 
 
 class Block(nnx.Module):
@@ -100,17 +117,19 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model)))
+    self.embed = param(nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model)),
+                       "vocab", "embed")
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.d_model, rngs=rngs)
-    self.unembed = nnx.data(None if cfg.tie_embeddings else nnx.Param(
-        nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size))))
+    self.unembed = nnx.data(None if cfg.tie_embeddings else param(
+        nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)),
+        "embed", "vocab"))
 
   def __call__(self, tokens):
     """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, [expert counts],
     dropped pairs () summed over the layers)."""
     dtype = jnp.dtype(self.cfg.dtype)
-    x = self.embed[...][tokens].astype(dtype)
+    x = whole(self.embed)[tokens].astype(dtype)
     aux_loss, counts, dropped = 0.0, [], 0
     run = lambda block, x: block(x)
     if self.cfg.remat != "none":
@@ -123,7 +142,8 @@ class TransformerLM(nnx.Module):
       counts.append(aux.stats.expert_counts)
       dropped = dropped + aux.stats.dropped_pairs
     x = self.norm(x)
-    w = self.embed[...].T * self.cfg.d_model ** -0.5 if self.unembed is None else self.unembed[...]
+    w = (whole(self.embed).T * self.cfg.d_model ** -0.5 if self.unembed is None
+         else whole(self.unembed))
     logits = jnp.dot(x, w.astype(dtype), preferred_element_type=jnp.float32)
     return logits, aux_loss, counts, dropped
 

@@ -63,6 +63,8 @@ flags.DEFINE_enum("config", "tiny", list(CONFIGS), "preset; the flags below over
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "checkpoints, metrics.csv, loss.png")
 flags.DEFINE_integer("steps", None, "training steps (preset's default)")
 flags.DEFINE_integer("batch_size", None, "sequences per step")
+flags.DEFINE_integer("grad_accum", 1, "micro-batches per step, their gradients averaged (the "
+                     "batch size a multiple of it)")
 flags.DEFINE_integer("seq_len", None, "tokens (bytes) per sequence")
 flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
 flags.DEFINE_integer("warmup", None, "linear warm-up steps, then cosine decay to 10%")
@@ -95,6 +97,8 @@ flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one dev
 flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_gather"],
                   "see sonic_jax.layers.MoE")
 flags.DEFINE_float("capacity_factor", None, "all-to-all slot capacity (default: dropless)")
+flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state over the mesh's data axis "
+                  "too (each tensor's model-width axis; needs --expert_parallel >= 1)")
 flags.DEFINE_integer("seed", 0, "initialisation and data order")
 flags.DEFINE_bool("plot", True, "write loss.png at the end")
 FLAGS = flags.FLAGS
@@ -135,14 +139,38 @@ def make_mesh():
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def place(tree, mesh):
-  """Puts model/optimizer state on the mesh: tensors with the logical "expert" axis first
-  sharded over ep (the MoE layers' expert weights and their optimizer moments), the rest
-  replicated."""
+def shard_spec(names, shape, mesh, fsdp):
+  """A tensor's mesh axes from its logical axis names: a leading "expert" axis over ep (the MoE
+  layers' expert weights and their optimizer moments), and with fsdp its first "embed" axis over
+  data where that splits evenly; the rest replicated. Each use gathers the data axis back (the
+  model's `whole`, the MoE layer's own placement)."""
+  axes = [None] * len(shape)
+  names = tuple(names or ())
+  if names[:1] == ("expert",):
+    axes[0] = "ep"
+  if fsdp and "embed" in names:
+    i = names.index("embed")
+    if shape[i] % mesh.shape["data"] == 0:
+      axes[i] = "data"
+  return P(*axes)
+
+
+def place(tree, mesh, fsdp=False):
+  """Puts model/optimizer state on the mesh by `shard_spec`."""
   specs = nnx.get_partition_spec(tree)
-  to_mesh = lambda spec: NamedSharding(mesh, P("ep") if spec and spec[0] == "expert" else P())
-  shardings = jax.tree.map(to_mesh, specs, is_leaf=lambda v: isinstance(v, P))
+  shardings = jax.tree.map(
+      lambda names, leaf: NamedSharding(mesh, shard_spec(names, leaf.shape, mesh, fsdp)),
+      specs, tree, is_leaf=lambda v: isinstance(v, P))
   return jax.device_put(tree, shardings)
+
+
+def bytes_per_device(tree):
+  """The largest per-device share of the tree's arrays, in bytes."""
+  per = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+  return max(per.values())
 
 
 def loss_fn(model, inputs, targets):
@@ -152,9 +180,20 @@ def loss_fn(model, inputs, targets):
 
 
 # The model and optimizer buffers are donated: each step updates them in place.
-@nnx.jit(donate_argnums=(0, 1))
-def train_step(model, optimizer, inputs, targets):
-  (_, stats), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, inputs, targets)
+@nnx.jit(donate_argnums=(0, 1), static_argnames="accum")
+def train_step(model, optimizer, inputs, targets, accum=1):
+  """One optimizer step on the batch, its gradient accumulated over `accum` micro-batches (rows
+  i, i + accum, ... form micro-batch i, so each stays on the devices that hold its rows)."""
+  grads, stats = None, []
+  for i in range(accum):
+    (_, st), g = nnx.value_and_grad(loss_fn, has_aux=True)(
+        model, inputs[i::accum], targets[i::accum])
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    stats.append(st)
+  if accum > 1:
+    grads = jax.tree.map(lambda g: g / accum, grads)
+  stats = {k: (jnp.sum if k in ("counts", "dropped") else jnp.mean)(
+      jnp.stack([st[k] for st in stats]), axis=0) for k in stats[0]}
   optimizer.update(model, grads)
   model.update_selection_biases(list(stats["counts"]))  # after the step, outside the gradient
   return dict(stats, grad_norm=optax.global_norm(grads))
@@ -234,7 +273,7 @@ def run_config(s):
   out = {k: v for k, v in s.items() if k != "model"}
   out.update(model=dataclasses.asdict(s["model"]), preset=FLAGS.config, seed=FLAGS.seed,
              weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm,
-             expert_parallel=FLAGS.expert_parallel)
+             expert_parallel=FLAGS.expert_parallel, fsdp=FLAGS.fsdp, grad_accum=FLAGS.grad_accum)
   return out
 
 
@@ -254,6 +293,9 @@ def main(_):
   for k in ("eval_every", "log_every", "checkpoint_every"):
     if s[k] < 1:
       raise app.UsageError(f"--{k} must be >= 1, got {s[k]}")
+  if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
+    raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
+                         f"({s['batch_size']})")
   model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
@@ -261,8 +303,15 @@ def main(_):
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=FLAGS.weight_decay))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   mesh = make_mesh()
+  if FLAGS.fsdp and mesh is None:
+    raise app.UsageError("--fsdp needs a mesh: --expert_parallel=P (1 for data parallelism alone)")
   if mesh is not None:
-    nnx.update((model, optimizer), place(nnx.state((model, optimizer)), mesh))
+    state = nnx.state((model, optimizer))
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    nnx.update((model, optimizer), place(state, mesh, FLAGS.fsdp))
+    print(f"parameters and optimizer state: {bytes_per_device(nnx.state((model, optimizer))) / 1e6:.2f}"
+          f" of {total / 1e6:.2f} MB per device{' (FSDP over data)' if FLAGS.fsdp else ''}",
+          flush=True)
     batch_sharding = NamedSharding(mesh, P(("data", "ep")))
     if s["batch_size"] % jax.device_count():
       raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
@@ -306,7 +355,8 @@ def main(_):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
     if mesh is not None:
       inputs, targets = (jax.device_put(a, batch_sharding) for a in (inputs, targets))
-    window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets)))
+    window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets),
+                             accum=FLAGS.grad_accum))
     if window_t0 is None:
       jax.block_until_ready(window[-1])
       window_t0 = time.perf_counter()
