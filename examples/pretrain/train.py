@@ -309,9 +309,9 @@ def main(_):
     state = nnx.state((model, optimizer))
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
     nnx.update((model, optimizer), place(state, mesh, FLAGS.fsdp))
-    print(f"parameters and optimizer state: {bytes_per_device(nnx.state((model, optimizer))) / 1e6:.2f}"
-          f" of {total / 1e6:.2f} MB per device{' (FSDP over data)' if FLAGS.fsdp else ''}",
-          flush=True)
+    mine = bytes_per_device(nnx.state((model, optimizer)))
+    print(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
+          f"{' (FSDP over data)' if FLAGS.fsdp else ''}", flush=True)
     batch_sharding = NamedSharding(mesh, P(("data", "ep")))
     if s["batch_size"] % jax.device_count():
       raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
