@@ -98,11 +98,17 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     y_partial = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, rounded.scores.dtype), None,
                                        layout, w1, w2, b1, b2, act, gate_up_layout, impl))
   else:
+    extra = routing_lib.extra_scores_or_none(rounded)
+    extras = (rounded.extra_tokens, rounded.extra_experts, extra)
+    if extra is not None:  # token rounding's lists come grouped by expert: keep this device's
+      per_expert = extra.shape[0] // (e_local * p)
+      extras = tuple(jax.lax.dynamic_slice_in_dim(a, first * per_expert, e_local * per_expert)
+                     for a in extras)
     layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
-                                  rounded.extra_tokens, localize(rounded.extra_experts, e_local),
-                                  config=config)
-    y_partial = expert_mixture(x_all, rounded.scores, routing_lib.extra_scores_or_none(rounded),
-                               layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+                                  extras[0], localize(extras[1], e_local),
+                                  extras_by_expert=extra is not None, config=config)
+    y_partial = expert_mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
+                               gate_up_layout, impl)
   # Sum the experts' contributions over devices in float32, then return each device its tokens.
   acc = acts.compute_dtype(x.dtype)
   y = jax.lax.psum_scatter(y_partial.astype(acc), axis_name, tiled=True).astype(x.dtype)
