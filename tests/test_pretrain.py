@@ -54,11 +54,12 @@ def test_tiny_config_learns_and_resumes(tmp_path):
 def test_sigterm_checkpoints_and_a_resume_repeats_no_row(tmp_path):
   """SIGTERM mid-run: the finished step is logged and checkpointed and the process exits 0; the
   resumed run drops rows past the checkpoint (here a row written after it, as after a crash) and
-  continues, one row per logged step. The model's shape comes from flags; blocks rematerialised."""
+  continues, one row per logged step. The model's shape comes from flags; its blocks are stacked,
+  scanned and rematerialised."""
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=2000",
          "--log_every=5", "--eval_every=1000", "--checkpoint_every=1000", "--backend=xla",
-         "--num_layers=1", "--d_model=64", "--warmup=5", "--remat=dots", "--plot=false",
-         "--tensorboard=false"]
+         "--num_layers=2", "--d_model=64", "--warmup=5", "--remat=dots", "--scan_layers",
+         "--plot=false", "--tensorboard=false"]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lines = []
   for line in proc.stdout:
@@ -68,7 +69,7 @@ def test_sigterm_checkpoints_and_a_resume_repeats_no_row(tmp_path):
       break
   out = "".join(lines) + proc.stdout.read()
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
-  assert "num_layers=1" in out and "d_model=64" in out
+  assert "num_layers=2" in out and "d_model=64" in out and "scan_layers=True" in out
   (stopped,) = [int(l.split()[-2].rstrip(";")) for l in out.splitlines() if "SIGTERM" in l]
   assert stopped >= 10 and os.path.isdir(tmp_path / "ckpt" / str(stopped))
   with open(tmp_path / "metrics.csv") as f:

@@ -36,6 +36,9 @@ class ModelConfig:
   # Activation rematerialisation of each block in the backward: "none", "full" (keep only the
   # block's input) or "dots" (keep the matmul outputs without batch dimensions).
   remat: str = "none"
+  # The blocks' parameters stacked on a leading "layers" axis and the forward a scan over them (one
+  # block traced and compiled, not num_layers); otherwise a Python loop over a list of blocks.
+  scan_layers: bool = False
 
 
 def rope(x, base):
@@ -119,28 +122,45 @@ class TransformerLM(nnx.Module):
     self.cfg = cfg
     self.embed = param(nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model)),
                        "vocab", "embed")
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    if cfg.scan_layers:
+      @nnx.split_rngs(splits=cfg.num_layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+      def stacked(rngs):
+        return Block(cfg, rngs=rngs)
+
+      self.blocks = stacked(rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.d_model, rngs=rngs)
     self.unembed = nnx.data(None if cfg.tie_embeddings else param(
         nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, cfg.vocab_size)),
         "embed", "vocab"))
 
   def __call__(self, tokens):
-    """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, [expert counts],
-    dropped pairs () summed over the layers)."""
+    """tokens (batch, seq) -> (logits float32 (batch, seq, vocab), aux loss, expert counts
+    (layers, E), dropped pairs () summed over the layers)."""
     dtype = jnp.dtype(self.cfg.dtype)
     x = whole(self.embed)[tokens].astype(dtype)
-    aux_loss, counts, dropped = 0.0, [], 0
-    run = lambda block, x: block(x)
+
+    def layer(block, x):
+      x, aux = block(x)
+      return x, (aux.loss, aux.stats.expert_counts, aux.stats.dropped_pairs)
+
     if self.cfg.remat != "none":
       policy = (None if self.cfg.remat == "full"
                 else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-      run = nnx.remat(run, policy=policy)
-    for block in self.blocks:
-      x, aux = run(block, x)
-      aux_loss = aux_loss + aux.loss
-      counts.append(aux.stats.expert_counts)
-      dropped = dropped + aux.stats.dropped_pairs
+      layer = nnx.remat(layer, policy=policy)
+    if self.cfg.scan_layers:
+      x, (losses, counts, dropped) = nnx.scan(
+          layer, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0),
+          transform_metadata={nnx.PARTITION_NAME: "layers"})(self.blocks, x)
+    else:
+      outs = []
+      for block in self.blocks:
+        x, out = layer(block, x)
+        outs.append(out)
+      losses, counts, dropped = (jnp.stack(o) for o in zip(*outs))
+    aux_loss, dropped = jnp.sum(losses), jnp.sum(dropped)
     x = self.norm(x)
     w = (whole(self.embed).T * self.cfg.d_model ** -0.5 if self.unembed is None
          else whole(self.unembed))
@@ -148,8 +168,13 @@ class TransformerLM(nnx.Module):
     return logits, aux_loss, counts, dropped
 
   def update_selection_biases(self, counts):
-    for block, c in zip(self.blocks, counts):
-      block.moe.update_selection_bias(c)
+    """Each layer's auxiliary-loss-free balancing step from its expert counts (layers, E)."""
+    if self.cfg.scan_layers:
+      nnx.vmap(lambda block, c: block.moe.update_selection_bias(c), in_axes=(0, 0),
+               transform_metadata={nnx.PARTITION_NAME: "layers"})(self.blocks, counts)
+    else:
+      for block, c in zip(self.blocks, counts):
+        block.moe.update_selection_bias(c)
 
 
 REMATS = ("none", "full", "dots")

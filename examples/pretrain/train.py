@@ -81,6 +81,7 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
   flags.DEFINE_integer(_name, None, f"{_help} (the preset's by default)")
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
                   "backward: none, full (keep its input) or dots (keep matmul outputs)")
+flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)")
 flags.DEFINE_float("peak_tflops", None, "the device's peak TFLOP/s for MFU (default: bf16 dense "
                    "peak of a known GPU; none on a CPU)")
 flags.DEFINE_bool("tensorboard", True, "TensorBoard scalars under workdir/tb (needs tensorboardX)")
@@ -105,7 +106,8 @@ FLAGS = flags.FLAGS
 
 
 MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k",
-               "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat")
+               "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat",
+               "scan_layers")
 # Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
 PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
 
@@ -146,8 +148,9 @@ def shard_spec(names, shape, mesh, fsdp):
   model's `whole`, the MoE layer's own placement)."""
   axes = [None] * len(shape)
   names = tuple(names or ())
-  if names[:1] == ("expert",):
-    axes[0] = "ep"
+  lead = 1 if names[:1] == ("layers",) else 0  # --scan_layers stacks the blocks' tensors
+  if names[lead:lead + 1] == ("expert",):
+    axes[lead] = "ep"
   if fsdp and "embed" in names:
     i = names.index("embed")
     if shape[i] % mesh.shape["data"] == 0:
@@ -176,7 +179,7 @@ def bytes_per_device(tree):
 def loss_fn(model, inputs, targets):
   logits, aux_loss, counts, dropped = model(inputs)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-  return ce + aux_loss, dict(ce=ce, aux=aux_loss, counts=jnp.stack(counts), dropped=dropped)
+  return ce + aux_loss, dict(ce=ce, aux=aux_loss, counts=counts, dropped=dropped)
 
 
 # The model and optimizer buffers are donated: each step updates them in place.
@@ -195,7 +198,7 @@ def train_step(model, optimizer, inputs, targets, accum=1):
   stats = {k: (jnp.sum if k in ("counts", "dropped") else jnp.mean)(
       jnp.stack([st[k] for st in stats]), axis=0) for k in stats[0]}
   optimizer.update(model, grads)
-  model.update_selection_biases(list(stats["counts"]))  # after the step, outside the gradient
+  model.update_selection_biases(stats["counts"])  # after the step, outside the gradient
   return dict(stats, grad_norm=optax.global_norm(grads))
 
 
