@@ -97,11 +97,13 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
   """--expert_parallel=2 on 4 CPU devices ((data 2, ep 2) mesh, the layers' own shard_map) follows
   the one-device run: same data and init; the load-balance loss is per data shard, so close, not
   bitwise. So does it with FSDP (parameters and optimizer state also sharded over data: half the
-  bytes per device) and two accumulated micro-batches."""
+  bytes per device) and two accumulated micro-batches, and so does the same model on one device
+  with the ragged_dot baseline MoE layer (same initialisation and math)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   losses, outs = {}, {}
   for name, extra in (("one", []), ("ep", ["--expert_parallel=2"]),
-                      ("fsdp", ["--expert_parallel=2", "--fsdp", "--grad_accum=2"])):
+                      ("fsdp", ["--expert_parallel=2", "--fsdp", "--grad_accum=2"]),
+                      ("ragged_dot", ["--moe_impl=ragged_dot"])):
     cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=40",
            "--eval_every=40", "--backend=xla", "--plot=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -111,9 +113,47 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
     losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
     outs[name] = proc.stdout
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep"]
-  for name in ("ep", "fsdp"):
+  for name in ("ep", "fsdp", "ragged_dot"):
     for a, b in zip(losses["one"], losses[name]):
       assert abs(a - b) < 0.02, losses
   per_device = {n: float(outs[n].split("parameters and optimizer state: ")[1].split()[0])
                 for n in ("ep", "fsdp")}
   assert per_device["fsdp"] < 0.6 * per_device["ep"], per_device
+
+
+def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
+  """The baseline MoE layer (MaxText-style, jax.lax.ragged_dot) computes sonic_jax's layer: the
+  same parameters from the same seed, the same output, losses and gradients (float32)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  sys.path.insert(0, os.path.join(ROOT, "examples", "pretrain"))
+  from ragged_moe import RaggedDotMoE
+  from sonic_jax.layers import MoE
+  d, e, n, k = 32, 8, 16, 2
+  common = dict(init_std=d ** -0.5, load_balance_coef=0.01, z_loss_coef=1e-3)
+  ours = MoE(d, e, n, k, backend="xla", rngs=nnx.Rngs(3), **common)
+  base = RaggedDotMoE(d, e, n, k, rngs=nnx.Rngs(3), **common)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50, d)), jnp.float32)
+
+  def run(layer):
+    def loss(layer, x):
+      y, aux = layer(x)
+      return jnp.sum(y * jnp.cos(y)) + aux.loss, (y, aux.loss, aux.stats.expert_counts)
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True, argnums=(0, 1))(layer, x)
+    return out, grads
+
+  (y1, l1, c1), (g1, gx1) = run(ours)
+  (y2, l2, c2), (g2, gx2) = run(base)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(y2, y1) < 1e-5 and abs(float(l2 - l1)) < 1e-6 and rel(gx2, gx1) < 1e-5
+  np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
+  for name in ("router", "w1", "w2"):
+    assert rel(getattr(g2, name)[...], getattr(g1, name)[...]) < 1e-5, name
+  # What the baseline does not implement is refused by name.
+  import pytest
+  from model import ModelConfig, TransformerLM
+  with pytest.raises(ValueError, match="token_rounding='up'"):
+    TransformerLM(ModelConfig(moe_impl="ragged_dot", token_rounding="up"), rngs=nnx.Rngs(0))
+

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from sonic_jax.layers import MoE
 
+from ragged_moe import RaggedDotMoE
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -39,6 +41,9 @@ class ModelConfig:
   # The blocks' parameters stacked on a leading "layers" axis and the forward a scan over them (one
   # block traced and compiled, not num_layers); otherwise a Python loop over a list of blocks.
   scan_layers: bool = False
+  # The MoE layer: "sonic_jax" (`sonic_jax.layers.MoE`) or "ragged_dot" (`ragged_moe.RaggedDotMoE`,
+  # the MaxText-style baseline on jax.lax.ragged_dot: one device, plain top-K routing).
+  moe_impl: str = "sonic_jax"
 
 
 def rope(x, base):
@@ -97,10 +102,34 @@ class Attention(nnx.Module):
     return o.reshape(b, s, d) @ whole(self.out).astype(x.dtype)
 
 
+MOE_IMPLS = ("sonic_jax", "ragged_dot")
+
+
+def _ragged_dot_unsupported(cfg: ModelConfig) -> str | None:
+  """Why the ragged_dot baseline cannot build this model, or None."""
+  for field, plain in (("activation", "swiglu"), ("num_shared_experts", 0),
+                       ("bias_update_rate", 0.0), ("token_rounding", None),
+                       ("expert_parallel_axis", None), ("capacity_factor", None)):
+    if getattr(cfg, field) != plain:
+      return f"{field}={getattr(cfg, field)!r} (the baseline takes {plain!r})"
+  return None
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs):
     self.norm1, self.norm2 = RMSNorm(cfg.d_model, rngs=rngs), RMSNorm(cfg.d_model, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
+    if cfg.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {cfg.moe_impl!r}")
+    if cfg.moe_impl == "ragged_dot":
+      reason = _ragged_dot_unsupported(cfg)
+      if reason is not None:
+        raise ValueError(f"moe_impl='ragged_dot' does not take {reason}")
+      self.moe = RaggedDotMoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
+                              init_std=cfg.d_model ** -0.5,
+                              load_balance_coef=cfg.load_balance_coef,
+                              z_loss_coef=cfg.z_loss_coef, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+      return
     self.moe = MoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                    activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,
                    load_balance_coef=cfg.load_balance_coef, z_loss_coef=cfg.z_loss_coef,

@@ -44,8 +44,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
-from model import (REMATS, ModelConfig, TransformerLM, model_flops_per_token,  # noqa: E402
-                   moe_flops_per_token)
+from model import (MOE_IMPLS, REMATS, ModelConfig, TransformerLM,  # noqa: E402
+                   model_flops_per_token, moe_flops_per_token)
 
 CONFIGS = {
     # model, batch, steps: trains on a 2-core CPU in a few minutes.
@@ -81,6 +81,8 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
   flags.DEFINE_integer(_name, None, f"{_help} (the preset's by default)")
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
                   "backward: none, full (keep its input) or dots (keep matmul outputs)")
+flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or ragged_dot "
+                  "(the MaxText-style baseline on jax.lax.ragged_dot, one device)")
 flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)")
 flags.DEFINE_float("peak_tflops", None, "the device's peak TFLOP/s for MFU (default: bf16 dense "
                    "peak of a known GPU; none on a CPU)")
@@ -107,7 +109,7 @@ FLAGS = flags.FLAGS
 
 MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k",
                "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat",
-               "scan_layers")
+               "scan_layers", "moe_impl")
 # Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
 PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
 

@@ -1,0 +1,79 @@
+"""The MoE layer the example trains sonic_jax against: MaxText's GPU path, built on ragged_dot.
+
+`RaggedDotMoE` routes as sonic_jax's default ("softmax_topk": the top-K logits, a softmax over
+them), sorts the (token, expert) pairs by expert, gathers their rows of x with XLA, runs both
+expert projections as `jax.lax.ragged_dot` (SwiGLU between them, gate and up concatenated as
+sonic_jax stores them), weights each row by its score and scatter-adds the rows back to their
+tokens; autodiff gives the backward. This is what MaxText does on GPUs when its configs set
+`megablox: false`. Its parameters (router (d, E), w1 (E, d, 2n), w2 (E, n, d), with the same
+logical axis names and initialisation) and its losses (the Switch balance loss and the z-loss)
+are those of `sonic_jax.layers.MoE`, so `--moe_impl` swaps the layer in the same model.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+
+from sonic_jax import routing as routing_lib
+
+
+class RaggedDotStats(NamedTuple):
+  expert_counts: jax.Array  # (E,) int32: pairs per expert
+  dropped_pairs: jax.Array  # () int32: always 0 (dropless)
+
+
+class RaggedDotAux(NamedTuple):
+  loss: jax.Array  # load_balance_coef * balance loss + z_loss_coef * z-loss
+  stats: RaggedDotStats
+
+
+class RaggedDotMoE(nnx.Module):
+  """A dropless top-K MoE layer of SwiGLU experts on `jax.lax.ragged_dot` (module doc)."""
+
+  def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
+               init_std: float, load_balance_coef: float, z_loss_coef: float,
+               dtype=jnp.float32, rngs: nnx.Rngs):
+    normal = nnx.initializers.normal(init_std)
+    param = lambda shape, *names: nnx.Param(normal(rngs.params(), shape, jnp.float32),
+                                            out_sharding=names, eager_sharding=False)
+    self.router = param((d_model, num_experts), "embed", None)
+    self.w1 = param((num_experts, d_model, 2 * expert_dim), "expert", "embed", "mlp")
+    self.w2 = param((num_experts, expert_dim, d_model), "expert", "mlp", "embed")
+    self.top_k = top_k
+    self.dtype = jnp.dtype(dtype)
+    self.load_balance_coef = load_balance_coef
+    self.z_loss_coef = z_loss_coef
+
+  def __call__(self, x):
+    lead, d = x.shape[:-1], x.shape[-1]
+    h = x.reshape(-1, d).astype(self.dtype)
+    t_count, k = h.shape[0], self.top_k
+    e_count, n = self.w2.shape[0], self.w2.shape[1]
+    logits = jnp.dot(h, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    top, ids = jax.lax.top_k(logits, k)
+    scores = jax.nn.softmax(top, axis=-1)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=e_count).astype(jnp.int32)
+    rows = h[token]
+    up = jax.lax.ragged_dot(rows, self.w1[...].astype(self.dtype), group_sizes,
+                            preferred_element_type=jnp.float32)
+    a = (jax.nn.silu(up[:, :n]) * up[:, n:]).astype(self.dtype)
+    down = jax.lax.ragged_dot(a, self.w2[...].astype(self.dtype), group_sizes,
+                              preferred_element_type=jnp.float32)
+    weighted = down * scores.reshape(-1)[order][:, None]
+    y = jnp.zeros((t_count, d), jnp.float32).at[token].add(weighted).astype(self.dtype)
+    probs = jax.nn.softmax(logits, axis=-1)
+    loss = (self.load_balance_coef * routing_lib.load_balance_loss(probs, group_sizes)
+            + self.z_loss_coef * routing_lib.z_loss(logits))
+    stats = RaggedDotStats(expert_counts=group_sizes, dropped_pairs=jnp.zeros((), jnp.int32))
+    return y.reshape(*lead, d), RaggedDotAux(loss, stats)
+
+  def update_selection_bias(self, expert_counts):
+    """No selection bias: the baseline routes by plain top-K (kept for the model's interface)."""
+    del expert_counts
