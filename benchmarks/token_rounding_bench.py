@@ -45,7 +45,8 @@ flags.DEFINE_string("backend", "auto", "sonic_jax backend")
 flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
 flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
-flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout kernels from a profiler trace")
+flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout and training-step kernels "
+                  "from profiler traces")
 flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
 

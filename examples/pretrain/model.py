@@ -8,6 +8,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from sonic_jax.activations import get_activation
 from sonic_jax.layers import MoE
 
 from ragged_moe import RaggedDotMoE
@@ -209,12 +210,16 @@ class TransformerLM(nnx.Module):
 REMATS = ("none", "full", "dots")
 
 
+def _width(cfg: ModelConfig) -> int:
+  """w1's width in units of n: 2 for a GLU (gate and up), else 1."""
+  return get_activation(cfg.activation).width_multiplier()
+
+
 def active_params(cfg: ModelConfig) -> int:
   """Parameters a token's forward multiplies with, embeddings' lookup excluded but the output
   projection (tied or not) included: per layer attention 4 d^2, the router d E, K routed and the
   shared experts' (2 or 3) d n each."""
-  glu = cfg.activation in ("swiglu", "geglu", "reglu", "geglu_tanh")
-  expert = (3 if glu else 2) * cfg.d_model * cfg.expert_dim
+  expert = (1 + _width(cfg)) * cfg.d_model * cfg.expert_dim
   per_layer = (4 * cfg.d_model ** 2 + cfg.d_model * cfg.num_experts
                + (cfg.top_k + cfg.num_shared_experts) * expert)
   return cfg.num_layers * per_layer + cfg.d_model * cfg.vocab_size
@@ -228,5 +233,4 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def moe_flops_per_token(cfg: ModelConfig) -> float:
   """Forward + backward FLOPs of the MoE layers per token (the paper's count: 3 x 6 K d n)."""
-  glu = cfg.activation in ("swiglu", "geglu", "reglu")
-  return 3 * (6 if glu else 4) * cfg.top_k * cfg.d_model * cfg.expert_dim * cfg.num_layers
+  return 3 * 2 * (1 + _width(cfg)) * cfg.top_k * cfg.d_model * cfg.expert_dim * cfg.num_layers

@@ -4,19 +4,19 @@ The aggregation y_t = sum_s w_ts Y[row(t, s)] + sum_x w_x Y[row_x] (x: the extra
 has a fixed number of slot pairs per token but any number of extra pairs. `fold_extras` sums each
 token's extra rows, weighted, into the first of them, in place in the grouped buffer, and returns
 that row per token (R for a token without extras): the gather-sum then reads it as one more slot
-(index S) with weight 1, so the extras cost one slot, the output is written once (and XLA fuses it as it does
-top-K's), and only the extra pairs in use are read. The list has a static length X = E * J, but
-rounding uses a fraction of it (about 2k of 16k entries at T = 16384, E = 256, tile 128); a
-segment sum over the whole list gathers and scatter-adds all X rows.
+(index S) with weight 1, so the extras cost one slot, the output is written once (and XLA fuses
+it as it does top-K's), and only the extra pairs in use are read. The list has a static length
+X = E * J, but rounding uses a fraction of it (about 2k of 16k entries at T = 16384, E = 256,
+tile 128); a segment sum over the whole list gathers and scatter-adds all X rows.
 
 The pairs are sorted by token first (X small integers). One Pallas (Triton) program per sorted
 entry: the program at the first entry of a token's run adds the run's rows in order in float32,
 column block by column block, and stores the sum, in the buffer's dtype, over the first row (whose
-piece it has already read); every other program returns at once. Each row of the buffer belongs to one pair, so no two
-programs touch the same row: no atomics, deterministic. The buffer is updated in place (aliased);
-the rows are the forward's Y or the backward's dX rows, which nothing reads after the gather-sum.
-Uses Pallas's Triton lowering (deprecated in jax 0.11, present in 0.11.2; `AVAILABLE` is False
-where it is gone). Reference: `reference`.
+piece it has already read); every other program returns at once. Each row of the buffer belongs to
+one pair, so no two programs touch the same row: no atomics, deterministic. The buffer is updated
+in place (aliased); the rows are the forward's Y or the backward's dX rows, which nothing reads
+after the gather-sum. Uses Pallas's Triton lowering (deprecated in jax 0.11, present in 0.11.2;
+`AVAILABLE` is False where it is gone). Reference: `reference`.
 """
 
 from __future__ import annotations
