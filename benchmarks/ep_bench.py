@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from absl import app, flags
 import jax
@@ -41,18 +42,36 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import sonic_jax
 from benchmarks import grid, timing
 from sonic_jax import exchange
-from sonic_jax.parallel import moe_all_gather, moe_all_to_all, slot_capacity
+from sonic_jax.parallel import _sum_partials, moe_all_gather, moe_all_to_all, slot_capacity
 
 DEFAULT_CONFIGS = [(16384, 1536, 512, 64, 4), (16384, 4096, 1024, 64, 4), (8192, 4096, 512, 128, 8)]
 CAPACITY_FACTOR = 1.25
 # name: (layer, keyword arguments)
-SCHEMES = {
+A2A_SCHEMES = {
     "all_to_all": (moe_all_to_all, dict(transport="dense")),
     f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(transport="dense",
                                                              capacity_factor=CAPACITY_FACTOR)),
     "all_to_all ragged": (moe_all_to_all, dict(transport="ragged")),
-    "all_gather": (moe_all_gather, {}),
 }
+
+
+def all_gather_name(chunks: int, reserved_sms: int) -> str:
+  if chunks == 1 and not reserved_sms:
+    return "all_gather"
+  return f"all_gather chunks={chunks}" + (f" sms-{reserved_sms}" if reserved_sms else "")
+
+
+def schemes(names=None, all_gather_variants=((1, 0),)):
+  """{name: (layer, keyword arguments)}: the all-to-all schemes, then `moe_all_gather` with
+  each (ep_chunks, ep_reserved_sms) of all_gather_variants; only `names` (prefixes) if given."""
+  out = dict(A2A_SCHEMES)
+  for chunks, reserved in all_gather_variants:
+    out[all_gather_name(chunks, reserved)] = (moe_all_gather, dict(config=sonic_jax.Config(
+        ep_chunks=chunks, ep_reserved_sms=reserved)))
+  if names:
+    out = {k: v for k, v in out.items() if any(k == n or k.startswith(n + " ") for n in names)}
+  return out
+
 
 FLAGS = flags.FLAGS
 
@@ -65,6 +84,12 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
                      "(400 Gb/s InfiniBand NDR), for the 64-device extrapolation")
   flags.DEFINE_string("out", "bench_out", "output folder")
+  flags.DEFINE_list("schemes", None, "schemes to run (names or name prefixes, e.g. all_gather); "
+                    "default: all")
+  flags.DEFINE_list("all_gather_variants", ["1:0"], "moe_all_gather runs, each "
+                    "CHUNKS:RESERVED_SMS (Config.ep_chunks, Config.ep_reserved_sms)")
+  flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
+                    "GPU 0's time into communication, computation and their overlap")
 
 
 def _time(fn, *args):
@@ -74,11 +99,15 @@ def _time(fn, *args):
   return timing.time_fn(fn, *args, repeats=FLAGS.repeats, max_inner=1 if cpu else 200)
 
 
-def _fwd_and_fwdbwd(layer, *args):
-  def fwdbwd(*a):
+def _fwdbwd(layer):
+  def step(*a):  # the training step's work, the output as its own cotangent
     y, vjp = jax.vjp(layer, *a)
     return vjp(y)
-  return _time(layer, *args), _time(fwdbwd, *args)
+  return step
+
+
+def _fwd_and_fwdbwd(layer, *args):
+  return _time(layer, *args), _time(_fwdbwd(layer), *args)
 
 
 def _inputs(p, t_local, d, n, e, dtype, seed=0):
@@ -91,7 +120,7 @@ def _inputs(p, t_local, d, n, e, dtype, seed=0):
 
 
 def _sharded(scheme, mesh, k, backend, with_aux=False):
-  fn, kw = SCHEMES[scheme]
+  fn, kw = scheme
 
   def layer(x, rw, w1, w2):
     y, aux = fn(x, rw, w1, w2, axis_name="ep", top_k=k, backend=backend, **kw)
@@ -106,7 +135,7 @@ def _placed(mesh, x, rw, w1, w2):
   return put(x, P("ep")), put(rw, P()), put(w1, P("ep")), put(w2, P("ep"))
 
 
-def check_against_single_device(devices, backend, cfg=(256, 64, 32, 8, 2)):
+def check_against_single_device(devices, backend, runs, cfg=(256, 64, 32, 8, 2)):
   """Max relative error of output and all gradients, each scheme vs `sonic_jax.moe` on one
   device, float32 with full-precision matmuls (skewed routing: empty experts, a hot device)."""
   t_local, d, n, e, k = cfg
@@ -124,11 +153,13 @@ def check_against_single_device(devices, backend, cfg=(256, 64, 32, 8, 2)):
   with jax.default_matmul_precision("highest"):
     single = lambda *a: sonic_jax.moe(*a, top_k=k, backend=backend)[0]
     ref_loss, ref = loss_of(single)(*[jax.device_put(a, devices[0]) for a in (x, rw, w1, w2)])
-    for scheme in ("all_to_all", "all_to_all ragged", "all_gather"):  # the dropless ones
+    for name, scheme in runs.items():
+      if scheme[1].get("capacity_factor"):
+        continue  # the dropless ones
       got_loss, got = loss_of(_sharded(scheme, mesh, k, backend))(*_placed(mesh, x, rw, w1, w2))
       host = lambda a: np.asarray(a, np.float64)
       rel = lambda a, b: float(np.linalg.norm(host(a) - host(b)) / np.linalg.norm(host(b)))
-      errs[scheme] = max([rel(got_loss, ref_loss)] + [rel(a, b) for a, b in zip(got, ref)])
+      errs[name] = max([rel(got_loss, ref_loss)] + [rel(a, b) for a, b in zip(got, ref)])
   return errs
 
 
@@ -139,7 +170,52 @@ def _balanced_plan(p, e_local, rows_per_device, slot_rows):
           for me in range(p)]
 
 
-def run_config(cfg, devices, backend):
+def overlap_split(events, is_communication):
+  """Milliseconds of a traced step on one GPU, from its stream events [(start_ns, duration_ns,
+  name)]: span (first start to last end), communication (the union of the collective kernels'
+  intervals), computation (the union of the others') and hidden (communication during which
+  computation also ran)."""
+  def union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+      if merged and start <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], end)
+      else:
+        merged.append([start, end])
+    return merged
+
+  comm = union((s, s + d) for s, d, n in events if is_communication(n))
+  comp = union((s, s + d) for s, d, n in events if not is_communication(n))
+  length = lambda iv: sum(e - s for s, e in iv)
+  hidden, j = 0, 0
+  for s, e in comm:  # intersection of two sorted unions
+    while j < len(comp) and comp[j][1] <= s:
+      j += 1
+    k = j
+    while k < len(comp) and comp[k][0] < e:
+      hidden += min(e, comp[k][1]) - max(s, comp[k][0])
+      k += 1
+  span = (max(s + d for s, d, _ in events) - min(s for s, _, _ in events)) if events else 0
+  return {"span_ms": span / 1e6, "communication_ms": length(comm) / 1e6,
+          "computation_ms": length(comp) / 1e6, "hidden_ms": hidden / 1e6}
+
+
+def _is_nccl(name):
+  return "nccl" in name.lower()
+
+
+def profile_step(step, args):
+  """`overlap_split` of one traced call of `step` on the first GPU; None off a GPU."""
+  jax.block_until_ready(step(*args))
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    jax.block_until_ready(step(*args))
+    jax.profiler.stop_trace()
+    events = timing.device_events(logdir, gpu=0)
+  return overlap_split(events, _is_nccl) if events else None
+
+
+def run_config(cfg, devices, backend, runs, reserved_singles=(), profile=False):
   t_local, d, n, e, k = cfg
   p = len(devices)
   if e % p:
@@ -153,25 +229,40 @@ def run_config(cfg, devices, backend):
   flops_per_device = grid.forward_flops((t_local, d, n, e, k))
 
   one = devices[0]
-  single = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=k, backend=backend)[0]
-  t_fwd, t_fb = _fwd_and_fwdbwd(single, *[jax.device_put(a, one) for a in (x[:t_local], rw, w1,
-                                                                           w2)])
+  on_one = [jax.device_put(a, one) for a in (x[:t_local], rw, w1, w2)]
+
+  def single(config):
+    return lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=k, backend=backend,
+                                               config=config)[0]
+
+  t_fwd, t_fb = _fwd_and_fwdbwd(single(None), *on_one)
   res.update(single_fwd_ms=t_fwd * 1e3, single_fwdbwd_ms=t_fb * 1e3,
              single_fwdbwd_tflops=3 * flops_per_device / t_fb / 1e12)
+  # The kernels' own cost of leaving SMs free, without communication beside them.
+  res["single_reserved_sms_fwdbwd_ms"] = {
+      str(r): _fwd_and_fwdbwd(single(sonic_jax.Config(reserved_sms=r)), *on_one)[1] * 1e3
+      for r in reserved_singles if r}
   placed = _placed(mesh, x, rw, w1, w2)
-  for scheme in SCHEMES:
+  for name, scheme in runs.items():
+    fn, kw = scheme
     t_fwd, t_fb = _fwd_and_fwdbwd(_sharded(scheme, mesh, k, backend), *placed)
     _, dropped = jax.jit(_sharded(scheme, mesh, k, backend, with_aux=True))(*placed)
-    res[scheme] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "dropped_pairs": int(dropped),
-                   "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12}
+    config = kw.get("config", sonic_jax.Config())
+    res[name] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "dropped_pairs": int(dropped),
+                 "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12,
+                 "layer": "all_gather" if fn is moe_all_gather else "all_to_all",
+                 "transport": kw.get("transport"),
+                 "capacity_factor": kw.get("capacity_factor"),
+                 "ep_chunks": config.ep_chunks, "ep_reserved_sms": config.ep_reserved_sms}
+    if profile and fn is moe_all_gather:
+      res[name]["profile"] = profile_step(jax.jit(_fwdbwd(_sharded(scheme, mesh, k, backend))),
+                                          placed)
 
-  # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all,
-  # reduce-scatter) or receives (all-gather) over the links: (P-1)/P of what it holds.
+  # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all) or receives
+  # (all-gather) over the links: (P-1)/P of what it holds.
   frac = (p - 1) / p
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
   rows = t_local * k  # the pairs of a device
-  slots = {name: slot_capacity(t_local, k, 0, p, e // p, kw.get("capacity_factor"))
-           for name, (fn, kw) in SCHEMES.items() if fn is moe_all_to_all}
 
   def a2a_time(transport, slot_rows):
     plans = _balanced_plan(p, e // p, rows, slot_rows)
@@ -184,26 +275,33 @@ def run_config(cfg, devices, backend):
                        check_vma=False)
     return _time(fn, put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
 
-  gather = jax.shard_map(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh=mesh,
-                         in_specs=P("ep"), out_specs=P(), check_vma=False)
-  scatter = jax.shard_map(lambda v: jax.lax.psum_scatter(v, "ep", tiled=True), mesh=mesh,
-                          in_specs=P(), out_specs=P("ep"), check_vma=False)
   gbps = lambda b, t: b / t / 1e9 if p > 1 else None
-  for name, slot_rows in slots.items():
-    transport = SCHEMES[name][1]["transport"]
-    t = a2a_time(transport, slot_rows)
-    moved = (rows if transport == "ragged" else p * slot_rows) * frac * d * itemsize
+  for name, (fn, kw) in runs.items():
+    if fn is not moe_all_to_all:
+      continue
+    slot_rows = slot_capacity(t_local, k, 0, p, e // p, kw.get("capacity_factor"))
+    t = a2a_time(kw["transport"], slot_rows)
+    moved = (rows if kw["transport"] == "ragged" else p * slot_rows) * frac * d * itemsize
     # Dispatch and combine, each once more (transposed) in the backward.
     res[name].update(slot_rows=slot_rows, exchange_ms=t * 1e3, exchange_gbps=gbps(moved, t),
                      communication_ms=4 * t * 1e3)
-  t_gather = _time(gather, put(x, P("ep")))
-  t_scatter = _time(scatter, put(jnp.zeros((p * t_local, d), jnp.float32), P()))
-  res["all_gather"].update(
-      all_gather_ms=t_gather * 1e3,
-      all_gather_gbps=gbps(frac * p * t_local * d * itemsize, t_gather),
-      reduce_scatter_ms=t_scatter * 1e3,
-      reduce_scatter_gbps=gbps(frac * p * t_local * d * 4, t_scatter),
-      communication_ms=2 * (t_gather + t_scatter) * 1e3)
+  gathers = [name for name, (fn, _) in runs.items() if fn is moe_all_gather]
+  if gathers:
+    # The all-gather of x and the combine (an all-to-all of the partial outputs, summed by their
+    # owner), whole; each runs once more, transposed, in the backward.
+    gather = jax.shard_map(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh=mesh,
+                           in_specs=P("ep"), out_specs=P(), check_vma=False)
+    combine = jax.shard_map(lambda v: _sum_partials(v, "ep"), mesh=mesh, in_specs=P(),
+                            out_specs=P("ep"), check_vma=False)
+    t_gather = _time(gather, put(x, P("ep")))
+    t_combine = _time(combine, put(jnp.zeros((p * t_local, d), dtype), P()))
+    for name in gathers:
+      res[name].update(
+          all_gather_ms=t_gather * 1e3,
+          all_gather_gbps=gbps(frac * p * t_local * d * itemsize, t_gather),
+          combine_ms=t_combine * 1e3,
+          combine_gbps=gbps(frac * p * t_local * d * itemsize, t_combine),
+          communication_ms=2 * (t_gather + t_combine) * 1e3)
   return res
 
 
@@ -220,46 +318,54 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
     return None  # E experts cannot be spread over that many devices
   frac = (devices - 1) / devices
   cross = max(0.0, 1 - 8 / devices)  # share of a device's peers on other nodes
-  if scheme == "all_gather":
-    bws = [r["all_gather_gbps"], r["reduce_scatter_gbps"]]
+  if r["layer"] == "all_gather":
+    bws = [r["all_gather_gbps"], r["combine_gbps"]]
     if None in bws:
       return None
     slowest = lambda b: b if devices <= 8 else min(b, inter_node_gbps)  # rings span the nodes
-    comm = 2 * frac * devices * t_local * d * (item / slowest(bws[0]) + 4 / slowest(bws[1])) / 1e9
+    comm = 2 * frac * devices * t_local * d * item * sum(1 / slowest(b) for b in bws) / 1e9
     return res["single_fwdbwd_ms"] + comm * 1e3
   bw = r["exchange_gbps"]
   if bw is None:
     return None
-  if "ragged" in scheme:
+  if r["transport"] == "ragged":
     rows = t_local * k
   else:
-    factor = SCHEMES[scheme][1].get("capacity_factor")
-    rows = devices * slot_capacity(t_local, k, 0, devices, e // devices, factor)
+    rows = devices * slot_capacity(t_local, k, 0, devices, e // devices, r["capacity_factor"])
   per_way = rows * d * item * ((frac - cross) / bw + cross / min(bw, inter_node_gbps)) / 1e9
   return res["single_fwdbwd_ms"] + 4 * per_way * 1e3
 
 
+def scheme_names(res):
+  return [k for k, v in res.items() if isinstance(v, dict) and "fwdbwd_ms" in v]
+
+
 def table(results, inter_node_gbps):
   lines = ["| per-device config (T_local,d,n,E,K) | P | single fwd+bwd ms (TF/s) | scheme | "
-           "sharded fwd+bwd ms (TF/s per device) | dropped pairs | collectives ms (GB/s) | "
-           "comm share | extrapolated fwd+bwd ms at 8 / 64 GPUs |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "sharded fwd+bwd ms (TF/s per device) | × single | dropped pairs | "
+           "collectives ms (GB/s) | comm share | hidden | extrapolated fwd+bwd ms at 8 / 64 GPUs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     gbps = lambda v: "–" if v is None else f"{v:.0f}"
-    for scheme in SCHEMES:
+    for scheme in scheme_names(r):
       s = r[scheme]
-      if scheme == "all_gather":
-        coll = (f"AG {s['all_gather_ms']:.3f} ({gbps(s['all_gather_gbps'])}), RS "
-                f"{s['reduce_scatter_ms']:.3f} ({gbps(s['reduce_scatter_gbps'])})")
+      if s["layer"] == "all_gather":
+        coll = (f"AG {s['all_gather_ms']:.3f} ({gbps(s['all_gather_gbps'])}), combine "
+                f"{s['combine_ms']:.3f} ({gbps(s['combine_gbps'])})")
       else:
         coll = f"exchange {s['exchange_ms']:.3f} ({gbps(s['exchange_gbps'])})"
+      prof = s.get("profile")
+      hidden = (f"{100 * prof['hidden_ms'] / prof['communication_ms']:.0f}%"
+                if prof and prof["communication_ms"] else "–")
       ext = [extrapolate(r, scheme, n, inter_node_gbps) for n in (8, 64)]
       ext_s = " / ".join("–" if v is None else f"{v:.2f}" for v in ext)
       lines.append(
           f"| {','.join(map(str, r['config']))} | {r['devices']} | {r['single_fwdbwd_ms']:.3f} "
           f"({r['single_fwdbwd_tflops']:.0f}) | {scheme} | {s['fwdbwd_ms']:.3f} "
-          f"({s['fwdbwd_tflops_per_device']:.0f}) | {s['dropped_pairs']} | {coll} | "
-          f"{100 * s['communication_ms'] / s['fwdbwd_ms']:.0f}% | {ext_s} |")
+          f"({s['fwdbwd_tflops_per_device']:.0f}) | "
+          f"{s['fwdbwd_tflops_per_device'] / r['single_fwdbwd_tflops']:.2f} | "
+          f"{s['dropped_pairs']} | {coll} | "
+          f"{100 * s['communication_ms'] / s['fwdbwd_ms']:.0f}% | {hidden} | {ext_s} |")
   return "\n".join(lines)
 
 
@@ -267,20 +373,26 @@ def main(_):
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
+  variants = [tuple(int(v) for v in item.split(":")) for item in FLAGS.all_gather_variants]
+  runs = schemes(FLAGS.schemes, variants)
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("ep_bench", devices, backend=backend,
                         native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
                         inter_node_gbps_assumed=FLAGS.inter_node_gbps,
-                        check_max_rel_err=check_against_single_device(devices, backend),
+                        check_max_rel_err=check_against_single_device(devices, backend, runs),
                         results=[])
   print("correctness vs one device (max rel err of output and gradients):",
         out["check_max_rel_err"], flush=True)
   path = os.path.join(FLAGS.out, grid.results_name(out, "ep"))
+  reserved = sorted({r for _, r in variants if r})
   for cfg in configs:
-    out["results"].append(run_config(cfg, devices, backend))
+    out["results"].append(run_config(cfg, devices, backend, runs, reserved, FLAGS.profile))
     with open(path, "w") as f:
       json.dump(out, f, indent=1)
     print(table(out["results"][-1:], FLAGS.inter_node_gbps), flush=True)
+    single = out["results"][-1]["single_reserved_sms_fwdbwd_ms"]
+    if single:
+      print("single fwd+bwd ms with reserved SMs:", single, flush=True)
   print(f"wrote {path}")
 
 

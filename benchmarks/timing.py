@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -94,15 +95,17 @@ def temp_bytes(compiled):
     return None
 
 
-def device_events(logdir):
+def device_events(logdir, gpu=None):
   """[(start_ns, duration_ns, name)] of the GPU stream events (kernels, memsets, memcpys) of the
-  profiler trace in `logdir`, in start order; [] without a trace or a GPU."""
+  profiler trace in `logdir`, in start order: of GPU `gpu` (its index), or of every GPU (None);
+  [] without a trace or a GPU."""
   paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     return []
   events = []
   for plane in jax.profiler.ProfileData.from_file(paths[0]).planes:
-    if not plane.name.startswith("/device:GPU"):
+    if not plane.name.startswith("/device:GPU") or (
+        gpu is not None and re.match(rf"/device:GPU:{gpu}\b", plane.name) is None):
       continue
     for line in plane.lines:  # kernels live on the stream lines, not XLA's op/module summaries
       if "stream" in line.name.lower():
