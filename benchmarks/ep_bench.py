@@ -1,6 +1,7 @@
 r"""Expert parallelism: both sharded schemes against one device, and the cost of their collectives.
 
-  python -m benchmarks.ep_bench [--thiek=T_local,d,n,E,K ...] [--backend=auto] [--out=dir]
+  python -m benchmarks.ep_bench [--thiek=T_local,d,n,E,K ...] [--schemes=...] [--backend=auto]
+      [--out=dir]
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.ep_bench \
       --thiek=128,32,16,4,2 --backend=xla                              # 2 CPU devices
 
@@ -21,10 +22,13 @@ Then, measured forward and forward+backward (median of repeated runs after warm-
   (`all_to_all ragged`), and `moe_all_gather`;
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
   receives over the links / time): each exchange (balanced routing), the all-gather of x and the
-  reduce-scatter of y (float32).
-Printed last: step time and TFLOP/s per device, the communication share, and the layers
-extrapolated to 8 devices (one node: the measured bandwidths) and 64 devices (8 nodes: the
-all-to-all's cross-node share at --inter_node_gbps per GPU, an assumption, not a measurement).
+  combine (the all-to-all of the partial outputs and their float32 sum);
+- (--profile) one traced training step of `moe_all_gather`, GPU 0's time split into
+  communication (NCCL kernels), computation and communication hidden under computation.
+Printed last: step time and TFLOP/s per device and as a multiple of the single GPU's, the
+communication share, the hidden share, and the layers extrapolated to 8 devices (one node: the
+measured bandwidths) and 64 devices (8 nodes: the cross-node share at --inter_node_gbps per GPU,
+an assumption, not a measurement).
 """
 
 from __future__ import annotations
@@ -47,30 +51,13 @@ from sonic_jax.parallel import _sum_partials, moe_all_gather, moe_all_to_all, sl
 DEFAULT_CONFIGS = [(16384, 1536, 512, 64, 4), (16384, 4096, 1024, 64, 4), (8192, 4096, 512, 128, 8)]
 CAPACITY_FACTOR = 1.25
 # name: (layer, keyword arguments)
-A2A_SCHEMES = {
+SCHEMES = {
     "all_to_all": (moe_all_to_all, dict(transport="dense")),
     f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(transport="dense",
                                                              capacity_factor=CAPACITY_FACTOR)),
     "all_to_all ragged": (moe_all_to_all, dict(transport="ragged")),
+    "all_gather": (moe_all_gather, {}),
 }
-
-
-def all_gather_name(chunks: int, reserved_sms: int) -> str:
-  if chunks == 1 and not reserved_sms:
-    return "all_gather"
-  return f"all_gather chunks={chunks}" + (f" sms-{reserved_sms}" if reserved_sms else "")
-
-
-def schemes(names=None, all_gather_variants=((1, 0),)):
-  """{name: (layer, keyword arguments)}: the all-to-all schemes, then `moe_all_gather` with
-  each (ep_chunks, ep_reserved_sms) of all_gather_variants; only `names` (prefixes) if given."""
-  out = dict(A2A_SCHEMES)
-  for chunks, reserved in all_gather_variants:
-    out[all_gather_name(chunks, reserved)] = (moe_all_gather, dict(config=sonic_jax.Config(
-        ep_chunks=chunks, ep_reserved_sms=reserved)))
-  if names:
-    out = {k: v for k, v in out.items() if any(k == n or k.startswith(n + " ") for n in names)}
-  return out
 
 
 FLAGS = flags.FLAGS
@@ -84,10 +71,7 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
                      "(400 Gb/s InfiniBand NDR), for the 64-device extrapolation")
   flags.DEFINE_string("out", "bench_out", "output folder")
-  flags.DEFINE_list("schemes", None, "schemes to run (names or name prefixes, e.g. all_gather); "
-                    "default: all")
-  flags.DEFINE_list("all_gather_variants", ["1:0"], "moe_all_gather runs, each "
-                    "CHUNKS:RESERVED_SMS (Config.ep_chunks, Config.ep_reserved_sms)")
+  flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)} (default: all)")
   flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
                     "GPU 0's time into communication, computation and their overlap")
 
@@ -215,7 +199,7 @@ def profile_step(step, args):
   return overlap_split(events, _is_nccl) if events else None
 
 
-def run_config(cfg, devices, backend, runs, reserved_singles=(), profile=False):
+def run_config(cfg, devices, backend, runs, profile=False):
   t_local, d, n, e, k = cfg
   p = len(devices)
   if e % p:
@@ -229,31 +213,21 @@ def run_config(cfg, devices, backend, runs, reserved_singles=(), profile=False):
   flops_per_device = grid.forward_flops((t_local, d, n, e, k))
 
   one = devices[0]
-  on_one = [jax.device_put(a, one) for a in (x[:t_local], rw, w1, w2)]
-
-  def single(config):
-    return lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=k, backend=backend,
-                                               config=config)[0]
-
-  t_fwd, t_fb = _fwd_and_fwdbwd(single(None), *on_one)
+  single = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=k, backend=backend)[0]
+  t_fwd, t_fb = _fwd_and_fwdbwd(single, *[jax.device_put(a, one) for a in (x[:t_local], rw, w1,
+                                                                           w2)])
   res.update(single_fwd_ms=t_fwd * 1e3, single_fwdbwd_ms=t_fb * 1e3,
              single_fwdbwd_tflops=3 * flops_per_device / t_fb / 1e12)
-  # The kernels' own cost of leaving SMs free, without communication beside them.
-  res["single_reserved_sms_fwdbwd_ms"] = {
-      str(r): _fwd_and_fwdbwd(single(sonic_jax.Config(reserved_sms=r)), *on_one)[1] * 1e3
-      for r in reserved_singles if r}
   placed = _placed(mesh, x, rw, w1, w2)
   for name, scheme in runs.items():
     fn, kw = scheme
     t_fwd, t_fb = _fwd_and_fwdbwd(_sharded(scheme, mesh, k, backend), *placed)
     _, dropped = jax.jit(_sharded(scheme, mesh, k, backend, with_aux=True))(*placed)
-    config = kw.get("config", sonic_jax.Config())
     res[name] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "dropped_pairs": int(dropped),
                  "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12,
                  "layer": "all_gather" if fn is moe_all_gather else "all_to_all",
                  "transport": kw.get("transport"),
-                 "capacity_factor": kw.get("capacity_factor"),
-                 "ep_chunks": config.ep_chunks, "ep_reserved_sms": config.ep_reserved_sms}
+                 "capacity_factor": kw.get("capacity_factor")}
     if profile and fn is moe_all_gather:
       res[name]["profile"] = profile_step(jax.jit(_fwdbwd(_sharded(scheme, mesh, k, backend))),
                                           placed)
@@ -373,8 +347,10 @@ def main(_):
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
-  variants = [tuple(int(v) for v in item.split(":")) for item in FLAGS.all_gather_variants]
-  runs = schemes(FLAGS.schemes, variants)
+  unknown = set(FLAGS.schemes or ()) - set(SCHEMES)
+  if unknown:
+    raise app.UsageError(f"--schemes: unknown {sorted(unknown)}; known: {list(SCHEMES)}")
+  runs = {k: v for k, v in SCHEMES.items() if not FLAGS.schemes or k in FLAGS.schemes}
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("ep_bench", devices, backend=backend,
                         native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
@@ -384,15 +360,11 @@ def main(_):
   print("correctness vs one device (max rel err of output and gradients):",
         out["check_max_rel_err"], flush=True)
   path = os.path.join(FLAGS.out, grid.results_name(out, "ep"))
-  reserved = sorted({r for _, r in variants if r})
   for cfg in configs:
-    out["results"].append(run_config(cfg, devices, backend, runs, reserved, FLAGS.profile))
+    out["results"].append(run_config(cfg, devices, backend, runs, FLAGS.profile))
     with open(path, "w") as f:
       json.dump(out, f, indent=1)
     print(table(out["results"][-1:], FLAGS.inter_node_gbps), flush=True)
-    single = out["results"][-1]["single_reserved_sms_fwdbwd_ms"]
-    if single:
-      print("single fwd+bwd ms with reserved SMs:", single, flush=True)
   print(f"wrote {path}")
 
 

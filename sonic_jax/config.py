@@ -29,12 +29,6 @@ class Config:
     XLA's, fused with the router's input gradient.
   tuning: the mosaic_gpu kernels' per-problem configurations, a
     `sonic_jax.mosaic_gpu.tuning.TuningTable`; None: the table shipped with the package.
-  reserved_sms: SMs the mosaic_gpu backend's persistent kernels leave free (one CTA per SM
-    otherwise), for kernels that run beside them, such as communication.
-  ep_chunks: `sonic_jax.parallel.moe_all_gather` moves and computes the local tokens in this many
-    slices, so that one slice's collectives overlap another's expert kernels; 1: one slice.
-  ep_reserved_sms: `reserved_sms` within a chunked `moe_all_gather` (ep_chunks > 1): the SMs its
-    collectives run on while the expert kernels run.
   """
 
   router_kernel_max_experts: int = 128
@@ -43,17 +37,10 @@ class Config:
   gather_sum_kernel_min_slots: int = 16
   gather_sum_kernel_min_d: int = 4096
   tuning: Any = None
-  reserved_sms: int = 0
-  ep_chunks: int = 1
-  ep_reserved_sms: int = 0
 
   def __post_init__(self):
-    if isinstance(self.ep_chunks, bool) or not isinstance(self.ep_chunks, int) or (
-        self.ep_chunks < 1):
-      raise ValueError(f"Config.ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
     for name in ("router_kernel_max_experts", "layout_kernel_max_experts",
-                 "gather_sum_kernel_min_slots", "gather_sum_kernel_min_d", "reserved_sms",
-                 "ep_reserved_sms"):
+                 "gather_sum_kernel_min_slots", "gather_sum_kernel_min_d"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"Config.{name} must be an int >= 0, got {value!r}")

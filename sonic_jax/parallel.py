@@ -12,15 +12,15 @@ d each way (ragged; the dense transport moves whole slots, P*S rows), (P-1)/P of
 devices.
 
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
-all-gathers the tokens of the expert axis, routes all of them (the router is replicated), runs only
-its local experts on the pairs routed to them, and a reduce-scatter sums the partial outputs back to
-the devices that own the tokens. Dropless and static in shape; the backward is the mirror image
-(JAX transposes the collectives) and keeps the low-activation residuals of the single-device op.
-Communication per layer: all-gather of x and reduce-scatter of y, 2 (P-1)/P * T*d each way, which
-beats an all-to-all while P is small relative to K (every token goes to K experts anyway).
+routes its own tokens and all-gathers their logits and the tokens of the expert axis, runs only
+its local experts on the pairs routed to them, and sends each device the partial outputs of its
+tokens (one all-to-all), which it sums in float32. Dropless and static in shape; the backward is
+the mirror image and keeps the low-activation residuals of the single-device op. Communication per
+layer: the all-gather of x and the combine, 2 (P-1)/P * T*d each way in x's dtype, which beats an
+all-to-all while P is small relative to K (every token goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
-routing of all P*T_local tokens on every device; the ragged all-to-all moves (P-1)/P*K*T_local
+routing of all P*T_local tokens (from their logits) on every device; the ragged all-to-all moves (P-1)/P*K*T_local
 (balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity factor c, and
 T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged) or P < c*K
 (dense with a capacity factor; dropless dense always moves more), and all-to-all wins beyond; it
@@ -30,7 +30,6 @@ also keeps the routing, the row gathers and the saved activations per device ind
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -75,12 +74,10 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   computes the same one), so each expert's count is a multiple of the backend's row tile wherever
   the expert lives. The other arguments are those of `sonic_jax.moe`.
 
-  Every device routes its own tokens and all-gathers the logits (E floats a token), so all of them
-  hold the routing of the axis's tokens. The d-wide rows then move in `config.ep_chunks` slices of
-  the local tokens: slice c's all-gather, its local experts and its combine (an all-to-all of the
-  partial outputs, summed in float32 by their owner) depend on no other slice, so XLA's scheduler
-  runs one slice's collectives beside another's kernels. The persistent kernels of a chunked layer
-  leave `config.ep_reserved_sms` SMs to the collectives.
+  Every device routes its own tokens and all-gathers the logits (E floats a token), so all of
+  them hold the routing of the axis's tokens; the d-wide rows move twice: the all-gather of x and
+  the combine, one all-to-all of the partial outputs (x's dtype), which each token's owner sums in
+  float32. The backward moves the same bytes the other way.
   """
   p = jax.lax.axis_size(axis_name)
   e_local = w1.shape[0]
@@ -90,11 +87,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
                   router_bias=router_bias)
   config = check_config(config)
-  chunks = _chunk_bounds(x.shape[0], config.ep_chunks)
-  if len(chunks) > 1 and config.ep_reserved_sms:
-    config = dataclasses.replace(config, reserved_sms=config.ep_reserved_sms)
   impl = resolve_backend(backend, config)
-  t_local, e_count = x.shape[0], e_local * p
+  e_count = e_local * p
   logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
                                                   selection_bias, config=config,
                                                   router_bias=router_bias)
@@ -103,45 +97,29 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                              token_rounding, impl.row_tile,
                                              None if ids is None else gather(ids))
+  x_all = _gather_tokens(x, axis_name)  # (P*T_local, d)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
-  extra = routing_lib.extra_scores_or_none(rounded)
-  extras = None
-  if extra is not None:  # token rounding's lists come grouped by expert: keep this device's
-    per_expert = extra.shape[0] // e_count
-    extras = tuple(jax.lax.dynamic_slice_in_dim(a, first * per_expert, e_local * per_expert)
-                   for a in (rounded.extra_tokens, rounded.extra_experts, extra))
-
-  ys, padded = [], []
-  for start, stop in chunks:
-    size = stop - start
-    # The chunk's tokens of every device, device by device: rows [start, stop) of each device's.
-    of_chunk = lambda a: a.reshape(p, t_local, *a.shape[1:])[:, start:stop].reshape(
-        p * size, *a.shape[1:])
-    x_c = _gather_tokens(x[start:stop], axis_name)
-    ids_c, scores_c = of_chunk(rounded.expert_ids), of_chunk(rounded.scores)
-    if router.scale_input:  # each pair's token row scaled by its weight, summed with weight 1
-      x_in, ids_in, combine = _scaled_inputs(x_c, ids_c, scores_c, None, None, None)
-      layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
-      y_partial = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, scores_c.dtype), None,
-                                         layout, w1, w2, b1, b2, act, gate_up_layout, impl))
-    else:
-      extra_tokens = extra_experts = extra_scores = None
-      if extras is not None:  # the chunk's extra pairs; the others marked unused
-        device, row = extras[0] // t_local, extras[0] % t_local
-        mine = (row >= start) & (row < stop) & (device < p)
-        extra_tokens = jnp.where(mine, device * size + row - start, p * size).astype(jnp.int32)
-        extra_experts = jnp.where(mine, localize(extras[1], e_local), e_local)
-        extra_scores = extras[2]
-      layout = build_grouped_layout(localize(ids_c, -1), e_local, impl.row_tile, extra_tokens,
-                                    extra_experts, extras_by_expert=extras is not None,
-                                    config=config)
-      y_partial = expert_mixture(x_c, scores_c, extra_scores, layout, w1, w2, b1, b2, act,
-                                 gate_up_layout, impl)
-    ys.append(_sum_partials(y_partial, axis_name))
-    padded.append(jnp.sum(layout.group_sizes - layout.expert_counts))
-  y = ys[0] if len(ys) == 1 else jnp.concatenate(ys)
+  if router.scale_input:  # each pair's token row scaled by its weight, summed with weight 1
+    x_in, ids_in, combine = _scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
+                                           None)
+    layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
+    y_partial = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, rounded.scores.dtype), None,
+                                       layout, w1, w2, b1, b2, act, gate_up_layout, impl))
+  else:
+    extra = routing_lib.extra_scores_or_none(rounded)
+    extras = (rounded.extra_tokens, rounded.extra_experts, extra)
+    if extra is not None:  # token rounding's lists come grouped by expert: keep this device's
+      per_expert = extra.shape[0] // e_count
+      extras = tuple(jax.lax.dynamic_slice_in_dim(a, first * per_expert, e_local * per_expert)
+                     for a in extras)
+    layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
+                                  extras[0], localize(extras[1], e_local),
+                                  extras_by_expert=extra is not None, config=config)
+    y_partial = expert_mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
+                               gate_up_layout, impl)
+  y = _sum_partials(y_partial, axis_name)
   counts = (routing_lib.expert_counts(rounded.expert_ids, e_count)
             + routing_lib.expert_counts(rounded.extra_experts[:, None], e_count))
   aux = MoEAux(expert_counts=counts, expert_ids=rounded.expert_ids, scores=rounded.scores,
@@ -149,22 +127,15 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                load_balance_loss=routing_lib.load_balance_loss(routed.probs, counts),
                z_loss=routing_lib.z_loss(logits), extra_tokens=rounded.extra_tokens,
                extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
-               padded_rows=jax.lax.psum(sum(padded), axis_name),
+               padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
+                                        axis_name),
                dropped_pairs=jnp.zeros((), jnp.int32), probs=routed.probs)
   return y, aux
 
 
-def _chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
-  """[start, stop) of `chunks` near-equal slices of num_tokens tokens (fewer slices when there are
-  fewer tokens; one empty slice when there are none)."""
-  chunks = max(1, min(chunks, num_tokens))
-  edges = [num_tokens * i // chunks for i in range(chunks + 1)]
-  return list(zip(edges[:-1], edges[1:]))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_tokens(x: Array, axis_name: str) -> Array:
-  """all_gather(x) over the axis, (P*T_c, d). Its transpose sums the devices' cotangents in
+  """all_gather(x) over the axis, (P*T_local, d). Its transpose sums the devices' cotangents in
   float32 after one all-to-all of rows in x's dtype (`_sum_partials`): the bytes of a
   reduce-scatter in that dtype, whose ring would round every partial sum to it."""
   return jax.lax.all_gather(x, axis_name, tiled=True)
@@ -182,9 +153,9 @@ _gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 
 
 def _sum_partials(y_partial: Array, axis_name: str) -> Array:
-  """(T_c, d): this device's rows of y_partial (P*T_c, d, device by device) summed over the axis
-  in float32, returned in y_partial's dtype: one all-to-all, then a local sum in a fixed order.
-  Differentiable: its transpose is the all-gather of the cotangent."""
+  """(T_local, d): this device's rows of y_partial (P*T_local, d, device by device) summed over
+  the axis in float32, returned in y_partial's dtype: one all-to-all, then a local sum in a fixed
+  order. Differentiable: its transpose is the all-gather of the cotangent."""
   p = jax.lax.axis_size(axis_name)
   parts = y_partial.reshape(p, -1, *y_partial.shape[1:])
   received = jax.lax.all_to_all(parts, axis_name, 0, 0)  # [i]: device i's partial of my rows

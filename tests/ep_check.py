@@ -24,9 +24,6 @@ def rel(a, b):
 
 def main():
   scheme = {"all_gather": moe_all_gather,
-            # three uneven slices of the local tokens (8 shards: 8 tokens each, 3 + 3 + 2)
-            "all_gather_chunked": functools.partial(moe_all_gather,
-                                                    config=sonic_jax.Config(ep_chunks=3)),
             "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
             "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[sys.argv[1]]
   skew = sys.argv[2] == "skew"

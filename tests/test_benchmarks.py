@@ -98,8 +98,20 @@ def test_ep_bench(tmp_path):
   for scheme in ("all_to_all", "all_to_all c=1.25", "all_to_all ragged", "all_gather"):
     assert r[scheme]["fwdbwd_ms"] > 0 and r[scheme]["communication_ms"] > 0, scheme
   assert r["all_to_all"]["dropped_pairs"] == 0
+  assert r["all_gather"]["combine_ms"] > 0 and r["all_gather"]["profile"] is None  # no GPU trace
   from benchmarks.ep_bench import table
   assert "| 128,32,16,4,2 | 2 |" in table(res["results"], res["inter_node_gbps_assumed"])
+
+
+def test_ep_bench_overlap_split():
+  from benchmarks.ep_bench import overlap_split
+  ms = 1_000_000  # ns
+  events = [(0, 4 * ms, "gemm"), (3 * ms, 2 * ms, "ncclDevKernel_AllGather"),
+            (6 * ms, 1 * ms, "ncclDevKernel_AllToAll"), (6 * ms, 3 * ms, "gemm"),
+            (10 * ms, 1 * ms, "ncclDevKernel_AllToAll")]
+  split = overlap_split(events, lambda name: "nccl" in name)
+  assert split == {"span_ms": 11.0, "communication_ms": 4.0, "computation_ms": 7.0,
+                   "hidden_ms": 2.0}
 
 
 def test_autotune_writes_a_table_that_loads(tmp_path):

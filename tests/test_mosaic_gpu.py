@@ -232,30 +232,6 @@ def test_moe_layer_aggregation_kernel_against_oracle(rng, compiled, monkeypatch)
   assert not calls
 
 
-@pytest.mark.gpu
-def test_moe_layer_with_reserved_sms_against_oracle(rng):
-  """Config.reserved_sms: every persistent kernel (the GEMMs, weight gradients, gather-sum) on
-  fewer CTAs walks the same tiles; output and every gradient against the float64 oracle."""
-  config = sonic_jax.Config(reserved_sms=20, gather_sum_kernel_min_slots=1,
-                            gather_sum_kernel_min_d=1)
-  _check_layer(rng, True, "swiglu", False, jnp.bfloat16, "concat", config)
-
-
-def test_reserved_sms_shrink_the_persistent_grid():
-  from sonic_jax.mosaic_gpu import grouped_gemm
-  with jax.sharding.use_abstract_mesh(h100_abstract_mesh(8)):
-    assert grouped_gemm.persistent_launch(1, 3)["grid"] == (5,)
-    assert grouped_gemm.persistent_launch(2, 3)["grid"] == (2,)  # whole clusters
-    with pytest.raises(ValueError, match="reserved_sms=8 leaves no 1-CTA cluster"):
-      grouped_gemm.persistent_launch(1, 8)
-  with pytest.raises(ValueError, match="reserved_sms must be an int >= 0"):
-    grouped_gemm.GroupedGemmConfig(reserved_sms=-1)
-  with pytest.raises(ValueError, match="Config.reserved_sms must be an int >= 0"):
-    sonic_jax.Config(reserved_sms=-2)
-  with pytest.raises(ValueError, match="Config.ep_chunks must be an int >= 1"):
-    sonic_jax.Config(ep_chunks=0)
-
-
 def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout, config=None):
   T, d, n, E = (96, 64, 128, 4) if not compiled else (2048, 256, 256, 8)
   n = n if sonic_jax.ACTIVATIONS[activation].is_glu else 2 * n

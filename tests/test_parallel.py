@@ -24,11 +24,10 @@ def _run(script, *args):
 @pytest.mark.parametrize("scheme,routing,rounding", [
     ("all_to_all_dense", "random", None), ("all_to_all_dense", "skew", None),
     ("all_to_all_dense", "random", "up"), ("all_to_all_ragged", "skew", "nearest"),
-    ("all_gather", "skew", "nearest"), ("all_gather_chunked", "skew", "nearest"),
-    ("all_gather_chunked", "random", None),
+    ("all_gather", "skew", "nearest"),
     # family routers (groups and biases; Llama 4's input scaling) through both schemes
     ("all_gather", "random", "deepseek_v3"), ("all_to_all_dense", "random", "llama4"),
-    ("all_gather", "skew", "llama4"), ("all_gather_chunked", "random", "llama4")])
+    ("all_gather", "skew", "llama4")])
 def test_expert_parallel_matches_single_device(scheme, routing, rounding):
   """1, 2 and 8 shards, float64: output and the gradients of x, router, w1, w2, b1 (the third
   argument: a token rounding mode, or a family router with router and selection biases)."""

@@ -73,7 +73,7 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
     return table.fields(role, d=d, n=role_n, num_experts=num_experts)
 
   def gemm(role_fields):
-    return dataclasses.replace(GroupedGemmConfig(), reserved_sms=config.reserved_sms, **{
+    return dataclasses.replace(GroupedGemmConfig(), **{
         k: v for k, v in role_fields.items() if k in tuning.GEMM_FIELDS})
 
   dh_fields = fields("dh", n)
@@ -81,7 +81,7 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
   if dh_gemm.schedule == "pingpong" and gate_up_layout == "interleaved":
     # A pingpong entry is for the concat layout: the interleaved layout reads H's pairs from SMEM,
     # which only the cooperative schedule has room for.
-    dh_config = dh.DhProjectionConfig(gemm({}), block_n=dh.default_block_n(n))
+    dh_config = dh.DhProjectionConfig(block_n=dh.default_block_n(n))
   else:
     dh_config = dh.DhProjectionConfig(dh_gemm, **{
         "block_n": dh.default_block_n(n),
@@ -91,8 +91,7 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
       down=down.DownProjectionConfig(gemm(fields("down", n))),
       dh=dh_config,
       dx=dx.DxProjectionConfig(gemm(fields("dx", width))),
-      weight_grad=dataclasses.replace(wgrad.WeightGradConfig(), reserved_sms=config.reserved_sms,
-                                      **fields("weight_grad", n)))
+      weight_grad=dataclasses.replace(wgrad.WeightGradConfig(), **fields("weight_grad", n)))
 
 
 def dw2_config(n: int, config: wgrad.WeightGradConfig) -> wgrad.WeightGradConfig:
@@ -191,8 +190,7 @@ def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, con
                 and gs.supports(rows, layout.pair_row, pair_weights) is None)
   if not use_kernel:
     return xla_backend.gather_sum(rows, layout, pair_weights, out_dtype, extra_weights)
-  return gs.gather_sum(rows, layout.pair_row, pair_weights, out_dtype,
-                       reserved_sms=config.reserved_sms)
+  return gs.gather_sum(rows, layout.pair_row, pair_weights, out_dtype)
 
 
 @functools.cache

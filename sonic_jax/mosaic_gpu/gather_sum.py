@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
-from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, persistent_ctas, persistent_launch
+from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, persistent_launch
 
 # The view's width C: the widest that divides d (a TMA box is at most 256 wide); a piece of C
 # columns spreads over a warpgroup's 128 threads.
@@ -96,12 +96,10 @@ def supports(rows: jax.Array, pair_row: jax.Array, weights: jax.Array) -> str | 
   return None
 
 
-def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | None = None,
-               reserved_sms: int = 0):
+def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | None = None):
   """(T, d) `out_dtype`: out[t] = sum_s weights[t, s] * rows[pair_row[t, s]], float32
   accumulation; pairs with pair_row outside [0, R) add nothing.
-  rows: (R, d) bfloat16 or float16; pair_row: (T, S) int32; weights: (T, S).
-  reserved_sms: SMs the persistent grid leaves free (`GroupedGemmConfig.reserved_sms`)."""
+  rows: (R, d) bfloat16 or float16; pair_row: (T, S) int32; weights: (T, S)."""
   reason = supports(rows, pair_row, weights)
   if reason is not None:
     raise ValueError(f"gather-sum kernel: {reason}")
@@ -116,7 +114,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
     raise ValueError(f"block_columns={bc} must divide d={d} and be a multiple of {c}")
   per_row, piece_rows, pieces = d // c, bc // c, d // bc
   items = t_count * pieces
-  num_ctas = persistent_ctas(reserved_sms)
+  num_ctas = num_sms()
   weights = weights.astype(jnp.float32)
   if interpreting():
     warn_if_interpreter_may_hang()
@@ -204,7 +202,7 @@ def gather_sum(rows, pair_row, weights, out_dtype, config: GatherSumConfig | Non
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((t_count * per_row, c), out_dtype),
-      **persistent_launch(1, reserved_sms),
+      **persistent_launch(1),
       kernel_name="gather_sum",
       num_threads=_SUMMING_WGS + 1,
       thread_name="wg",

@@ -97,10 +97,6 @@ class GroupedGemmConfig:
   # other tile whole, so one warpgroup's epilogue runs under the other's mainloop). A pingpong
   # warpgroup holds a whole tile's accumulators: roles halve their column blocks for it.
   schedule: str = "cooperative"
-  # SMs the persistent grid leaves free: communication kernels running beside this one (expert
-  # parallelism's overlap) then get SMs at once instead of waiting for this kernel's CTAs to exit,
-  # which, in a static walk, would stall the CTAs behind them.
-  reserved_sms: int = 0
 
   @property
   def rows_per_warpgroup(self) -> int:
@@ -117,7 +113,6 @@ class GroupedGemmConfig:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.grid_band not in ("n", "m"):
       raise ValueError(f"grid_band must be 'n' or 'm', got {self.grid_band!r}")
-    check_reserved_sms(self.reserved_sms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,24 +189,10 @@ def stage_release_barriers(cluster: int, stages: int, consumers: int = _NUM_COMP
                               num_barriers=stages)
 
 
-def check_reserved_sms(reserved: int):
-  if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
-    raise ValueError(f"reserved_sms must be an int >= 0, got {reserved!r}")
-
-
-def persistent_ctas(reserved_sms: int = 0, cluster: int = 1) -> int:
-  """CTAs of a persistent grid: one per SM but `reserved_sms`, in whole `cluster`s."""
-  ctas = (num_sms() - reserved_sms) // cluster * cluster
-  if ctas < 1:
-    raise ValueError(f"reserved_sms={reserved_sms} leaves no {cluster}-CTA cluster of the GPU's "
-                     f"{num_sms()} SMs to the kernel")
-  return ctas
-
-
-def persistent_launch(cluster: int, reserved_sms: int = 0) -> dict:
-  """plgpu.kernel's grid arguments for a persistent kernel of one CTA per SM (less
-  `reserved_sms`), as `cluster`-CTA clusters along the axis "cluster"."""
-  return dict(grid=(persistent_ctas(reserved_sms, cluster) // cluster,), grid_names=("sm",),
+def persistent_launch(cluster: int) -> dict:
+  """plgpu.kernel's grid arguments for a persistent kernel of one CTA per SM, as `cluster`-CTA
+  clusters along the axis "cluster"."""
+  return dict(grid=(num_sms() // cluster,), grid_names=("sm",),
               cluster=(cluster,) if cluster > 1 else (),
               cluster_names=("cluster",) if cluster > 1 else ())
 
@@ -501,7 +482,7 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   kernel = plgpu.kernel(
       body,
       out_type=out_types,
-      **persistent_launch(cluster, config.reserved_sms),
+      **persistent_launch(cluster),
       kernel_name=role.name,
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",

@@ -28,9 +28,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
-from sonic_jax.mosaic_gpu.grouped_gemm import (check_reserved_sms, drain_ring, persistent_launch,
-                                               register_split, stage_release_barriers, tiled,
-                                               unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, persistent_launch, register_split,
+                                                stage_release_barriers, tiled,
+                                                unsupported_operands)
 
 _NUM_COMPUTE_WGS = 2
 
@@ -53,8 +53,6 @@ class WeightGradConfig:
   # after (their latency off the path from that wait to the copies); the tuning table turns it
   # off where that loses.
   indices_before_wait: bool = True
-  # SMs the persistent grid leaves free (`GroupedGemmConfig.reserved_sms`).
-  reserved_sms: int = 0
 
   def __post_init__(self):
     if self.cluster not in (1, 2):
@@ -65,7 +63,6 @@ class WeightGradConfig:
       raise ValueError(f"block_n must be 128 or 256, got {self.block_n}")
     if self.tile_k != 64:
       raise ValueError(f"tile_k must be 64, got {self.tile_k}")
-    check_reserved_sms(self.reserved_sms)
 
 
 def supports(lhs, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> str | None:
@@ -243,7 +240,7 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
   kernel = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((e_count, n, m) if transpose_out else (e_count, m, n), dtype),
-      **persistent_launch(cluster, config.reserved_sms),
+      **persistent_launch(cluster),
       kernel_name="weight_grad",
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
