@@ -1,8 +1,9 @@
 """The example pretraining script: the tiny configuration learns the corpus on a CPU and resumes;
 SIGTERM checkpoints and exits, a resumed run never repeats a metrics row; sample.py generates from
-a checkpoint."""
+a checkpoint; the BPE tokenizer, the attention choice and the OLMoE-shaped preset's counts."""
 
 import csv
+import importlib
 import json
 import os
 import signal
@@ -97,13 +98,14 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
   """--expert_parallel=2 on 4 CPU devices ((data 2, ep 2) mesh, the layers' own shard_map) follows
   the one-device run: same data and init; the load-balance loss is per data shard, so close, not
   bitwise. So does it with FSDP (parameters and optimizer state also sharded over data: half the
-  bytes per device) and two accumulated micro-batches, and so does the same model on one device
-  with the ragged_dot baseline MoE layer (same initialisation and math)."""
+  bytes per device) and two accumulated micro-batches, and so does the same model with the
+  ragged_dot baseline MoE layer (same initialisation and math), data parallel over the 4 devices
+  with FSDP. The expert-parallel run profiles one step and splits its time by part."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   losses, outs = {}, {}
-  for name, extra in (("one", []), ("ep", ["--expert_parallel=2"]),
+  for name, extra in (("one", []), ("ep", ["--expert_parallel=2", "--profile_step=20"]),
                       ("fsdp", ["--expert_parallel=2", "--fsdp", "--grad_accum=2"]),
-                      ("ragged_dot", ["--moe_impl=ragged_dot"])):
+                      ("ragged_dot", ["--moe_impl=ragged_dot", "--expert_parallel=1", "--fsdp"])):
     cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=40",
            "--eval_every=40", "--backend=xla", "--plot=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -113,6 +115,10 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
     losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
     outs[name] = proc.stdout
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep"]
+  # The profiled step's device time, split by the model's named scopes (here XLA:CPU's thunks).
+  split = json.loads((tmp_path / "ep" / "profile_split.json").read_text())["parts_ms"]
+  assert all(split[p] > 0 for p in ("moe", "attention", "collectives", "optimizer")), split
+  assert "mesh {'data': 4, 'ep': 1}" in outs["ragged_dot"]
   for name in ("ep", "fsdp", "ragged_dot"):
     for a, b in zip(losses["one"], losses[name]):
       assert abs(a - b) < 0.02, losses
@@ -157,3 +163,127 @@ def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
   with pytest.raises(ValueError, match="token_rounding='up'"):
     TransformerLM(ModelConfig(moe_impl="ragged_dot", token_rounding="up"), rngs=nnx.Rngs(0))
 
+
+def _example(name):
+  """A module of the example (its directory on sys.path, as the scripts put it)."""
+  path = os.path.join(ROOT, "examples", "pretrain")
+  if path not in sys.path:
+    sys.path.insert(0, path)
+  return importlib.import_module(name)
+
+
+def test_bpe_tokenizer_round_trips_deterministic_and_cached(tmp_path):
+  """The byte-level BPE: trained on the training split alone, the same merges on every build;
+  any bytes (invalid UTF-8 included) encode and decode exactly; the chunked encoding equals the
+  library's on the whole text; a second build on the same corpus loads the cache."""
+  import numpy as np
+  data, tok_lib = _example("data"), _example("tokenizer")
+  train, heldout = data.split(data.load_corpus(300_000), 0.05)
+  tok, train_ids, heldout_ids, info = tok_lib.build("bpe", train, heldout, 512, str(tmp_path))
+  assert info["trained"] and tok.vocab_size == 512 and train_ids.dtype == np.uint16
+  assert tok.tok.to_str() == tok_lib.train_bpe(train.tobytes(), 512).tok.to_str()
+  assert tok.decode(train_ids) == train.tobytes() and tok.decode(heldout_ids) == heldout.tobytes()
+  assert int(tok.token_bytes[train_ids].sum()) == len(train) and len(train_ids) < len(train) / 2
+  odd = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes() + "é∑".encode()
+  assert tok.decode(tok.encode(odd)) == odd
+  text = heldout.tobytes().decode("utf-8", errors="ignore")
+  chunked = [i for c in tok_lib._chunks(text, 500) for i in tok.tok.encode(c).ids]
+  assert chunked == tok.tok.encode(text).ids
+  again, train2, heldout2, info2 = tok_lib.build("bpe", train, heldout, 512, str(tmp_path))
+  assert not info2["trained"] and again.tok.to_str() == tok.tok.to_str()
+  np.testing.assert_array_equal(train2, train_ids)
+  np.testing.assert_array_equal(heldout2, heldout_ids)
+  assert 0 < data.unigram_entropy(train_ids) < np.log(512)
+  assert [tok_lib.padded_vocab(v) for v in (256, 500, 39366, 50304)] == [256, 512, 39424, 50304]
+
+
+def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
+  """--tokenizer=bpe end to end: losses per token and per byte (the byte counts of the evaluated
+  tokens), the tokenizer saved with the run, sample.py decoding with it, and a resume that
+  trains and tokenizes nothing again."""
+  cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=40",
+         "--eval_every=40", "--warmup=5", "--backend=xla", "--tokenizer=bpe", "--vocab_size=512",
+         "--corpus_bytes=400000", "--plot=false", "--tensorboard=false"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "BPE: 512 tokens, trained in" in proc.stdout
+  with open(tmp_path / "metrics.csv") as f:
+    (row,) = list(csv.DictReader(f))
+  loss, per_byte = float(row["heldout_loss"]), float(row["heldout_nats_per_byte"])
+  assert loss / 4 < per_byte < loss / 1.5, row  # BPE tokens span about 2.4 bytes here
+  assert per_byte < float(row["unigram_nats_per_byte"]), row
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["tokenizer"] == "bpe" and config["tokenizer_vocab"] == 512
+  assert config["model"]["vocab_size"] % 128 == 0 and os.path.exists(config["tokenizer_path"])
+  proc = subprocess.run([sys.executable, SAMPLE, f"--workdir={tmp_path}", "--prompt=import ",
+                         "--tokens=20", "--temperature=0"], capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith("[step 40] import ") and len(proc.stdout) > 30, proc.stdout
+  cmd[4] = "--steps=50"  # a resume: the BPE and the token arrays come from the cache
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "BPE: 512 tokens, loaded from the cache" in proc.stdout
+  assert "resumed from step 40" in proc.stdout
+
+
+def test_olmoe_preset_matches_olmoe_counts():
+  """The olmoe_1b_7b preset, built abstractly (no memory): OLMoE-1B-7B's 6.9B parameters and 1.3B
+  active ones (OLMoE counts the input embedding, which active_params leaves out as a lookup), and
+  the README's FLOP formula, 6 N_active + 12 L d S."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  presets, model = _example("presets"), _example("model")
+  preset = presets.CONFIGS["olmoe_1b_7b"]
+  cfg = preset["model"]
+  assert (cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_experts, cfg.expert_dim,
+          cfg.top_k, cfg.vocab_size, cfg.tie_embeddings) == (2048, 16, 16, 64, 1024, 8, 50304,
+                                                             False)
+  assert preset["seq_len"] == 4096 and preset["tokenizer"] == "bpe" and cfg.dtype == "bfloat16"
+  abstract = nnx.eval_shape(lambda: model.TransformerLM(cfg, rngs=nnx.Rngs(0)))
+  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  assert all(leaf.dtype == np.float32 for leaf in leaves)
+  total = sum(int(np.prod(leaf.shape)) for leaf in leaves)
+  active = model.active_params(cfg)
+  assert abs(total / 6.9e9 - 1) < 0.02, total
+  assert abs((active + cfg.d_model * cfg.vocab_size) / 1.3e9 - 1) < 0.03, active
+  d, L, S = cfg.d_model, cfg.num_layers, preset["seq_len"]
+  n_active = L * (4 * d * d + d * cfg.num_experts + cfg.top_k * 3 * d * cfg.expert_dim) + d * 50304
+  assert active == n_active
+  assert model.model_flops_per_token(cfg, S) == 6 * n_active + 12 * L * d * S
+
+
+def test_attention_selection(tmp_path):
+  """--attention: auto is XLA on a CPU and cuDNN on an NVIDIA GPU where jax's cuDNN attention
+  takes the dtype and head dim; an explicit cudnn that cannot run is refused by name."""
+  import types
+  import pytest
+  from flax import nnx
+  model = _example("model")
+  cfg = model.ModelConfig(d_model=2048, num_heads=16, dtype="bfloat16")
+  assert model.attention_implementation(cfg) == "xla"  # this machine's CPU
+  with pytest.raises(ValueError, match="--attention=cudnn needs an NVIDIA GPU"):
+    model.attention_implementation(model.ModelConfig(attention="cudnn"))
+  with pytest.raises(ValueError, match="--attention=cudnn"):
+    model.TransformerLM(model.ModelConfig(attention="cudnn"), rngs=nnx.Rngs(0))
+  gpu = lambda cc, kind="NVIDIA H100 80GB HBM3": types.SimpleNamespace(
+      platform="gpu", device_kind=kind, compute_capability=cc)
+  pick = lambda dev, **kw: model.attention_implementation(
+      model.ModelConfig(**{"d_model": 2048, "num_heads": 16, "dtype": "bfloat16", **kw}), dev)
+  assert pick(gpu("9.0")) == "cudnn" and pick(gpu("9.0"), dtype="float16") == "cudnn"
+  assert pick(gpu("9.0"), dtype="float32") == "xla"
+  assert pick(gpu("9.0"), d_model=4224) == "xla"  # head dim 264 > 256
+  assert pick(gpu("9.0"), num_heads=8) == "cudnn"  # 256
+  assert pick(gpu("8.0", "NVIDIA A100-SXM4-80GB"), num_heads=8) == "xla"  # 256 > 128 before Hopper
+  assert pick(gpu("7.0", "Tesla V100-SXM2-16GB")) == "xla"
+  assert pick(gpu("gfx942", "AMD Instinct MI300X")) == "xla"
+  assert pick(gpu("9.0"), attention="xla") == "xla"
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    pick(gpu("9.0"), dtype="float32", attention="cudnn")
+  # The flag: refused before any work, naming itself.
+  proc = subprocess.run([sys.executable, SCRIPT, "--attention=cudnn",
+                         f"--workdir={tmp_path / 'run'}"], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode != 0 and "--attention=cudnn needs an NVIDIA GPU" in proc.stderr
+  assert not os.path.exists(tmp_path / "run")

@@ -1,7 +1,8 @@
-"""Offline text: the Python standard library's own sources, as bytes (a byte-level tokenizer).
+"""Offline text: the Python standard library's own sources, as bytes.
 
 The corpus is the first `max_bytes` of the stdlib's .py files in sorted path order: the same on
-every machine with the same Python, no download. The last `heldout_fraction` of it is held out.
+every machine with the same Python, no download (or those of another source tree). The last
+`heldout_fraction` of it is held out. tokenizer.py turns both splits into token ids.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import sysconfig
 
 import numpy as np
 
-VOCAB_SIZE = 256  # bytes
 
-
-def load_corpus(max_bytes: int) -> np.ndarray:
-  root = sysconfig.get_paths()["stdlib"]
+def load_corpus(max_bytes: int, root: str | None = None) -> np.ndarray:
+  """The first `max_bytes` of the .py files under `root` (default: the standard library) in
+  sorted path order, test, site-packages and cache directories skipped."""
+  root = root or sysconfig.get_paths()["stdlib"]
   chunks, total = [], 0
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests",
@@ -39,8 +40,9 @@ def split(corpus: np.ndarray, heldout_fraction: float):
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
-  """Entropy of the byte frequencies, in nats: what a model that ignores context achieves."""
-  p = np.bincount(tokens, minlength=VOCAB_SIZE).astype(np.float64)
+  """Entropy of the token frequencies, in nats per token: what a model that ignores context
+  achieves (any vocabulary: ids that never occur add nothing)."""
+  p = np.bincount(tokens).astype(np.float64)
   p = p[p > 0] / p.sum()
   return float(-(p * np.log(p)).sum())
 

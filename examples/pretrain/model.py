@@ -27,6 +27,9 @@ class ModelConfig:
   num_shared_experts: int = 0
   tie_embeddings: bool = True
   rope_base: float = 10000.0
+  # jax.nn.dot_product_attention's implementation: "xla", "cudnn" (fused flash attention), or
+  # "auto": cuDNN where it takes the device, dtype and head dim (`attention_implementation`).
+  attention: str = "auto"
   load_balance_coef: float = 0.01
   z_loss_coef: float = 1e-3
   bias_update_rate: float = 0.0
@@ -85,10 +88,55 @@ class RMSNorm(nnx.Module):
     return y.astype(x.dtype)
 
 
+ATTENTIONS = ("auto", "xla", "cudnn")
+
+
+def _cudnn_unsupported(dtype, head_dim: int, device) -> str | None:
+  """Why jax 0.11's cuDNN attention cannot run this, or None. Its checks
+  (jax/_src/cudnn/fused_attention_stablehlo.py): fp16/bf16 inputs (fp8 aside), a head dim that is
+  a multiple of 8 and at most 256 on Hopper and later (128 before); cuDNN's fused flash attention
+  itself needs an NVIDIA GPU of compute capability 8.0 (Ampere) or later."""
+  try:  # CUDA devices report "major.minor"; CPUs have none, ROCm devices a gfx name
+    cc = tuple(int(v) for v in str(device.compute_capability).split("."))
+  except (AttributeError, ValueError):
+    cc = None
+  if device.platform != "gpu" or cc is None:
+    return f"an NVIDIA GPU (this device is {device.platform}: {device.device_kind})"
+  if cc < (8, 0):
+    return f"compute capability 8.0 or later ({device.device_kind} has {device.compute_capability})"
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"bfloat16 or float16 compute (--dtype), got {jnp.dtype(dtype).name}"
+  limit = 256 if cc >= (9, 0) else 128
+  if head_dim % 8 or head_dim > limit:
+    return f"a head dim that is a multiple of 8 and at most {limit}, got {head_dim}"
+  return None
+
+
+def attention_implementation(cfg: ModelConfig, device=None) -> str:
+  """The `implementation` of jax.nn.dot_product_attention for cfg.attention on `device` (default:
+  the first device): "auto" takes cuDNN where it runs (jax's own default is XLA, which
+  materialises the (S, S) scores), "cudnn" where it cannot raises naming what is missing."""
+  if cfg.attention not in ATTENTIONS:
+    raise ValueError(f"attention must be one of {ATTENTIONS}, got {cfg.attention!r}")
+  if cfg.attention == "xla":
+    return "xla"
+  reason = _cudnn_unsupported(cfg.dtype, cfg.d_model // cfg.num_heads,
+                              jax.devices()[0] if device is None else device)
+  if reason is None:
+    return "cudnn"
+  if cfg.attention == "cudnn":
+    raise ValueError(f"--attention=cudnn needs {reason}; use --attention=auto or xla")
+  return "xla"
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs):
     init = nnx.initializers.normal(cfg.d_model ** -0.5)
     self.cfg = cfg
+    if cfg.d_model % cfg.num_heads:
+      raise ValueError(f"d_model ({cfg.d_model}) must be a multiple of num_heads "
+                       f"({cfg.num_heads})")
+    self.implementation = attention_implementation(cfg)
     self.qkv = param(init(rngs.params(), (cfg.d_model, 3 * cfg.d_model)), "embed", "heads")
     self.out = param(init(rngs.params(), (cfg.d_model, cfg.d_model)) / (2 * cfg.num_layers) ** 0.5,
                      "heads", "embed")
@@ -99,7 +147,7 @@ class Attention(nnx.Module):
     q, k, v = jnp.split(x @ whole(self.qkv).astype(x.dtype), 3, axis=-1)
     q, k, v = (t.reshape(b, s, h, d // h) for t in (q, k, v))
     q, k = rope(q, self.cfg.rope_base), rope(k, self.cfg.rope_base)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
     return o.reshape(b, s, d) @ whole(self.out).astype(x.dtype)
 
 
@@ -110,7 +158,7 @@ def _ragged_dot_unsupported(cfg: ModelConfig) -> str | None:
   """Why the ragged_dot baseline cannot build this model, or None."""
   for field, plain in (("activation", "swiglu"), ("num_shared_experts", 0),
                        ("bias_update_rate", 0.0), ("token_rounding", None),
-                       ("expert_parallel_axis", None), ("capacity_factor", None)):
+                       ("capacity_factor", None)):
     if getattr(cfg, field) != plain:
       return f"{field}={getattr(cfg, field)!r} (the baseline takes {plain!r})"
   return None
@@ -129,7 +177,8 @@ class Block(nnx.Module):
       self.moe = RaggedDotMoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                               init_std=cfg.d_model ** -0.5,
                               load_balance_coef=cfg.load_balance_coef,
-                              z_loss_coef=cfg.z_loss_coef, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
+                              z_loss_coef=cfg.z_loss_coef, dtype=jnp.dtype(cfg.dtype),
+                              sharded=cfg.expert_parallel_axis is not None, rngs=rngs)
       return
     self.moe = MoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                    activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,
@@ -142,8 +191,11 @@ class Block(nnx.Module):
                    dtype=jnp.dtype(cfg.dtype), backend=cfg.backend, rngs=rngs)
 
   def __call__(self, x):
-    x = x + self.attn(self.norm1(x))
-    y, aux = self.moe(self.norm2(x))
+    # Named scopes travel into the compiled step's op names: step_profile splits a trace by them.
+    with jax.named_scope("attention"):
+      x = x + self.attn(self.norm1(x))
+    with jax.named_scope("moe"):
+      y, aux = self.moe(self.norm2(x))
     return x + y, aux
 
 

@@ -8,6 +8,12 @@ tokens; autodiff gives the backward. This is what MaxText does on GPUs when its 
 `megablox: false`. Its parameters (router (d, E), w1 (E, d, 2n), w2 (E, n, d), with the same
 logical axis names and initialisation) and its losses (the Switch balance loss and the z-loss)
 are those of `sonic_jax.layers.MoE`, so `--moe_impl` swaps the layer in the same model.
+
+Under a mesh (`sharded=True`, the example's `--expert_parallel=1`), the layer runs as a
+`jax.shard_map` over every axis of the mesh set by `jax.set_mesh`: each device routes and computes
+its own tokens with whole expert weights (with `--fsdp` they are stored sharded and gathered per
+layer, as MaxText's FSDP does); counts are summed and losses averaged over the devices, as
+sonic_jax's layer does. It has no expert parallelism.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import NamedTuple
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from sonic_jax import routing as routing_lib
 
@@ -36,7 +43,7 @@ class RaggedDotMoE(nnx.Module):
 
   def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
                init_std: float, load_balance_coef: float, z_loss_coef: float,
-               dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype=jnp.float32, sharded: bool = False, rngs: nnx.Rngs):
     normal = nnx.initializers.normal(init_std)
     param = lambda shape, *names: nnx.Param(normal(rngs.params(), shape, jnp.float32),
                                             out_sharding=names, eager_sharding=False)
@@ -47,13 +54,35 @@ class RaggedDotMoE(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     self.load_balance_coef = load_balance_coef
     self.z_loss_coef = z_loss_coef
+    self.sharded = sharded
 
   def __call__(self, x):
     lead, d = x.shape[:-1], x.shape[-1]
     h = x.reshape(-1, d).astype(self.dtype)
+    weights = tuple(w[...].astype(self.dtype) for w in (self.router, self.w1, self.w2))
+    if not self.sharded:
+      y, loss, counts = self._local(h, *weights, ())
+    else:
+      mesh = jax.sharding.get_abstract_mesh()
+      if mesh.empty:
+        raise ValueError("RaggedDotMoE(sharded=True) runs under jax.set_mesh(mesh)")
+      axes = tuple(mesh.axis_names)
+      tokens, whole = P(axes), P()
+      y, loss, counts = jax.shard_map(
+          lambda h, *w: self._local(h, *w, axes), mesh=mesh,
+          in_specs=(tokens, whole, whole, whole), out_specs=(tokens, whole, whole),
+          check_vma=False)(jax.lax.with_sharding_constraint(h, tokens),
+                           *(jax.lax.with_sharding_constraint(w, whole) for w in weights))
+    stats = RaggedDotStats(expert_counts=counts, dropped_pairs=jnp.zeros((), jnp.int32))
+    return y.reshape(*lead, d), RaggedDotAux(loss, stats)
+
+  def _local(self, h, router, w1, w2, axes):
+    """(y, loss, expert counts) of tokens h (T, d); over `axes` (inside a shard_map) the counts
+    are summed and the losses averaged."""
+    d = h.shape[1]
     t_count, k = h.shape[0], self.top_k
-    e_count, n = self.w2.shape[0], self.w2.shape[1]
-    logits = jnp.dot(h, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32)
+    e_count, n = w2.shape[0], w2.shape[1]
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
     top, ids = jax.lax.top_k(logits, k)
     scores = jax.nn.softmax(top, axis=-1)
     flat = ids.reshape(-1)
@@ -61,18 +90,17 @@ class RaggedDotMoE(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat, length=e_count).astype(jnp.int32)
     rows = h[token]
-    up = jax.lax.ragged_dot(rows, self.w1[...].astype(self.dtype), group_sizes,
-                            preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(rows, w1, group_sizes, preferred_element_type=jnp.float32)
     a = (jax.nn.silu(up[:, :n]) * up[:, n:]).astype(self.dtype)
-    down = jax.lax.ragged_dot(a, self.w2[...].astype(self.dtype), group_sizes,
-                              preferred_element_type=jnp.float32)
+    down = jax.lax.ragged_dot(a, w2, group_sizes, preferred_element_type=jnp.float32)
     weighted = down * scores.reshape(-1)[order][:, None]
     y = jnp.zeros((t_count, d), jnp.float32).at[token].add(weighted).astype(self.dtype)
     probs = jax.nn.softmax(logits, axis=-1)
     loss = (self.load_balance_coef * routing_lib.load_balance_loss(probs, group_sizes)
             + self.z_loss_coef * routing_lib.z_loss(logits))
-    stats = RaggedDotStats(expert_counts=group_sizes, dropped_pairs=jnp.zeros((), jnp.int32))
-    return y.reshape(*lead, d), RaggedDotAux(loss, stats)
+    if axes:
+      return y, jax.lax.pmean(loss, axes), jax.lax.psum(group_sizes, axes)
+    return y, loss, group_sizes
 
   def update_selection_bias(self, expert_counts):
     """No selection bias: the baseline routes by plain top-K (kept for the model's interface)."""

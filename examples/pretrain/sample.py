@@ -4,9 +4,10 @@ r"""Generate text from a checkpoint of examples/pretrain/train.py.
   python examples/pretrain/sample.py --workdir=/tmp/run --step=400 --temperature=0
 
 Restores the model alone (not the optimizer) from the latest checkpoint in --workdir (or --step),
-rebuilt from the configuration saved inside that checkpoint, and continues the prompt byte by byte:
-top-K routing (`model.eval()`), no token rounding, on one device. Each new byte runs the model over
-a fixed-length window (static shapes: one compilation), the prompt left-aligned in it.
+rebuilt from the configuration saved inside that checkpoint, and continues the prompt token by
+token with the run's tokenizer (bytes, or the run's BPE from its saved tokenizer.json): top-K
+routing (`model.eval()`), no token rounding, on one device. Each new token runs the model over a
+fixed-length window (static shapes: one compilation), the prompt left-aligned in it.
 """
 
 from __future__ import annotations
@@ -22,20 +23,24 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import ModelConfig, TransformerLM  # noqa: E402
+from model import ATTENTIONS, ModelConfig, TransformerLM  # noqa: E402
+import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "the training run's --workdir")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("prompt", "def ", "text to continue (UTF-8 bytes)")
-flags.DEFINE_integer("tokens", 200, "bytes to generate")
+flags.DEFINE_integer("tokens", 200, "tokens to generate (bytes with --tokenizer=bytes runs)")
 flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0: greedy")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_string("backend", None, "sonic_jax backend (default: the training run's)")
+flags.DEFINE_enum("attention", "auto", list(ATTENTIONS), "attention implementation (all compute "
+                  "the same function: auto takes cuDNN where it runs)")
 FLAGS = flags.FLAGS
 
 
-def load_model(workdir, step=None, backend=None):
-  """(model, step): the model of a checkpoint, its parameters restored, the optimizer left out."""
+def load_model(workdir, step=None, backend=None, attention="auto"):
+  """(model, step, tokenizer): the model of a checkpoint, its parameters restored, the optimizer
+  left out, and the tokenizer it was trained with."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"))
@@ -46,7 +51,8 @@ def load_model(workdir, step=None, backend=None):
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   model_cfg = {k: v for k, v in config["model"].items() if k in fields}
   # One device: no expert-parallel mesh axis; no token rounding (evaluation routes top-K).
-  model_cfg.update(expert_parallel_axis=None, capacity_factor=None, remat="none")
+  model_cfg.update(expert_parallel_axis=None, capacity_factor=None, remat="none",
+                   attention=attention)
   if backend is not None:
     model_cfg["backend"] = backend
   cfg = ModelConfig(**model_cfg)
@@ -58,37 +64,42 @@ def load_model(workdir, step=None, backend=None):
   restored = ckpt.restore(step, args=ocp.args.Composite(model=ocp.args.StandardRestore(target)))
   model = nnx.merge(graph, restored["model"])
   model.eval()
-  return model, step
+  kind, path = config.get("tokenizer", "bytes"), config.get("tokenizer_path")
+  if kind == "bpe" and not (path and os.path.exists(path)):  # the workdir was moved
+    path = os.path.join(workdir, "tokenizer.json")
+  return model, step, tokenizer_lib.load(kind, path)
 
 
-def generate(model, prompt: bytes, num_tokens: int, temperature: float, seed: int) -> bytes:
-  """The prompt's continuation, `num_tokens` bytes sampled one at a time."""
-  if not prompt:
+def generate(model, tok, prompt: bytes, num_tokens: int, temperature: float, seed: int) -> bytes:
+  """The prompt's continuation, `num_tokens` tokens sampled one at a time, as bytes."""
+  ids = tok.encode(prompt)
+  if not len(ids):
     raise app.UsageError("--prompt must not be empty")
-  length = len(prompt) + num_tokens
+  length = len(ids) + num_tokens
   window = np.zeros((1, length), np.int32)
-  window[0, :len(prompt)] = np.frombuffer(prompt, np.uint8)
+  window[0, :len(ids)] = ids
 
   @nnx.jit
   def next_token(model, window, position, key):
-    logits = model(window)[0][0, position - 1]
+    # The embedding's padding rows past the tokenizer's vocabulary are never sampled.
+    logits = model(window)[0][0, position - 1, :tok.vocab_size]
     if temperature == 0:
       return jnp.argmax(logits).astype(jnp.int32)
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
   key = jax.random.key(seed)
   window = jnp.asarray(window)
-  for position in range(len(prompt), length):
+  for position in range(len(ids), length):
     key, sub = jax.random.split(key)
     window = window.at[0, position].set(next_token(model, window, position, sub))
-  return bytes(np.asarray(window[0, len(prompt):], np.uint8))
+  return tok.decode(np.asarray(window[0, len(ids):]))
 
 
 def main(_):
   logging.set_verbosity(logging.WARNING)
-  model, step = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend)
+  model, step, tok = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend, FLAGS.attention)
   prompt = FLAGS.prompt.encode()
-  text = generate(model, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed)
+  text = generate(model, tok, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed)
   print(f"[step {step}] " + (prompt + text).decode("utf-8", errors="replace"))
 
 

@@ -2,22 +2,26 @@ r"""Pretrain an MoE language model with sonic_jax on the Python standard library
 
   python examples/pretrain/train.py --config=tiny            # CPU, a few minutes
   python examples/pretrain/train.py --config=h100 --workdir=/tmp/run   # one H100
+  python examples/pretrain/train.py --config=tiny --tokenizer=bpe --vocab_size=4096   # BPE tokens
+  python examples/pretrain/train.py --config=olmoe_1b_7b --expert_parallel=4 --workdir=/tmp/olmoe
   python examples/pretrain/train.py --config=tiny --num_layers=4 --d_model=256   # any shape
   python examples/pretrain/sample.py --workdir=/tmp/run --prompt="def "    # text from a checkpoint
   python examples/pretrain/train.py --help
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
       python examples/pretrain/train.py --expert_parallel=2   # experts over 2 of 4 devices
 
-Byte-level tokens, a decoder-only transformer (rotary attention, RMSNorm, tied embeddings) whose
-feed-forward layers are `sonic_jax.layers.MoE`, AdamW with warm-up and cosine decay, gradient
-clipping, float32 master weights with --dtype compute, the routers' auxiliary losses, optional
-activation rematerialisation (--remat), the model and optimizer buffers donated to each step.
+Byte tokens or a byte-level BPE trained on the training split (--tokenizer; tokenizer.py), a
+decoder-only transformer (rotary attention, RMSNorm, tied or untied embeddings) whose feed-forward
+layers are `sonic_jax.layers.MoE`, AdamW with warm-up and cosine decay, gradient clipping, float32
+master weights with --dtype compute, the routers' auxiliary losses, optional activation
+rematerialisation (--remat), the model and optimizer buffers donated to each step.
 
 Every --log_every steps a row of metrics.csv (and TensorBoard scalars under workdir/tb where
-tensorboardX is installed): train loss, auxiliary loss, gradient norm, learning rate, tokens/s,
-MFU (6 N_active + 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s, the
-expert load (max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped;
-every --eval_every steps also the held-out loss. Checkpoints (model, optimizer and the run's
+tensorboardX is installed): train loss (nats per token, and per byte of the text it covers, which
+compares across tokenizers), auxiliary loss, gradient norm, learning rate, tokens/s, MFU (6 N_active
++ 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s, the expert load
+(max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped; every
+--eval_every steps also the held-out loss. Checkpoints (model, optimizer and the run's
 configuration as separate items) every --checkpoint_every steps and on SIGTERM or SIGINT; a run
 resumes from the latest one in --workdir, and metrics rows past it are dropped first, so a
 resumed run never repeats a step's row.
@@ -44,20 +48,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
-from model import (MOE_IMPLS, REMATS, ModelConfig, TransformerLM,  # noqa: E402
-                   model_flops_per_token, moe_flops_per_token)
-
-CONFIGS = {
-    # model, batch, steps: trains on a 2-core CPU in a few minutes.
-    "tiny": dict(model=ModelConfig(d_model=128, num_layers=2, num_heads=4, num_experts=8,
-                                   expert_dim=64, top_k=2), batch_size=16, seq_len=128, steps=300,
-                 lr=3e-3, warmup=30, corpus_bytes=2_000_000, eval_every=100),
-    # Sized for one H100: d=1024, 8 layers, 64 experts of width 256, K=8.
-    "h100": dict(model=ModelConfig(d_model=1024, num_layers=8, num_heads=16, num_experts=64,
-                                   expert_dim=256, top_k=8, dtype="bfloat16"), batch_size=32,
-                 seq_len=1024, steps=2000, lr=1e-3, warmup=200, corpus_bytes=40_000_000,
-                 eval_every=200),
-}
+import step_profile  # noqa: E402
+from model import (ATTENTIONS, MOE_IMPLS, REMATS, TransformerLM,  # noqa: E402
+                   attention_implementation, model_flops_per_token, moe_flops_per_token)
+from presets import CONFIGS  # noqa: E402
+import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_enum("config", "tiny", list(CONFIGS), "preset; the flags below override it")
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "checkpoints, metrics.csv, loss.png")
@@ -65,7 +60,16 @@ flags.DEFINE_integer("steps", None, "training steps (preset's default)")
 flags.DEFINE_integer("batch_size", None, "sequences per step")
 flags.DEFINE_integer("grad_accum", 1, "micro-batches per step, their gradients averaged (the "
                      "batch size a multiple of it)")
-flags.DEFINE_integer("seq_len", None, "tokens (bytes) per sequence")
+flags.DEFINE_integer("seq_len", None, "tokens per sequence")
+flags.DEFINE_enum("tokenizer", None, list(tokenizer_lib.TOKENIZERS), "bytes (256 tokens) or bpe "
+                  "(byte-level BPE trained on the training split; the preset's by default)")
+flags.DEFINE_integer("vocab_size", None, "--tokenizer=bpe's target vocabulary, the 256 bytes "
+                     "included (the model's is the one reached, padded to a multiple of 128)")
+flags.DEFINE_integer("corpus_bytes", None, "corpus size in bytes (the preset's by default)")
+flags.DEFINE_string("corpus_dir", None, "read the corpus from the .py files under this directory "
+                    "(default: the Python standard library)")
+flags.DEFINE_string("data_cache", None, "where the trained BPE and the token arrays are cached "
+                    "(default: workdir/data_cache); share it between runs")
 flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
 flags.DEFINE_integer("warmup", None, "linear warm-up steps, then cosine decay to 10%")
 flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay")
@@ -82,10 +86,18 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
                   "backward: none, full (keep its input) or dots (keep matmul outputs)")
 flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or ragged_dot "
-                  "(the MaxText-style baseline on jax.lax.ragged_dot, one device)")
+                  "(the MaxText-style baseline on jax.lax.ragged_dot: one device, or data "
+                  "parallel with --expert_parallel=1, with or without --fsdp)")
 flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)")
+flags.DEFINE_enum("attention", None, list(ATTENTIONS), "jax.nn.dot_product_attention's "
+                  "implementation: auto (cuDNN where it runs, else XLA), xla or cudnn")
+flags.DEFINE_bool("tie_embeddings", None, "output projection = input embedding transposed")
 flags.DEFINE_float("peak_tflops", None, "the device's peak TFLOP/s for MFU (default: bf16 dense "
                    "peak of a known GPU; none on a CPU)")
+flags.DEFINE_integer("profile_step", 0, "trace this step (0: none) and split its device time into "
+                     "MoE, attention, other layers, collectives and optimizer: printed and written "
+                     "to workdir/profile_split.json, the trace under workdir/profile (the metrics "
+                     "row that covers it times only the steps after it)")
 flags.DEFINE_bool("tensorboard", True, "TensorBoard scalars under workdir/tb (needs tensorboardX)")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches per evaluation")
 flags.DEFINE_string("backend", None, "sonic_jax backend: auto, xla, mosaic_gpu")
@@ -109,16 +121,25 @@ FLAGS = flags.FLAGS
 
 MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k",
                "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat",
-               "scan_layers", "moe_impl")
+               "scan_layers", "moe_impl", "attention", "tie_embeddings")
 # Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
 PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
 
 
 def settings():
   s = dict(CONFIGS[FLAGS.config])
-  for k in ("steps", "batch_size", "seq_len", "lr", "warmup", "eval_every"):
+  for k in ("steps", "batch_size", "seq_len", "lr", "warmup", "eval_every", "corpus_bytes",
+            "tokenizer", "vocab_size"):
     if getattr(FLAGS, k) is not None:
       s[k] = getattr(FLAGS, k)
+  s.setdefault("tokenizer", "bytes")
+  if s["tokenizer"] == "bytes":
+    if FLAGS.vocab_size not in (None, 256):
+      raise app.UsageError("--vocab_size is --tokenizer=bpe's (bytes are 256 tokens)")
+    s["vocab_size"] = 256
+  elif "vocab_size" not in s:
+    raise app.UsageError("--tokenizer=bpe needs --vocab_size (its target vocabulary)")
+  s["corpus_dir"] = FLAGS.corpus_dir
   s["log_every"] = FLAGS.log_every or s["eval_every"]
   s["checkpoint_every"] = FLAGS.checkpoint_every or s["eval_every"]
   overrides = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k) is not None}
@@ -128,6 +149,9 @@ def settings():
     overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme,
                      capacity_factor=FLAGS.capacity_factor)
   s["model"] = dataclasses.replace(s["model"], **overrides)
+  if s["model"].moe_impl == "ragged_dot" and FLAGS.expert_parallel > 1:
+    raise app.UsageError("--moe_impl=ragged_dot has no expert parallelism: --expert_parallel=1 "
+                         "(data parallel, optionally --fsdp) or 0")
   return s
 
 
@@ -160,13 +184,22 @@ def shard_spec(names, shape, mesh, fsdp):
   return P(*axes)
 
 
-def place(tree, mesh, fsdp=False):
-  """Puts model/optimizer state on the mesh by `shard_spec`."""
+def shardings(tree, mesh, fsdp=False):
+  """Model/optimizer state's (or its abstract shapes') shardings on the mesh by `shard_spec`."""
   specs = nnx.get_partition_spec(tree)
-  shardings = jax.tree.map(
+  return jax.tree.map(
       lambda names, leaf: NamedSharding(mesh, shard_spec(names, leaf.shape, mesh, fsdp)),
       specs, tree, is_leaf=lambda v: isinstance(v, P))
-  return jax.device_put(tree, shardings)
+
+
+def create_sharded(create, mesh, fsdp=False):
+  """`create()`'s modules, their state initialised in place on the mesh: each device computes
+  its own shards, so none ever holds the whole state (a 7B model's float32 parameters and AdamW
+  moments outgrow one GPU)."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings(abstract, mesh, fsdp))
+  total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
+  return nnx.merge(graphdef, init()), total
 
 
 def bytes_per_device(tree):
@@ -199,7 +232,8 @@ def train_step(model, optimizer, inputs, targets, accum=1):
     grads = jax.tree.map(lambda g: g / accum, grads)
   stats = {k: (jnp.sum if k in ("counts", "dropped") else jnp.mean)(
       jnp.stack([st[k] for st in stats]), axis=0) for k in stats[0]}
-  optimizer.update(model, grads)
+  with jax.named_scope("optimizer"):
+    optimizer.update(model, grads)
   model.update_selection_biases(stats["counts"])  # after the step, outside the gradient
   return dict(stats, grad_norm=optax.global_norm(grads))
 
@@ -210,18 +244,43 @@ def eval_step(model, inputs, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def evaluate(model, heldout, s):
+def profile(model, optimizer, inputs, targets):
+  """One train step under the profiler: its device time split by `step_profile`, printed and
+  written to workdir/profile_split.json. Returns the step's outputs."""
+  names = step_profile.op_names(train_step.lower(model, optimizer, inputs, targets,
+                                                 accum=FLAGS.grad_accum).compile().as_text())
+  logdir = os.path.join(FLAGS.workdir, "profile")
+  jax.profiler.start_trace(logdir)
+  out = jax.block_until_ready(train_step(model, optimizer, inputs, targets,
+                                         accum=FLAGS.grad_accum))
+  jax.profiler.stop_trace()
+  result = step_profile.split(step_profile.kernel_events(logdir, "train_step"), names)
+  with open(os.path.join(FLAGS.workdir, "profile_split.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  print(f"step {FLAGS.profile_step}, device time by part (GPU 0, or CPU device 0's XLA thunks):\n"
+        + step_profile.table(result), flush=True)
+  return out
+
+
+def evaluate(model, heldout, token_bytes, s):
+  """(nats per token, nats per byte) on fixed held-out windows: the second divides the windows'
+  total loss by the bytes their target tokens spell."""
   model.eval()  # plain top-K routing (token rounding is for training)
-  losses = [float(eval_step(model, jnp.asarray(i), jnp.asarray(t)))
-            for i, t in data.heldout_batches(heldout, s["batch_size"], s["seq_len"],
-                                             FLAGS.eval_batches)]
+  losses, nbytes = [], 0
+  for i, t in data.heldout_batches(heldout, s["batch_size"], s["seq_len"], FLAGS.eval_batches):
+    losses.append(float(eval_step(model, jnp.asarray(i), jnp.asarray(t))))
+    nbytes += int(token_bytes[t].sum())
   model.train()
-  return float(np.mean(losses))
+  tokens = len(losses) * s["batch_size"] * s["seq_len"]
+  return float(np.mean(losses)), float(np.mean(losses)) * tokens / nbytes
 
 
+# Losses and the unigram entropy in nats per token (per byte with --tokenizer=bytes); the
+# *_nats_per_byte columns compare runs of different tokenizers.
 METRICS = ["step", "train_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s",
            "tokens_per_s_per_device", "mfu", "moe_tflops", "expert_load_max_over_mean",
-           "dropped_pairs", "heldout_loss", "heldout_ppl", "unigram_entropy"]
+           "dropped_pairs", "heldout_loss", "heldout_ppl", "unigram_entropy",
+           "train_nats_per_byte", "heldout_nats_per_byte", "unigram_nats_per_byte"]
 
 
 class StopRequest:
@@ -277,22 +336,46 @@ def run_config(s):
   """What the run was configured with, JSON-ready: saved beside and inside every checkpoint."""
   out = {k: v for k, v in s.items() if k != "model"}
   out.update(model=dataclasses.asdict(s["model"]), preset=FLAGS.config, seed=FLAGS.seed,
+             tokenizer_path=tokenizer_path() if s["tokenizer"] == "bpe" else None,
              weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm,
              expert_parallel=FLAGS.expert_parallel, fsdp=FLAGS.fsdp, grad_accum=FLAGS.grad_accum)
   return out
 
 
+def tokenizer_path():
+  """Where a BPE run keeps its tokenizer beside its checkpoints (sample.py reads it)."""
+  return os.path.abspath(os.path.join(FLAGS.workdir, "tokenizer.json"))
+
+
+def tokenize(s):
+  """(tokenizer, train ids, held-out ids, unigram entropy per token and per byte) of the run's
+  corpus; a BPE is trained, and the splits tokenized, once per corpus and vocabulary (cached)."""
+  corpus = data.load_corpus(s["corpus_bytes"], s["corpus_dir"])
+  train_bytes, heldout_bytes = data.split(corpus, 0.05)
+  source = FLAGS.corpus_dir or "the standard library"
+  cache = FLAGS.data_cache or os.path.join(FLAGS.workdir, "data_cache")
+  tok, train, heldout, info = tokenizer_lib.build(s["tokenizer"], train_bytes, heldout_bytes,
+                                                  s["vocab_size"], cache)
+  if tok.kind == "bpe":
+    done = (f"trained in {info['train_seconds']:.1f} s, splits tokenized in "
+            f"{info['tokenize_seconds']:.1f} s" if info["trained"] else "loaded from the cache")
+    short = (f" (the target {s['vocab_size']} is not reached: pairs seen once are not merged; "
+             f"a larger --corpus_dir gives more)" if tok.vocab_size < s["vocab_size"] else "")
+    print(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
+          f"{len(train_bytes) / len(train):.2f} bytes per token", flush=True)
+    tok.save(tokenizer_path())
+  h = data.unigram_entropy(train)
+  h_byte = h * len(train) / len(train_bytes)
+  kind = "BPE" if tok.kind == "bpe" else "byte"
+  print(f"corpus {len(corpus) / 1e6:.1f} MB of .py source from {source}: {len(train)} training "
+        f"and {len(heldout)} held-out {kind} tokens; unigram entropy {h:.3f} nats/token "
+        f"({h_byte:.3f} nats/byte)", flush=True)
+  return tok, train, heldout, h, h_byte
+
+
 def main(_):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   s = settings()
-  cfg = s["model"]
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  corpus = data.load_corpus(s["corpus_bytes"])
-  train, heldout = data.split(corpus, 0.05)
-  h_unigram = data.unigram_entropy(train)
-  print(f"corpus {len(corpus) / 1e6:.1f} MB of stdlib source; unigram entropy "
-        f"{h_unigram:.3f} nats/byte; {jax.devices()[0].device_kind}; {cfg}", flush=True)
-
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
   for k in ("eval_every", "log_every", "checkpoint_every"):
@@ -301,19 +384,35 @@ def main(_):
   if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
-  model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
+  try:  # before the tokenizer's work: a device that cannot run the attention asked for
+    attention = attention_implementation(s["model"])
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s)
+  s["model"] = cfg = dataclasses.replace(
+      s["model"], vocab_size=tokenizer_lib.padded_vocab(tok.vocab_size))
+  s["tokenizer_vocab"] = tok.vocab_size
+  if min(len(train), len(heldout)) <= s["seq_len"] + 1:
+    raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
+                         f"{len(heldout)} held-out ones: raise --corpus_bytes")
+  print(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}", flush=True)
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
   tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=FLAGS.weight_decay))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def create():
+    model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
   mesh = make_mesh()
   if FLAGS.fsdp and mesh is None:
     raise app.UsageError("--fsdp needs a mesh: --expert_parallel=P (1 for data parallelism alone)")
-  if mesh is not None:
-    state = nnx.state((model, optimizer))
-    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    nnx.update((model, optimizer), place(state, mesh, FLAGS.fsdp))
+  if mesh is None:
+    model, optimizer = create()
+  else:
+    (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
     mine = bytes_per_device(nnx.state((model, optimizer)))
     print(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
           f"{' (FSDP over data)' if FLAGS.fsdp else ''}", flush=True)
@@ -350,6 +449,7 @@ def main(_):
   tb = tensorboard(FLAGS.workdir, start)
   stop = StopRequest()
   tokens_per_step = s["batch_size"] * s["seq_len"]
+  window_bytes = []  # the bytes each step's target tokens spell, for the loss per byte
   flops_per_token = model_flops_per_token(cfg, s["seq_len"])
   peak = peak_flops()
   # Step outputs stay on the device and the loop never waits for a step: the host syncs only at
@@ -358,15 +458,21 @@ def main(_):
   window, window_t0, window_steps = [], None, 0
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
+    window_bytes.append(int(tok.token_bytes[targets].sum()))
     if mesh is not None:
       inputs, targets = (jax.device_put(a, batch_sharding) for a in (inputs, targets))
-    window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets),
-                             accum=FLAGS.grad_accum))
-    if window_t0 is None:
-      jax.block_until_ready(window[-1])
-      window_t0 = time.perf_counter()
+    if step + 1 == FLAGS.profile_step:
+      jax.block_until_ready(window)
+      window.append(profile(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets)))
+      window_t0, window_steps = time.perf_counter(), 0  # the window times the steps after it
     else:
-      window_steps += 1
+      window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets),
+                               accum=FLAGS.grad_accum))
+      if window_t0 is None:
+        jax.block_until_ready(window[-1])
+        window_t0 = time.perf_counter()
+      else:
+        window_steps += 1
     done = step + 1
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
       bar = "#" * int(30 * done / s["steps"])
@@ -379,7 +485,9 @@ def main(_):
       rate = tokens_per_step / step_s if window_steps else math.nan
       counts = np.asarray(stats[-1]["counts"], np.float64)  # (layers, E) of the last step
       load = counts.max(-1) / np.maximum(counts.mean(-1), 1e-9)
-      row = dict(step=done, train_loss=np.mean([t["ce"] for t in stats]),
+      train_loss = np.mean([t["ce"] for t in stats])
+      row = dict(step=done, train_loss=train_loss,
+                 train_nats_per_byte=train_loss * tokens_per_step * len(stats) / sum(window_bytes),
                  aux_loss=np.mean([t["aux"] for t in stats]), grad_norm=stats[-1]["grad_norm"],
                  lr=float(schedule(step)), tokens_per_s=rate,
                  tokens_per_s_per_device=rate / jax.device_count(),
@@ -387,9 +495,10 @@ def main(_):
                  moe_tflops=moe_flops_per_token(cfg) * rate / 1e12,
                  expert_load_max_over_mean=load.max(),
                  dropped_pairs=sum(int(t["dropped"]) for t in stats),
-                 unigram_entropy=h_unigram)
+                 unigram_entropy=h_unigram, unigram_nats_per_byte=h_unigram_per_byte)
       if done % s["eval_every"] == 0 or done == s["steps"]:
-        row["heldout_loss"] = evaluate(model, heldout, s)
+        row["heldout_loss"], row["heldout_nats_per_byte"] = evaluate(model, heldout,
+                                                                     tok.token_bytes, s)
         row["heldout_ppl"] = math.exp(row["heldout_loss"])
       row = {k: float(v) if k != "step" else v for k, v in row.items()}
       writer.writerow(row)
@@ -401,13 +510,15 @@ def main(_):
         for layer, v in enumerate(load):
           tb.add_scalar(f"expert_load_max_over_mean/layer_{layer}", v, done)
         tb.flush()
-      held = (f" held-out {row['heldout_loss']:.3f} nats/byte (ppl {row['heldout_ppl']:.2f}, "
-              f"unigram {h_unigram:.3f})" if "heldout_loss" in row else "")
-      print(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f}"
-            f"{held}, aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
+      held = (f", held-out {row['heldout_loss']:.3f} ({row['heldout_nats_per_byte']:.3f} "
+              f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
+              if "heldout_loss" in row else "")
+      print(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
+            f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
+            f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
             f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
             f"expert load max/mean {load.max():.2f}", flush=True)
-      window, window_t0, window_steps = [], time.perf_counter(), 0
+      window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if done % s["checkpoint_every"] == 0 or last:
       save(done)
     if stopping:
@@ -432,12 +543,16 @@ def plot(csv_path, png_path):
   import matplotlib.pyplot as plt
   with open(csv_path) as f:
     rows = list(csv.DictReader(f))
+  # Per byte, comparable across tokenizers (rows written without those columns are byte runs').
+  per_byte = lambda r, k, old: float(r.get(k) or r[old])
   steps = [int(r["step"]) for r in rows]
-  held = [(int(r["step"]), float(r["heldout_loss"])) for r in rows if r["heldout_loss"]]
+  held = [(int(r["step"]), per_byte(r, "heldout_nats_per_byte", "heldout_loss"))
+          for r in rows if r["heldout_loss"]]
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(steps, [float(r["train_loss"]) for r in rows], label="train")
+  ax.plot(steps, [per_byte(r, "train_nats_per_byte", "train_loss") for r in rows], label="train")
   ax.plot(*zip(*held), label="held-out")
-  ax.axhline(float(rows[0]["unigram_entropy"]), ls="--", c="gray", label="unigram entropy")
+  ax.axhline(per_byte(rows[-1], "unigram_nats_per_byte", "unigram_entropy"), ls="--", c="gray",
+             label="unigram entropy")
   ax.set_xlabel("step")
   ax.set_ylabel("nats / byte")
   ax.legend()

@@ -1,0 +1,94 @@
+"""Where a training step's device time goes: MoE layers, attention, other layers, collectives and
+the optimizer.
+
+The model names its parts with `jax.named_scope` ("attention", "moe"; the train step's
+"optimizer"), which XLA keeps in each instruction's `op_name` metadata. A profiler trace of one
+step gives every kernel with the instruction it runs (its `hlo_op`); the compiled step's HLO text
+maps that instruction to its `op_name`, hence to a part. Collectives (NCCL kernels, or XLA's
+collective instructions) are one part whatever scope issued them.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+
+import jax
+
+PARTS = ("moe", "attention", "other layers", "collectives", "optimizer")
+_SCOPES = ("optimizer", "moe", "attention")  # first match wins: the optimizer's update of MoE
+# weights is optimizer time
+_COLLECTIVE = re.compile(r"(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
+                         r"collective-permute|send|recv)\b")
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=.*?op_name="([^"]*)"')
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+  """{instruction name: its op_name metadata} of a compiled module's HLO text."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      out[m.group(1)] = m.group(2)
+  return out
+
+
+def part_of(hlo_op: str | None, kernel: str, names: dict[str, str]) -> str:
+  if "nccl" in kernel.lower() or (hlo_op and _COLLECTIVE.match(hlo_op)):
+    return "collectives"
+  op_name = names.get(hlo_op or "", "")
+  for scope in _SCOPES:  # a path segment, or wrapped as in "jvp(moe)"
+    if re.search(rf"(^|[/(]){scope}([/)]|$)", op_name):
+      return scope
+  return "other layers"
+
+
+def kernel_events(logdir: str, module: str):
+  """[(start_ns, duration_ns, kernel name, hlo_op)] of the first GPU's kernels of the XLA module
+  whose name contains `module` (without a GPU: the first CPU device's XLA thunks of it, which run
+  on several threads at once), in start order."""
+  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    return []
+  profile = jax.profiler.ProfileData.from_file(paths[0])
+  planes = list(profile.planes)  # an iterator
+  gpus = [p for p in planes if re.match(r"/device:GPU:0\b", p.name)]
+  events = []
+  for plane in gpus or [p for p in planes if p.name == "/host:CPU"]:
+    for line in plane.lines:
+      if gpus and "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        stats = dict(ev.stats)
+        if not gpus and stats.get("device_ordinal", 0) != 0:
+          continue  # the host plane holds every CPU device's thunks: keep device 0's
+        if module in str(stats.get("hlo_module", "")):
+          events.append((ev.start_ns, ev.duration_ns, ev.name, stats.get("hlo_op")))
+  return sorted(events)
+
+
+def split(events, names: dict[str, str]) -> dict:
+  """Milliseconds of kernel time per part (and kernels per part), the kernels' sum and the step's
+  span (first start to last end); collectives overlap computation where the sum exceeds the
+  span."""
+  ms, count = collections.defaultdict(float), collections.Counter()
+  for _, duration, kernel, hlo_op in events:
+    part = part_of(hlo_op, kernel, names)
+    ms[part] += duration / 1e6
+    count[part] += 1
+  span = (max(s + d for s, d, *_ in events) - events[0][0]) / 1e6 if events else 0.0
+  return {"parts_ms": {p: ms[p] for p in PARTS}, "kernels": {p: count[p] for p in PARTS},
+          "kernel_sum_ms": sum(ms.values()), "span_ms": span}
+
+
+def table(result: dict) -> str:
+  total = result["kernel_sum_ms"] or 1.0
+  lines = ["| part | ms | share of kernel time | kernels |", "|---|---|---|---|"]
+  for p in PARTS:
+    lines.append(f"| {p} | {result['parts_ms'][p]:.2f} | {100 * result['parts_ms'][p] / total:.0f}%"
+                 f" | {result['kernels'][p]} |")
+  lines.append(f"| kernel time / step span | {result['kernel_sum_ms']:.2f} / "
+               f"{result['span_ms']:.2f} | | |")
+  return "\n".join(lines)
