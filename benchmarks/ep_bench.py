@@ -5,9 +5,9 @@ r"""Expert parallelism: both sharded schemes against one device, and the cost of
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.ep_bench \
       --thiek=128,32,16,4,2 --backend=xla                              # 2 CPU devices
 
-On a machine of several GPUs (nvidia-h100-x2 or larger):
-`PYTHONPATH=$PWD python3 -m benchmarks.ep_bench --repeats=5 --out=$OUT`; it writes
-$OUT/<device>x<P>_<date>_ep.json for benchmarks/results/.
+On a host of several GPUs: `PYTHONPATH=$PWD python3 -m benchmarks.ep_bench --repeats=5
+--out=DIR` (or `bash benchmarks/ep_gpu.sh`); it writes DIR/<device>x<P>_<date>_ep.json for
+benchmarks/results/.
 
 With P devices (all of `jax.devices()`, or --devices), each configuration gives the work of one
 device: T_local tokens per device, E experts in all (E/P per device), K per token. The run opens
@@ -71,7 +71,8 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
                      "(400 Gb/s InfiniBand NDR), for the 64-device extrapolation")
   flags.DEFINE_string("out", "bench_out", "output folder")
-  flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)} (default: all)")
+  flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
+                    "its first word (all_to_all: its three variants); default: all")
   flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
                     "GPU 0's time into communication, computation and their overlap")
 
@@ -281,10 +282,12 @@ def run_config(cfg, devices, backend, runs, profile=False):
 
 def extrapolate(res, scheme, devices, inter_node_gbps):
   """fwd+bwd ms per step at `devices` GPUs (8 per node) with the same per-device work: the
-  measured single-device compute plus communication at the measured (intra-node) bandwidth, the
-  cross-node share at min(that, `inter_node_gbps`); communication not overlapped. The all-to-all's
-  slots keep their measured size per device pair (dropless: T_local*min(K, E_local) rows; with a
-  capacity factor they shrink as 1/P)."""
+  measured single-device compute (all-gather's routing of more tokens not counted) plus
+  communication not overlapped. All-to-alls (the exchanges, the all-gather scheme's combine) move
+  their rows at the measured (intra-node) bandwidth, the share bound for other nodes at
+  min(that, `inter_node_gbps`); the all-gather, a ring, runs at its slowest link. The all-to-all's
+  slots are sized for `devices` (dropless: T_local*min(K, E_local) rows; with a capacity factor
+  they shrink as 1/P)."""
   t_local, d, _, e, k = res["config"]
   item = res["x_itemsize"]
   r = res[scheme]
@@ -296,8 +299,9 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
     bws = [r["all_gather_gbps"], r["combine_gbps"]]
     if None in bws:
       return None
-    slowest = lambda b: b if devices <= 8 else min(b, inter_node_gbps)  # rings span the nodes
-    comm = 2 * frac * devices * t_local * d * item * sum(1 / slowest(b) for b in bws) / 1e9
+    ring = bws[0] if devices <= 8 else min(bws[0], inter_node_gbps)  # the ring spans the nodes
+    combine = (frac - cross) / bws[1] + cross / min(bws[1], inter_node_gbps)
+    comm = 2 * devices * t_local * d * item * (frac / ring + combine) / 1e9
     return res["single_fwdbwd_ms"] + comm * 1e3
   bw = r["exchange_gbps"]
   if bw is None:
@@ -347,10 +351,12 @@ def main(_):
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
-  unknown = set(FLAGS.schemes or ()) - set(SCHEMES)
+  picked = lambda name, key: name in (key, key.split()[0])
+  unknown = [n for n in FLAGS.schemes or () if not any(picked(n, k) for k in SCHEMES)]
   if unknown:
-    raise app.UsageError(f"--schemes: unknown {sorted(unknown)}; known: {list(SCHEMES)}")
-  runs = {k: v for k, v in SCHEMES.items() if not FLAGS.schemes or k in FLAGS.schemes}
+    raise app.UsageError(f"--schemes: unknown {unknown}; known: {list(SCHEMES)}")
+  runs = {k: v for k, v in SCHEMES.items()
+          if not FLAGS.schemes or any(picked(n, k) for n in FLAGS.schemes)}
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("ep_bench", devices, backend=backend,
                         native_ragged_all_to_all=exchange.native_ragged_all_to_all(),

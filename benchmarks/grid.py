@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import platform
+import shlex
 import re
 import sys
 
@@ -109,7 +110,7 @@ def run_record(script, devices=None, **extra):
           "platform": devices[0].platform, "jax": jax.__version__,
           "sonic_jax": sonic_jax.__version__, "python": platform.python_version(),
           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "command": f"python -m benchmarks.{script} " + " ".join(sys.argv[1:]), **extra}
+          "command": f"python -m benchmarks.{script} " + shlex.join(sys.argv[1:]), **extra}
 
 
 def results_name(record, kind):

@@ -367,7 +367,7 @@ def benchmarks_md(found):
                  "the all-gather of x and the combine) alone at the layer's sizes; \"comm share\" "
                  "is four exchanges (or two all-gathers and combines) over the step; \"hidden\" is "
                  "the share of a traced step's communication (NCCL kernels on GPU 0) that ran while "
-                 "a computing kernel did. Before timing, every dropless scheme matched the "
+                 "another kernel did (traced for all_gather only). Before timing, every dropless scheme matched the "
                  f"single-device op at float32 (max relative error "
                  f"{max(run['check_max_rel_err'].values()):.1e}). The extrapolation keeps the "
                  "measured compute and bandwidths, 8 GPUs a node, and "

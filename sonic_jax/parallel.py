@@ -15,15 +15,17 @@ devices.
 routes its own tokens and all-gathers their logits and the tokens of the expert axis, runs only
 its local experts on the pairs routed to them, and sends each device the partial outputs of its
 tokens (one all-to-all), which it sums in float32. Dropless and static in shape; the backward is
-the mirror image and keeps the low-activation residuals of the single-device op. Communication per
-layer: the all-gather of x and the combine, 2 (P-1)/P * T*d each way in x's dtype, which beats an
-all-to-all while P is small relative to K (every token goes to K experts anyway).
+the mirror image and saves what the single-device op saves (the gathered x, H and the routing),
+for P*T_local tokens. Communication per layer and device: the all-gather of x and the combine,
+2 (P-1) T_local rows of d each way in x's dtype, which beats an all-to-all while P is small
+relative to K (every token goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
-routing of all P*T_local tokens (from their logits) on every device; the ragged all-to-all moves (P-1)/P*K*T_local
-(balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity factor c, and
-T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged) or P < c*K
-(dense with a capacity factor; dropless dense always moves more), and all-to-all wins beyond; it
+routing of all P*T_local tokens (from their logits) on every device; the ragged all-to-all moves
+(P-1)/P*K*T_local (balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity
+factor c, and T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged)
+or P < c*K (dense with a capacity factor; dropless dense moves at least as much), and all-to-all
+wins beyond; it
 also keeps the routing, the row gathers and the saved activations per device independent of P
 (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
 """
@@ -155,7 +157,8 @@ _gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 def _sum_partials(y_partial: Array, axis_name: str) -> Array:
   """(T_local, d): this device's rows of y_partial (P*T_local, d, device by device) summed over
   the axis in float32, returned in y_partial's dtype: one all-to-all, then a local sum in a fixed
-  order. Differentiable: its transpose is the all-gather of the cotangent."""
+  order. Differentiable: autodiff transposes it into an all-to-all of P copies of the cotangent,
+  the bytes of its all-gather."""
   p = jax.lax.axis_size(axis_name)
   parts = y_partial.reshape(p, -1, *y_partial.shape[1:])
   received = jax.lax.all_to_all(parts, axis_name, 0, 0)  # [i]: device i's partial of my rows

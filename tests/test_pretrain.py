@@ -94,29 +94,50 @@ def test_token_rounding_training_runs(tmp_path):
   assert float(row["heldout_loss"]) < float(row["unigram_entropy"])
 
 
+def _free_port():
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
 def test_expert_parallel_training_tracks_one_device(tmp_path):
   """--expert_parallel=2 on 4 CPU devices ((data 2, ep 2) mesh, the layers' own shard_map) follows
   the one-device run: same data and init; the load-balance loss is per data shard, so close, not
-  bitwise. So does it with FSDP (parameters and optimizer state also sharded over data: half the
-  bytes per device) and two accumulated micro-batches, and so does the same model with the
-  ragged_dot baseline MoE layer (same initialisation and math), data parallel over the 4 devices
-  with FSDP. The expert-parallel run profiles one step and splits its time by part."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  bitwise. It runs as two processes of two devices each (--distributed: what several hosts run),
+  the first one alone writing metrics. So does FSDP in one process (parameters and optimizer
+  state also sharded over data: half the bytes per device) with two accumulated micro-batches, a
+  profiled step split by part; and so does the same model with the ragged_dot baseline MoE layer
+  (same initialisation and math), data parallel over the 4 devices with FSDP."""
   losses, outs = {}, {}
-  for name, extra in (("one", []), ("ep", ["--expert_parallel=2", "--profile_step=20"]),
-                      ("fsdp", ["--expert_parallel=2", "--fsdp", "--grad_accum=2"]),
-                      ("ragged_dot", ["--moe_impl=ragged_dot", "--expert_parallel=1", "--fsdp"])):
+  port = _free_port()
+  runs = (("one", 1, []), ("ep", 2, ["--expert_parallel=2"]),
+          ("fsdp", 1, ["--expert_parallel=2", "--fsdp", "--grad_accum=2", "--profile_step=20"]),
+          ("ragged_dot", 1, ["--moe_impl=ragged_dot", "--expert_parallel=1", "--fsdp"]))
+  for name, processes, extra in runs:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}")
     cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=40",
            "--eval_every=40", "--backend=xla", "--plot=false", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if processes > 1:
+      cmd += ["--distributed", f"--coordinator_address=localhost:{port}",
+              f"--num_processes={processes}"]
+    procs = [subprocess.Popen(cmd + ([f"--process_id={i}"] if processes > 1 else []),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(processes)]
+    results = [p.communicate(timeout=900) for p in procs]
+    for p, (_, err) in zip(procs, results):
+      assert p.returncode == 0, err[-3000:]
     with open(tmp_path / name / "metrics.csv") as f:
       (row,) = list(csv.DictReader(f))
     losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
-    outs[name] = proc.stdout
+    outs[name] = results[0][0]
+    if processes > 1:
+      # The other process prints nothing (gloo, the CPU collectives, reports its connections).
+      own = [line for line in results[1][0].splitlines() if not line.startswith("[Gloo]")]
+      assert not own, own
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep"]
   # The profiled step's device time, split by the model's named scopes (here XLA:CPU's thunks).
-  split = json.loads((tmp_path / "ep" / "profile_split.json").read_text())["parts_ms"]
+  split = json.loads((tmp_path / "fsdp" / "profile_split.json").read_text())["parts_ms"]
   assert all(split[p] > 0 for p in ("moe", "attention", "collectives", "optimizer")), split
   assert "mesh {'data': 4, 'ep': 1}" in outs["ragged_dot"]
   for name in ("ep", "fsdp", "ragged_dot"):
@@ -129,7 +150,9 @@ def test_expert_parallel_training_tracks_one_device(tmp_path):
 
 def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
   """The baseline MoE layer (MaxText-style, jax.lax.ragged_dot) computes sonic_jax's layer: the
-  same parameters from the same seed, the same output, losses and gradients (float32)."""
+  same parameters from the same seed, the same output, losses and gradients (float32); so does it
+  on tokamax.ragged_dot where tokamax is installed."""
+  import pytest
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -157,8 +180,19 @@ def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
   np.testing.assert_array_equal(np.asarray(c1), np.asarray(c2))
   for name in ("router", "w1", "w2"):
     assert rel(getattr(g2, name)[...], getattr(g1, name)[...]) < 1e-5, name
+  # tokamax's grouped GEMM in the same layer (its XLA path on a CPU), where tokamax is installed.
+  try:
+    import tokamax  # noqa: F401
+  except ImportError:
+    pass
+  else:
+    tok = RaggedDotMoE(d, e, n, k, ragged_dot="tokamax", rngs=nnx.Rngs(3), **common)
+    (y3, l3, _), (g3, gx3) = run(tok)
+    assert rel(y3, y2) < 1e-5 and abs(float(l3 - l2)) < 1e-6 and rel(gx3, gx2) < 1e-5
+    assert rel(g3.w1[...], g2.w1[...]) < 1e-5
+  with pytest.raises(ValueError, match="ragged_dot must be one of"):
+    RaggedDotMoE(d, e, n, k, ragged_dot="cutlass", rngs=nnx.Rngs(3), **common)
   # What the baseline does not implement is refused by name.
-  import pytest
   from model import ModelConfig, TransformerLM
   with pytest.raises(ValueError, match="token_rounding='up'"):
     TransformerLM(ModelConfig(moe_impl="ragged_dot", token_rounding="up"), rngs=nnx.Rngs(0))

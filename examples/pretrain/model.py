@@ -45,8 +45,9 @@ class ModelConfig:
   # The blocks' parameters stacked on a leading "layers" axis and the forward a scan over them (one
   # block traced and compiled, not num_layers); otherwise a Python loop over a list of blocks.
   scan_layers: bool = False
-  # The MoE layer: "sonic_jax" (`sonic_jax.layers.MoE`) or "ragged_dot" (`ragged_moe.RaggedDotMoE`,
-  # the MaxText-style baseline on jax.lax.ragged_dot: one device, plain top-K routing).
+  # The MoE layer: "sonic_jax" (`sonic_jax.layers.MoE`), or `ragged_moe.RaggedDotMoE`, the
+  # MaxText-style baseline (plain top-K routing, no expert parallelism) on jax.lax.ragged_dot
+  # ("ragged_dot") or tokamax.ragged_dot ("tokamax_ragged_dot").
   moe_impl: str = "sonic_jax"
 
 
@@ -151,7 +152,7 @@ class Attention(nnx.Module):
     return o.reshape(b, s, d) @ whole(self.out).astype(x.dtype)
 
 
-MOE_IMPLS = ("sonic_jax", "ragged_dot")
+MOE_IMPLS = ("sonic_jax", "ragged_dot", "tokamax_ragged_dot")
 
 
 def _ragged_dot_unsupported(cfg: ModelConfig) -> str | None:
@@ -170,15 +171,17 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     if cfg.moe_impl not in MOE_IMPLS:
       raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {cfg.moe_impl!r}")
-    if cfg.moe_impl == "ragged_dot":
+    if cfg.moe_impl != "sonic_jax":
       reason = _ragged_dot_unsupported(cfg)
       if reason is not None:
-        raise ValueError(f"moe_impl='ragged_dot' does not take {reason}")
+        raise ValueError(f"moe_impl={cfg.moe_impl!r} does not take {reason}")
       self.moe = RaggedDotMoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                               init_std=cfg.d_model ** -0.5,
                               load_balance_coef=cfg.load_balance_coef,
                               z_loss_coef=cfg.z_loss_coef, dtype=jnp.dtype(cfg.dtype),
-                              sharded=cfg.expert_parallel_axis is not None, rngs=rngs)
+                              sharded=cfg.expert_parallel_axis is not None,
+                              ragged_dot="lax" if cfg.moe_impl == "ragged_dot" else "tokamax",
+                              rngs=rngs)
       return
     self.moe = MoE(cfg.d_model, cfg.num_experts, cfg.expert_dim, cfg.top_k,
                    activation=cfg.activation, num_shared_experts=cfg.num_shared_experts,

@@ -5,7 +5,9 @@ them), sorts the (token, expert) pairs by expert, gathers their rows of x with X
 expert projections as `jax.lax.ragged_dot` (SwiGLU between them, gate and up concatenated as
 sonic_jax stores them), weights each row by its score and scatter-adds the rows back to their
 tokens; autodiff gives the backward. This is what MaxText does on GPUs when its configs set
-`megablox: false`. Its parameters (router (d, E), w1 (E, d, 2n), w2 (E, n, d), with the same
+`megablox: false`. `ragged_dot="tokamax"` runs both projections as `tokamax.ragged_dot` instead
+(tokamax's Mosaic GPU grouped GEMM on Hopper, its XLA path elsewhere; where tokamax is
+installed). Its parameters (router (d, E), w1 (E, d, 2n), w2 (E, n, d), with the same
 logical axis names and initialisation) and its losses (the Switch balance loss and the z-loss)
 are those of `sonic_jax.layers.MoE`, so `--moe_impl` swaps the layer in the same model.
 
@@ -38,12 +40,31 @@ class RaggedDotAux(NamedTuple):
   stats: RaggedDotStats
 
 
+RAGGED_DOTS = ("lax", "tokamax")
+
+
+def _grouped_matmul(kind: str):
+  """(rows, weights, group_sizes) -> float32 rows @ each group's weight."""
+  if kind == "lax":
+    return lambda a, w, sizes: jax.lax.ragged_dot(a, w, sizes,
+                                                  preferred_element_type=jnp.float32)
+  if kind != "tokamax":
+    raise ValueError(f"ragged_dot must be one of {RAGGED_DOTS}, got {kind!r}")
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ValueError("ragged_dot='tokamax' needs the tokamax package (pip install tokamax)") from e
+  # Output in the operands' dtype (float32 accumulation inside), as tokamax's GPU kernel gives it.
+  return lambda a, w, sizes: tokamax.ragged_dot(a, w, sizes).astype(jnp.float32)
+
+
 class RaggedDotMoE(nnx.Module):
   """A dropless top-K MoE layer of SwiGLU experts on `jax.lax.ragged_dot` (module doc)."""
 
   def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
                init_std: float, load_balance_coef: float, z_loss_coef: float,
-               dtype=jnp.float32, sharded: bool = False, rngs: nnx.Rngs):
+               dtype=jnp.float32, sharded: bool = False, ragged_dot: str = "lax",
+               rngs: nnx.Rngs):
     normal = nnx.initializers.normal(init_std)
     param = lambda shape, *names: nnx.Param(normal(rngs.params(), shape, jnp.float32),
                                             out_sharding=names, eager_sharding=False)
@@ -55,6 +76,8 @@ class RaggedDotMoE(nnx.Module):
     self.load_balance_coef = load_balance_coef
     self.z_loss_coef = z_loss_coef
     self.sharded = sharded
+    self.ragged_dot = ragged_dot
+    self._matmul = _grouped_matmul(ragged_dot)  # refuses an unknown kind or a missing tokamax
 
   def __call__(self, x):
     lead, d = x.shape[:-1], x.shape[-1]
@@ -90,9 +113,9 @@ class RaggedDotMoE(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat, length=e_count).astype(jnp.int32)
     rows = h[token]
-    up = jax.lax.ragged_dot(rows, w1, group_sizes, preferred_element_type=jnp.float32)
+    up = self._matmul(rows, w1, group_sizes)
     a = (jax.nn.silu(up[:, :n]) * up[:, n:]).astype(self.dtype)
-    down = jax.lax.ragged_dot(a, w2, group_sizes, preferred_element_type=jnp.float32)
+    down = self._matmul(a, w2, group_sizes)
     weighted = down * scores.reshape(-1)[order][:, None]
     y = jnp.zeros((t_count, d), jnp.float32).at[token].add(weighted).astype(self.dtype)
     probs = jax.nn.softmax(logits, axis=-1)

@@ -5,7 +5,10 @@ The model names its parts with `jax.named_scope` ("attention", "moe"; the train 
 "optimizer"), which XLA keeps in each instruction's `op_name` metadata. A profiler trace of one
 step gives every kernel with the instruction it runs (its `hlo_op`); the compiled step's HLO text
 maps that instruction to its `op_name`, hence to a part. Collectives (NCCL kernels, or XLA's
-collective instructions) are one part whatever scope issued them.
+collective instructions) are one part whatever scope issued them; "other layers" is everything
+else: embeddings, norms, the loss, gradient accumulation and norms, the selection-bias update.
+On a CPU the XLA thunks of one device run on several threads, so their sum exceeds the step's span
+with or without collectives beside them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ r"""Pretrain an MoE language model with sonic_jax on the Python standard library
   python examples/pretrain/sample.py --workdir=/tmp/run --prompt="def "    # text from a checkpoint
   python examples/pretrain/train.py --help
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-      python examples/pretrain/train.py --expert_parallel=2   # experts over 2 of 4 devices
+      python examples/pretrain/train.py --expert_parallel=2   # (data 2, ep 2) mesh
 
 Byte tokens or a byte-level BPE trained on the training split (--tokenizer; tokenizer.py), a
 decoder-only transformer (rotary attention, RMSNorm, tied or untied embeddings) whose feed-forward
@@ -19,8 +19,8 @@ rematerialisation (--remat), the model and optimizer buffers donated to each ste
 Every --log_every steps a row of metrics.csv (and TensorBoard scalars under workdir/tb where
 tensorboardX is installed): train loss (nats per token, and per byte of the text it covers, which
 compares across tokenizers), auxiliary loss, gradient norm, learning rate, tokens/s, MFU (6 N_active
-+ 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s, the expert load
-(max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped; every
++ 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s per device, the expert
+load (max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped; every
 --eval_every steps also the held-out loss. Checkpoints (model, optimizer and the run's
 configuration as separate items) every --checkpoint_every steps and on SIGTERM or SIGINT; a run
 resumes from the latest one in --workdir, and metrics rows past it are dropped first, so a
@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,9 +86,10 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
   flags.DEFINE_integer(_name, None, f"{_help} (the preset's by default)")
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
                   "backward: none, full (keep its input) or dots (keep matmul outputs)")
-flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or ragged_dot "
-                  "(the MaxText-style baseline on jax.lax.ragged_dot: one device, or data "
-                  "parallel with --expert_parallel=1, with or without --fsdp)")
+flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or the "
+                  "MaxText-style baseline on jax.lax.ragged_dot (ragged_dot) or tokamax.ragged_dot "
+                  "(tokamax_ragged_dot): one device, or data parallel with --expert_parallel=1, "
+                  "with or without --fsdp")
 flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)")
 flags.DEFINE_enum("attention", None, list(ATTENTIONS), "jax.nn.dot_product_attention's "
                   "implementation: auto (cuDNN where it runs, else XLA), xla or cudnn")
@@ -114,6 +116,13 @@ flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_
 flags.DEFINE_float("capacity_factor", None, "all-to-all slot capacity (default: dropless)")
 flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state over the mesh's data axis "
                   "too (each tensor's model-width axis; needs --expert_parallel >= 1)")
+flags.DEFINE_bool("distributed", False, "one process of a multi-process run (several hosts, or one "
+                  "process per GPU): calls jax.distributed.initialize(), which finds the "
+                  "coordinator, the process count and this process's index on SLURM, Open MPI and "
+                  "other cluster environments, or takes the three flags below")
+flags.DEFINE_string("coordinator_address", None, "--distributed: host:port of process 0")
+flags.DEFINE_integer("num_processes", None, "--distributed: how many processes")
+flags.DEFINE_integer("process_id", None, "--distributed: this process's index")
 flags.DEFINE_integer("seed", 0, "initialisation and data order")
 flags.DEFINE_bool("plot", True, "write loss.png at the end")
 FLAGS = flags.FLAGS
@@ -122,8 +131,27 @@ FLAGS = flags.FLAGS
 MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k",
                "num_shared_experts", "backend", "dtype", "bias_update_rate", "remat",
                "scan_layers", "moe_impl", "attention", "tie_embeddings")
+# A multi-process run agrees on a stop request this often (and at log steps): each agreement
+# waits for the step to finish, and a cluster's grace period after SIGTERM is often 30 s.
+STOP_AGREEMENT_STEPS = 10
 # Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
 PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
+
+
+def say(*args, **kwargs):
+  """print, from the first process only (every process of a multi-process run runs this script)."""
+  if jax.process_index() == 0:
+    print(*args, **{"flush": True, **kwargs})
+
+
+def initialize_distributed():
+  if not FLAGS.distributed:
+    return
+  # CPU devices of several processes talk through gloo (GPUs through NCCL, whatever this says).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  given = {k: getattr(FLAGS, k) for k in ("coordinator_address", "num_processes", "process_id")
+           if getattr(FLAGS, k) is not None}
+  jax.distributed.initialize(**given)
 
 
 def settings():
@@ -149,9 +177,9 @@ def settings():
     overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme,
                      capacity_factor=FLAGS.capacity_factor)
   s["model"] = dataclasses.replace(s["model"], **overrides)
-  if s["model"].moe_impl == "ragged_dot" and FLAGS.expert_parallel > 1:
-    raise app.UsageError("--moe_impl=ragged_dot has no expert parallelism: --expert_parallel=1 "
-                         "(data parallel, optionally --fsdp) or 0")
+  if s["model"].moe_impl != "sonic_jax" and FLAGS.expert_parallel > 1:
+    raise app.UsageError(f"--moe_impl={s['model'].moe_impl} has no expert parallelism: "
+                         "--expert_parallel=1 (data parallel, optionally --fsdp) or 0")
   return s
 
 
@@ -249,26 +277,27 @@ def profile(model, optimizer, inputs, targets):
   written to workdir/profile_split.json. Returns the step's outputs."""
   names = step_profile.op_names(train_step.lower(model, optimizer, inputs, targets,
                                                  accum=FLAGS.grad_accum).compile().as_text())
-  logdir = os.path.join(FLAGS.workdir, "profile")
+  logdir = os.path.join(FLAGS.workdir, "profile", f"process_{jax.process_index()}")
   jax.profiler.start_trace(logdir)
   out = jax.block_until_ready(train_step(model, optimizer, inputs, targets,
                                          accum=FLAGS.grad_accum))
   jax.profiler.stop_trace()
   result = step_profile.split(step_profile.kernel_events(logdir, "train_step"), names)
-  with open(os.path.join(FLAGS.workdir, "profile_split.json"), "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"step {FLAGS.profile_step}, device time by part (GPU 0, or CPU device 0's XLA thunks):\n"
+  if jax.process_index() == 0:
+    with open(os.path.join(FLAGS.workdir, "profile_split.json"), "w") as f:
+      json.dump(result, f, indent=1)
+  say(f"step {FLAGS.profile_step}, device time by part (GPU 0, or CPU device 0's XLA thunks):\n"
         + step_profile.table(result), flush=True)
   return out
 
 
-def evaluate(model, heldout, token_bytes, s):
+def evaluate(model, heldout, token_bytes, s, put):
   """(nats per token, nats per byte) on fixed held-out windows: the second divides the windows'
   total loss by the bytes their target tokens spell."""
   model.eval()  # plain top-K routing (token rounding is for training)
   losses, nbytes = [], 0
   for i, t in data.heldout_batches(heldout, s["batch_size"], s["seq_len"], FLAGS.eval_batches):
-    losses.append(float(eval_step(model, jnp.asarray(i), jnp.asarray(t))))
+    losses.append(float(eval_step(model, put(i), put(t))))
     nbytes += int(token_bytes[t].sum())
   model.train()
   tokens = len(losses) * s["batch_size"] * s["seq_len"]
@@ -354,20 +383,29 @@ def tokenize(s):
   train_bytes, heldout_bytes = data.split(corpus, 0.05)
   source = FLAGS.corpus_dir or "the standard library"
   cache = FLAGS.data_cache or os.path.join(FLAGS.workdir, "data_cache")
-  tok, train, heldout, info = tokenizer_lib.build(s["tokenizer"], train_bytes, heldout_bytes,
-                                                  s["vocab_size"], cache)
+  build = lambda: tokenizer_lib.build(s["tokenizer"], train_bytes, heldout_bytes,
+                                      s["vocab_size"], cache)
+  if jax.process_count() == 1:
+    tok, train, heldout, info = build()
+  else:  # the first process fills the cache; the others then load it (or, unshared, train alike)
+    if jax.process_index() == 0:
+      tok, train, heldout, info = build()
+    multihost_utils.sync_global_devices("tokenizer built")
+    if jax.process_index() != 0:
+      tok, train, heldout, info = build()
   if tok.kind == "bpe":
     done = (f"trained in {info['train_seconds']:.1f} s, splits tokenized in "
             f"{info['tokenize_seconds']:.1f} s" if info["trained"] else "loaded from the cache")
     short = (f" (the target {s['vocab_size']} is not reached: pairs seen once are not merged; "
              f"a larger --corpus_dir gives more)" if tok.vocab_size < s["vocab_size"] else "")
-    print(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
+    say(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
           f"{len(train_bytes) / len(train):.2f} bytes per token", flush=True)
-    tok.save(tokenizer_path())
+    if jax.process_index() == 0:
+      tok.save(tokenizer_path())
   h = data.unigram_entropy(train)
   h_byte = h * len(train) / len(train_bytes)
   kind = "BPE" if tok.kind == "bpe" else "byte"
-  print(f"corpus {len(corpus) / 1e6:.1f} MB of .py source from {source}: {len(train)} training "
+  say(f"corpus {len(corpus) / 1e6:.1f} MB of .py source from {source}: {len(train)} training "
         f"and {len(heldout)} held-out {kind} tokens; unigram entropy {h:.3f} nats/token "
         f"({h_byte:.3f} nats/byte)", flush=True)
   return tok, train, heldout, h, h_byte
@@ -375,6 +413,8 @@ def tokenize(s):
 
 def main(_):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  initialize_distributed()
+  lead = jax.process_index() == 0  # the process that writes metrics, config and plots
   s = settings()
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
@@ -396,7 +436,7 @@ def main(_):
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
     raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
                          f"{len(heldout)} held-out ones: raise --corpus_bytes")
-  print(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}", flush=True)
+  say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}", flush=True)
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
   tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
@@ -407,37 +447,46 @@ def main(_):
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   mesh = make_mesh()
-  if FLAGS.fsdp and mesh is None:
-    raise app.UsageError("--fsdp needs a mesh: --expert_parallel=P (1 for data parallelism alone)")
+  for flag in ("fsdp", "distributed"):
+    if getattr(FLAGS, flag) and mesh is None:
+      raise app.UsageError(f"--{flag} needs a mesh: --expert_parallel=P (1 for data parallelism "
+                           "alone)")
+  if mesh is not None and s["batch_size"] % mesh.size:
+    raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
+                         f"{mesh.size} devices")
+  devices = 1 if mesh is None else mesh.size  # the devices the step runs on
+  put = jnp.asarray  # a host batch (the same on every process) -> the step's input array
   if mesh is None:
     model, optimizer = create()
   else:
     (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
     mine = bytes_per_device(nnx.state((model, optimizer)))
-    print(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
+    say(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
           f"{' (FSDP over data)' if FLAGS.fsdp else ''}", flush=True)
     batch_sharding = NamedSharding(mesh, P(("data", "ep")))
-    if s["batch_size"] % jax.device_count():
-      raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
-                           f"{jax.device_count()} devices")
+    # Each process places the rows its devices hold, from the batch every process draws alike.
+    put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])
     jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
-    print(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)", flush=True)
+    say(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)", flush=True)
 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   config = run_config(s)
-  with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
-    json.dump(config, f, indent=1)
+  if lead:
+    with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
+      json.dump(config, f, indent=1)
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2))
   start = ckpt.latest_step() or 0
+  if jax.process_count() > 1:  # every process resumes where the first one does
+    start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
   if start:
     restored = ckpt.restore(start, args=ocp.args.Composite(
         model=ocp.args.StandardRestore(nnx.state(model)),
         optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
-    print(f"resumed from step {start}", flush=True)
+    say(f"resumed from step {start}", flush=True)
 
   def save(step):
     ckpt.save(step, args=ocp.args.Composite(
@@ -445,8 +494,9 @@ def main(_):
         optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
         config=ocp.args.JsonSave(config)))
 
-  log, writer = open_metrics(os.path.join(FLAGS.workdir, "metrics.csv"), start)
-  tb = tensorboard(FLAGS.workdir, start)
+  log, writer = open_metrics(os.path.join(FLAGS.workdir, "metrics.csv"), start) if lead else (
+      None, None)
+  tb = tensorboard(FLAGS.workdir, start) if lead else None
   stop = StopRequest()
   tokens_per_step = s["batch_size"] * s["seq_len"]
   window_bytes = []  # the bytes each step's target tokens spell, for the loss per byte
@@ -456,18 +506,17 @@ def main(_):
   # log steps, and a window's time runs from the end of its first step (which compiles after a
   # start) to that sync.
   window, window_t0, window_steps = [], None, 0
+  stopping = False
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
     window_bytes.append(int(tok.token_bytes[targets].sum()))
-    if mesh is not None:
-      inputs, targets = (jax.device_put(a, batch_sharding) for a in (inputs, targets))
+    inputs, targets = put(inputs), put(targets)
     if step + 1 == FLAGS.profile_step:
       jax.block_until_ready(window)
-      window.append(profile(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets)))
+      window.append(profile(model, optimizer, inputs, targets))
       window_t0, window_steps = time.perf_counter(), 0  # the window times the steps after it
     else:
-      window.append(train_step(model, optimizer, jnp.asarray(inputs), jnp.asarray(targets),
-                               accum=FLAGS.grad_accum))
+      window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
       if window_t0 is None:
         jax.block_until_ready(window[-1])
         window_t0 = time.perf_counter()
@@ -476,8 +525,11 @@ def main(_):
     done = step + 1
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
       bar = "#" * int(30 * done / s["steps"])
-      print(f"\r[{bar:<30}] {done}/{s['steps']}", end="", flush=True)
+      say(f"\r[{bar:<30}] {done}/{s['steps']}", end="", flush=True)
     stopping = stop.signal is not None  # read once: a later signal stops the next step
+    if jax.process_count() > 1:  # all processes stop at one step, agreed every few steps
+      stopping = (done % s["log_every"] == 0 or done % STOP_AGREEMENT_STEPS == 0) and bool(
+          multihost_utils.process_allgather(np.int32(stopping)).any())
     last = done == s["steps"] or stopping
     if done % s["log_every"] == 0 or done % s["eval_every"] == 0 or last:
       stats = jax.device_get(window)  # the window's sync
@@ -490,19 +542,20 @@ def main(_):
                  train_nats_per_byte=train_loss * tokens_per_step * len(stats) / sum(window_bytes),
                  aux_loss=np.mean([t["aux"] for t in stats]), grad_norm=stats[-1]["grad_norm"],
                  lr=float(schedule(step)), tokens_per_s=rate,
-                 tokens_per_s_per_device=rate / jax.device_count(),
-                 mfu=flops_per_token * rate / jax.device_count() / peak if peak else math.nan,
-                 moe_tflops=moe_flops_per_token(cfg) * rate / 1e12,
+                 tokens_per_s_per_device=rate / devices,
+                 mfu=flops_per_token * rate / devices / peak if peak else math.nan,
+                 moe_tflops=moe_flops_per_token(cfg) * rate / devices / 1e12,
                  expert_load_max_over_mean=load.max(),
                  dropped_pairs=sum(int(t["dropped"]) for t in stats),
                  unigram_entropy=h_unigram, unigram_nats_per_byte=h_unigram_per_byte)
       if done % s["eval_every"] == 0 or done == s["steps"]:
         row["heldout_loss"], row["heldout_nats_per_byte"] = evaluate(model, heldout,
-                                                                     tok.token_bytes, s)
+                                                                     tok.token_bytes, s, put)
         row["heldout_ppl"] = math.exp(row["heldout_loss"])
       row = {k: float(v) if k != "step" else v for k, v in row.items()}
-      writer.writerow(row)
-      log.flush()
+      if lead:
+        writer.writerow(row)
+        log.flush()
       if tb is not None:
         for k, v in row.items():
           if k != "step" and math.isfinite(v):
@@ -513,7 +566,7 @@ def main(_):
       held = (f", held-out {row['heldout_loss']:.3f} ({row['heldout_nats_per_byte']:.3f} "
               f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
               if "heldout_loss" in row else "")
-      print(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
+      say(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
             f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
             f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
             f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
@@ -522,13 +575,14 @@ def main(_):
     if done % s["checkpoint_every"] == 0 or last:
       save(done)
     if stopping:
-      print(f"{stop.signal}: checkpoint at step {done}; exiting", flush=True)
+      say(f"{stop.signal or 'a stop request'}: checkpoint at step {done}; exiting", flush=True)
       break
   ckpt.wait_until_finished()
-  log.close()
+  if lead:
+    log.close()
   if tb is not None:
     tb.close()
-  if FLAGS.plot and not stopping:
+  if FLAGS.plot and not stopping and lead:
     plot(os.path.join(FLAGS.workdir, "metrics.csv"), os.path.join(FLAGS.workdir, "loss.png"))
 
 
