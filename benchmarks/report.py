@@ -6,10 +6,10 @@ r"""BENCHMARKS.md from the results files in benchmarks/results/, and the README'
 
 A results file is named <device>_<date>_<kind>[_<detail>].json (`grid.results_name`); its kind
 says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kernel_bench),
-"token_rounding" (token_rounding_bench), "ep" (ep_bench), "options" (moe_bench --options). Layer files merge in date order: a row of
-a more recent run replaces the row of the same name and configuration from an older one. The
-kernel table takes each configuration from its most recent file; the token-rounding and
-expert-parallel tables show their most recent file. Each table names the runs its rows come from:
+"token_rounding" (token_rounding_bench), "ep" (ep_bench), "options" (moe_bench --options),
+"pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
+the row of the same name and configuration from an older one. The kernel table takes each
+configuration from its most recent file; the other tables show their kind's most recent file. Each table names the runs its rows come from:
 device, versions, date and command. Runs anywhere (no GPU needed).
 """
 
@@ -25,7 +25,7 @@ from benchmarks import grid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-KINDS = ("layer", "kernels", "token_rounding", "ep", "options")
+KINDS = ("layer", "kernels", "token_rounding", "ep", "options", "pretrain")
 _NAME = re.compile(r"^(?P<device>[a-z0-9_]+?)_(?P<date>\d{4}-\d{2}-\d{2})_(?P<kind>"
                    + "|".join(KINDS) + r")(_[a-z0-9_]+)?\.json$")
 # Layer rows in the order shown, with their labels; sonic_jax's rows lead, by name.
@@ -367,13 +367,25 @@ def benchmarks_md(found):
                  "the all-gather of x and the combine) alone at the layer's sizes; \"comm share\" "
                  "is four exchanges (or two all-gathers and combines) over the step; \"hidden\" is "
                  "the share of a traced step's communication (NCCL kernels on GPU 0) that ran while "
-                 "another kernel did (traced for all_gather only). Before timing, every dropless scheme matched the "
-                 f"single-device op at float32 (max relative error "
+                 "another kernel did (traced for all_gather only). Before timing, every dropless "
+                 "scheme matched the single-device op at float32 (max relative error "
                  f"{max(run['check_max_rel_err'].values()):.1e}). The extrapolation keeps the "
                  "measured compute and bandwidths, 8 GPUs a node, and "
                  f"{run['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (assumed); "
                  "communication not overlapped.\n\n"
                  + ep_table(run["results"], run["inter_node_gbps_assumed"]) + "\n")
+  if found["pretrain"]:
+    from benchmarks.pretrain_bench import table as pretrain_table
+    run = found["pretrain"][-1]
+    parts.append(f"## Pretraining\n\n{runs_legend([('run', run)])}. "
+                 f"`examples/pretrain/train.py --config={run['config']}`, {run['steps']} steps "
+                 "each run, one after another on the same devices (`benchmarks.pretrain_bench`): "
+                 f"medians over the metrics rows after the first {run['skip_rows']}; MFU is "
+                 "(6 N_active + 12 L d S) FLOPs per token × tokens/s per device over the device's "
+                 "dense bf16 peak; the MoE layers' TFLOP/s is their FLOPs over the whole step time. "
+                 "The profiled step's kernel time (GPU 0) split by the model's named scopes; "
+                 "collectives running beside computation make the kernel time exceed the span.\n\n"
+                 + pretrain_table(run) + "\n")
   return "\n".join(parts)
 
 

@@ -103,6 +103,25 @@ def test_ep_bench(tmp_path):
   assert "| 128,32,16,4,2 | 2 |" in table(res["results"], res["inter_node_gbps_assumed"])
 
 
+def test_pretrain_bench(tmp_path):
+  """One run of the example (one device): its medians, profile split and table; a run that fails
+  is recorded."""
+  name, res = _run(["benchmarks.pretrain_bench", "--config=tiny", "--common=--backend=xla",
+                    "--steps=6", "--log_every=2", "--run=one=--warmup=2",
+                    "--run=broken=--top_k=99", "--baseline=one"], tmp_path)
+  assert name.startswith("cpu_") and name.endswith("_pretrain.json"), name
+  ok, broken = res["runs"]
+  assert ok["tokens_per_s_per_device"] > 0 and ok["heldout_loss"] > 0 and ok["rows"] == 3
+  assert ok["profile"]["parts_ms"]["moe"] > 0 and ok["profile"]["parts_ms"]["attention"] > 0
+  assert "error" in broken  # a failing run is recorded; the others still run
+  from benchmarks.pretrain_bench import summarize, table
+  text = table(res)
+  assert "| one |" in text and "| 1.00 |" in text and "failed" in text
+  rows = [{"tokens_per_s_per_device": v, "mfu": "0.1", "moe_tflops": "1", "heldout_loss": ""}
+          for v in ("1", "nan", "4", "6")]
+  assert summarize(rows, 1)["tokens_per_s_per_device"] == 5.0  # first row and nan left out
+
+
 def test_ep_bench_overlap_split():
   from benchmarks.ep_bench import overlap_split
   ms = 1_000_000  # ns

@@ -78,7 +78,8 @@ flags.DEFINE_float("clip_norm", 1.0, "global gradient-norm clipping")
 flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations")
 flags.DEFINE_integer("log_every", None, "steps between metrics rows (default: --eval_every)")
 flags.DEFINE_integer("checkpoint_every", None, "steps between checkpoints (default: --eval_every); "
-                     "one is also written on SIGTERM or SIGINT")
+                     "one is also written on SIGTERM or SIGINT and at the end; 0: none at all "
+                     "(a throughput measurement)")
 for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer blocks"),
                      ("num_heads", "attention heads"), ("num_experts", "experts per MoE layer E"),
                      ("expert_dim", "expert hidden width n"), ("top_k", "experts per token K"),
@@ -169,7 +170,8 @@ def settings():
     raise app.UsageError("--tokenizer=bpe needs --vocab_size (its target vocabulary)")
   s["corpus_dir"] = FLAGS.corpus_dir
   s["log_every"] = FLAGS.log_every or s["eval_every"]
-  s["checkpoint_every"] = FLAGS.checkpoint_every or s["eval_every"]
+  s["checkpoint_every"] = (s["eval_every"] if FLAGS.checkpoint_every is None
+                           else FLAGS.checkpoint_every)
   overrides = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k) is not None}
   if FLAGS.token_rounding is not None:
     overrides["token_rounding"] = None if FLAGS.token_rounding == "none" else FLAGS.token_rounding
@@ -419,8 +421,8 @@ def main(_):
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
   for k in ("eval_every", "log_every", "checkpoint_every"):
-    if s[k] < 1:
-      raise app.UsageError(f"--{k} must be >= 1, got {s[k]}")
+    if s[k] < (0 if k == "checkpoint_every" else 1):
+      raise app.UsageError(f"--{k} must be >= {0 if k == 'checkpoint_every' else 1}, got {s[k]}")
   if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
@@ -572,10 +574,12 @@ def main(_):
             f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
             f"expert load max/mean {load.max():.2f}", flush=True)
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
-    if done % s["checkpoint_every"] == 0 or last:
+    if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
       save(done)
     if stopping:
-      say(f"{stop.signal or 'a stop request'}: checkpoint at step {done}; exiting", flush=True)
+      say(f"{stop.signal or 'a stop request'}: "
+          f"{'checkpoint at' if s['checkpoint_every'] else 'stopped after'} step {done}; exiting",
+          flush=True)
       break
   ckpt.wait_until_finished()
   if lead:

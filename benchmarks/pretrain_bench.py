@@ -1,0 +1,179 @@
+r"""The pretraining example's throughput in several configurations, run one after another on the same
+devices: tokens/s per device, MFU, the MoE layers' TFLOP/s per device, the held-out loss, the
+model and optimizer state per device, and a profiled step split into MoE, attention, other
+layers, collectives and optimizer (`examples/pretrain/step_profile.py`).
+
+  python -m benchmarks.pretrain_bench --config=olmoe_1b_7b --steps=30 --baseline="ragged_dot" \
+      --run="ep4=--expert_parallel=4" --run="ep2 fsdp=--expert_parallel=2 --fsdp" \
+      --run="ragged_dot=--moe_impl=ragged_dot --expert_parallel=1 --fsdp --bias_update_rate=0" \
+      [--common="--batch_size=16"] [--out=DIR]
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.pretrain_bench \
+      --config=tiny --common="--backend=xla" --steps=8 --log_every=2 --run="ep2=--expert_parallel=2"
+
+Each --run is NAME=FLAGS of `examples/pretrain/train.py`, run as its own process (a fresh
+workdir, no checkpoints, TensorBoard or plot, one evaluation at the end, one data cache for all
+runs, a later --data_cache in --common wins) with --common and the shared --config, --steps and
+--log_every. A run's figures are the medians over its metrics rows
+after the first `--skip_rows` (the example's rows time whole windows of steps after the first,
+compiling, step; the row that covers the profiled step times the steps after it). A run that
+fails is recorded with its error, and the others still run. This process never touches a device:
+the runs get the whole of each. Writes <device>x<N>_<date>_pretrain.json for benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import types
+
+from absl import app, flags
+
+from benchmarks import grid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain", "train.py")
+FIGURES = ("tokens_per_s_per_device", "mfu", "moe_tflops")
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: benchmarks.report imports `table`
+  flags.DEFINE_string("config", "tiny", "the example's preset, shared by every run")
+  flags.DEFINE_integer("steps", 30, "training steps of each run")
+  flags.DEFINE_integer("log_every", 5, "steps between metrics rows")
+  flags.DEFINE_integer("skip_rows", 1, "leading metrics rows left out of the medians")
+  flags.DEFINE_integer("profile_step", None, "the step each run profiles (default: the last "
+                       "step; 0: none)")
+  flags.DEFINE_multi_string("run", None, "NAME=FLAGS of one run (repeatable)")
+  flags.DEFINE_string("common", "", "flags of every run")
+  flags.DEFINE_string("baseline", None, "the run the others' tokens/s are divided by")
+  flags.DEFINE_integer("timeout", 1500, "seconds a run may take")
+  flags.DEFINE_string("out", "bench_out", "output folder")
+
+
+def parse_run(spec: str) -> tuple[str, list[str]]:
+  name, sep, rest = spec.partition("=")
+  if not sep or not name.strip():
+    raise app.UsageError(f"--run must be NAME=FLAGS, got {spec!r}")
+  return name.strip(), shlex.split(rest)
+
+
+def summarize(rows: list[dict], skip: int) -> dict:
+  """Medians of the figures over the metrics rows after the first `skip` (fewer skipped where
+  fewer rows exist), rows whose rate is not finite left out; the last held-out loss."""
+  kept = rows[min(skip, max(len(rows) - 1, 0)):]
+  out = {}
+  for k in FIGURES:
+    values = [float(r[k]) for r in kept if r.get(k) not in (None, "", "nan")]
+    values = [v for v in values if v == v]
+    out[k] = statistics.median(values) if values else None
+  held = [float(r["heldout_loss"]) for r in rows if r.get("heldout_loss")]
+  out["heldout_loss"] = held[-1] if held else None
+  out["rows"] = len(rows)
+  return out
+
+
+def state_mb_per_device(stdout: str) -> float | None:
+  found = re.search(r"parameters and optimizer state: ([\d.]+) of", stdout)
+  return float(found.group(1)) if found else None
+
+
+def run_one(name, extra, workdir, data_cache):
+  profile = FLAGS.steps if FLAGS.profile_step is None else FLAGS.profile_step
+  cmd = [sys.executable, SCRIPT, f"--config={FLAGS.config}", f"--workdir={workdir}",
+         f"--steps={FLAGS.steps}", f"--log_every={FLAGS.log_every}",
+         f"--eval_every={FLAGS.steps}", "--checkpoint_every=0", "--notensorboard", "--noplot",
+         f"--profile_step={profile}", f"--data_cache={data_cache}", *shlex.split(FLAGS.common),
+         *extra]
+  record = {"name": name, "flags": shlex.join([*shlex.split(FLAGS.common), *extra])}
+  print(f"[{name}] {shlex.join(cmd[1:])}", flush=True)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+  except subprocess.TimeoutExpired:
+    return {**record, "error": f"timed out after {FLAGS.timeout} s"}
+  if proc.returncode:
+    return {**record, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+            else f"exit {proc.returncode}"}
+  with open(os.path.join(workdir, "metrics.csv")) as f:
+    rows = list(csv.DictReader(f))
+  record.update(summarize(rows, FLAGS.skip_rows), state_mb_per_device=state_mb_per_device(
+      proc.stdout))
+  split = os.path.join(workdir, "profile_split.json")
+  if os.path.exists(split):
+    with open(split) as f:
+      record["profile"] = json.load(f)
+  return record
+
+
+def _devices():
+  """The devices the runs get, asked of a child process (this one keeps off the devices)."""
+  probe = ("import jax, json; d = jax.devices(); print(json.dumps([d[0].device_kind, len(d), "
+           "d[0].platform]))")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+  kind, count, platform = json.loads(out.stdout.strip().splitlines()[-1])
+  return [types.SimpleNamespace(device_kind=kind, platform=platform)] * count
+
+
+def table(result: dict) -> str:
+  runs = result["runs"]
+  base = next((r for r in runs if r["name"] == result.get("baseline") and "error" not in r), None)
+  lines = ["| run | flags | tokens/s per device | MFU | MoE TFLOP/s per device | × "
+           f"{result.get('baseline') or 'baseline'} | held-out loss | state MB per device | "
+           "profiled step: MoE / attention / other / collectives / optimizer (% of kernel time), "
+           "kernel time / span ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda v, f: "–" if v is None else format(v, f)
+  for r in runs:
+    if "error" in r:
+      lines.append(f"| {r['name']} | `{r['flags']}` | failed: {r['error'][:120]} | | | | | | |")
+      continue
+    ratio = (r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
+             if base and r["tokens_per_s_per_device"] and base["tokens_per_s_per_device"]
+             else None)
+    prof = r.get("profile")
+    split = "–"
+    if prof and prof["kernel_sum_ms"]:
+      shares = " / ".join(f"{100 * v / prof['kernel_sum_ms']:.0f}" for v in
+                          prof["parts_ms"].values())
+      split = f"{shares}, {prof['kernel_sum_ms']:.1f} / {prof['span_ms']:.1f}"
+    lines.append(
+        f"| {r['name']} | `{r['flags']}` | {fmt(r['tokens_per_s_per_device'], ',.0f')} | "
+        f"{fmt(r['mfu'], '.3f')} | {fmt(r['moe_tflops'], '.1f')} | {fmt(ratio, '.2f')} | "
+        f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | {split} |")
+  return "\n".join(lines)
+
+
+def main(_):
+  if not FLAGS.run:
+    raise app.UsageError("give at least one --run=NAME=FLAGS")
+  runs = [parse_run(spec) for spec in FLAGS.run]
+  names = [n for n, _ in runs]
+  if len(set(names)) != len(names):
+    raise app.UsageError(f"--run names must differ, got {names}")
+  if FLAGS.baseline is not None and FLAGS.baseline not in names:
+    raise app.UsageError(f"--baseline={FLAGS.baseline!r} is not a run ({names})")
+  os.makedirs(FLAGS.out, exist_ok=True)
+  out = grid.run_record("pretrain_bench", _devices(), config=FLAGS.config, steps=FLAGS.steps,
+                        log_every=FLAGS.log_every, skip_rows=FLAGS.skip_rows,
+                        baseline=FLAGS.baseline, runs=[])
+  path = os.path.join(FLAGS.out, grid.results_name(out, "pretrain"))
+  with tempfile.TemporaryDirectory() as data_cache:  # one tokenizer for all runs
+    for name, extra in runs:
+      with tempfile.TemporaryDirectory() as workdir:
+        out["runs"].append(run_one(name, extra, workdir, data_cache))
+      with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+  print(table(out))
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
