@@ -157,7 +157,6 @@ def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
   same parameters from the same seed, the same output, losses and gradients (float32); so does it
   on tokamax.ragged_dot where tokamax is installed."""
   import pytest
-  import jax
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx

@@ -76,8 +76,8 @@ class RaggedDotMoE(nnx.Module):
     self.load_balance_coef = load_balance_coef
     self.z_loss_coef = z_loss_coef
     self.sharded = sharded
+    _grouped_matmul(ragged_dot)  # refuses an unknown kind or a missing tokamax at construction
     self.ragged_dot = ragged_dot
-    self._matmul = _grouped_matmul(ragged_dot)  # refuses an unknown kind or a missing tokamax
 
   def __call__(self, x):
     lead, d = x.shape[:-1], x.shape[-1]
@@ -113,9 +113,10 @@ class RaggedDotMoE(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat, length=e_count).astype(jnp.int32)
     rows = h[token]
-    up = self._matmul(rows, w1, group_sizes)
+    matmul = _grouped_matmul(self.ragged_dot)
+    up = matmul(rows, w1, group_sizes)
     a = (jax.nn.silu(up[:, :n]) * up[:, n:]).astype(self.dtype)
-    down = self._matmul(a, w2, group_sizes)
+    down = matmul(a, w2, group_sizes)
     weighted = down * scores.reshape(-1)[order][:, None]
     y = jnp.zeros((t_count, d), jnp.float32).at[token].add(weighted).astype(self.dtype)
     probs = jax.nn.softmax(logits, axis=-1)

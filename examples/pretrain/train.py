@@ -289,7 +289,7 @@ def profile(model, optimizer, inputs, targets):
     with open(os.path.join(FLAGS.workdir, "profile_split.json"), "w") as f:
       json.dump(result, f, indent=1)
   say(f"step {FLAGS.profile_step}, device time by part (GPU 0, or CPU device 0's XLA thunks):\n"
-        + step_profile.table(result), flush=True)
+      + step_profile.table(result))
   return out
 
 
@@ -349,8 +349,7 @@ def tensorboard(workdir, start):
   try:
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
   except ImportError:
-    print("tensorboardX is not installed: no TensorBoard scalars (pip install tensorboardX)",
-          flush=True)
+    print("tensorboardX is not installed: no TensorBoard scalars (pip install tensorboardX)")
     return None
   return SummaryWriter(os.path.join(workdir, "tb"), purge_step=start + 1 if start else None)
 
@@ -401,15 +400,15 @@ def tokenize(s):
     short = (f" (the target {s['vocab_size']} is not reached: pairs seen once are not merged; "
              f"a larger --corpus_dir gives more)" if tok.vocab_size < s["vocab_size"] else "")
     say(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
-          f"{len(train_bytes) / len(train):.2f} bytes per token", flush=True)
+        f"{len(train_bytes) / len(train):.2f} bytes per token")
     if jax.process_index() == 0:
       tok.save(tokenizer_path())
   h = data.unigram_entropy(train)
   h_byte = h * len(train) / len(train_bytes)
   kind = "BPE" if tok.kind == "bpe" else "byte"
   say(f"corpus {len(corpus) / 1e6:.1f} MB of .py source from {source}: {len(train)} training "
-        f"and {len(heldout)} held-out {kind} tokens; unigram entropy {h:.3f} nats/token "
-        f"({h_byte:.3f} nats/byte)", flush=True)
+      f"and {len(heldout)} held-out {kind} tokens; unigram entropy {h:.3f} nats/token "
+      f"({h_byte:.3f} nats/byte)")
   return tok, train, heldout, h, h_byte
 
 
@@ -438,7 +437,7 @@ def main(_):
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
     raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
                          f"{len(heldout)} held-out ones: raise --corpus_bytes")
-  say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}", flush=True)
+  say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}")
   schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
                                                 end_value=0.1 * s["lr"])
   tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
@@ -464,12 +463,12 @@ def main(_):
     (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
     mine = bytes_per_device(nnx.state((model, optimizer)))
     say(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
-          f"{' (FSDP over data)' if FLAGS.fsdp else ''}", flush=True)
+        f"{' (FSDP over data)' if FLAGS.fsdp else ''}")
     batch_sharding = NamedSharding(mesh, P(("data", "ep")))
     # Each process places the rows its devices hold, from the batch every process draws alike.
     put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])
     jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
-    say(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)", flush=True)
+    say(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)")
 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   config = run_config(s)
@@ -488,7 +487,7 @@ def main(_):
         optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
-    say(f"resumed from step {start}", flush=True)
+    say(f"resumed from step {start}")
 
   def save(step):
     ckpt.save(step, args=ocp.args.Composite(
@@ -527,7 +526,7 @@ def main(_):
     done = step + 1
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
       bar = "#" * int(30 * done / s["steps"])
-      say(f"\r[{bar:<30}] {done}/{s['steps']}", end="", flush=True)
+      say(f"\r[{bar:<30}] {done}/{s['steps']}", end="")
     stopping = stop.signal is not None  # read once: a later signal stops the next step
     if jax.process_count() > 1:  # all processes stop at one step, agreed every few steps
       stopping = (done % s["log_every"] == 0 or done % STOP_AGREEMENT_STEPS == 0) and bool(
@@ -569,17 +568,16 @@ def main(_):
               f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
               if "heldout_loss" in row else "")
       say(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
-            f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
-            f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
-            f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
-            f"expert load max/mean {load.max():.2f}", flush=True)
+          f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
+          f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
+          f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
+          f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
       save(done)
     if stopping:
       say(f"{stop.signal or 'a stop request'}: "
-          f"{'checkpoint at' if s['checkpoint_every'] else 'stopped after'} step {done}; exiting",
-          flush=True)
+          f"{'checkpoint at' if s['checkpoint_every'] else 'stopped after'} step {done}; exiting")
       break
   ckpt.wait_until_finished()
   if lead:
