@@ -27,8 +27,8 @@ Then, measured forward and forward+backward (median of repeated runs after warm-
   communication (NCCL kernels), computation and communication hidden under computation.
 Printed last: step time and TFLOP/s per device and as a multiple of the single GPU's, the
 communication share, the hidden share, and the layers extrapolated to 8 devices (one node: the
-measured bandwidths) and 64 devices (8 nodes: the cross-node share at --inter_node_gbps per GPU,
-an assumption, not a measurement).
+measured bandwidths), 16 and 64 devices (2 and 8 nodes: the cross-node share at --inter_node_gbps
+per GPU, an assumption, not a measurement).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_string("backend", "auto", "sonic_jax backend")
   flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
-                     "(400 Gb/s InfiniBand NDR), for the 64-device extrapolation")
+                     "(400 Gb/s InfiniBand NDR), for the extrapolation to several nodes")
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
                     "its first word (all_to_all: its three variants); default: all")
@@ -280,6 +280,9 @@ def run_config(cfg, devices, backend, runs, profile=False):
   return res
 
 
+EXTRAPOLATED_DEVICES = (8, 16, 64)  # one, two and eight nodes of 8 GPUs
+
+
 def extrapolate(res, scheme, devices, inter_node_gbps):
   """fwd+bwd ms per step at `devices` GPUs (8 per node) with the same per-device work: the
   measured single-device compute (all-gather's routing of more tokens not counted) plus
@@ -321,7 +324,8 @@ def scheme_names(res):
 def table(results, inter_node_gbps):
   lines = ["| per-device config (T_local,d,n,E,K) | P | single fwd+bwd ms (TF/s) | scheme | "
            "sharded fwd+bwd ms (TF/s per device) | × single | dropped pairs | "
-           "collectives ms (GB/s) | comm share | hidden | extrapolated fwd+bwd ms at 8 / 64 GPUs |",
+           "collectives ms (GB/s) | comm share | hidden | extrapolated fwd+bwd ms at 8 / 16 / 64 "
+           "GPUs |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     gbps = lambda v: "–" if v is None else f"{v:.0f}"
@@ -335,7 +339,7 @@ def table(results, inter_node_gbps):
       prof = s.get("profile")
       hidden = (f"{100 * prof['hidden_ms'] / prof['communication_ms']:.0f}%"
                 if prof and prof["communication_ms"] else "–")
-      ext = [extrapolate(r, scheme, n, inter_node_gbps) for n in (8, 64)]
+      ext = [extrapolate(r, scheme, n, inter_node_gbps) for n in EXTRAPOLATED_DEVICES]
       ext_s = " / ".join("–" if v is None else f"{v:.2f}" for v in ext)
       lines.append(
           f"| {','.join(map(str, r['config']))} | {r['devices']} | {r['single_fwdbwd_ms']:.3f} "

@@ -1,23 +1,31 @@
 r"""The pretraining example's throughput in several configurations, run one after another on the same
-devices: tokens/s per device, MFU, the MoE layers' TFLOP/s per device, the held-out loss, the
-model and optimizer state per device, and a profiled step split into MoE, attention, other
-layers, collectives and optimizer (`examples/pretrain/step_profile.py`).
+devices: tokens/s per device, MFU, the MoE layers' TFLOP/s per device, the held-out loss (and its
+curve where a run evaluates more often), the model and optimizer state per device, and a profiled
+step split into MoE, attention, other layers, collectives and optimizer
+(`examples/pretrain/step_profile.py`).
 
-  python -m benchmarks.pretrain_bench --config=olmoe_1b_7b --steps=30 --baseline="ragged_dot" \
-      --run="ep4=--expert_parallel=4" --run="ep2 fsdp=--expert_parallel=2 --fsdp" \
-      --run="ragged_dot=--moe_impl=ragged_dot --expert_parallel=1 --fsdp --bias_update_rate=0" \
-      [--common="--batch_size=16"] [--out=DIR]
+  python -m benchmarks.pretrain_bench --config=olmoe_1b_7b --steps=30 \
+      --baseline="tokamax ragged_dot" --run="ep4=--expert_parallel=4 --remat=none" \
+      --run="ep2 fsdp=--expert_parallel=2 --fsdp" \
+      --run="tokamax ragged_dot=--moe_impl=tokamax_ragged_dot --expert_parallel=1 --fsdp \
+             --bias_update_rate=0" [--common="--corpus_dir=DIR"] [--out=DIR]
+  python -m benchmarks.pretrain_bench --config=olmoe_1b_7b --steps=300 --log_every=10 \
+      --run="ep4 curve=--expert_parallel=4 --eval_every=25 --profile_step=0" \
+      --append=DIR/<earlier results file>
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.pretrain_bench \
       --config=tiny --common="--backend=xla" --steps=8 --log_every=2 --run="ep2=--expert_parallel=2"
 
 Each --run is NAME=FLAGS of `examples/pretrain/train.py`, run as its own process (a fresh
 workdir, no checkpoints, TensorBoard or plot, one evaluation at the end, one data cache for all
 runs, a later --data_cache in --common wins) with --common and the shared --config, --steps and
---log_every. A run's figures are the medians over its metrics rows
-after the first `--skip_rows` (the example's rows time whole windows of steps after the first,
-compiling, step; the row that covers the profiled step times the steps after it). A run that
-fails is recorded with its error, and the others still run. This process never touches a device:
-the runs get the whole of each. Writes <device>x<N>_<date>_pretrain.json for benchmarks/results/.
+--log_every (a run's own flags override them). A run's figures are the medians over its metrics
+rows after the first `--skip_rows` (the example's rows time whole windows of steps after the
+first, compiling, step; the row that covers the profiled step times the steps after it). A run
+that fails is recorded with its error, and the others still run. --append adds the runs to an
+earlier results file of the same devices and preset (another call on the same machine kind).
+This process never touches a device: the runs get the whole of each. Writes
+<device>x<N>_<date>_pretrain.json for benchmarks/results/; `benchmarks/pretrain_gpu.sh` runs it on
+a GPU machine with a larger corpus.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_string("baseline", None, "the run the others' tokens/s are divided by")
   flags.DEFINE_integer("timeout", 1500, "seconds a run may take")
   flags.DEFINE_string("out", "bench_out", "output folder")
+  flags.DEFINE_string("append", None, "a results file of these devices whose runs this one "
+                      "continues (its config and common settings are not checked)")
 
 
 def parse_run(spec: str) -> tuple[str, list[str]]:
@@ -67,17 +77,41 @@ def parse_run(spec: str) -> tuple[str, list[str]]:
 
 def summarize(rows: list[dict], skip: int) -> dict:
   """Medians of the figures over the metrics rows after the first `skip` (fewer skipped where
-  fewer rows exist), rows whose rate is not finite left out; the last held-out loss."""
+  fewer rows exist), rows whose rate is not finite left out; the held-out losses by step."""
   kept = rows[min(skip, max(len(rows) - 1, 0)):]
   out = {}
   for k in FIGURES:
     values = [float(r[k]) for r in kept if r.get(k) not in (None, "", "nan")]
     values = [v for v in values if v == v]
     out[k] = statistics.median(values) if values else None
-  held = [float(r["heldout_loss"]) for r in rows if r.get("heldout_loss")]
-  out["heldout_loss"] = held[-1] if held else None
+  held = [[int(r["step"]), float(r["heldout_loss"])] for r in rows if r.get("heldout_loss")]
+  out["heldout_loss"] = held[-1][1] if held else None
+  out["heldout_curve"] = held
+  out["steps"] = int(rows[-1]["step"]) if rows else 0
   out["rows"] = len(rows)
   return out
+
+
+def error_line(stderr: str) -> str | None:
+  """The exception of a failed run's stderr: its last line naming an error (jax appends a note
+  on filtered frames after it), else its last line."""
+  lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
+  named = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)]
+  return (named or lines or [None])[-1]
+
+
+def shown_flags(flags: str) -> str:
+  """A run's flags as its table shows them: the data cache left out, the corpus folder by its
+  last two parts."""
+  out = []
+  for flag in shlex.split(flags):
+    name, _, value = flag.partition("=")
+    if name == "--data_cache":
+      continue
+    if name == "--corpus_dir":
+      flag = f"{name}=.../{'/'.join(value.rstrip('/').split('/')[-2:])}"
+    out.append(flag)
+  return shlex.join(out)
 
 
 def state_mb_per_device(stdout: str) -> float | None:
@@ -99,8 +133,7 @@ def run_one(name, extra, workdir, data_cache):
   except subprocess.TimeoutExpired:
     return {**record, "error": f"timed out after {FLAGS.timeout} s"}
   if proc.returncode:
-    return {**record, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
-            else f"exit {proc.returncode}"}
+    return {**record, "error": error_line(proc.stderr) or f"exit {proc.returncode}"}
   with open(os.path.join(workdir, "metrics.csv")) as f:
     rows = list(csv.DictReader(f))
   record.update(summarize(rows, FLAGS.skip_rows), state_mb_per_device=state_mb_per_device(
@@ -122,17 +155,22 @@ def _devices():
 
 
 def table(result: dict) -> str:
+  """The runs as a markdown table, the flags every run shares stated once above it."""
   runs = result["runs"]
+  flags = {r["name"]: shlex.split(shown_flags(r["flags"])) for r in runs}
+  shared = [f for f in next(iter(flags.values()), []) if all(f in v for v in flags.values())]
+  own = lambda r: shlex.join(f for f in flags[r["name"]] if f not in shared)
   base = next((r for r in runs if r["name"] == result.get("baseline") and "error" not in r), None)
-  lines = ["| run | flags | tokens/s per device | MFU | MoE TFLOP/s per device | × "
+  lines = ["| run | flags | steps | tokens/s per device | MFU | MoE TFLOP/s per device | × "
            f"{result.get('baseline') or 'baseline'} | held-out loss | state MB per device | "
            "profiled step: MoE / attention / other / collectives / optimizer (% of kernel time), "
            "kernel time / span ms |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, f: "–" if v is None else format(v, f)
   for r in runs:
     if "error" in r:
-      lines.append(f"| {r['name']} | `{r['flags']}` | failed: {r['error'][:120]} | | | | | | |")
+      lines.append(f"| {r['name']} | `{own(r)}` | | failed: {r['error'][:160]} "
+                   "| | | | | | |")
       continue
     ratio = (r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
              if base and r["tokens_per_s_per_device"] and base["tokens_per_s_per_device"]
@@ -144,9 +182,26 @@ def table(result: dict) -> str:
                           prof["parts_ms"].values())
       split = f"{shares}, {prof['kernel_sum_ms']:.1f} / {prof['span_ms']:.1f}"
     lines.append(
-        f"| {r['name']} | `{r['flags']}` | {fmt(r['tokens_per_s_per_device'], ',.0f')} | "
+        f"| {r['name']} | `{own(r)}` | {r.get('steps', '–')} | "
+        f"{fmt(r['tokens_per_s_per_device'], ',.0f')} | "
         f"{fmt(r['mfu'], '.3f')} | {fmt(r['moe_tflops'], '.1f')} | {fmt(ratio, '.2f')} | "
         f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | {split} |")
+  head = f"Flags of every run: `{shlex.join(shared)}`.\n\n" if shared else ""
+  return head + "\n".join(lines)
+
+
+def curve_table(result: dict) -> str:
+  """Held-out loss by step of the runs evaluated at least three times ("" if none was)."""
+  runs = [r for r in result["runs"] if len(r.get("heldout_curve") or ()) >= 3]
+  if not runs:
+    return ""
+  steps = sorted({step for r in runs for step, _ in r["heldout_curve"]})
+  lines = ["| step | " + " | ".join(f"{r['name']}: held-out loss (nats/token)" for r in runs)
+           + " |", "|---|" + "---|" * len(runs)]
+  for step in steps:
+    cells = [next((f"{loss:.3f}" for s, loss in r["heldout_curve"] if s == step), "–")
+             for r in runs]
+    lines.append(f"| {step} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -157,12 +212,28 @@ def main(_):
   names = [n for n, _ in runs]
   if len(set(names)) != len(names):
     raise app.UsageError(f"--run names must differ, got {names}")
-  if FLAGS.baseline is not None and FLAGS.baseline not in names:
-    raise app.UsageError(f"--baseline={FLAGS.baseline!r} is not a run ({names})")
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("pretrain_bench", _devices(), config=FLAGS.config, steps=FLAGS.steps,
                         log_every=FLAGS.log_every, skip_rows=FLAGS.skip_rows,
                         baseline=FLAGS.baseline, runs=[])
+  if FLAGS.append:  # the earlier file's record (date, command) stays; this command is added
+    with open(FLAGS.append) as f:
+      earlier = json.load(f)
+    if (earlier["device"], earlier["devices"]) != (out["device"], out["devices"]):
+      raise app.UsageError(f"--append: {FLAGS.append} ran on {earlier['devices']} x "
+                           f"{earlier['device']}, not on these {out['devices']} x {out['device']}")
+    if earlier["config"] != FLAGS.config:
+      raise app.UsageError(f"--append: {FLAGS.append} ran --config={earlier['config']}, not "
+                           f"{FLAGS.config}")
+    clash = sorted({r["name"] for r in earlier["runs"]} & set(names))
+    if clash:
+      raise app.UsageError(f"--append: {FLAGS.append} already has runs {clash}")
+    out = dict(earlier, appended_commands=[*earlier.get("appended_commands", []),
+                                           out["command"]])
+    out["baseline"] = FLAGS.baseline or earlier["baseline"]
+  all_names = [r["name"] for r in out["runs"]] + names
+  if out["baseline"] is not None and out["baseline"] not in all_names:
+    raise app.UsageError(f"--baseline={out['baseline']!r} is not a run ({all_names})")
   path = os.path.join(FLAGS.out, grid.results_name(out, "pretrain"))
   with tempfile.TemporaryDirectory() as data_cache:  # one tokenizer for all runs
     for name, extra in runs:
@@ -171,6 +242,7 @@ def main(_):
       with open(path, "w") as f:
         json.dump(out, f, indent=1)
   print(table(out))
+  print(curve_table(out))
   print(f"wrote {path}")
 
 

@@ -88,7 +88,8 @@ def runs_legend(labelled):
     lines.append(f"- **{label}**: {rec['device']}"
                  + (f" × {rec['devices']}" if rec.get("devices", 1) > 1 else "")
                  + f", {_versions(rec)}, {rec['date'][:10]}"
-                 + (f" (`{run['_file']}`)" if "_file" in run else "") + f": `{rec['command']}`")
+                 + (f" (`{run['_file']}`)" if "_file" in run else "") + f": `{rec['command']}`"
+                 + "".join(f", then `{c}`" for c in rec.get("appended_commands", ())))
   return "\n".join(lines)
 
 
@@ -300,8 +301,11 @@ METHOD = """\
   upper bound: `--backends=mosaic_gpu`, with `.whl`); SonicMoE and sonic_jax on one GPU:
   `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table:
   `bash benchmarks/gpu_check.sh`; token rounding's kernels' compiled tests and its table, about 7
-  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`. Copy the results JSON from `$OUT`
-  into `benchmarks/results/`, then `python -m benchmarks.report`.
+  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; expert parallelism, about 3
+  minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
+  --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
+  1-2 minutes a run: `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
+  Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
 """
 
 
@@ -358,9 +362,12 @@ def benchmarks_md(found):
                  + options_table(run) + "\n")
   if found["ep"]:
     from benchmarks.ep_bench import table as ep_table
-    run = found["ep"][-1]
-    parts.append(f"## Expert parallelism\n\n{runs_legend([('run', run)])}; backend "
-                 f"`{run['backend']}`, bf16, SwiGLU. Each configuration is the work of one device: "
+    latest = {record(r).get("devices", 1): r for r in found["ep"]}  # per device count
+    runs = [latest[p] for p in sorted(latest, reverse=True)]
+    labelled = [(f"P = {record(r).get('devices', 1)}", r) for r in runs]
+    parts.append(f"## Expert parallelism\n\nThe most recent run on each number of devices:\n\n"
+                 f"{runs_legend(labelled)}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "
+                 "configuration is the work of one device: "
                  "T_local tokens per device, E experts over the P devices. \"single\" is "
                  "`sonic_jax.moe` on one device with T_local tokens and all E experts; \"× single\" "
                  "is the sharded TF/s per device over it. \"collectives\" are the exchanges (or "
@@ -369,23 +376,29 @@ def benchmarks_md(found):
                  "the share of a traced step's communication (NCCL kernels on GPU 0) that ran while "
                  "another kernel did (traced for all_gather only). Before timing, every dropless "
                  "scheme matched the single-device op at float32 (max relative error "
-                 f"{max(run['check_max_rel_err'].values()):.1e}). The extrapolation keeps the "
-                 "measured compute and bandwidths, 8 GPUs a node, and "
-                 f"{run['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (assumed); "
+                 f"{max(max(r['check_max_rel_err'].values()) for r in runs):.1e}). The "
+                 "extrapolation keeps the measured compute and bandwidths, 8 GPUs a node, and "
+                 f"{runs[0]['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (assumed); "
                  "communication not overlapped.\n\n"
-                 + ep_table(run["results"], run["inter_node_gbps_assumed"]) + "\n")
+                 + "\n\n".join(ep_table(r["results"], r["inter_node_gbps_assumed"])
+                                for r in runs) + "\n")
   if found["pretrain"]:
+    from benchmarks.pretrain_bench import curve_table as pretrain_curves
     from benchmarks.pretrain_bench import table as pretrain_table
     run = found["pretrain"][-1]
     parts.append(f"## Pretraining\n\n{runs_legend([('run', run)])}. "
-                 f"`examples/pretrain/train.py --config={run['config']}`, {run['steps']} steps "
-                 "each run, one after another on the same devices (`benchmarks.pretrain_bench`): "
+                 f"`examples/pretrain/train.py --config={run['config']}`, one run after another "
+                 "on the same devices (`benchmarks.pretrain_bench`): "
                  f"medians over the metrics rows after the first {run['skip_rows']}; MFU is "
                  "(6 N_active + 12 L d S) FLOPs per token × tokens/s per device over the device's "
                  "dense bf16 peak; the MoE layers' TFLOP/s is their FLOPs over the whole step time. "
                  "The profiled step's kernel time (GPU 0) split by the model's named scopes; "
                  "collectives running beside computation make the kernel time exceed the span.\n\n"
                  + pretrain_table(run) + "\n")
+    curves = pretrain_curves(run)
+    if curves:
+      parts.append("Held-out loss during the runs evaluated more often (the last 5% of the "
+                   "corpus, never trained on; 8 batches each time):\n\n" + curves + "\n")
   return "\n".join(parts)
 
 

@@ -117,9 +117,48 @@ def test_pretrain_bench(tmp_path):
   from benchmarks.pretrain_bench import summarize, table
   text = table(res)
   assert "| one |" in text and "| 1.00 |" in text and "failed" in text
-  rows = [{"tokens_per_s_per_device": v, "mfu": "0.1", "moe_tflops": "1", "heldout_loss": ""}
-          for v in ("1", "nan", "4", "6")]
-  assert summarize(rows, 1)["tokens_per_s_per_device"] == 5.0  # first row and nan left out
+  rows = [{"step": str(2 * i + 2), "tokens_per_s_per_device": v, "mfu": "0.1", "moe_tflops": "1",
+           "heldout_loss": "" if i % 2 else str(5 - i)}
+          for i, v in enumerate(("1", "nan", "4", "6"))]
+  summary = summarize(rows, 1)
+  assert summary["tokens_per_s_per_device"] == 5.0  # first row and nan left out
+  assert summary["heldout_curve"] == [[2, 5.0], [6, 3.0]] and summary["steps"] == 8
+
+  # --append continues the file: its runs, baseline and command stay, this command is added.
+  later = tmp_path / "later"
+  _, more = _run(["benchmarks.pretrain_bench", "--config=tiny", "--run=broken again=--top_k=99",
+                  f"--append={tmp_path / name}"], later)
+  assert [r["name"] for r in more["runs"]] == ["one", "broken", "broken again"]
+  assert more["baseline"] == "one" and more["command"] == res["command"]
+  assert len(more["appended_commands"]) == 1 and "--append=" in more["appended_commands"][0]
+  clash = subprocess.run([sys.executable, "-m", "benchmarks.pretrain_bench", "--config=tiny",
+                          "--run=one=", f"--append={tmp_path / name}", f"--out={later}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert clash.returncode != 0 and "already has runs ['one']" in clash.stderr
+
+
+def test_pretrain_bench_rendering():
+  from benchmarks.pretrain_bench import curve_table, error_line, shown_flags, table
+  stderr = ("Traceback (most recent call last):\n  ...\njax.errors.JaxRuntimeError: "
+            "RESOURCE_EXHAUSTED: Out of memory\n-----\nFor simplicity, JAX has removed its "
+            "internal frames\n")
+  assert error_line(stderr) == "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"
+  assert error_line("just a line\n") == "just a line" and error_line("") is None
+  assert shown_flags("--data_cache=/tmp/c --corpus_dir=/a/b/site-packages/ --fsdp") == (
+      "--corpus_dir=.../b/site-packages --fsdp")
+  run = lambda name, flags, curve: {"name": name, "flags": flags, "tokens_per_s_per_device": 2.0,
+                                    "mfu": None, "moe_tflops": None, "heldout_loss": None,
+                                    "heldout_curve": curve, "state_mb_per_device": None}
+  result = {"baseline": "a", "runs": [run("a", "--corpus_bytes=9 --x=1", [[1, 3.0]]),
+                                      run("b", "--corpus_bytes=9 --x=2", [[1, 3.0], [2, 2.5],
+                                                                           [4, 2.0]])]}
+  text = table(result)
+  assert text.startswith("Flags of every run: `--corpus_bytes=9`.")  # stated once
+  assert "| a | `--x=1` |" in text and "| b | `--x=2` |" in text
+  assert curve_table(result).splitlines() == [
+      "| step | b: held-out loss (nats/token) |", "|---|---|", "| 1 | 3.000 |", "| 2 | 2.500 |",
+      "| 4 | 2.000 |"]
+  assert curve_table({"runs": [result["runs"][0]]}) == ""  # one evaluation is not a curve
 
 
 def test_ep_bench_overlap_split():

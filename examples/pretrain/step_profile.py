@@ -4,9 +4,11 @@ the optimizer.
 The model names its parts with `jax.named_scope` ("attention", "moe"; the train step's
 "optimizer"), which XLA keeps in each instruction's `op_name` metadata. A profiler trace of one
 step gives every kernel with the instruction it runs (its `hlo_op`); the compiled step's HLO text
-maps that instruction to its `op_name`, hence to a part. Collectives (NCCL kernels, or XLA's
-collective instructions) are one part whatever scope issued them; "other layers" is everything
-else: embeddings, norms, the loss, gradient accumulation and norms, the selection-bias update.
+maps that instruction to its `op_name`, hence to a part. The traced step is compiled with
+`COMPILER_OPTIONS` (no CUDA graphs), so every kernel names its own instruction. Collectives (NCCL
+kernels, or XLA's collective instructions) are one part whatever scope issued them; "other
+layers" is everything else: embeddings, norms, the output projection and the loss, gradient
+accumulation and norms, the selection-bias update. `split` lists the costliest of those.
 On a CPU the XLA thunks of one device run on several threads, so their sum exceeds the step's span
 with or without collectives beside them.
 """
@@ -25,6 +27,10 @@ _SCOPES = ("optimizer", "moe", "attention")  # first match wins: the optimizer's
 # weights is optimizer time
 _COLLECTIVE = re.compile(r"(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
                          r"collective-permute|send|recv)\b")
+# The profiled step is compiled without CUDA graphs: a kernel launched from a command buffer is
+# traced with the buffer as its instruction, which names no scope.
+COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+TOP_OTHER = 12  # the costliest "other layers" kernels a split lists, to show what they are
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=.*?op_name="([^"]*)"')
 
 
@@ -74,16 +80,21 @@ def kernel_events(logdir: str, module: str):
 
 def split(events, names: dict[str, str]) -> dict:
   """Milliseconds of kernel time per part (and kernels per part), the kernels' sum and the step's
-  span (first start to last end); collectives overlap computation where the sum exceeds the
-  span."""
+  span (first start to last end; collectives overlap computation where the sum exceeds the span),
+  and the costliest "other layers" kernels by name and op_name."""
   ms, count = collections.defaultdict(float), collections.Counter()
+  other = collections.defaultdict(float)
   for _, duration, kernel, hlo_op in events:
     part = part_of(hlo_op, kernel, names)
     ms[part] += duration / 1e6
     count[part] += 1
+    if part == "other layers":
+      other[(kernel[:80], names.get(hlo_op or "", f"hlo_op {hlo_op}")[-160:])] += duration / 1e6
   span = (max(s + d for s, d, *_ in events) - events[0][0]) / 1e6 if events else 0.0
+  top = sorted(other.items(), key=lambda kv: -kv[1])[:TOP_OTHER]
   return {"parts_ms": {p: ms[p] for p in PARTS}, "kernels": {p: count[p] for p in PARTS},
-          "kernel_sum_ms": sum(ms.values()), "span_ms": span}
+          "kernel_sum_ms": sum(ms.values()), "span_ms": span,
+          "top_other": [[k, op, round(t, 3)] for (k, op), t in top]}
 
 
 def table(result: dict) -> str:

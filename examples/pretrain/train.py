@@ -277,12 +277,12 @@ def eval_step(model, inputs, targets):
 def profile(model, optimizer, inputs, targets):
   """One train step under the profiler: its device time split by `step_profile`, printed and
   written to workdir/profile_split.json. Returns the step's outputs."""
-  names = step_profile.op_names(train_step.lower(model, optimizer, inputs, targets,
-                                                 accum=FLAGS.grad_accum).compile().as_text())
+  step = train_step.lower(model, optimizer, inputs, targets, accum=FLAGS.grad_accum).compile(
+      compiler_options=step_profile.COMPILER_OPTIONS)
+  names = step_profile.op_names(step.as_text())
   logdir = os.path.join(FLAGS.workdir, "profile", f"process_{jax.process_index()}")
   jax.profiler.start_trace(logdir)
-  out = jax.block_until_ready(train_step(model, optimizer, inputs, targets,
-                                         accum=FLAGS.grad_accum))
+  out = jax.block_until_ready(step(model, optimizer, inputs, targets))
   jax.profiler.stop_trace()
   result = step_profile.split(step_profile.kernel_events(logdir, "train_step"), names)
   if jax.process_index() == 0:
