@@ -18,11 +18,13 @@ step split into MoE, attention, other layers, collectives and optimizer
 Each --run is NAME=FLAGS of `examples/pretrain/train.py`, run as its own process (a fresh
 workdir, no checkpoints, TensorBoard or plot, one evaluation at the end, one data cache for all
 runs, a later --data_cache in --common wins) with --common and the shared --config, --steps and
---log_every (a run's own flags override them). A run's figures are the medians over its metrics
+--log_every (a run's own flags override them; its own --steps also moves its one evaluation and
+its profiled step to its last step). A run's figures are the medians over its metrics
 rows after the first `--skip_rows` (the example's rows time whole windows of steps after the
 first, compiling, step; the row that covers the profiled step times the steps after it). A run
 that fails is recorded with its error, and the others still run. --append adds the runs to an
-earlier results file of the same devices and preset (another call on the same machine kind).
+earlier results file of the same devices, preset and versions (another call on the same machine
+kind), which keeps its name and record; a --baseline given then re-bases every run.
 This process never touches a device: the runs get the whole of each. Writes
 <device>x<N>_<date>_pretrain.json for benchmarks/results/; `benchmarks/pretrain_gpu.sh` runs it on
 a GPU machine with a larger corpus.
@@ -64,8 +66,9 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_string("baseline", None, "the run the others' tokens/s are divided by")
   flags.DEFINE_integer("timeout", 1500, "seconds a run may take")
   flags.DEFINE_string("out", "bench_out", "output folder")
-  flags.DEFINE_string("append", None, "a results file of these devices whose runs this one "
-                      "continues (its config and common settings are not checked)")
+  flags.DEFINE_string("append", None, "an earlier results file of these devices, preset and "
+                      "versions: its runs and record are kept, these runs added, and the file "
+                      "written to --out under its own name (--common is not compared)")
 
 
 def parse_run(spec: str) -> tuple[str, list[str]]:
@@ -93,10 +96,11 @@ def summarize(rows: list[dict], skip: int) -> dict:
 
 
 def error_line(stderr: str) -> str | None:
-  """The exception of a failed run's stderr: its last line naming an error (jax appends a note
-  on filtered frames after it), else its last line."""
+  """The exception of a failed run's stderr: its last line naming an error or absl's flags
+  parsing error (jax appends a note on filtered frames after it), else its last line."""
   lines = [l.strip() for l in stderr.strip().splitlines() if l.strip()]
-  named = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)]
+  named = [l for l in lines if re.match(r"^[\w.]*(Error|Exception)\b", l)
+           or "Flags parsing error" in l]
   return (named or lines or [None])[-1]
 
 
@@ -119,11 +123,18 @@ def state_mb_per_device(stdout: str) -> float | None:
   return float(found.group(1)) if found else None
 
 
+def own_steps(extra: list[str]) -> int:
+  """The steps of a run: its own --steps where its flags set one, else the shared --steps."""
+  steps = [f.partition("=")[2] for f in extra if f.startswith("--steps=")]
+  return int(steps[-1]) if steps else FLAGS.steps
+
+
 def run_one(name, extra, workdir, data_cache):
-  profile = FLAGS.steps if FLAGS.profile_step is None else FLAGS.profile_step
+  steps = own_steps(extra)  # one evaluation and the profile at the run's own last step
+  profile = steps if FLAGS.profile_step is None else FLAGS.profile_step
   cmd = [sys.executable, SCRIPT, f"--config={FLAGS.config}", f"--workdir={workdir}",
-         f"--steps={FLAGS.steps}", f"--log_every={FLAGS.log_every}",
-         f"--eval_every={FLAGS.steps}", "--checkpoint_every=0", "--notensorboard", "--noplot",
+         f"--steps={steps}", f"--log_every={FLAGS.log_every}",
+         f"--eval_every={steps}", "--checkpoint_every=0", "--notensorboard", "--noplot",
          f"--profile_step={profile}", f"--data_cache={data_cache}", *shlex.split(FLAGS.common),
          *extra]
   record = {"name": name, "flags": shlex.join([*shlex.split(FLAGS.common), *extra])}
@@ -159,7 +170,8 @@ def table(result: dict) -> str:
   runs = result["runs"]
   flags = {r["name"]: shlex.split(shown_flags(r["flags"])) for r in runs}
   shared = [f for f in next(iter(flags.values()), []) if all(f in v for v in flags.values())]
-  own = lambda r: shlex.join(f for f in flags[r["name"]] if f not in shared)
+  own = lambda r: f"`{shlex.join(f for f in flags[r['name']] if f not in shared)}`" if any(
+      f not in shared for f in flags[r["name"]]) else "–"
   base = next((r for r in runs if r["name"] == result.get("baseline") and "error" not in r), None)
   lines = ["| run | flags | steps | tokens/s per device | MFU | MoE TFLOP/s per device | × "
            f"{result.get('baseline') or 'baseline'} | held-out loss | state MB per device | "
@@ -169,8 +181,7 @@ def table(result: dict) -> str:
   fmt = lambda v, f: "–" if v is None else format(v, f)
   for r in runs:
     if "error" in r:
-      lines.append(f"| {r['name']} | `{own(r)}` | | failed: {r['error'][:160]} "
-                   "| | | | | | |")
+      lines.append(f"| {r['name']} | {own(r)} | | failed: {cell(r['error'])} | | | | | | |")
       continue
     ratio = (r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
              if base and r["tokens_per_s_per_device"] and base["tokens_per_s_per_device"]
@@ -182,12 +193,19 @@ def table(result: dict) -> str:
                           prof["parts_ms"].values())
       split = f"{shares}, {prof['kernel_sum_ms']:.1f} / {prof['span_ms']:.1f}"
     lines.append(
-        f"| {r['name']} | `{own(r)}` | {r.get('steps', '–')} | "
+        f"| {r['name']} | {own(r)} | {r.get('steps', '–')} | "
         f"{fmt(r['tokens_per_s_per_device'], ',.0f')} | "
         f"{fmt(r['mfu'], '.3f')} | {fmt(r['moe_tflops'], '.1f')} | {fmt(ratio, '.2f')} | "
         f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | {split} |")
   head = f"Flags of every run: `{shlex.join(shared)}`.\n\n" if shared else ""
   return head + "\n".join(lines)
+
+
+def cell(text: str, limit: int = 200) -> str:
+  """`text` for a markdown table cell: pipes escaped, cut at a word past `limit` characters."""
+  if len(text) > limit:
+    text = text[:limit].rsplit(" ", 1)[0] + " …"
+  return text.replace("|", "\\|")
 
 
 def curve_table(result: dict) -> str:
@@ -212,6 +230,8 @@ def main(_):
   names = [n for n, _ in runs]
   if len(set(names)) != len(names):
     raise app.UsageError(f"--run names must differ, got {names}")
+  if not FLAGS.append and FLAGS.baseline is not None and FLAGS.baseline not in names:
+    raise app.UsageError(f"--baseline={FLAGS.baseline!r} is not a run ({names})")
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("pretrain_bench", _devices(), config=FLAGS.config, steps=FLAGS.steps,
                         log_every=FLAGS.log_every, skip_rows=FLAGS.skip_rows,
@@ -219,18 +239,16 @@ def main(_):
   if FLAGS.append:  # the earlier file's record (date, command) stays; this command is added
     with open(FLAGS.append) as f:
       earlier = json.load(f)
-    if (earlier["device"], earlier["devices"]) != (out["device"], out["devices"]):
-      raise app.UsageError(f"--append: {FLAGS.append} ran on {earlier['devices']} x "
-                           f"{earlier['device']}, not on these {out['devices']} x {out['device']}")
-    if earlier["config"] != FLAGS.config:
-      raise app.UsageError(f"--append: {FLAGS.append} ran --config={earlier['config']}, not "
-                           f"{FLAGS.config}")
+    keys = ("device", "devices", "config", "jax", "sonic_jax", "skip_rows")
+    differ = [f"{k} {earlier.get(k)!r} here {out[k]!r}" for k in keys if earlier.get(k) != out[k]]
+    if differ:
+      raise app.UsageError(f"--append: {FLAGS.append} differs: {'; '.join(differ)}")
     clash = sorted({r["name"] for r in earlier["runs"]} & set(names))
     if clash:
       raise app.UsageError(f"--append: {FLAGS.append} already has runs {clash}")
     out = dict(earlier, appended_commands=[*earlier.get("appended_commands", []),
                                            out["command"]])
-    out["baseline"] = FLAGS.baseline or earlier["baseline"]
+    out["baseline"] = FLAGS.baseline or earlier["baseline"]  # a new one re-bases every run
   all_names = [r["name"] for r in out["runs"]] + names
   if out["baseline"] is not None and out["baseline"] not in all_names:
     raise app.UsageError(f"--baseline={out['baseline']!r} is not a run ({all_names})")

@@ -2,14 +2,16 @@
 # The pretraining comparison on one machine of several GPUs (nvidia-h100-x4): pretrain_bench with
 # its arguments, results in $OUT. The corpus is the .py source of the image's site-packages
 # (torch, transformers, ...), its first $CORPUS_BYTES (default 256 MiB); $COMMON adds flags to
-# every run. The BPE and token arrays are cached in .cache/bpe and the results kept in
-# .cache/bench, which a later call on the same (still warm) machine reuses and appends to:
-#   bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --steps=30 --baseline=ragged_dot \
-#       --run="ep4=--expert_parallel=4" \
-#       --run="ragged_dot=--moe_impl=ragged_dot --expert_parallel=1 --fsdp --bias_update_rate=0"
+# every run (a --common among the arguments would replace the corpus flags). The BPE and token
+# arrays are cached in .cache/bpe and the results kept in .cache/bench, which a later call on the
+# same (still warm) machine reuses and appends to:
+#   bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --steps=30 \
+#       --baseline="tokamax ragged_dot" --run="ep4=--expert_parallel=4 --remat=none" \
+#       --run="tokamax ragged_dot=--moe_impl=tokamax_ragged_dot --expert_parallel=1 --fsdp \
+#              --bias_update_rate=0"
 #   bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --steps=300 --log_every=10 \
 #       --run="ep4 curve=--expert_parallel=4 --eval_every=25 --profile_step=0" \
-#       --append="$(ls .cache/bench/*_pretrain.json)"
+#       --append=.cache/bench/<the first call's results file>
 # The wheels in .whl (tokamax, tensorboardX) are installed when present.
 set -eo pipefail
 export PYTHONPATH=$PWD
@@ -17,11 +19,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   source benchmarks/wheels.sh install
 fi
 site=$(python3 -c 'import os, numpy; print(os.path.dirname(os.path.dirname(numpy.__file__)))')
-mkdir -p .cache/bpe .cache/bench
+mkdir -p .cache/bpe .cache/bench "${OUT:-bench_out}"
 status=0
-python3 -m benchmarks.pretrain_bench --out=.cache/bench --common="--corpus_dir=$site \
---corpus_bytes=${CORPUS_BYTES:-268435456} --data_cache=$PWD/.cache/bpe $COMMON" "$@" 2>&1 \
-  | grep -v "^[IW][0-9]\{4\} \|FallbackWarning" || status=$?
-mkdir -p "${OUT:-bench_out}"
+python3 -m benchmarks.pretrain_bench --out=.cache/bench \
+  --common="--corpus_dir='$site' --corpus_bytes=${CORPUS_BYTES:-268435456} \
+--data_cache='$PWD/.cache/bpe' $COMMON" "$@" || status=$?
 cp .cache/bench/*_pretrain.json "${OUT:-bench_out}/" 2>/dev/null || true
 exit $status

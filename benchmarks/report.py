@@ -9,8 +9,10 @@ says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kerne
 "token_rounding" (token_rounding_bench), "ep" (ep_bench), "options" (moe_bench --options),
 "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
 the row of the same name and configuration from an older one. The kernel table takes each
-configuration from its most recent file; the other tables show their kind's most recent file. Each table names the runs its rows come from:
-device, versions, date and command. Runs anywhere (no GPU needed).
+configuration from its most recent file, the expert-parallel table the most recent file of each
+device count; the other tables show their kind's most recent file. Each table names the runs its
+rows come from: device, versions, date, command and the file's "notes" where it has them. Runs
+anywhere (no GPU needed).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def runs_legend(labelled):
                  + (f" × {rec['devices']}" if rec.get("devices", 1) > 1 else "")
                  + f", {_versions(rec)}, {rec['date'][:10]}"
                  + (f" (`{run['_file']}`)" if "_file" in run else "") + f": `{rec['command']}`"
-                 + "".join(f", then `{c}`" for c in rec.get("appended_commands", ())))
+                 + "".join(f", then `{c}`" for c in rec.get("appended_commands", ()))
+                 + (f". {rec['notes']}" if rec.get("notes") else ""))
   return "\n".join(lines)
 
 
@@ -398,7 +401,7 @@ def benchmarks_md(found):
     curves = pretrain_curves(run)
     if curves:
       parts.append("Held-out loss during the runs evaluated more often (the last 5% of the "
-                   "corpus, never trained on; 8 batches each time):\n\n" + curves + "\n")
+                   "corpus, never trained on):\n\n" + curves + "\n")
   return "\n".join(parts)
 
 
