@@ -301,9 +301,10 @@ METHOD = """\
   `.sonic`, fetched on a CPU machine by `bash benchmarks/wheels.sh tokamax|sonicmoe`):
   sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes:
   `bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the
-  upper bound: `--backends=mosaic_gpu`, with `.whl`); SonicMoE and sonic_jax on one GPU:
-  `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table:
-  `bash benchmarks/gpu_check.sh`; token rounding's kernels' compiled tests and its table, about 7
+  upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit`,
+  with `.whl`); SonicMoE and sonic_jax on one GPU: `bash benchmarks/sonic_same_gpu.sh` (with
+  `.sonic`); the compiled tests and the kernel table as its runs were timed:
+  `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its table, about 7
   minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; expert parallelism, about 3
   minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
   --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
