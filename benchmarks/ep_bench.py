@@ -59,7 +59,6 @@ SCHEMES = {
     "all_gather": (moe_all_gather, {}),
 }
 
-
 FLAGS = flags.FLAGS
 
 

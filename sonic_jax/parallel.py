@@ -25,9 +25,8 @@ routing of all P*T_local tokens (from their logits) on every device; the ragged 
 (P-1)/P*K*T_local (balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity
 factor c, and T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged)
 or P < c*K (dense with a capacity factor; dropless dense moves at least as much), and all-to-all
-wins beyond; it
-also keeps the routing, the row gathers and the saved activations per device independent of P
-(all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
+wins beyond; it also keeps the routing, the row gathers and the saved activations per device
+independent of P (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
 """
 
 from __future__ import annotations

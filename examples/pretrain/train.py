@@ -419,9 +419,9 @@ def main(_):
   s = settings()
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
-  for k in ("eval_every", "log_every", "checkpoint_every"):
-    if s[k] < (0 if k == "checkpoint_every" else 1):
-      raise app.UsageError(f"--{k} must be >= {0 if k == 'checkpoint_every' else 1}, got {s[k]}")
+  for k, low in (("eval_every", 1), ("log_every", 1), ("checkpoint_every", 0)):
+    if s[k] < low:
+      raise app.UsageError(f"--{k} must be >= {low}, got {s[k]}")
   if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
