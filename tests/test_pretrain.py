@@ -324,3 +324,33 @@ def test_attention_selection(tmp_path):
                         timeout=300)
   assert proc.returncode != 0 and "--attention=cudnn needs an NVIDIA GPU" in proc.stderr
   assert not os.path.exists(tmp_path / "run")
+
+
+def test_output_logits_gradients():
+  """The output projection's custom backward: the float32 cotangent cast to the inputs' dtype.
+  float32 inputs get autodiff's gradients (to float32 summation order); bfloat16 inputs get them
+  within bf16 rounding of a float64 product (each gradient by its relative Frobenius error)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  sys.path.insert(0, os.path.join(ROOT, "examples", "pretrain"))
+  from model import output_logits
+  kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (2, 16, 64))
+  w = jax.random.normal(kw, (64, 96)) / 8
+  g = jax.random.normal(kg, (2, 16, 96))
+  plain = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+  ours = jax.vjp(output_logits, x, w)[1](g)
+  ref = jax.vjp(plain, x, w)[1](g)
+  for a, b in zip(ours, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  logits, vjp = jax.vjp(output_logits, x16, w16)
+  assert logits.dtype == jnp.float32
+  d_x, d_w = vjp(g)
+  assert d_x.dtype == jnp.bfloat16 and d_w.dtype == jnp.bfloat16
+  x64, w64, g64 = (np.asarray(a, np.float64) for a in (x16, w16, g))
+  for got, want in ((d_x, g64 @ w64.T), (d_w, np.einsum("btd,btv->dv", x64, g64))):
+    got = np.asarray(got, np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

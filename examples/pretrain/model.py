@@ -249,7 +249,7 @@ class TransformerLM(nnx.Module):
     x = self.norm(x)
     w = (whole(self.embed).T * self.cfg.d_model ** -0.5 if self.unembed is None
          else whole(self.unembed))
-    logits = jnp.dot(x, w.astype(dtype), preferred_element_type=jnp.float32)
+    logits = output_logits(x, w.astype(dtype))
     return logits, aux_loss, counts, dropped
 
   def update_selection_biases(self, counts):
@@ -263,6 +263,29 @@ class TransformerLM(nnx.Module):
 
 
 REMATS = ("none", "full", "dots")
+
+
+@jax.custom_vjp
+def output_logits(x, w):
+  """x (..., d) @ w (d, V) with float32 logits, for a float32 softmax. The backward casts the
+  logits' float32 cotangent to x's dtype, as mixed-precision autocast does, so both gradient GEMMs
+  run at the 16-bit rate; autodiff of the product would run them in float32 (TF32 on a GPU)."""
+  return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _output_logits_fwd(x, w):
+  return output_logits(x, w), (x, w)
+
+
+def _output_logits_bwd(residuals, g):
+  x, w = residuals
+  g = g.astype(x.dtype)
+  d_x = jnp.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+  d_w = jnp.einsum("...d,...v->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
+  return d_x, d_w
+
+
+output_logits.defvjp(_output_logits_fwd, _output_logits_bwd)
 
 
 def _width(cfg: ModelConfig) -> int:
