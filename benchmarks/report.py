@@ -10,7 +10,8 @@ says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kerne
 "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
 the row of the same name and configuration from an older one. The kernel table takes each
 configuration from its most recent file, the expert-parallel table the most recent file of each
-device count; the other tables show their kind's most recent file. Each table names the runs its
+device count, the pretraining section every file (the most recent first); the other tables
+show their kind's most recent file. Each table names the runs its
 rows come from: device, versions, date, command and the file's "notes" where it has them. Runs
 anywhere (no GPU needed).
 """
@@ -389,20 +390,23 @@ def benchmarks_md(found):
   if found["pretrain"]:
     from benchmarks.pretrain_bench import curve_table as pretrain_curves
     from benchmarks.pretrain_bench import table as pretrain_table
-    run = found["pretrain"][-1]
-    parts.append(f"## Pretraining\n\n{runs_legend([('run', run)])}. "
-                 f"`examples/pretrain/train.py --config={run['config']}`, one run after another "
-                 "on the same devices (`benchmarks.pretrain_bench`): "
-                 f"medians over the metrics rows after the first {run['skip_rows']}; MFU is "
-                 "(6 N_active + 12 L d S) FLOPs per token × tokens/s per device over the device's "
-                 "dense bf16 peak; the MoE layers' TFLOP/s is their FLOPs over the whole step time. "
-                 "The profiled step's kernel time (GPU 0) split by the model's named scopes; "
-                 "collectives running beside computation make the kernel time exceed the span.\n\n"
-                 + pretrain_table(run) + "\n")
-    curves = pretrain_curves(run)
-    if curves:
-      parts.append("Held-out loss during the runs evaluated more often (the last 5% of the "
-                   "corpus, never trained on):\n\n" + curves + "\n")
+    runs = found["pretrain"][::-1]  # the most recent first
+    labels = [chr(ord("a") + i) for i in range(len(runs))]
+    parts.append(f"## Pretraining\n\n{runs_legend(list(zip(labels, runs)))}\n\n"
+                 f"`examples/pretrain/train.py --config=...`, one run after another on the same "
+                 "devices (`benchmarks.pretrain_bench`), a table for each results file; MFU is "
+                 "(6 N_active + 12 L d S) "
+                 "FLOPs per token × tokens/s per device over the device's dense bf16 peak; the MoE "
+                 "layers' TFLOP/s is their FLOPs over the whole step time. The profiled step's "
+                 "kernel time (GPU 0) split by the model's named scopes; collectives running beside "
+                 "computation make the kernel time exceed the span.\n")
+    for label, run in zip(labels, runs):
+      parts.append(f"Run {label} (`--config={run['config']}`; medians of the metrics rows after "
+                   f"the first {run['skip_rows']}):\n\n" + pretrain_table(run) + "\n")
+      curves = pretrain_curves(run)
+      if curves:
+        parts.append(f"Held-out loss in run {label}'s runs evaluated more often (the last 5% of "
+                     "the corpus, never trained on):\n\n" + curves + "\n")
   return "\n".join(parts)
 
 
