@@ -123,6 +123,12 @@ def state_mb_per_device(stdout: str) -> float | None:
   return float(found.group(1)) if found else None
 
 
+def peak_gib_per_device(stdout: str) -> float | None:
+  """train.py's peak device memory (GPU runs print it; None where it is absent)."""
+  found = re.search(r"peak device memory: ([\d.]+) GiB", stdout)
+  return float(found.group(1)) if found else None
+
+
 def own_steps(extra: list[str]) -> int:
   """The steps of a run: its own --steps where its flags set one, else the shared --steps."""
   steps = [f.partition("=")[2] for f in extra if f.startswith("--steps=")]
@@ -147,8 +153,9 @@ def run_one(name, extra, workdir, data_cache):
     return {**record, "error": error_line(proc.stderr) or f"exit {proc.returncode}"}
   with open(os.path.join(workdir, "metrics.csv")) as f:
     rows = list(csv.DictReader(f))
-  record.update(summarize(rows, FLAGS.skip_rows), state_mb_per_device=state_mb_per_device(
-      proc.stdout))
+  record.update(summarize(rows, FLAGS.skip_rows),
+                state_mb_per_device=state_mb_per_device(proc.stdout),
+                peak_gib_per_device=peak_gib_per_device(proc.stdout))
   split = os.path.join(workdir, "profile_split.json")
   if os.path.exists(split):
     with open(split) as f:
@@ -175,13 +182,13 @@ def table(result: dict) -> str:
   base = next((r for r in runs if r["name"] == result.get("baseline") and "error" not in r), None)
   lines = ["| run | flags | steps | tokens/s per device | MFU | MoE TFLOP/s per device | × "
            f"{result.get('baseline') or 'baseline'} | held-out loss | state MB per device | "
-           "profiled step: MoE / attention / other / collectives / optimizer (% of kernel time), "
+           "peak GiB per device | profiled step: MoE / attention / other / collectives / optimizer (% of kernel time), "
            "kernel time / span ms |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, f: "–" if v is None else format(v, f)
   for r in runs:
     if "error" in r:
-      lines.append(f"| {r['name']} | {own(r)} | | failed: {cell(r['error'])} | | | | | | |")
+      lines.append(f"| {r['name']} | {own(r)} | | failed: {cell(r['error'])} | | | | | | | |")
       continue
     ratio = (r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
              if base and r["tokens_per_s_per_device"] and base["tokens_per_s_per_device"]
@@ -196,7 +203,8 @@ def table(result: dict) -> str:
         f"| {r['name']} | {own(r)} | {r.get('steps', '–')} | "
         f"{fmt(r['tokens_per_s_per_device'], ',.0f')} | "
         f"{fmt(r['mfu'], '.3f')} | {fmt(r['moe_tflops'], '.1f')} | {fmt(ratio, '.2f')} | "
-        f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | {split} |")
+        f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | "
+        f"{fmt(r.get('peak_gib_per_device'), '.1f')} | {split} |")
   head = f"Flags of every run: `{shlex.join(shared)}`.\n\n" if shared else ""
   return head + "\n".join(lines)
 

@@ -138,7 +138,8 @@ def test_pretrain_bench(tmp_path):
 
 
 def test_pretrain_bench_rendering():
-  from benchmarks.pretrain_bench import curve_table, error_line, shown_flags, table
+  from benchmarks.pretrain_bench import (curve_table, error_line, peak_gib_per_device,
+                                         shown_flags, table)
   stderr = ("Traceback (most recent call last):\n  ...\njax.errors.JaxRuntimeError: "
             "RESOURCE_EXHAUSTED: Out of memory\n-----\nFor simplicity, JAX has removed its "
             "internal frames\n")
@@ -155,6 +156,9 @@ def test_pretrain_bench_rendering():
   text = table(result)
   assert text.startswith("Flags of every run: `--corpus_bytes=9`.")  # stated once
   assert "| a | `--x=1` |" in text and "| b | `--x=2` |" in text
+  assert all(line.count("|") == 12 for line in text.splitlines()[2:])  # 11 cells in every row
+  assert peak_gib_per_device("x\npeak device memory: 71.25 GiB (the most ...)\n") == 71.25
+  assert peak_gib_per_device("no statistic on a CPU\n") is None
   assert curve_table(result).splitlines() == [
       "| step | b: held-out loss (nats/token) |", "|---|---|", "| 1 | 3.000 |", "| 2 | 2.500 |",
       "| 4 | 2.000 |"]

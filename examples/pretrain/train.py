@@ -580,12 +580,23 @@ def main(_):
           f"{'checkpoint at' if s['checkpoint_every'] else 'stopped after'} step {done}; exiting")
       break
   ckpt.wait_until_finished()
+  peak_gib = peak_memory_gib()
+  if peak_gib is not None:  # a GPU's allocator keeps the statistic; a CPU's does not
+    say(f"peak device memory: {peak_gib:.2f} GiB (the most any of this process's devices held)")
   if lead:
     log.close()
   if tb is not None:
     tb.close()
   if FLAGS.plot and not stopping and lead:
     plot(os.path.join(FLAGS.workdir, "metrics.csv"), os.path.join(FLAGS.workdir, "loss.png"))
+
+
+def peak_memory_gib() -> float | None:
+  """The most memory any local device held at once during the run, in GiB (None where the
+  runtime keeps no such statistic)."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2**30 if peaks else None
 
 
 def plot(csv_path, png_path):
