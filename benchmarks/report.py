@@ -268,6 +268,31 @@ def token_rounding_table(run):
   return "\n".join(lines)
 
 
+# The GEMM roles `token_rounding_bench --role_times` times, in its "role_ms" records.
+ROLES = ("up", "down", "dh", "dx", "weight_grads")
+
+
+def token_rounding_roles_table(run):
+  """Each GEMM role's ms alone on each routing's layout, for the configurations that have them
+  ("" if none has)."""
+  lines = []
+  for res in run["configs"]:
+    routings = [r for r in res["routings"] if r.get("role_ms")]
+    if len(routings) < 2:
+      continue
+    base = routings[0]
+    for r in routings:
+      cells = [f"{r['role_ms'][role]:.3f}" + (
+          "" if r is base else f" ({base['role_ms'][role] / r['role_ms'][role]:.2f}×)")
+               for role in ROLES]
+      lines.append(f"| {_cfg(res['config'])} | {r['routing']} | {r['rows']:,} | "
+                   + " | ".join(cells) + " |")
+  if not lines:
+    return ""
+  return "\n".join(["| config (T,d,n,E,K) | routing | grouped rows | up ms | down ms | dH ms | "
+                    "dX ms | weight gradients ms |", "|---|---|---|---|---|---|---|---|"] + lines)
+
+
 METHOD = """\
 ## Method
 
@@ -359,6 +384,11 @@ def benchmarks_md(found):
                  "rounding, grouped layout; \"training step\": the layer's forward and backward "
                  "(the gradients of x, the router and the expert weights).\n\n"
                  + token_rounding_table(run) + "\n")
+    roles = token_rounding_roles_table(run)
+    if roles:
+      parts.append("Each GEMM role alone on each routing's layout (`--role_times`; random "
+                   "operands, zero on padding rows), and top-K's time over rounding's:\n\n"
+                   + roles + "\n")
   if found["options"]:
     run = found["options"][-1]
     parts.append(f"## Model-family options\n\n{runs_legend([('run', run)])}. The layer "

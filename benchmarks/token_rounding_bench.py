@@ -15,7 +15,9 @@ weights for a random output gradient). TFLOP/s count the pairs actually computed
 token-rounding benchmark does. The default configurations are the grid's high-sparsity ones, the
 paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
 --kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
-call).
+call); --role_times times each GEMM role alone on each routing's layout (up-projection,
+down-projection, dH, dX, the two weight gradients) on random operands, which says where the
+training step's speed-up goes.
 """
 
 from __future__ import annotations
@@ -47,12 +49,36 @@ flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (gri
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
 flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout and training-step kernels "
                   "from profiler traces")
+flags.DEFINE_bool("role_times", False, "each GEMM role alone on each routing's layout")
 flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
 
 
 def _time(fn, *args):
   return timing.time_fn(fn, *args, repeats=FLAGS.repeats)
+
+
+def role_times(impl, act, x, w1, w2, d_y, layout):
+  """ms of each GEMM role alone on `layout`, through the backend's entry points; the grouped
+  operands (A, dH, H) random at the unit's scale, zero on padding rows as in the layer."""
+  n = w2.shape[1]
+  valid = layout.row_valid()
+  keys = jax.random.split(jax.random.key(1), 3)
+  rows = lambda key, width: jnp.where(valid[:, None], 0.2 * jax.random.normal(
+      key, (layout.num_rows, width)), 0).astype(x.dtype)
+  a, d_h, h = rows(keys[0], n), rows(keys[1], 2 * n), rows(keys[2], 2 * n)
+  scores = jnp.where(valid, 0.1, 0.0).astype(jnp.float32)
+  calls = {
+      "up": (lambda x, w1: impl.up_projection(x, w1, None, layout, act, "concat"), (x, w1)),
+      "down": (lambda a, w2: impl.down_projection(a, w2, None, layout), (a, w2)),
+      "dh": (lambda d_y, h, w2: impl.dh_projection(d_y, h, scores, w2, None, layout, act,
+                                                   "concat"), (d_y, h, w2)),
+      "dx": (lambda d_h, w1: impl.dx_projection(d_h, w1, layout), (d_h, w1)),
+      "weight_grads": (lambda x, d_y, d_h, a: impl.weight_grads(
+          x, d_y, None, d_h, a, scores, layout, False, False)[:2], (x, d_y, d_h, a)),
+  }
+  assert tuple(calls) == report.ROLES
+  return {role: _time(fn, *args) * 1e3 for role, (fn, args) in calls.items()}
 
 
 def run_config(cfg, impl):
@@ -84,6 +110,7 @@ def run_config(cfg, impl):
     t_gemm, t_route = _time(gemms, x, w1, w2, layout), _time(route, x, rw)
     t_layer = _time(layer, x, rw, w1, w2)
     t_step = _time(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
+    roles = role_times(impl, act, x, w1, w2, d_y, layout) if FLAGS.role_times else {}
     kernels, step_kernels = {}, {}
     if FLAGS.kernel_trace:
       compiled, _ = timing.compile_fn(route, x, rw)
@@ -96,7 +123,8 @@ def run_config(cfg, impl):
         "gemm_ms": t_gemm * 1e3, "gemm_tflops": flops / t_gemm / 1e12,
         "route_layout_ms": t_route * 1e3, "forward_ms": t_layer * 1e3,
         "forward_tflops": flops / t_layer / 1e12, "step_ms": t_step * 1e3,
-        "step_tflops": 3 * flops / t_step / 1e12, "route_layout_kernels_us": kernels,
+        "step_tflops": 3 * flops / t_step / 1e12, "role_ms": roles,
+        "route_layout_kernels_us": kernels,
         "step_kernels_us": step_kernels})
   base = out["routings"][0]
   for r in out["routings"]:
@@ -120,6 +148,8 @@ def main(_):
     with open(path, "w") as f:
       json.dump(results, f, indent=1)
     print(report.token_rounding_table({"configs": results["configs"][-1:]}), flush=True)
+    if FLAGS.role_times:
+      print(report.token_rounding_roles_table({"configs": results["configs"][-1:]}), flush=True)
     for r in results["configs"][-1]["routings"]:
       for part in ("route_layout_kernels_us", "step_kernels_us"):
         for name, us in r[part].items():

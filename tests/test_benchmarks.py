@@ -76,7 +76,7 @@ def test_kernel_bench_interpreted(tmp_path):
 
 def test_token_rounding_bench(tmp_path):
   name, res = _run(["benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2", "--backend=xla",
-                    "--repeats=2", "--modes=up,down"], tmp_path)
+                    "--repeats=2", "--modes=up,down", "--role_times"], tmp_path)
   assert name.endswith("_token_rounding.json") and res["backend"] == "xla"
   (cfg,) = res["configs"]
   plain, up, down = cfg["routings"]
@@ -86,6 +86,10 @@ def test_token_rounding_bench(tmp_path):
   assert up["rows"] == up["pairs"] and down["rows"] == down["pairs"]
   assert down["pairs"] <= plain["pairs"] <= up["pairs"] and plain["gemm_speedup"] == 1.0
   assert "token rounding (up)" in report.token_rounding_table(res)
+  assert all(set(r["role_ms"]) == {"up", "down", "dh", "dx", "weight_grads"}
+             for r in cfg["routings"])
+  roles = report.token_rounding_roles_table(res).splitlines()
+  assert len(roles) == 2 + 3 and roles[3].startswith("| 512,32,16,8,2 | token rounding (up) |")
 
 
 def test_ep_bench(tmp_path):
