@@ -10,10 +10,9 @@ says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kerne
 "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
 the row of the same name and configuration from an older one. The kernel table takes each
 configuration from its most recent file, the expert-parallel table the most recent file of each
-device count, the pretraining section every file (the most recent first); the other tables
-show their kind's most recent file. Each table names the runs its
-rows come from: device, versions, date, command and the file's "notes" where it has them. Runs
-anywhere (no GPU needed).
+device count, the pretraining section every file (the most recent first); the other tables show
+their kind's most recent file. Each table names the runs its rows come from: device, versions,
+date, command and the file's "notes" where it has them. Runs anywhere (no GPU needed).
 """
 
 from __future__ import annotations
@@ -425,8 +424,8 @@ def benchmarks_md(found):
     parts.append(f"## Pretraining\n\n{runs_legend(list(zip(labels, runs)))}\n\n"
                  f"`examples/pretrain/train.py --config=...`, one run after another on the same "
                  "devices (`benchmarks.pretrain_bench`), a table for each results file; MFU is "
-                 "(6 N_active + 12 L d S) "
-                 "FLOPs per token × tokens/s per device over the device's dense bf16 peak; the MoE "
+                 "(6 N_active + 12 L d S) FLOPs per token × tokens/s per device over the device's "
+                 "dense bf16 peak; the MoE "
                  "layers' TFLOP/s is their FLOPs over the whole step time. The profiled step's "
                  "kernel time (GPU 0) split by the model's named scopes; collectives running beside "
                  "computation make the kernel time exceed the span.\n")
