@@ -180,15 +180,19 @@ def table(result: dict) -> str:
   own = lambda r: f"`{shlex.join(f for f in flags[r['name']] if f not in shared)}`" if any(
       f not in shared for f in flags[r["name"]]) else "–"
   base = next((r for r in runs if r["name"] == result.get("baseline") and "error" not in r), None)
-  lines = ["| run | flags | steps | tokens/s per device | MFU | MoE TFLOP/s per device | × "
-           f"{result.get('baseline') or 'baseline'} | held-out loss | state MB per device | "
-           "peak GiB per device | profiled step: MoE / attention / other / collectives / optimizer (% of kernel time), "
-           "kernel time / span ms |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  # The peak-memory column where a run recorded one (GPU runs of a train.py that prints it).
+  peak = any(r.get("peak_gib_per_device") is not None for r in runs)
+  columns = ["run", "flags", "steps", "tokens/s per device", "MFU", "MoE TFLOP/s per device",
+             f"× {result.get('baseline') or 'baseline'}", "held-out loss", "state MB per device",
+             *(["peak GiB per device"] if peak else []),
+             "profiled step: MoE / attention / other / collectives / optimizer (% of kernel "
+             "time), kernel time / span ms"]
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   fmt = lambda v, f: "–" if v is None else format(v, f)
   for r in runs:
     if "error" in r:
-      lines.append(f"| {r['name']} | {own(r)} | | failed: {cell(r['error'])} | | | | | | | |")
+      lines.append(f"| {r['name']} | {own(r)} | | failed: {cell(r['error'])} |"
+                   + " |" * (len(columns) - 4))
       continue
     ratio = (r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"]
              if base and r["tokens_per_s_per_device"] and base["tokens_per_s_per_device"]
@@ -204,7 +208,7 @@ def table(result: dict) -> str:
         f"{fmt(r['tokens_per_s_per_device'], ',.0f')} | "
         f"{fmt(r['mfu'], '.3f')} | {fmt(r['moe_tflops'], '.1f')} | {fmt(ratio, '.2f')} | "
         f"{fmt(r['heldout_loss'], '.3f')} | {fmt(r['state_mb_per_device'], ',.0f')} | "
-        f"{fmt(r.get('peak_gib_per_device'), '.1f')} | {split} |")
+        + (f"{fmt(r.get('peak_gib_per_device'), '.1f')} | " if peak else "") + f"{split} |")
   head = f"Flags of every run: `{shlex.join(shared)}`.\n\n" if shared else ""
   return head + "\n".join(lines)
 

@@ -10,7 +10,8 @@ says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kerne
 "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
 the row of the same name and configuration from an older one. The kernel table takes each
 configuration from its most recent file, the expert-parallel table the most recent file of each
-device count, the pretraining section every file (the most recent first); the other tables show
+device count, the pretraining section every file (the most recent first, each labelled by its
+place in date order); the other tables show
 their kind's most recent file. Each table names the runs its rows come from: device, versions,
 date, command and the file's "notes" where it has them. Runs anywhere (no GPU needed).
 """
@@ -281,9 +282,12 @@ def token_rounding_roles_table(run):
       continue
     base = routings[0]
     for r in routings:
-      cells = [f"{r['role_ms'][role]:.3f}" + (
-          "" if r is base else f" ({base['role_ms'][role] / r['role_ms'][role]:.2f}×)")
-               for role in ROLES]
+      cells = []
+      for role in ROLES:
+        cell = f"{r['role_ms'][role]:.3f}"
+        if r is not base:
+          cell += f" ({base['role_ms'][role] / r['role_ms'][role]:.2f}×)"
+        cells.append(cell)
       lines.append(f"| {_cfg(res['config'])} | {r['routing']} | {r['rows']:,} | "
                    + " | ".join(cells) + " |")
   if not lines:
@@ -419,17 +423,17 @@ def benchmarks_md(found):
   if found["pretrain"]:
     from benchmarks.pretrain_bench import curve_table as pretrain_curves
     from benchmarks.pretrain_bench import table as pretrain_table
-    runs = found["pretrain"][::-1]  # the most recent first
-    labels = [chr(ord("a") + i) for i in range(len(runs))]
-    parts.append(f"## Pretraining\n\n{runs_legend(list(zip(labels, runs)))}\n\n"
-                 f"`examples/pretrain/train.py --config=...`, one run after another on the same "
+    # Labelled oldest first, so a file keeps its label when newer ones come; shown newest first.
+    labelled = [(chr(ord("a") + i), run) for i, run in enumerate(found["pretrain"])][::-1]
+    parts.append(f"## Pretraining\n\n{runs_legend(labelled)}\n\n"
+                 "`examples/pretrain/train.py --config=...`, one run after another on the same "
                  "devices (`benchmarks.pretrain_bench`), a table for each results file; MFU is "
                  "(6 N_active + 12 L d S) FLOPs per token × tokens/s per device over the device's "
-                 "dense bf16 peak; the MoE "
-                 "layers' TFLOP/s is their FLOPs over the whole step time. The profiled step's "
-                 "kernel time (GPU 0) split by the model's named scopes; collectives running beside "
-                 "computation make the kernel time exceed the span.\n")
-    for label, run in zip(labels, runs):
+                 "dense bf16 peak; the MoE layers' TFLOP/s is their FLOPs over the whole step "
+                 "time. The profiled step's kernel time (GPU 0) split by the model's named "
+                 "scopes; collectives running beside computation make the kernel time exceed the "
+                 "span.\n")
+    for label, run in labelled:
       parts.append(f"Run {label} (`--config={run['config']}`; medians of the metrics rows after "
                    f"the first {run['skip_rows']}):\n\n" + pretrain_table(run) + "\n")
       curves = pretrain_curves(run)

@@ -69,14 +69,17 @@ def role_times(impl, act, x, w1, w2, d_y, layout):
       key, (layout.num_rows, width)), 0).astype(x.dtype)
   a, d_h, h = rows(keys[0], n), rows(keys[1], 2 * n), rows(keys[2], 2 * n)
   scores = jnp.where(valid, 0.1, 0.0).astype(jnp.float32)
+  # The layout and scores are arguments, as in the layer, not constants of the timed program.
   calls = {
-      "up": (lambda x, w1: impl.up_projection(x, w1, None, layout, act, "concat"), (x, w1)),
-      "down": (lambda a, w2: impl.down_projection(a, w2, None, layout), (a, w2)),
-      "dh": (lambda d_y, h, w2: impl.dh_projection(d_y, h, scores, w2, None, layout, act,
-                                                   "concat"), (d_y, h, w2)),
-      "dx": (lambda d_h, w1: impl.dx_projection(d_h, w1, layout), (d_h, w1)),
-      "weight_grads": (lambda x, d_y, d_h, a: impl.weight_grads(
-          x, d_y, None, d_h, a, scores, layout, False, False)[:2], (x, d_y, d_h, a)),
+      "up": (lambda x, w1, lay: impl.up_projection(x, w1, None, lay, act, "concat"),
+             (x, w1, layout)),
+      "down": (lambda a, w2, lay: impl.down_projection(a, w2, None, lay), (a, w2, layout)),
+      "dh": (lambda d_y, h, s, w2, lay: impl.dh_projection(d_y, h, s, w2, None, lay, act,
+                                                           "concat"), (d_y, h, scores, w2, layout)),
+      "dx": (lambda d_h, w1, lay: impl.dx_projection(d_h, w1, lay), (d_h, w1, layout)),
+      "weight_grads": (lambda x, d_y, d_h, a, s, lay: impl.weight_grads(
+          x, d_y, None, d_h, a, s, lay, with_b1=False, with_b2=False)[:2],
+                       (x, d_y, d_h, a, scores, layout)),
   }
   assert tuple(calls) == report.ROLES
   return {role: _time(fn, *args) * 1e3 for role, (fn, args) in calls.items()}

@@ -160,7 +160,11 @@ def test_pretrain_bench_rendering():
   text = table(result)
   assert text.startswith("Flags of every run: `--corpus_bytes=9`.")  # stated once
   assert "| a | `--x=1` |" in text and "| b | `--x=2` |" in text
-  assert all(line.count("|") == 12 for line in text.splitlines()[2:])  # 11 cells in every row
+  assert all(line.count("|") == 11 for line in text.splitlines()[2:])  # no peak memory: 10 cells
+  result["runs"][1]["peak_gib_per_device"] = 71.25
+  with_peak = table(result).splitlines()[2:]
+  assert "peak GiB per device" in with_peak[0] and "| 71.2 |" in with_peak[-1]
+  assert all(line.count("|") == 12 for line in with_peak)
   assert peak_gib_per_device("x\npeak device memory: 71.25 GiB (the most ...)\n") == 71.25
   assert peak_gib_per_device("no statistic on a CPU\n") is None
   assert curve_table(result).splitlines() == [

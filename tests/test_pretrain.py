@@ -333,8 +333,7 @@ def test_output_logits_gradients():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  sys.path.insert(0, os.path.join(ROOT, "examples", "pretrain"))
-  from model import output_logits
+  output_logits = _example("model").output_logits
   kx, kw, kg = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (2, 16, 64))
   w = jax.random.normal(kw, (64, 96)) / 8
