@@ -99,7 +99,12 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
   # The row as a few chunks of `chunk` keys: a prefix sum over a chunk takes SMEM for its length.
   pieces = range(keys_ref.shape[0] // chunk)
   span = lambda i: pl.ds(i * chunk, chunk)
-  total = lambda parts: sum(jnp.sum(p.astype(jnp.int32)) for p in parts)
+  def total(parts):
+    """The True count over the row's chunks: their counts added elementwise, then one block-wide
+    reduction (the bisection's 31 rounds each pay one, whatever the number of chunks)."""
+    parts = [p.astype(jnp.int32) for p in parts]
+    return jnp.sum(functools.reduce(jnp.add, parts[1:], parts[0]))
+
   key = [keys_ref[span(i)] for i in pieces]
   token = [lax.broadcasted_iota(jnp.int32, (chunk,), 0) + i * chunk for i in pieces]
   real = [t < num_tokens for t in token]
