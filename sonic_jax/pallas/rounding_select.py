@@ -127,7 +127,7 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
   # The largest threshold with at least `take` values at or above it: the take-th largest value.
   # Once exactly `take` values are at or above a candidate, they are the chosen set (the take-th
   # largest and every value equal to it among them), so the search stops there: distinct scores
-  # separate in about 20 of the 31 bits.
+  # usually separate before the last bits.
   _, threshold, _ = lax.while_loop(lambda state: (state[0] < 31) & ~state[2], bisect,
                                    (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))
   ties_wanted = take - total(v > threshold for v in value)
