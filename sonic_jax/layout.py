@@ -82,14 +82,14 @@ class GroupedLayout(NamedTuple):
     return self.extra_row < self.num_rows
 
 
-def _sort_by_expert(flat: Array, e_count: int) -> tuple[Array, Array]:
-  """(order, sorted ids) of the stable sort of the ids (values in [0, E]).
+def stable_sort_ids(flat: Array, bound: int) -> tuple[Array, Array]:
+  """(order, sorted values) of the stable sort of integers in [0, bound].
 
-  A (key, index) sort on the narrowest unsigned key that holds E: XLA sorts these on the GPU with
-  a radix sort over the key's bits, so uint8 ids (E < 256) take one 8-bit pass where a packed
-  int32 key (`id << b | pair`) takes four.
+  A (key, index) sort on the narrowest unsigned key that holds `bound`: XLA sorts these on the GPU
+  with a radix sort over the key's bits, so uint8 ids (bound < 256) take one 8-bit pass where a
+  packed int32 key (`id << b | pair`) takes four, and `jnp.argsort`'s int32 keys a comparison sort.
   """
-  key_dtype = jnp.uint8 if e_count < 256 else jnp.uint16 if e_count < 65536 else jnp.int32
+  key_dtype = jnp.uint8 if bound < 256 else jnp.uint16 if bound < 65536 else jnp.int32
   index = jax.lax.iota(jnp.int32, flat.shape[0])
   sorted_ids, order = jax.lax.sort((flat.astype(key_dtype), index), num_keys=1, is_stable=True)
   return order, sorted_ids.astype(jnp.int32)
@@ -133,7 +133,7 @@ def _expert_row_starts(counts: Array, row_tile: int) -> Array:
 def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
   """(pair_row (P,), row_pair (R,), counts (E,)) from a stable sort of the expert ids (E: none)."""
   num_pairs = flat.shape[0]
-  order, sorted_expert = _sort_by_expert(flat, e_count)
+  order, sorted_expert = stable_sort_ids(flat, e_count)
 
   # Per-expert counts from the sorted ids, not a scatter-add histogram (T*K atomics on E + 1
   # counters serialise on a GPU): the first sorted position of each expert that has pairs is where

@@ -59,14 +59,14 @@ def test_grouped_layout_invariants(rng, row_tile, kind, method):
 
 @pytest.mark.parametrize("num_pairs,e_count", [(1, 1), (5000, 8), (5000, 255), (70000, 256),
                                                 (1000, 65535), (1000, 2**21)])
-def test_sort_by_expert_is_the_stable_argsort(rng, num_pairs, e_count):
+def test_stable_sort_ids_is_the_stable_argsort(rng, num_pairs, e_count):
   """The (key, pair index) sort on the narrowest key that holds E (uint8 up to E = 255 with the
   'no expert' id E itself, uint16 from 256, int32 past 65535) gives the stable argsort's order,
   ties in pair order."""
   from sonic_jax import layout
   values = np.unique(np.concatenate([rng.integers(0, e_count + 1, 38), [0, e_count - 1, e_count]]))
   flat = jnp.asarray(rng.choice(values, num_pairs), jnp.int32)  # many ties, the extreme ids
-  order, sorted_ids = jax.jit(layout._sort_by_expert, static_argnums=1)(flat, e_count)
+  order, sorted_ids = jax.jit(layout.stable_sort_ids, static_argnums=1)(flat, e_count)
   want = np.argsort(np.asarray(flat), kind="stable")
   np.testing.assert_array_equal(np.asarray(order), want)
   np.testing.assert_array_equal(np.asarray(sorted_ids), np.asarray(flat)[want])

@@ -28,6 +28,7 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from sonic_jax import layout
 from sonic_jax.pallas import TRITON_AVAILABLE, pltriton
 
 AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering the sum is XLA's
@@ -55,8 +56,7 @@ def _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight):
   used = (extra_token >= 0) & (extra_token < num_tokens) & (extra_row >= 0) & (
       extra_row < num_rows)
   token = jnp.where(used, extra_token, num_tokens).astype(jnp.int32)
-  order = jnp.argsort(token, stable=True)
-  token = token[order]
+  order, token = layout.stable_sort_ids(token, num_tokens)
   row = jnp.clip(extra_row[order], 0, num_rows - 1).astype(jnp.int32)
   weight = (jnp.ones(token.shape, jnp.float32) if extra_weight is None
             else extra_weight.astype(jnp.float32)[order])
