@@ -6,7 +6,8 @@
 #       [phase: forward | step]
 # An impl is sonicmoe (needs .sonic: `bash benchmarks/wheels.sh sonicmoe` on a CPU machine, carried
 # with the call), or a sonic_jax gate/up layout, concat or interleaved, optionally LAYOUT@TABLE to
-# run with that tuning table (e.g. concat@/tmp/table.json from benchmarks.autotune).
+# run with that tuning table (e.g. concat@/tmp/table.json from benchmarks.autotune), and
+# optionally +MODE to route with that token rounding (e.g. concat+nearest).
 # Each run calls the forward (or the step) 3 times (tools/ncu_forward.py) and profiles the last
 # call's GEMM kernels with `--set full`, clocks left alone (--clock-control none). The reports go to
 # $OUT/ncu_<impl>_<phase>_<config>.ncu-rep with a raw CSV beside each, and
@@ -30,9 +31,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # ncu saves and restores the buffers
 csvs=()
 for cfg in $configs; do
   for impl in ${impls//,/ }; do
-    layout="${impl%%@*}"
-    table=$([ "$layout" != "$impl" ] && echo "${impl#*@}" || echo "")
+    rounding=$([[ "$impl" == *+* ]] && echo "${impl##*+}" || echo "")
+    base="${impl%%+*}"
+    layout="${base%%@*}"
+    table=$([ "$layout" != "$base" ] && echo "${base#*@}" || echo "")
     tag=$([ -n "$table" ] && basename "$table" .json | sed 's/^/-/' || echo "")
+    tag="$tag${rounding:+-$rounding}"
     name="${layout}${tag}_${phase}_${cfg//,/_}"
     args=(--clock-control none --target-processes all --set full --profile-from-start off
           --launch-count "$count" -f -o "$out/ncu_$name")
@@ -40,7 +44,8 @@ for cfg in $configs; do
       args+=(--kernel-name regex:quackgemm python3 -m tools.ncu_forward --impl=sonicmoe)
     else
       args+=(--kernel-name 'regex:projection|weight_grad' python3 -m tools.ncu_forward
-             --impl=sonic_jax --layout="$layout" ${table:+--tuning="$table"})
+             --impl=sonic_jax --layout="$layout" ${table:+--tuning="$table"}
+             ${rounding:+--token_rounding="$rounding"})
     fi
     timeout 400 "$ncu_bin" "${args[@]}" $step_flag --thiek="$cfg" 2>&1 | grep -Ev "$filter" \
       | tail -5

@@ -3,7 +3,7 @@ GEMM kernels' hardware counters; `tools/ncu_compare.sh` runs it under `ncu` for 
 and sonic_jax's on one GPU.
 
   python3 -m tools.ncu_forward --impl=sonic_jax|sonicmoe --thiek=T,d,n,E,K [--calls=3]
-      [--layout=concat|interleaved] [--tuning=TABLE.json] [--step]
+      [--layout=concat|interleaved] [--tuning=TABLE.json] [--token_rounding=nearest] [--step]
   python3 -m tools.ncu_forward --summarize REPORT.csv[.gz] ...   (`ncu --import`'s raw CSVs)
   python3 -m tools.ncu_forward --stalls REPORT_sass.csv[.gz] ...  (source pages, NCU_SOURCE=1)
 
@@ -55,9 +55,10 @@ def profiled(call, impl):
   stop()
 
 
-def layer_call(impl, cfg, layout, step, tuning=None):
+def layer_call(impl, cfg, layout, step, tuning=None, token_rounding=None):
   """One synchronised forward (or training step: forward and backward from a fixed dO) of
-  SonicMoE's layer (`benchmarks.sonicmoe_bench.build`) or ours (`tuning`: a table's path)."""
+  SonicMoE's layer (`benchmarks.sonicmoe_bench.build`) or ours (`tuning`: a table's path;
+  `token_rounding`: a mode of `sonic_jax.moe`, for its GEMMs on the rounded layout)."""
   if impl == "sonicmoe":
     import torch
     from benchmarks import sonicmoe_bench
@@ -75,7 +76,8 @@ def layer_call(impl, cfg, layout, step, tuning=None):
   x, rw, w1, w2, d_out = grid.random_problem(cfg, data="sonicmoe")
   config = sonic_jax.Config(tuning=TuningTable.load(tuning) if tuning else None)
   fwd = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=cfg[4], backend="mosaic_gpu",
-                                            gate_up_layout=layout, config=config)[0]
+                                            gate_up_layout=layout, config=config,
+                                            token_rounding=token_rounding)[0]
   fn, args = (timing.forward_and_backward(fwd), (x, rw, w1, w2, d_out)) if step else (
       fwd, (x, rw, w1, w2))
   compiled = jax.jit(fn).lower(*args).compile()
@@ -232,13 +234,17 @@ def main():
   parser.add_argument("--layout", default="concat", choices=["concat", "interleaved"],
                       help="sonic_jax's gate/up layout (SonicMoE's is interleaved pairs)")
   parser.add_argument("--tuning", help="sonic_jax's tuning table (default: the packaged one)")
+  parser.add_argument("--token_rounding", choices=["down", "up", "nearest"],
+                      help="sonic_jax's token-rounding mode (default: plain top-K)")
   parser.add_argument("--step", action=argparse.BooleanOptionalAction, default=False,
                       help="the training step (forward and backward from a fixed dO) instead")
   args = parser.parse_args()
   cfg = tuple(int(v) for v in args.thiek.split(","))
   if len(cfg) != 5:
     parser.error(f"--thiek must be T,d,n,E,K, got {args.thiek!r}")
-  call = layer_call(args.impl, cfg, args.layout, args.step, args.tuning)
+  if args.impl == "sonicmoe" and args.token_rounding:
+    parser.error("--token_rounding is sonic_jax's (--impl=sonic_jax)")
+  call = layer_call(args.impl, cfg, args.layout, args.step, args.tuning, args.token_rounding)
   for _ in range(args.calls - 1):
     call()
   profiled(call, args.impl)
