@@ -334,8 +334,9 @@ METHOD = """\
   with `.whl`); SonicMoE and sonic_jax on one GPU: `bash benchmarks/sonic_same_gpu.sh` (with
   `.sonic`); the compiled tests and the kernel table as its runs were timed:
   `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its table, about 7
-  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; expert parallelism, about 3
-  minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
+  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; the pretraining example with and
+  without rounding, about 4 minutes: `bash benchmarks/token_rounding_example.sh`; expert
+  parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
   --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
   1-2 minutes a run: `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
   Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
@@ -378,7 +379,11 @@ def benchmarks_md(found):
                  "aggregate (backend), and dH, dw1, dw2, dX; short programs such as route+layout "
                  "include host dispatch.\n\n" + kernels_table(found["kernels"]) + "\n")
   if found["token_rounding"]:
-    run = found["token_rounding"][-1]
+    # The table: the latest run of the most configurations; the role times: the latest run that
+    # has them (a shorter --role_times run need not replace the table's).
+    run = max(reversed(found["token_rounding"]), key=lambda r: len(r["configs"]))
+    role_run = next((r for r in reversed(found["token_rounding"]) if token_rounding_roles_table(r)),
+                    None)
     parts.append(f"## Token rounding against top-K\n\n{runs_legend([('run', run)])}; backend "
                  f"`{run['backend']}`, data {run.get('data', 'unit')}. \"padding rows\": rows of "
                  "the grouped GEMMs that hold no (token, expert) pair, as a fraction of the pairs; "
@@ -387,11 +392,11 @@ def benchmarks_md(found):
                  "rounding, grouped layout; \"training step\": the layer's forward and backward "
                  "(the gradients of x, the router and the expert weights).\n\n"
                  + token_rounding_table(run) + "\n")
-    roles = token_rounding_roles_table(run)
-    if roles:
+    if role_run is not None:
+      source = "" if role_run is run else runs_legend([("roles", role_run)]) + "\n\n"
       parts.append("Each GEMM role alone on each routing's layout (`--role_times`; random "
                    "operands, zero on padding rows), and top-K's time over rounding's:\n\n"
-                   + roles + "\n")
+                   + source + token_rounding_roles_table(role_run) + "\n")
   if found["options"]:
     run = found["options"][-1]
     parts.append(f"## Model-family options\n\n{runs_legend([('run', run)])}. The layer "

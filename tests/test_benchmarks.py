@@ -266,13 +266,22 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
       "copy_gbps": 2900.0, "configs": [{"config": cfg, "kernels": kernels,
                                         "forward_sum_tflops": 400.0,
                                         "backward_sum_tflops": 500.0}]})
-  _write(results, "h100_2026-01-05_token_rounding.json", {
-      "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "date": "2026-01-05",
+  routing = lambda padding, **extra: {
+      "routing": "top-K", "pairs": 10, "rows": 20, "padding_fraction": padding, "gemm_ms": 1.0,
+      "gemm_tflops": 2.0, "gemm_speedup": 1.0, "route_layout_ms": 0.1, "forward_ms": 2.0,
+      "forward_tflops": 1.0, "forward_speedup": 1.0, **extra}
+  rounding_run = lambda date, configs: {
+      "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "date": date,
       "command": "python -m benchmarks.token_rounding_bench", "backend": "mosaic_gpu",
-      "configs": [{"config": cfg, "routings": [{
-          "routing": "top-K", "pairs": 10, "padding_fraction": 0.5, "gemm_ms": 1.0,
-          "gemm_tflops": 2.0, "gemm_speedup": 1.0, "route_layout_ms": 0.1, "forward_ms": 2.0,
-          "forward_tflops": 1.0, "forward_speedup": 1.0}]}]})
+      "configs": configs}
+  _write(results, "h100_2026-01-05_token_rounding.json", rounding_run("2026-01-05", [
+      {"config": cfg, "routings": [routing(0.5)]},
+      {"config": [8192, 4096, 1024, 64, 4], "routings": [routing(0.5)]}]))
+  # A later run of fewer configurations gives the role times, not the table.
+  roles = {role: 2.0 for role in report.ROLES}
+  _write(results, "h100_2026-01-06_token_rounding_roles.json", rounding_run("2026-01-06", [
+      {"config": cfg, "routings": [routing(0.25, role_ms=roles),
+                                   routing(0.0, role_ms={**roles, "dx": 1.0})]}]))
   out = tmp_path / "BENCHMARKS.md"
   report.main(["--results", str(results), "--out", str(out)])
   md = out.read_text()
@@ -287,7 +296,9 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   assert "timing interleaved" in layer and "sonic-moe 0.1.2.post1, torch 2.11" in layer
   assert "(`h100_2026-01-03_layer.json`)" in layer and "timing do_bench" in layer
   assert "| 32768,4096,1024,64,4 | 1.000 (0.500) 100 TF/s |" in md and "| 400 | a |" in md
-  assert "| top-K | 50.0% |" in md
+  assert "| top-K | 50.0% |" in md and "| top-K | 25.0% |" not in md
+  assert "- **roles**: NVIDIA H100 80GB HBM3, jax 0.11.2, 2026-01-06" in md
+  assert "| 2.000 (1.00×) | 1.000 (2.00×) |" in md
   readme = report.readme_table(report.load(str(results))["layer"])
   # One row a configuration: fwd / bwd / fwd+bwd of sonic_jax, SonicMoE, the tokamax layer.
   assert "| 32768,4096,1024,64,4 | 440 / 550 / " in readme and " | 400 / 500 / " in readme
