@@ -53,6 +53,7 @@ import step_profile  # noqa: E402
 from model import (ATTENTIONS, MOE_IMPLS, REMATS, TransformerLM,  # noqa: E402
                    attention_implementation, model_flops_per_token, moe_flops_per_token)
 from presets import CONFIGS  # noqa: E402
+from sharding import bytes_per_device, create_sharded  # noqa: E402
 import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_enum("config", "tiny", list(CONFIGS), "preset; the flags below override it")
@@ -115,8 +116,9 @@ flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one dev
 flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_gather"],
                   "see sonic_jax.layers.MoE")
 flags.DEFINE_float("capacity_factor", None, "all-to-all slot capacity (default: dropless)")
-flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state over the mesh's data axis "
-                  "too (each tensor's model-width axis; needs --expert_parallel >= 1)")
+flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state by their model-width axis "
+                  "too: expert tensors over data, the rest over (data, ep) (needs "
+                  "--expert_parallel >= 1)")
 flags.DEFINE_bool("distributed", False, "one process of a multi-process run (several hosts, or one "
                   "process per GPU): calls jax.distributed.initialize(), which finds the "
                   "coordinator, the process count and this process's index on SLURM, Open MPI and "
@@ -195,50 +197,6 @@ def make_mesh():
     raise app.UsageError(f"--expert_parallel ({p}) must divide the {n} devices")
   return jax.make_mesh((n // p, p), ("data", "ep"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def shard_spec(names, shape, mesh, fsdp):
-  """A tensor's mesh axes from its logical axis names: a leading "expert" axis over ep (the MoE
-  layers' expert weights and their optimizer moments), and with fsdp its first "embed" axis over
-  data where that splits evenly; the rest replicated. Each use gathers the data axis back (the
-  model's `whole`, the MoE layer's own placement)."""
-  axes = [None] * len(shape)
-  names = tuple(names or ())
-  lead = 1 if names[:1] == ("layers",) else 0  # --scan_layers stacks the blocks' tensors
-  if names[lead:lead + 1] == ("expert",):
-    axes[lead] = "ep"
-  if fsdp and "embed" in names:
-    i = names.index("embed")
-    if shape[i] % mesh.shape["data"] == 0:
-      axes[i] = "data"
-  return P(*axes)
-
-
-def shardings(tree, mesh, fsdp=False):
-  """Model/optimizer state's (or its abstract shapes') shardings on the mesh by `shard_spec`."""
-  specs = nnx.get_partition_spec(tree)
-  return jax.tree.map(
-      lambda names, leaf: NamedSharding(mesh, shard_spec(names, leaf.shape, mesh, fsdp)),
-      specs, tree, is_leaf=lambda v: isinstance(v, P))
-
-
-def create_sharded(create, mesh, fsdp=False):
-  """`create()`'s modules, their state initialised in place on the mesh: each device computes
-  its own shards, so none ever holds the whole state (a 7B model's float32 parameters and AdamW
-  moments outgrow one GPU)."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(create))
-  init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings(abstract, mesh, fsdp))
-  total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
-  return nnx.merge(graphdef, init()), total
-
-
-def bytes_per_device(tree):
-  """The largest per-device share of the tree's arrays, in bytes."""
-  per = {}
-  for leaf in jax.tree.leaves(tree):
-    for shard in leaf.addressable_shards:
-      per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
-  return max(per.values())
 
 
 def loss_fn(model, inputs, targets):
@@ -463,7 +421,7 @@ def main(_):
     (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
     mine = bytes_per_device(nnx.state((model, optimizer)))
     say(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
-        f"{' (FSDP over data)' if FLAGS.fsdp else ''}")
+        f"{' (FSDP)' if FLAGS.fsdp else ''}")
     batch_sharding = NamedSharding(mesh, P(("data", "ep")))
     # Each process places the rows its devices hold, from the batch every process draws alike.
     put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])
