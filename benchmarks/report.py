@@ -192,7 +192,8 @@ def readme_table(runs):
   merged, _ = merge_layer(runs)
   names = ("sonic_jax[mosaic_gpu]", "sonicmoe", "tokamax_layer")
   labels = [LABELS.get(name, "sonic_jax") for name in names]
-  lines = ["| config (T,d,n,E,K) | " + " | ".join(f"{label} fwd / bwd / fwd+bwd" for label in labels)
+  lines = ["| config (T,d,n,E,K) | "
+           + " | ".join(f"{label} fwd / bwd / fwd+bwd" for label in labels)
            + " | residual MiB: " + " / ".join(labels) + " |", "|---|---|---|---|---|"]
   sources = {}
   for cfg in README_CONFIGS:
@@ -333,12 +334,13 @@ METHOD = """\
   upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit`,
   with `.whl`); SonicMoE and sonic_jax on one GPU: `bash benchmarks/sonic_same_gpu.sh` (with
   `.sonic`); the compiled tests and the kernel table as its runs were timed:
-  `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its table, about 7
-  minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; the pretraining example with and
-  without rounding, about 4 minutes: `bash benchmarks/token_rounding_example.sh`; expert
-  parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
-  --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
-  1-2 minutes a run: `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
+  `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its
+  table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; the pretraining
+  example with and without rounding, about 4 minutes: `bash benchmarks/token_rounding_example.sh`;
+  expert parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh
+  --thiek=16384,4096,1024,64,4 --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs
+  (with `.whl` for tokamax), 1-2 minutes a run:
+  `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
   Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
 """
 
@@ -412,13 +414,14 @@ def benchmarks_md(found):
                  f"{runs_legend(labelled)}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "
                  "configuration is the work of one device: "
                  "T_local tokens per device, E experts over the P devices. \"single\" is "
-                 "`sonic_jax.moe` on one device with T_local tokens and all E experts; \"× single\" "
-                 "is the sharded TF/s per device over it. \"collectives\" are the exchanges (or "
-                 "the all-gather of x and the combine) alone at the layer's sizes; \"comm share\" "
+                 "`sonic_jax.moe` on one device with T_local tokens and all E experts; "
+                 "\"× single\" is the sharded TF/s per device over it. \"collectives\" are the "
+                 "exchanges (or the all-gather of x and the combine) alone at the layer's sizes; "
+                 "\"comm share\" "
                  "is four exchanges (or two all-gathers and combines) over the step; \"hidden\" is "
-                 "the share of a traced step's communication (NCCL kernels on GPU 0) that ran while "
-                 "another kernel did (traced for all_gather only). Before timing, every dropless "
-                 "scheme matched the single-device op at float32 (max relative error "
+                 "the share of a traced step's communication (NCCL kernels on GPU 0) that ran "
+                 "while another kernel did (traced for all_gather only). Before timing, every "
+                 "dropless scheme matched the single-device op at float32 (max relative error "
                  f"{max(max(r['check_max_rel_err'].values()) for r in runs):.1e}). The "
                  "extrapolation keeps the measured compute and bandwidths, 8 GPUs a node, and "
                  f"{runs[0]['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (assumed); "

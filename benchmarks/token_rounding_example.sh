@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On a GPU machine, from the repository root: the pretraining example's h100 configuration trained
-# with plain top-K, then with token rounding (nearest), same data and initialisation, and each
-# run's tokens/s (median of its metrics rows after the first, which holds compilation) and
-# held-out loss at the last step:
+# On a GPU machine, from the repository root: the pretraining example's h100 configuration for
+# 150 steps (learning-rate warm-up 20 steps), trained with plain top-K, then with token rounding
+# (nearest), same data and initialisation, and each run's tokens/s (median of its metrics rows
+# after the first, which holds compilation) and held-out loss at the last step:
 #   bash benchmarks/token_rounding_example.sh [train.py flags...]
 # The runs' workdirs go to $OUT/example_<mode>.
 set -uo pipefail

@@ -10,7 +10,7 @@
 # optionally +MODE to route with that token rounding (e.g. concat+nearest).
 # Each run calls the forward (or the step) 3 times (tools/ncu_forward.py) and profiles the last
 # call's GEMM kernels with `--set full`, clocks left alone (--clock-control none). The reports go to
-# $OUT/ncu_<impl>_<phase>_<config>.ncu-rep with a raw CSV beside each, and
+# $OUT/ncu_<layout>[-<table>][-<mode>]_<phase>_<config>.ncu-rep with a raw CSV beside each, and
 # `ncu_forward --summarize` prints the counters side by side ($OUT/ncu_summary.txt). NCU_SOURCE=1
 # also exports each report's source page (SASS with stall samples, $OUT/ncu_*_sass.csv) and
 # summarises it ($OUT/ncu_stalls.txt).

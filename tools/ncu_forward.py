@@ -3,7 +3,8 @@ GEMM kernels' hardware counters; `tools/ncu_compare.sh` runs it under `ncu` for 
 and sonic_jax's on one GPU.
 
   python3 -m tools.ncu_forward --impl=sonic_jax|sonicmoe --thiek=T,d,n,E,K [--calls=3]
-      [--layout=concat|interleaved] [--tuning=TABLE.json] [--token_rounding=nearest] [--step]
+      [--layout=concat|interleaved] [--tuning=TABLE.json] [--token_rounding=down|up|nearest]
+      [--step]
   python3 -m tools.ncu_forward --summarize REPORT.csv[.gz] ...   (`ncu --import`'s raw CSVs)
   python3 -m tools.ncu_forward --stalls REPORT_sass.csv[.gz] ...  (source pages, NCU_SOURCE=1)
 

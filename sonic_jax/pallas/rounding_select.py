@@ -8,8 +8,9 @@ others. Either way it is the m largest values of one region of the expert's row 
 the others' probabilities), which this kernel finds without a sort: one Pallas (Triton) program per
 expert holds the row's T keys in registers and finds the m-th largest by bisection over its 31
 bits (a count of the keys at or above a candidate per bit, stopping early once exactly m are),
-then keeps the keys above it and the first ties in token order (a prefix sum). XLA's `lax.top_k` over the (E, T) matrix is a segmented sort
-of all of it, and ranking the TC pairs a three-key sort.
+then keeps the keys above it and the first ties in token order (a prefix sum). XLA's `lax.top_k`
+over the (E, T) matrix is a segmented sort of all of it, and ranking the TC pairs a three-key
+sort.
 
 Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability); both
 values are floats >= 0, whose bit patterns order as the values do, so one array holds both regions
