@@ -11,9 +11,10 @@ says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kerne
 the row of the same name and configuration from an older one. The kernel table takes each
 configuration from its most recent file, the expert-parallel table the most recent file of each
 device count, the pretraining section every file (the most recent first, each labelled by its
-place in date order); the other tables show
-their kind's most recent file. Each table names the runs its rows come from: device, versions,
-date, command and the file's "notes" where it has them. Runs anywhere (no GPU needed).
+place in date order), the token-rounding table the most recent file of the most configurations
+and its role times the most recent file that has them; the other tables show their kind's most
+recent file. Each table names the runs its rows come from: device, versions, date, command and
+the file's "notes" where it has them. Runs anywhere (no GPU needed).
 """
 
 from __future__ import annotations
@@ -273,6 +274,10 @@ def token_rounding_table(run):
 ROLES = ("up", "down", "dh", "dx", "weight_grads")
 
 
+def _has_role_times(run):
+  return any(sum(1 for r in res["routings"] if r.get("role_ms")) >= 2 for res in run["configs"])
+
+
 def token_rounding_roles_table(run):
   """Each GEMM role's ms alone on each routing's layout, for the configurations that have them
   ("" if none has)."""
@@ -336,10 +341,12 @@ METHOD = """\
   `.sonic`); the compiled tests and the kernel table as its runs were timed:
   `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its
   table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; the pretraining
-  example with and without rounding, about 4 minutes: `bash benchmarks/token_rounding_example.sh`;
-  expert parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh
-  --thiek=16384,4096,1024,64,4 --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs
-  (with `.whl` for tokamax), 1-2 minutes a run:
+  example with and without rounding: `python -m benchmarks.pretrain_bench --config=h100
+  --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
+  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest`; expert
+  parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
+  --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
+  1-2 minutes a run:
   `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
   Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
 """
@@ -384,8 +391,7 @@ def benchmarks_md(found):
     # The table: the latest run of the most configurations; the role times: the latest run that
     # has them (a shorter --role_times run need not replace the table's).
     run = max(reversed(found["token_rounding"]), key=lambda r: len(r["configs"]))
-    role_run = next((r for r in reversed(found["token_rounding"]) if token_rounding_roles_table(r)),
-                    None)
+    role_run = next((r for r in reversed(found["token_rounding"]) if _has_role_times(r)), None)
     parts.append(f"## Token rounding against top-K\n\n{runs_legend([('run', run)])}; backend "
                  f"`{run['backend']}`, data {run.get('data', 'unit')}. \"padding rows\": rows of "
                  "the grouped GEMMs that hold no (token, expert) pair, as a fraction of the pairs; "
@@ -410,6 +416,7 @@ def benchmarks_md(found):
     latest = {record(r).get("devices", 1): r for r in found["ep"]}  # per device count
     runs = [latest[p] for p in sorted(latest, reverse=True)]
     labelled = [(f"P = {record(r).get('devices', 1)}", r) for r in runs]
+    max_err = max(max(r["check_max_rel_err"].values()) for r in runs)
     parts.append(f"## Expert parallelism\n\nThe most recent run on each number of devices:\n\n"
                  f"{runs_legend(labelled)}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "
                  "configuration is the work of one device: "
@@ -417,13 +424,12 @@ def benchmarks_md(found):
                  "`sonic_jax.moe` on one device with T_local tokens and all E experts; "
                  "\"× single\" is the sharded TF/s per device over it. \"collectives\" are the "
                  "exchanges (or the all-gather of x and the combine) alone at the layer's sizes; "
-                 "\"comm share\" "
-                 "is four exchanges (or two all-gathers and combines) over the step; \"hidden\" is "
-                 "the share of a traced step's communication (NCCL kernels on GPU 0) that ran "
-                 "while another kernel did (traced for all_gather only). Before timing, every "
-                 "dropless scheme matched the single-device op at float32 (max relative error "
-                 f"{max(max(r['check_max_rel_err'].values()) for r in runs):.1e}). The "
-                 "extrapolation keeps the measured compute and bandwidths, 8 GPUs a node, and "
+                 "\"comm share\" is four exchanges (or two all-gathers and combines) over the "
+                 "step; \"hidden\" is the share of a traced step's communication (NCCL kernels "
+                 "on GPU 0) that ran while another kernel did (traced for all_gather only). "
+                 "Before timing, every dropless scheme matched the single-device op at float32 "
+                 f"(max relative error {max_err:.1e}). The extrapolation keeps the measured "
+                 "compute and bandwidths, 8 GPUs a node, and "
                  f"{runs[0]['inter_node_gbps_assumed']:.0f} GB/s per GPU across nodes (assumed); "
                  "communication not overlapped.\n\n"
                  + "\n\n".join(ep_table(r["results"], r["inter_node_gbps_assumed"])
