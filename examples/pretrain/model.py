@@ -45,8 +45,7 @@ class ModelConfig:
   # The blocks' parameters stacked on a leading "layers" axis and the forward a scan over them (one
   # block traced and compiled, not num_layers); otherwise a Python loop over a list of blocks,
   # which compiles longer but runs faster: the scan zero-fills its stacked residual buffers and
-  # copies slices in and out of them (the OLMoE-shaped step's "other" kernels: 93 ms scanned,
-  # 29 ms unrolled, on 4 x H200).
+  # copies slices in and out of them (docs/decisions.md).
   scan_layers: bool = False
   # The MoE layer: "sonic_jax" (`sonic_jax.layers.MoE`), or `ragged_moe.RaggedDotMoE`, the
   # MaxText-style baseline (plain top-K routing, no expert parallelism) on jax.lax.ragged_dot
