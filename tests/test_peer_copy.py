@@ -1,0 +1,67 @@
+"""The NVLink peer copies (`sonic_jax.mosaic_gpu.peer_copy`): Mosaic GPU's interpreter has no
+semaphores or remote references, so on a CPU they are checked by lowering for an abstract mesh of
+H100s (the Mosaic GPU kernel built, layouts inferred, SMEM fitted), and their arguments; their
+outputs are compared with NCCL's all-gather on GPUs (`pytest -m gpu` on two or more, and
+`benchmarks.nvlink_bench`)."""
+
+import functools
+
+import jax
+from jax._src import mesh as mesh_lib
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sonic_jax.mosaic_gpu import peer_copy
+
+H100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                               platform="gpu")
+
+
+def _sharded(fn, mesh):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                               check_vma=False))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("mode", peer_copy.MODES)
+def test_peer_all_gather_lowers_for_h100s(devices, mode):
+  mesh = jax.sharding.AbstractMesh((devices,), ("ep",), abstract_device=H100,
+                                   axis_types=(jax.sharding.AxisType.Explicit,))
+  fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)
+  x = jax.ShapeDtypeStruct((devices * 1024, 4096), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("ep")))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("shape, kwargs, match", [
+    ((1000, 256), {}, "rows=1000 must be a multiple of num_blocks"),
+    ((1024, 200), {}, "d=200 must be a multiple of tile_n"),
+    ((1024, 256), {"mode": "ring"}, "mode must be one of"),
+    ((1024,), {}, "x must be"),
+])
+def test_peer_all_gather_refuses_bad_arguments(shape, kwargs, match):
+  mesh = jax.sharding.AbstractMesh((2,), ("ep",), abstract_device=H100,
+                                   axis_types=(jax.sharding.AxisType.Explicit,))
+  fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep", **kwargs), mesh)
+  x = jax.ShapeDtypeStruct((2 * shape[0],) + shape[1:], jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("ep", *([None] * (len(shape) - 1)))))
+  with jax.sharding.use_abstract_mesh(mesh), pytest.raises(ValueError, match=match):
+    fn.trace(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", peer_copy.MODES)
+def test_peer_all_gather_equals_nccl(mode):
+  devices = jax.devices()
+  if len(devices) < 2 or devices[0].platform != "gpu":
+    pytest.skip("needs two or more GPUs")
+  mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (len(devices) * 2048, 1024),
+                                       jnp.bfloat16), NamedSharding(mesh, P("ep")))
+  got = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)(x)
+  want = _sharded(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh)(x)
+  np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
