@@ -49,13 +49,17 @@ def gemm_operand_dtypes(jaxpr):
   return out
 
 
-def h100_abstract_mesh(num_cores: int = 132):
-  """A mesh of no devices whose abstract device is an H100: under it, jax lowers (and Mosaic GPU
-  interprets) for sm90 on a machine without a GPU."""
+def h100_abstract_mesh(num_cores: int = 132, axes: dict[str, int] | None = None):
+  """A mesh of no devices whose abstract device is an H100 (with `axes`, {name: size}, of
+  explicit axes): under it, jax lowers (and Mosaic GPU interprets) for sm90 on a machine without
+  a GPU."""
   import jax
   from jax._src.mesh import AbstractDevice
-  return jax.sharding.AbstractMesh((), (), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores))
+  axes = axes or {}
+  return jax.sharding.AbstractMesh(
+      tuple(axes.values()), tuple(axes), abstract_device=AbstractDevice(
+          device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=num_cores),
+      axis_types=(jax.sharding.AxisType.Explicit,) * len(axes))
 
 
 def export_for_h100(fn, *args) -> str:

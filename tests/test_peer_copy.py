@@ -7,16 +7,13 @@ outputs are compared with NCCL's all-gather on GPUs (`pytest -m gpu` on two or m
 import functools
 
 import jax
-from jax._src import mesh as mesh_lib
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cases import h100_abstract_mesh
 from sonic_jax.mosaic_gpu import peer_copy
-
-H100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                               platform="gpu")
 
 
 def _sharded(fn, mesh):
@@ -27,8 +24,7 @@ def _sharded(fn, mesh):
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("mode", peer_copy.MODES)
 def test_peer_all_gather_lowers_for_h100s(devices, mode):
-  mesh = jax.sharding.AbstractMesh((devices,), ("ep",), abstract_device=H100,
-                                   axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = h100_abstract_mesh(axes={"ep": devices})
   fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)
   x = jax.ShapeDtypeStruct((devices * 1024, 4096), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P("ep")))
@@ -44,8 +40,7 @@ def test_peer_all_gather_lowers_for_h100s(devices, mode):
     ((1024,), {}, "x must be"),
 ])
 def test_peer_all_gather_refuses_bad_arguments(shape, kwargs, match):
-  mesh = jax.sharding.AbstractMesh((2,), ("ep",), abstract_device=H100,
-                                   axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = h100_abstract_mesh(axes={"ep": 2})
   fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep", **kwargs), mesh)
   x = jax.ShapeDtypeStruct((2 * shape[0],) + shape[1:], jnp.bfloat16,
                            sharding=NamedSharding(mesh, P("ep", *([None] * (len(shape) - 1)))))
