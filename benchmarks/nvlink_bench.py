@@ -1,13 +1,21 @@
-r"""The all-gather of expert parallelism's token rows: NCCL (`jax.lax.all_gather`) against the
-Mosaic GPU peer copies of `sonic_jax.mosaic_gpu.peer_copy` (TMA over NVLink, pull and push).
+r"""Expert parallelism's token movement over NVLink: NCCL (`jax.lax.all_gather`) against the Mosaic
+GPU peer copies of `sonic_jax.mosaic_gpu.peer_copy`: the all-gather by TMA (pull and push), and
+the row gather by cp.async from the peers' memory (against NCCL's all-gather and an XLA gather).
 
   python -m benchmarks.nvlink_bench [--rows=16384,8192] [--d=4096] [--num_blocks=8,16,32]
       [--out=dir]
+  PJRT_NPROC=16 XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+      python -m benchmarks.nvlink_bench --rows=256 --d=256 --num_blocks=2   # the harness on a CPU
+
+(On a CPU only the NCCL variants run, the Mosaic GPU kernels are reported as refused; XLA:CPU's
+collectives need more pool threads than two cores give, hence PJRT_NPROC.)
 
 On a host of P >= 2 GPUs (all of `jax.devices()`). For each per-device row count: every variant's
-output is checked bit for bit against NCCL's, then timed (median of interleaved samples after
-warm-up, `benchmarks.timing`); GB/s is the bytes each device receives, (P - 1) * rows * d * 2,
-over the time. Writes DIR/<device>x<P>_<date>_nvlink.json and prints a table.
+output is checked bit for bit against its group's NCCL variant, then timed (median of
+interleaved samples after warm-up, `benchmarks.timing`); GB/s is the bytes each device receives
+from its peers over the time: (P - 1) * rows * d * 2 for the all-gather, (P - 1) * rows / 2 * d * 2
+for the row gather (half of each peer's rows, in random order). Writes
+DIR/<device>x<P>_<date>_nvlink.json and prints a table.
 """
 
 from __future__ import annotations
@@ -35,15 +43,26 @@ FLAGS = flags.FLAGS
 
 
 def variants(mesh, num_blocks):
-  """{name: jitted all-gather of a (P * rows, d) array sharded over "ep"}."""
-  gather = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
-                                            check_vma=False))
-  calls = {"nccl": gather(lambda x: lax.all_gather(x, "ep", tiled=True))}
+  """{group: {name: (jitted fn, kind)}}: the all-gathers of a (P * rows, d) array sharded over
+  "ep", and the row gathers (rows (P, R) replicated: every device takes rows[p] of device p's x),
+  each group's first entry the reference the others must equal."""
+  sharded = lambda fn, specs=P("ep"): jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=specs, out_specs=P("ep"), check_vma=False))
+  all_gathers = {"nccl": sharded(lambda x: lax.all_gather(x, "ep", tiled=True))}
   for mode in peer_copy.MODES:
     for blocks in num_blocks:
-      calls[f"{mode} {blocks} CTAs"] = gather(functools.partial(
+      all_gathers[f"{mode} {blocks} CTAs"] = sharded(functools.partial(
           peer_copy.all_gather, axis="ep", mode=mode, num_blocks=blocks))
-  return calls
+
+  def nccl_take(x, rows):
+    whole = lax.all_gather(x, "ep", tiled=True).reshape((rows.shape[0], -1) + x.shape[1:])
+    return jnp.take_along_axis(whole, rows[:, :, None], axis=1)
+
+  row_gathers = {"nccl all-gather + XLA gather": sharded(nccl_take, (P("ep"), P()))}
+  for blocks in num_blocks:
+    row_gathers[f"cp.async from peers {blocks} CTAs"] = sharded(functools.partial(
+        peer_copy.gather_rows, axis="ep", num_blocks=blocks), (P("ep"), P()))
+  return {"all-gather": all_gathers, "row gather": row_gathers}
 
 
 def main(_):
@@ -58,35 +77,40 @@ def main(_):
     x = jax.device_put(
         jax.random.normal(jax.random.key(rows), (p * rows, FLAGS.d), jnp.bfloat16),
         NamedSharding(mesh, P("ep")))
-    calls = variants(mesh, [int(b) for b in FLAGS.num_blocks])
-    compiled, errors = {}, {}
-    want = None
-    for name, fn in calls.items():
-      try:
-        compiled[name] = (timing.compile_fn(fn, x)[0], (x,))
-        got = np.asarray(compiled[name][0](x))
-      except Exception as e:  # a variant that fails is reported, not fatal
-        errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
-        compiled.pop(name, None)
-        continue
-      if want is None:
-        want = got
-      elif not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
-        errors[name] = "output differs from NCCL's all-gather"
-        compiled.pop(name)
-    times = timing.time_interleaved(compiled, repeats=FLAGS.repeats)
-    received = (p - 1) * rows * FLAGS.d * 2
-    for name in calls:
-      row = {"rows": rows, "d": FLAGS.d, "variant": name}
-      if name in times:
-        row.update(ms=times[name][0] * 1e3, gbps=received / times[name][0] / 1e9)
-      else:
-        row["error"] = errors[name]
-      results.append(row)
+    # Half of each device's rows, in random order: what dispatch moves at K/E = 1/2 per device.
+    rng = np.random.default_rng(rows)
+    picked = jax.device_put(np.stack([rng.permutation(rows)[:rows // 2] for _ in range(p)]).astype(
+        np.int32), NamedSharding(mesh, P()))
+    groups = variants(mesh, [int(b) for b in FLAGS.num_blocks])
+    for group, calls in groups.items():
+      args = (x,) if group == "all-gather" else (x, picked)
+      received = (p - 1) * (rows if group == "all-gather" else rows // 2) * FLAGS.d * 2
+      compiled, errors, want = {}, {}, None
+      for name, fn in calls.items():
+        try:
+          compiled[name] = (timing.compile_fn(fn, *args)[0], args)
+          got = np.asarray(compiled[name][0](*args))
+        except Exception as e:  # a variant that fails is reported, not fatal
+          errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+          compiled.pop(name, None)
+          continue
+        if want is None:
+          want = got
+        elif not np.array_equal(got.view(np.uint16), want.view(np.uint16)):
+          errors[name] = f"output differs from {next(iter(calls))!r}"
+          compiled.pop(name)
+      times = timing.time_interleaved(compiled, repeats=FLAGS.repeats) if compiled else {}
+      for name in calls:
+        row = {"rows": rows, "d": FLAGS.d, "group": group, "variant": name}
+        if name in times:
+          row.update(ms=times[name][0] * 1e3, gbps=received / times[name][0] / 1e9)
+        else:
+          row["error"] = errors[name]
+        results.append(row)
   print("| rows per device | d | variant | ms | GB/s received per device |\n|---|---|---|---|---|")
   for r in results:
     cells = (f"{r['ms']:.3f} | {r['gbps']:.0f}" if "ms" in r else f"– | {r['error']}")
-    print(f"| {r['rows']} | {r['d']} | {r['variant']} | {cells} |")
+    print(f"| {r['rows']} | {r['d']} | {r['group']}: {r['variant']} | {cells} |")
   os.makedirs(FLAGS.out, exist_ok=True)
   record = grid.run_record("nvlink_bench", devices, results=results)
   path = os.path.join(FLAGS.out, grid.results_name(record, "nvlink"))

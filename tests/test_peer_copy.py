@@ -60,3 +60,49 @@ def test_peer_all_gather_equals_nccl(mode):
   got = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)(x)
   want = _sharded(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh)(x)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def _gather_rows_fn(mesh):
+  return jax.jit(jax.shard_map(functools.partial(peer_copy.gather_rows, axis="ep"), mesh=mesh,
+                               in_specs=(P("ep"), P()), out_specs=P("ep"), check_vma=False))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_peer_gather_rows_lowers_for_h100s(devices):
+  mesh = h100_abstract_mesh(axes={"ep": devices})
+  x = jax.ShapeDtypeStruct((devices * 1024, 4096), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("ep")))
+  rows = jax.ShapeDtypeStruct((devices, 512), jnp.int32, sharding=NamedSharding(mesh, P()))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = _gather_rows_fn(mesh).trace(x, rows).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("rows_shape, match", [
+    ((3, 512), "rows must be \\(2, R\\) int32"),
+    ((2, 500), "R=500 and d=4096 must be multiples"),
+])
+def test_peer_gather_rows_refuses_bad_arguments(rows_shape, match):
+  mesh = h100_abstract_mesh(axes={"ep": 2})
+  x = jax.ShapeDtypeStruct((2 * 1024, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P("ep")))
+  rows = jax.ShapeDtypeStruct(rows_shape, jnp.int32, sharding=NamedSharding(mesh, P()))
+  with jax.sharding.use_abstract_mesh(mesh), pytest.raises(ValueError, match=match):
+    _gather_rows_fn(mesh).trace(x, rows)
+
+
+@pytest.mark.gpu
+def test_peer_gather_rows_equals_the_gathered_rows():
+  devices = jax.devices()
+  if len(devices) < 2 or devices[0].platform != "gpu":
+    pytest.skip("needs two or more GPUs")
+  p = len(devices)
+  mesh = jax.make_mesh((p,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.random.normal(jax.random.key(0), (p * 2048, 1024), jnp.bfloat16)
+  rows = jax.random.randint(jax.random.key(1), (p, 512), 0, 2048, jnp.int32)
+  got = _gather_rows_fn(mesh)(jax.device_put(x, NamedSharding(mesh, P("ep"))),
+                              jax.device_put(rows, NamedSharding(mesh, P())))
+  want = np.stack([np.asarray(x)[i * 2048 + np.asarray(rows[i])] for i in range(p)])
+  # Every device gathers the same rows: the output holds P copies of (P, R, d).
+  got = np.asarray(got).reshape(p, p, 512, 1024)
+  for i in range(p):
+    np.testing.assert_array_equal(got[i].view(np.uint16), want.view(np.uint16))

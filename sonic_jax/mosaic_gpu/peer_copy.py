@@ -51,6 +51,22 @@ def _check(x, num_devices, num_blocks, tile_m, tile_n, mode):
     raise ValueError(f"the axis has {num_devices} device; peer copies need at least 2")
 
 
+def _barrier(sem, *, peers, signals):
+  """Signals `sem` on every peer, then waits until this device's `sem` has `signals` arrivals in
+  all (one from each CTA of each peer: num_blocks * (P - 1) a round; counted without decrement,
+  so a second round on the same semaphore would wait for twice that)."""
+  for peer in peers:
+    pl.semaphore_signal(sem, device_id=peer)
+  pl.semaphore_wait(sem, signals, decrement=False)
+
+
+def _never_write(x_ref, me):
+  """A write under an impossible condition: XLA then places x where the peers can map it."""
+  @pl.when(me < 0)
+  def _():
+    x_ref[(0,) * x_ref.ndim] = jnp.zeros((), x_ref.dtype)
+
+
 @functools.partial(jax.named_call, name="peer_all_gather")
 def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int = 16,
                tile_m: int = 64, tile_n: int = 256, max_concurrent_steps: int = 4) -> jax.Array:
@@ -96,15 +112,12 @@ def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int =
     block = lax.axis_index("blocks")
     mine = pl.ds(block * rows_per_block, rows_per_block)
     peers = [lax.rem(me + offset, num_devices) for offset in range(1, num_devices)]
-    signals = num_blocks * (num_devices - 1)  # one from each CTA of each peer
+    signals = num_blocks * (num_devices - 1)
 
     def device_rows(device):
       return pl.ds(device * rows + block * rows_per_block, rows_per_block)
 
-    def barrier(sem):
-      for peer in peers:
-        pl.semaphore_signal(sem, device_id=peer)
-      pl.semaphore_wait(sem, signals, decrement=False)
+    barrier = functools.partial(_barrier, peers=peers, signals=signals)
 
     # Every device is inside the kernel (its x written, its output allocated) before any peer
     # access.
@@ -123,9 +136,7 @@ def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int =
     # rows are in this device's output.
     barrier(done)
 
-    @pl.when(me < 0)  # never: makes XLA place x where the peers can map it
-    def _():
-      x_ref[0, 0] = jnp.zeros((), x_ref.dtype)
+    _never_write(x_ref, me)
 
   return plgpu.kernel(
       kernel,
@@ -136,3 +147,85 @@ def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int =
       grid_names=("blocks",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(x)
+
+
+@functools.partial(jax.named_call, name="peer_gather_rows")
+def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
+                tile_k: int = 256, num_blocks: int = 16) -> jax.Array:
+  """(P, R, d): out[p, r] = device p's x[rows[p, r]], the rows read by cp.async straight from
+  each peer's memory (the grouped GEMMs' row gather, `gather.cp_async_rows`, through a peer
+  reference) into a 128-byte-swizzled SMEM stage, then TMA-stored; two stages, so one stage's
+  gather runs while the other is stored. Inside a shard_map over `axis`; rows: (P, R) int32 on
+  every device."""
+  from sonic_jax.mosaic_gpu import gather
+  from sonic_jax.mosaic_gpu.grouped_gemm import tiled
+
+  num_devices = lax.axis_size(axis)
+  if x.ndim != 2 or jnp.dtype(x.dtype).itemsize != 2:
+    raise ValueError(f"x must be a (T, d) 16-bit float array, got {x.dtype}{list(x.shape)}")
+  if rows.shape[:1] != (num_devices,) or rows.ndim != 2 or rows.dtype != jnp.int32:
+    raise ValueError(f"rows must be ({num_devices}, R) int32, got {rows.dtype}{list(rows.shape)}")
+  if num_devices < 2:
+    raise ValueError(f"the axis has {num_devices} device; peer copies need at least 2")
+  d = x.shape[1]
+  r = rows.shape[1]
+  if r % tile_m or d % tile_k:
+    raise ValueError(f"R={r} and d={d} must be multiples of tile_m={tile_m} and tile_k={tile_k}")
+  tiles_m, tiles_k = r // tile_m, d // tile_k
+  total = num_devices * tiles_m * tiles_k
+  if total % num_blocks:
+    raise ValueError(f"the {total} tiles must split evenly over num_blocks={num_blocks}")
+  steps = total // num_blocks
+
+  def kernel(x_ref, rows_ref, out_ref, stage, ready):
+    sem_ready = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    sem_done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    me = lax.axis_index(axis)
+    block = lax.axis_index("blocks")
+    peers = [lax.rem(me + offset, num_devices) for offset in range(1, num_devices)]
+    barrier = functools.partial(_barrier, peers=peers, signals=num_blocks * (num_devices - 1))
+    tiles, raw = stage
+    gather.init_stage_barriers(ready)
+
+    def where(step):
+      t = block + step * num_blocks
+      device, rest = t // (tiles_m * tiles_k), t % (tiles_m * tiles_k)
+      return device, pl.ds(rest // tiles_k * tile_m, tile_m), pl.ds(rest % tiles_k * tile_k, tile_k)
+
+    def issue(step):
+      device, m, k = where(step)
+      copy = lambda src: gather.cp_async_rows(src.at[:, k], rows_ref.at[device, m],
+                                              raw.at[step % 2], ready.at[step % 2],
+                                              source_row_stride=d)
+      pl.when(device == me)(lambda: copy(x_ref))
+      pl.when(device != me)(lambda: copy(plgpu.remote_ref(x_ref, device)))
+
+    barrier(sem_ready)
+    issue(0)
+
+    @pl.loop(0, steps)
+    def _(step):
+      @pl.when(step + 1 < steps)
+      def _():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other stage's store has read it
+        issue(step + 1)
+
+      gather.wait_stage(ready.at[step % 2], lax.rem(step // 2, 2))
+      device, m, k = where(step)
+      plgpu.copy_smem_to_gmem(tiles.at[step % 2], out_ref.at[device, m, k])
+
+    plgpu.wait_smem_to_gmem(0)
+    barrier(sem_done)  # no device releases its x while a peer still reads it
+    _never_write(x_ref, me)
+
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((num_devices, r, d), x.dtype),
+      scratch_types=[plgpu.RefUnion(
+                         plgpu.SMEM((2, tile_m, tile_k), x.dtype, transforms=tiled(x.dtype)),
+                         plgpu.SMEM((2, tile_m, tile_k), x.dtype)),  # raw, for cp.async
+                     gather.stage_barriers(2)],
+      grid=(num_blocks,),
+      grid_names=("blocks",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(x, rows)
