@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The NVLink peer copies on one machine of several GPUs (nvidia-h100-x2 / -x4): their compiled
+# tests (outputs against NCCL's, bit for bit), then nvlink_bench with its arguments, results in
+# $OUT:
+#   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=8,16,32]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_peer_copy.py 2>&1 | tail -5
+tests=$?
+python3 -m benchmarks.nvlink_bench --out="${OUT:-bench_out}" "$@" 2>&1 \
+  | grep -Ev "^[IW][0-9]{4} "
+bench=$?
+exit $(( tests || bench ))
