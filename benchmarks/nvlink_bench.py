@@ -1,8 +1,8 @@
 r"""Expert parallelism's token movement over NVLink: NCCL (`jax.lax.all_gather`) against the Mosaic
-GPU peer copies of `sonic_jax.mosaic_gpu.peer_copy`: the all-gather by TMA (pull and push), and
-the row gather by cp.async from the peers' memory (against NCCL's all-gather and an XLA gather).
+GPU peer copies of `sonic_jax.mosaic_gpu.peer_copy`: the all-gather by TMA stores into the peers,
+and the row gather by cp.async from the peers' memory (against NCCL's all-gather and an XLA gather).
 
-  python -m benchmarks.nvlink_bench [--rows=16384,8192] [--d=4096] [--num_blocks=8,16,32]
+  python -m benchmarks.nvlink_bench [--rows=16384,8192] [--d=4096] [--num_blocks=16,64,128]
       [--out=dir]
   PJRT_NPROC=16 XLA_FLAGS=--xla_force_host_platform_device_count=2 \
       python -m benchmarks.nvlink_bench --rows=256 --d=256 --num_blocks=2   # the harness on a CPU
@@ -34,12 +34,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks import grid, timing
 from sonic_jax.mosaic_gpu import peer_copy
 
-flags.DEFINE_list("rows", ["16384", "8192"], "rows per device (T_local)")
-flags.DEFINE_integer("d", 4096, "row width")
-flags.DEFINE_list("num_blocks", ["8", "16", "32"], "CTAs of the peer-copy kernels")
-flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
-flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: benchmarks.report imports `table`
+  flags.DEFINE_list("rows", ["16384", "8192"], "rows per device (T_local)")
+  flags.DEFINE_integer("d", 4096, "row width")
+  flags.DEFINE_list("num_blocks", ["16", "64", "128"], "CTAs of the peer-copy kernels")
+  flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
+  flags.DEFINE_string("out", "bench_out", "output folder")
 
 
 def variants(mesh, num_blocks):
@@ -49,10 +52,9 @@ def variants(mesh, num_blocks):
   sharded = lambda fn, specs=P("ep"): jax.jit(jax.shard_map(
       fn, mesh=mesh, in_specs=specs, out_specs=P("ep"), check_vma=False))
   all_gathers = {"nccl": sharded(lambda x: lax.all_gather(x, "ep", tiled=True))}
-  for mode in peer_copy.MODES:
-    for blocks in num_blocks:
-      all_gathers[f"{mode} {blocks} CTAs"] = sharded(functools.partial(
-          peer_copy.all_gather, axis="ep", mode=mode, num_blocks=blocks))
+  for blocks in num_blocks:
+    all_gathers[f"push {blocks} CTAs"] = sharded(functools.partial(
+        peer_copy.all_gather, axis="ep", num_blocks=blocks))
 
   def nccl_take(x, rows):
     whole = lax.all_gather(x, "ep", tiled=True).reshape((rows.shape[0], -1) + x.shape[1:])
@@ -63,6 +65,20 @@ def variants(mesh, num_blocks):
     row_gathers[f"cp.async from peers {blocks} CTAs"] = sharded(functools.partial(
         peer_copy.gather_rows, axis="ep", num_blocks=blocks), (P("ep"), P()))
   return {"all-gather": all_gathers, "row gather": row_gathers}
+
+
+def table(results):
+  """Markdown: one row per variant, with its group's NCCL reference's time over its own."""
+  base = {(r["rows"], r["group"]): r.get("ms") for r in results
+          if r["variant"].startswith("nccl")}
+  lines = ["| rows per device | d | variant | ms | GB/s received per device | × NCCL |",
+           "|---|---|---|---|---|---|"]
+  for r in results:
+    ref = base.get((r["rows"], r["group"]))
+    cells = (f"{r['ms']:.3f} | {r['gbps']:.0f} | " + (f"{ref / r['ms']:.2f}" if ref else "–")
+             if "ms" in r else f"– | {r['error']} | –")
+    lines.append(f"| {r['rows']} | {r['d']} | {r['group']}: {r['variant']} | {cells} |")
+  return "\n".join(lines)
 
 
 def main(_):
@@ -107,10 +123,7 @@ def main(_):
         else:
           row["error"] = errors[name]
         results.append(row)
-  print("| rows per device | d | variant | ms | GB/s received per device |\n|---|---|---|---|---|")
-  for r in results:
-    cells = (f"{r['ms']:.3f} | {r['gbps']:.0f}" if "ms" in r else f"– | {r['error']}")
-    print(f"| {r['rows']} | {r['d']} | {r['group']}: {r['variant']} | {cells} |")
+  print(table(results))
   os.makedirs(FLAGS.out, exist_ok=True)
   record = grid.run_record("nvlink_bench", devices, results=results)
   path = os.path.join(FLAGS.out, grid.results_name(record, "nvlink"))
@@ -120,4 +133,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

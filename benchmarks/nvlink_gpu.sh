@@ -2,7 +2,7 @@
 # The NVLink peer copies on one machine of several GPUs (nvidia-h100-x2 / -x4): their compiled
 # tests (outputs against NCCL's, bit for bit), then nvlink_bench with its arguments, results in
 # $OUT:
-#   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=8,16,32]
+#   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=16,64,128]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

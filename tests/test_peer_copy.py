@@ -22,11 +22,10 @@ def _sharded(fn, mesh):
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-@pytest.mark.parametrize("mode", peer_copy.MODES)
-def test_peer_all_gather_lowers_for_h100s(devices, mode):
+def test_peer_all_gather_lowers_for_h100s(devices):
   mesh = h100_abstract_mesh(axes={"ep": devices})
-  fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)
-  x = jax.ShapeDtypeStruct((devices * 1024, 4096), jnp.bfloat16,
+  fn = _sharded(functools.partial(peer_copy.all_gather, axis="ep"), mesh)
+  x = jax.ShapeDtypeStruct((devices * 4096, 4096), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P("ep")))
   with jax.sharding.use_abstract_mesh(mesh):
     text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
@@ -35,8 +34,8 @@ def test_peer_all_gather_lowers_for_h100s(devices, mode):
 
 @pytest.mark.parametrize("shape, kwargs, match", [
     ((1000, 256), {}, "rows=1000 must be a multiple of num_blocks"),
-    ((1024, 200), {}, "d=200 must be a multiple of tile_n"),
-    ((1024, 256), {"mode": "ring"}, "mode must be one of"),
+    ((4096, 200), {}, "d=200 must be a multiple of tile_n"),
+    ((1024, 256), {"num_blocks": 16, "tile_m": 128}, "num_blocks \\* tile_m = 16 \\* 128"),
     ((1024,), {}, "x must be"),
 ])
 def test_peer_all_gather_refuses_bad_arguments(shape, kwargs, match):
@@ -49,15 +48,14 @@ def test_peer_all_gather_refuses_bad_arguments(shape, kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", peer_copy.MODES)
-def test_peer_all_gather_equals_nccl(mode):
+def test_peer_all_gather_equals_nccl():
   devices = jax.devices()
   if len(devices) < 2 or devices[0].platform != "gpu":
     pytest.skip("needs two or more GPUs")
   mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
   x = jax.device_put(jax.random.normal(jax.random.key(0), (len(devices) * 2048, 1024),
                                        jnp.bfloat16), NamedSharding(mesh, P("ep")))
-  got = _sharded(functools.partial(peer_copy.all_gather, axis="ep", mode=mode), mesh)(x)
+  got = _sharded(functools.partial(peer_copy.all_gather, axis="ep", num_blocks=16), mesh)(x)
   want = _sharded(lambda v: jax.lax.all_gather(v, "ep", tiled=True), mesh)(x)
   np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 

@@ -1,24 +1,28 @@
-"""All-gather of row blocks between the GPUs of one host by TMA over NVLink, inside a Mosaic GPU
-kernel: the transport that expert-parallel dispatch and combine kernels build on.
+"""Peer copies between the GPUs of one host over NVLink, inside Mosaic GPU kernels: the transport
+that expert-parallel dispatch and combine kernels build on.
 
-Called inside `jax.shard_map` over `axis` (every device of the host). Each of `num_blocks` CTAs
-copies its share of the rows tile by tile through a pipelined SMEM stage, either
+Called inside `jax.shard_map` over `axis` (every device of the host):
 
-- "pull": TMA loads from each peer's x (`plgpu.remote_ref`) into SMEM, then TMA stores into the
-  local output's slice for that peer; or
-- "push": TMA loads of the local x, then TMA stores into each peer's output (remote stores, as
-  jax's `collective_matmul_mgpu.py` forwards its LHS).
+- `all_gather`: each of `num_blocks` CTAs TMA-loads its share of the local x tile by tile into a
+  pipelined SMEM stage and TMA-stores it into each peer's output (`plgpu.remote_ref`, as jax's
+  `collective_matmul_mgpu.py` forwards its LHS). Reference: `jax.lax.all_gather(x, axis,
+  tiled=True)`.
+- `gather_rows`: picked rows of each peer's x read by cp.async straight from the peer's memory
+  (the grouped GEMMs' row gather), then TMA-stored locally.
 
 No NVLink multicast (`multimem` stores): the kernels use point-to-point peer accesses only.
 Cross-device ordering takes two global semaphores per launch (`pl.get_global`), counted without
 decrement: every CTA signals each peer on entry and waits for all of theirs before any peer
 access (each device's x is written and its output allocated), and again after its copies
-completed (`wait_smem_to_gmem(0)`), so that no device releases its x while a peer still reads it
-(pull), and every peer's rows are in a device's output when its kernel ends (push).
+completed (`wait_smem_to_gmem(0)`), so that no device releases its x while a peer still reads it,
+and every peer's rows are in a device's output when its kernel ends.
 
-x is both read remotely and (never, at run time) written by the kernel: the write under an
-impossible condition makes XLA place the operand where peers can map it, as jax's
-`all_gather_mgpu.py` does. Reference: `jax.lax.all_gather(x, axis, tiled=True)`.
+Both kernels write x under an impossible condition (never at run time), which makes XLA place
+the operand where peers can map it, as jax's `all_gather_mgpu.py` does: `gather_rows` reads it
+remotely; `all_gather` stores into its peers' outputs, as jax's collective matmul does.
+
+Measured against NCCL on 4 GPUs: BENCHMARKS.md ("NVLink peer copies"). 64 CTAs by default: within
+2% of 128, the fastest measured, for half the row multiple (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -31,12 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-MODES = ("pull", "push")
-
-
-def _check(x, num_devices, num_blocks, tile_m, tile_n, mode):
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def _check(x, num_devices, num_blocks, tile_m, tile_n):
   if x.ndim != 2:
     raise ValueError(f"x must be (rows, d), got shape {x.shape}")
   rows, d = x.shape
@@ -68,12 +67,13 @@ def _never_write(x_ref, me):
 
 
 @functools.partial(jax.named_call, name="peer_all_gather")
-def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int = 16,
+def all_gather(x: jax.Array, *, axis: str, num_blocks: int = 64,
                tile_m: int = 64, tile_n: int = 256, max_concurrent_steps: int = 4) -> jax.Array:
   """(P * rows, d): every device's x, device i's at rows [i * rows, (i + 1) * rows). Inside a
-  shard_map over `axis`, whose size P counts the peers."""
+  shard_map over `axis`, whose size P counts the peers. rows must be a multiple of
+  num_blocks * tile_m and d of tile_n."""
   num_devices = lax.axis_size(axis)
-  _check(x, num_devices, num_blocks, tile_m, tile_n, mode)
+  _check(x, num_devices, num_blocks, tile_m, tile_n)
   rows, d = x.shape
   rows_per_block = rows // num_blocks
   tiles_n = d // tile_n
@@ -123,18 +123,10 @@ def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int =
     # access.
     barrier(ready)
     copy(x_ref.at[mine], out_ref.at[device_rows(me)], smem, loaded)
-    if mode == "pull":
-      for peer in peers:
-        copy(plgpu.remote_ref(x_ref, peer).at[mine], out_ref.at[device_rows(peer)], smem,
-             loaded)
-    else:
-      for peer in peers:
-        copy(x_ref.at[mine], plgpu.remote_ref(out_ref, peer).at[device_rows(me)], smem,
-             loaded)
+    for peer in peers:
+      copy(x_ref.at[mine], plgpu.remote_ref(out_ref, peer).at[device_rows(me)], smem, loaded)
     plgpu.wait_smem_to_gmem(0)
-    # Pull: no device leaves (releasing its x) while a peer still reads it. Push: every peer's
-    # rows are in this device's output.
-    barrier(done)
+    barrier(done)  # every peer's rows are in this device's output
 
     _never_write(x_ref, me)
 
@@ -151,7 +143,7 @@ def all_gather(x: jax.Array, *, axis: str, mode: str = "pull", num_blocks: int =
 
 @functools.partial(jax.named_call, name="peer_gather_rows")
 def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
-                tile_k: int = 256, num_blocks: int = 16) -> jax.Array:
+                tile_k: int = 256, num_blocks: int = 64) -> jax.Array:
   """(P, R, d): out[p, r] = device p's x[rows[p, r]], the rows read by cp.async straight from
   each peer's memory (the grouped GEMMs' row gather, `gather.cp_async_rows`, through a peer
   reference) into a 128-byte-swizzled SMEM stage, then TMA-stored; two stages, so one stage's
