@@ -6,11 +6,11 @@ r"""BENCHMARKS.md from the results files in benchmarks/results/, and the README'
 
 A results file is named <device>_<date>_<kind>[_<detail>].json (`grid.results_name`); its kind
 says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kernel_bench),
-"token_rounding" (token_rounding_bench), "ep" (ep_bench), "options" (moe_bench --options),
-"pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
+"token_rounding" (token_rounding_bench), "ep" (ep_bench), "nvlink" (nvlink_bench), "options"
+(moe_bench --options), "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
 the row of the same name and configuration from an older one. The kernel table takes each
 configuration from its most recent file, the expert-parallel table the most recent file of each
-device count, the pretraining section every file (the most recent first, each labelled by its
+device count, the NVLink and pretraining sections every file (the most recent first, each labelled by its
 place in date order), the token-rounding table the most recent file of the most configurations
 and its role times the most recent file that has them; the other tables show their kind's most
 recent file. Each table names the runs its rows come from: device, versions, date, command and
@@ -29,7 +29,7 @@ from benchmarks import grid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-KINDS = ("layer", "kernels", "token_rounding", "ep", "options", "pretrain")
+KINDS = ("layer", "kernels", "token_rounding", "ep", "nvlink", "options", "pretrain")
 _NAME = re.compile(r"^(?P<device>[a-z0-9_]+?)_(?P<date>\d{4}-\d{2}-\d{2})_(?P<kind>"
                    + "|".join(KINDS) + r")(_[a-z0-9_]+)?\.json$")
 # Layer rows in the order shown, with their labels; sonic_jax's rows lead, by name.
@@ -345,8 +345,10 @@ METHOD = """\
   --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
   --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest`; expert
   parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
-  --thiek=8192,4096,512,128,8 --repeats=5`; pretraining on 4 GPUs (with `.whl` for tokamax),
-  1-2 minutes a run:
+  --thiek=8192,4096,512,128,8 --repeats=5`; the NVLink peer copies' compiled tests and table,
+  about 1.5 minutes on 2 or 4 GPUs: `bash benchmarks/nvlink_gpu.sh`; pretraining on 4 GPUs (with
+  `.whl` for tokamax), 2-4 minutes a run of the OLMoE preset (a machine's first run also builds
+  the corpus's BPE: give it a longer `--timeout`):
   `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
   Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
 """
@@ -434,6 +436,19 @@ def benchmarks_md(found):
                  "communication not overlapped.\n\n"
                  + "\n\n".join(ep_table(r["results"], r["inter_node_gbps_assumed"])
                                 for r in runs) + "\n")
+  if found["nvlink"]:
+    from benchmarks.nvlink_bench import table as nvlink_table
+    labelled = [(chr(ord("a") + i), run) for i, run in enumerate(found["nvlink"])][::-1]
+    parts.append("## NVLink peer copies\n\nThe transport for expert-parallel dispatch and "
+                 "combine (`sonic_jax.mosaic_gpu.peer_copy`) against NCCL, every device of one "
+                 f"host:\n\n{runs_legend(labelled)}\n\nAll-gather of a (rows, d) bf16 array "
+                 "per device: NCCL (`jax.lax.all_gather`) against TMA stores into each peer's "
+                 "output. Row gather of half of each peer's rows in random order: NCCL's "
+                 "all-gather and an XLA gather against cp.async reads from the peers' memory. "
+                 "GB/s: bytes a device receives from its peers over the time. Each variant's "
+                 "output equalled its NCCL reference bit for bit before it was timed.\n\n"
+                 + "\n\n".join(f"Run {label}:\n\n" + nvlink_table(run["results"])
+                                 for label, run in labelled) + "\n")
   if found["pretrain"]:
     from benchmarks.pretrain_bench import curve_table as pretrain_curves
     from benchmarks.pretrain_bench import table as pretrain_table

@@ -282,10 +282,21 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   _write(results, "h100_2026-01-06_token_rounding_roles.json", rounding_run("2026-01-06", [
       {"config": cfg, "routings": [routing(0.25, role_ms=roles),
                                    routing(0.0, role_ms={**roles, "dx": 1.0})]}]))
+  nvlink_row = lambda group, variant, ms: {"rows": 8192, "d": 4096, "group": group,
+                                            "variant": variant, "ms": ms, "gbps": 1.0}
+  _write(results, "h100x2_2026-01-07_nvlink.json", {
+      "device": "NVIDIA H100 80GB HBM3", "devices": 2, "jax": "0.11.2", "date": "2026-01-07",
+      "command": "python -m benchmarks.nvlink_bench", "results": [
+          nvlink_row("all-gather", "nccl", 1.0), nvlink_row("all-gather", "push 64 CTAs", 0.8),
+          {"rows": 8192, "d": 4096, "group": "all-gather", "variant": "push 8 CTAs",
+           "error": "output differs"}]})
   out = tmp_path / "BENCHMARKS.md"
   report.main(["--results", str(results), "--out", str(out)])
   md = out.read_text()
   assert md.count("## Method") == 1 and "## Expert parallelism" not in md
+  # The NVLink table: each variant's time against its group's NCCL row; a failed one says why.
+  assert "| 8192 | 4096 | all-gather: push 64 CTAs | 0.800 | 1 | 1.25 |" in md
+  assert "| all-gather: push 8 CTAs | – | output differs | – |" in md
   layer = md[md.index("## MoE layer"):md.index("## Kernels")]
   # The more recent run's sonic_jax row replaces the older one's; the legend names each run.
   assert "| 32768,4096,1024,64,4 | sonic_jax[mosaic_gpu] | 440 | 550 |" in layer
