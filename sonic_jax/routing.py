@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from sonic_jax import precision
 from sonic_jax.config import Config, check_config
-from sonic_jax.pallas import next_pow2, rounding_select, router_topk
+from sonic_jax.pallas import rounding_select, router_topk
 from sonic_jax.precision import dot_f32
 
 Array = jax.Array
@@ -443,7 +443,8 @@ def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: in
   """(keep (T, K) bool, added (E, J) int32) by `sonic_jax.pallas.rounding_select`."""
   ids = routed.expert_ids
   t_count = ids.shape[0]
-  keys = rounding_select.selection_keys(routed.probs, ids, routed.scores, next_pow2(t_count))
+  keys = rounding_select.selection_keys(routed.probs, ids, routed.scores,
+                                        rounding_select.padded_tokens(t_count))
   keep_tc, added = rounding_select.select(keys, num_tokens=t_count, tile=tile, mode=mode,
                                           added_per_expert=per_expert,
                                           interpret=jax.default_backend() != "gpu")

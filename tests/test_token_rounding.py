@@ -211,16 +211,19 @@ def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k,
 
 @pytest.mark.parametrize("mode", MODES)
 def test_selection_kernel_over_several_chunks(rng, mode):
-  """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries)."""
+  """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries), padded to a
+  multiple of the chunk that is not a power of two (5 chunks)."""
   from sonic_jax.pallas import rounding_select
   t, e, k, tile = 300, 8, 2, 32
   logits = np.round(rng.normal(size=(t, e)) * 2).astype(np.float32) / 2
   routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
   per_expert = routing_lib.extra_pairs_per_expert(mode, tile, t)
-  keys = rounding_select.selection_keys(routed.probs, routed.expert_ids, routed.scores, 512)
-  whole = rounding_select.select(keys, num_tokens=t, tile=tile, mode=mode,
+  keys = lambda chunk: rounding_select.selection_keys(
+      routed.probs, routed.expert_ids, routed.scores, rounding_select.padded_tokens(t, chunk))
+  assert keys(64).shape == (e, 320) and keys(rounding_select.CHUNK).shape == (e, 512)
+  whole = rounding_select.select(keys(rounding_select.CHUNK), num_tokens=t, tile=tile, mode=mode,
                                  added_per_expert=per_expert, interpret=True)
-  chunked = rounding_select.select(keys, num_tokens=t, tile=tile, mode=mode,
+  chunked = rounding_select.select(keys(64), num_tokens=t, tile=tile, mode=mode,
                                    added_per_expert=per_expert, interpret=True, chunk=64)
   want = routing_lib.round_tokens(routed, tile, mode, "xla")
   for a, b in zip(whole, chunked):
@@ -252,13 +255,17 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="chunk must be a power of two"):
     rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
                            interpret=True, chunk=6)
+  with pytest.raises(ValueError, match=r"keys must be \(E, 48\) for T=40 and chunk=16"):
+    rounding_select.select(jnp.zeros((4, 64), jnp.int32), num_tokens=40, tile=32, mode="up",
+                           added_per_expert=31, interpret=True, chunk=16)
   big = routing_lib.route(jnp.zeros((70000, 2)), 1, "softmax_topk")
   with pytest.raises(ValueError, match="T=70000"):
     routing_lib.round_tokens(big, 32, "up", "kernel")
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    module = export_for_h100(
-        lambda keys: rounding_select.select(keys, num_tokens=16384, tile=128, mode="nearest",
-                                            added_per_expert=64),
-        jax.ShapeDtypeStruct((256, 16384), jnp.int32))
-    assert "xla.gpu.triton" in module
+    for t in (16384, 40960):  # one chunk; three (a row of 49,152 keys)
+      module = export_for_h100(
+          lambda keys: rounding_select.select(keys, num_tokens=t, tile=128, mode="nearest",
+                                              added_per_expert=64),
+          jax.ShapeDtypeStruct((256, rounding_select.padded_tokens(t)), jnp.int32))
+      assert "xla.gpu.triton" in module
 

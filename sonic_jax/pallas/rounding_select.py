@@ -52,6 +52,14 @@ def supports(num_tokens: int, num_experts: int, added_per_expert: int) -> str | 
   return None
 
 
+def padded_tokens(num_tokens: int, chunk: int = CHUNK) -> int:
+  """The key row's length: T up to a power of two within one chunk, else up to a multiple of the
+  chunk (40,960 tokens: 49,152 keys rather than 65,536; only the chunks must be powers of two)."""
+  if num_tokens <= chunk:
+    return next_pow2(num_tokens)
+  return -(-num_tokens // chunk) * chunk
+
+
 def num_warps(num_tokens: int) -> int:
   return max(4, min(32, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
 
@@ -77,8 +85,8 @@ def target_count(counts, tile: int, mode: str, num_tokens: int):
 
 
 def selection_keys(probs, expert_ids, scores, t_pad: int):
-  """(E, t_pad) int32 keys (module doc) of a TC routing; padding tokens get 0 (the kernel masks
-  them). probs (T, E) and scores (T, K) are read without gradient. The probabilities' bits,
+  """(E, t_pad) int32 keys (module doc) of a TC routing, t_pad = `padded_tokens(T, chunk)` for
+  `select`; padding tokens get 0 (the kernel masks them). probs (T, E) and scores (T, K) are read without gradient. The probabilities' bits,
   transposed, then the TC pairs' keys scattered in (T * K unique places): a (T, K, E) comparison
   that finds the TC pairs in place costs several times more."""
   t_count, e_count = probs.shape
@@ -164,9 +172,9 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
                                              "interpret", "chunk"))
 def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int,
            interpret: bool = False, chunk: int = CHUNK):
-  """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, t_pad); J =
-  added_per_expert, at least what the mode can add to one expert. chunk: keys per prefix sum (a
-  power of two)."""
+  """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, padded_tokens(T,
+  chunk)); J = added_per_expert, at least what the mode can add to one expert. chunk: keys per
+  prefix sum (a power of two)."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   if tile < 1:
@@ -177,8 +185,9 @@ def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int
   reason = supports(num_tokens, e_count, added_per_expert)
   if reason is not None:
     raise ValueError(f"rounding selection kernel: {reason}")
-  if t_pad != next_pow2(num_tokens):
-    raise ValueError(f"keys must be (E, {next_pow2(num_tokens)}), got {keys.shape}")
+  if t_pad != padded_tokens(num_tokens, chunk):
+    raise ValueError(f"keys must be (E, {padded_tokens(num_tokens, chunk)}) for T={num_tokens} "
+                     f"and chunk={chunk}, got {keys.shape}")
   bound = added_bound(mode, tile, num_tokens)
   if added_per_expert < bound:  # the added tokens' scatter would run past the expert's columns
     raise ValueError(f"added_per_expert={added_per_expert} is below what mode={mode!r} can add "
