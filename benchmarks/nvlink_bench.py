@@ -12,9 +12,10 @@ collectives need more pool threads than two cores give, hence PJRT_NPROC.)
 
 On a host of P >= 2 GPUs (all of `jax.devices()`). For each per-device row count: every variant's
 output is checked bit for bit against its group's NCCL variant, then timed (median of
-interleaved samples after warm-up, `benchmarks.timing`); GB/s is the bytes each device receives
-from its peers over the time: (P - 1) * rows * d * 2 for the all-gather, (P - 1) * rows / 2 * d * 2
-for the row gather (half of each peer's rows, in random order). Writes
+interleaved samples after warm-up, `benchmarks.timing`); GB/s is the bytes of the rows each device
+needs from its peers over the time: (P - 1) * rows * d * 2 for the all-gather, (P - 1) * rows / 2
+* d * 2 for the row gather (half of each peer's rows, in random order; its NCCL variant moves
+twice that, all of the peers' rows). Writes
 DIR/<device>x<P>_<date>_nvlink.json and prints a table.
 """
 
@@ -32,7 +33,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import grid, timing
-from sonic_jax.mosaic_gpu import peer_copy
 
 FLAGS = flags.FLAGS
 
@@ -49,6 +49,7 @@ def variants(mesh, num_blocks):
   """{group: {name: (jitted fn, kind)}}: the all-gathers of a (P * rows, d) array sharded over
   "ep", and the row gathers (rows (P, R) replicated: every device takes rows[p] of device p's x),
   each group's first entry the reference the others must equal."""
+  from sonic_jax.mosaic_gpu import peer_copy  # here, so that report can import `table` lightly
   sharded = lambda fn, specs=P("ep"): jax.jit(jax.shard_map(
       fn, mesh=mesh, in_specs=specs, out_specs=P("ep"), check_vma=False))
   all_gathers = {"nccl": sharded(lambda x: lax.all_gather(x, "ep", tiled=True))}

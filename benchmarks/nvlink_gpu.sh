@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The NVLink peer copies on one machine of several GPUs (nvidia-h100-x2 / -x4): their compiled
-# tests (outputs against NCCL's, bit for bit), then nvlink_bench with its arguments, results in
-# $OUT:
+# The NVLink peer copies on a host with 2 or more GPUs: their compiled tests (outputs against
+# NCCL's all-gather and a NumPy gather, bit for bit), then nvlink_bench with its arguments,
+# results in $OUT:
 #   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=16,64,128]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,28 +1,32 @@
-"""Peer copies between the GPUs of one host over NVLink, inside Mosaic GPU kernels: the transport
-that expert-parallel dispatch and combine kernels build on.
+"""Peer copies between the GPUs of one host over NVLink, inside Mosaic GPU kernels: candidate
+transports for expert-parallel dispatch and combine (the layer does not use them yet; their rates
+against NCCL are BENCHMARKS.md's "NVLink peer copies").
 
 Called inside `jax.shard_map` over `axis` (every device of the host):
 
-- `all_gather`: each of `num_blocks` CTAs TMA-loads its share of the local x tile by tile into a
-  pipelined SMEM stage and TMA-stores it into each peer's output (`plgpu.remote_ref`, as jax's
+- `all_gather`: each of `num_blocks` CTAs owns a band of the local x's rows; for each destination
+  (this device, then every peer) it TMA-loads the band tile by tile into a ring of SMEM slots and
+  TMA-stores each tile into that destination's output (`plgpu.remote_ref` for a peer, as jax's
   `collective_matmul_mgpu.py` forwards its LHS). Reference: `jax.lax.all_gather(x, axis,
   tiled=True)`.
 - `gather_rows`: picked rows of each peer's x read by cp.async straight from the peer's memory
   (the grouped GEMMs' row gather), then TMA-stored locally.
 
-No NVLink multicast (`multimem` stores): the kernels use point-to-point peer accesses only.
-Cross-device ordering takes two global semaphores per launch (`pl.get_global`), counted without
+They use point-to-point peer accesses only, not NVLink multicast (`multimem` stores), which needs
+multicast support that not every host enables. Cross-device ordering takes two global semaphores
+per launch (`pl.get_global`; Pallas zero-initialises them at every launch), counted without
 decrement: every CTA signals each peer on entry and waits for all of theirs before any peer
 access (each device's x is written and its output allocated), and again after its copies
 completed (`wait_smem_to_gmem(0)`), so that no device releases its x while a peer still reads it,
 and every peer's rows are in a device's output when its kernel ends.
 
 Both kernels write x under an impossible condition (never at run time), which makes XLA place
-the operand where peers can map it, as jax's `all_gather_mgpu.py` does: `gather_rows` reads it
-remotely; `all_gather` stores into its peers' outputs, as jax's collective matmul does.
+the operand where peers can map it, as jax's `all_gather_mgpu.py` does. `gather_rows` needs it
+(peers read its x); `all_gather` only stores into its peers' outputs, and was verified on GPUs
+with the same write.
 
-Measured against NCCL on 4 GPUs: BENCHMARKS.md ("NVLink peer copies"). 64 CTAs by default: within
-2% of 128, the fastest measured, for half the row multiple (docs/decisions.md).
+64 CTAs by default: within 2% of 128, the fastest measured, while rows need only be a multiple of
+64 * tile_m = 4096 rather than 8192 (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -35,19 +39,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-def _check(x, num_devices, num_blocks, tile_m, tile_n):
-  if x.ndim != 2:
-    raise ValueError(f"x must be (rows, d), got shape {x.shape}")
-  rows, d = x.shape
-  if jnp.dtype(x.dtype).itemsize != 2:
-    raise ValueError(f"x must be a 16-bit float, got {x.dtype}")
-  if rows % (num_blocks * tile_m):
-    raise ValueError(f"rows={rows} must be a multiple of num_blocks * tile_m = "
-                     f"{num_blocks} * {tile_m}")
-  if d % tile_n:
-    raise ValueError(f"d={d} must be a multiple of tile_n={tile_n}")
+from sonic_jax.mosaic_gpu import gather
+from sonic_jax.mosaic_gpu.grouped_gemm import tiled
+
+
+def _check_common(x, axis, num_devices, num_blocks, tile_m, tile_n):
+  if not (x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.dtype(x.dtype).itemsize == 2):
+    raise ValueError(f"x must be a (rows, d) 16-bit float array, got {x.dtype}{list(x.shape)}")
+  for name, v in (("num_blocks", num_blocks), ("tile_m", tile_m), ("tile_n", tile_n)):
+    if v < 1:
+      raise ValueError(f"{name} must be >= 1, got {v}")
+  if x.shape[1] % tile_n:
+    raise ValueError(f"d={x.shape[1]} must be a multiple of tile_n={tile_n}")
   if num_devices < 2:
-    raise ValueError(f"the axis has {num_devices} device; peer copies need at least 2")
+    raise ValueError(f"axis {axis!r} has {num_devices} device; peer copies need at least 2")
 
 
 def _barrier(sem, *, peers, signals):
@@ -71,10 +77,16 @@ def all_gather(x: jax.Array, *, axis: str, num_blocks: int = 64,
                tile_m: int = 64, tile_n: int = 256, max_concurrent_steps: int = 4) -> jax.Array:
   """(P * rows, d): every device's x, device i's at rows [i * rows, (i + 1) * rows). Inside a
   shard_map over `axis`, whose size P counts the peers. rows must be a multiple of
-  num_blocks * tile_m and d of tile_n."""
+  num_blocks * tile_m and d of tile_n; max_concurrent_steps: SMEM slots of (tile_m, tile_n), the
+  TMA loads in flight (at least 2: a slot is reloaded once the store from it has read it)."""
   num_devices = lax.axis_size(axis)
-  _check(x, num_devices, num_blocks, tile_m, tile_n)
+  _check_common(x, axis, num_devices, num_blocks, tile_m, tile_n)
   rows, d = x.shape
+  if rows % (num_blocks * tile_m):
+    raise ValueError(f"rows={rows} must be a multiple of num_blocks * tile_m = "
+                     f"{num_blocks} * {tile_m}")
+  if max_concurrent_steps < 2:
+    raise ValueError(f"max_concurrent_steps must be >= 2, got {max_concurrent_steps}")
   rows_per_block = rows // num_blocks
   tiles_n = d // tile_n
   steps = rows_per_block // tile_m * tiles_n
@@ -142,31 +154,33 @@ def all_gather(x: jax.Array, *, axis: str, num_blocks: int = 64,
 
 
 @functools.partial(jax.named_call, name="peer_gather_rows")
-def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
-                tile_k: int = 256, num_blocks: int = 64) -> jax.Array:
+def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, num_blocks: int = 64,
+                tile_m: int = 64, tile_n: int = 256) -> jax.Array:
   """(P, R, d): out[p, r] = device p's x[rows[p, r]], the rows read by cp.async straight from
   each peer's memory (the grouped GEMMs' row gather, `gather.cp_async_rows`, through a peer
   reference) into a 128-byte-swizzled SMEM stage, then TMA-stored; two stages, so one stage's
   gather runs while the other is stored. Inside a shard_map over `axis`; rows: (P, R) int32 on
-  every device."""
-  from sonic_jax.mosaic_gpu import gather
-  from sonic_jax.mosaic_gpu.grouped_gemm import tiled
-
+  every device, each in [0, T) (not checked: an index outside reads another buffer). The
+  P * (R / tile_m) * (d / tile_n) tiles are dealt to the CTAs in turn, so their number must be a
+  multiple of num_blocks."""
   num_devices = lax.axis_size(axis)
-  if x.ndim != 2 or jnp.dtype(x.dtype).itemsize != 2:
-    raise ValueError(f"x must be a (T, d) 16-bit float array, got {x.dtype}{list(x.shape)}")
+  _check_common(x, axis, num_devices, num_blocks, tile_m, tile_n)
   if rows.shape[:1] != (num_devices,) or rows.ndim != 2 or rows.dtype != jnp.int32:
     raise ValueError(f"rows must be ({num_devices}, R) int32, got {rows.dtype}{list(rows.shape)}")
-  if num_devices < 2:
-    raise ValueError(f"the axis has {num_devices} device; peer copies need at least 2")
+  # cp_async_rows: 128-byte (64-element) column spans, 8-row swizzle groups, whole passes of a
+  # warpgroup's 128 threads copying 16 bytes each.
+  if tile_n % 64 or tile_m % 8 or (tile_m * tile_n // 8) % 128:
+    raise ValueError(f"tile_n={tile_n} must be a multiple of 64, tile_m={tile_m} of 8, and "
+                     f"tile_m * tile_n / 8 of 128")
   d = x.shape[1]
   r = rows.shape[1]
-  if r % tile_m or d % tile_k:
-    raise ValueError(f"R={r} and d={d} must be multiples of tile_m={tile_m} and tile_k={tile_k}")
-  tiles_m, tiles_k = r // tile_m, d // tile_k
-  total = num_devices * tiles_m * tiles_k
+  if r % tile_m:
+    raise ValueError(f"R={r} must be a multiple of tile_m={tile_m}")
+  tiles_m, tiles_n = r // tile_m, d // tile_n
+  total = num_devices * tiles_m * tiles_n
   if total % num_blocks:
-    raise ValueError(f"the {total} tiles must split evenly over num_blocks={num_blocks}")
+    raise ValueError(f"the P * (R / tile_m) * (d / tile_n) = {total} tiles must split evenly over "
+                     f"num_blocks={num_blocks}")
   steps = total // num_blocks
 
   def kernel(x_ref, rows_ref, out_ref, stage, ready):
@@ -181,12 +195,13 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
 
     def where(step):
       t = block + step * num_blocks
-      device, rest = t // (tiles_m * tiles_k), t % (tiles_m * tiles_k)
-      return device, pl.ds(rest // tiles_k * tile_m, tile_m), pl.ds(rest % tiles_k * tile_k, tile_k)
+      device, rest = t // (tiles_m * tiles_n), t % (tiles_m * tiles_n)
+      return (device, pl.ds(rest // tiles_n * tile_m, tile_m),
+              pl.ds(rest % tiles_n * tile_n, tile_n))
 
     def issue(step):
-      device, m, k = where(step)
-      copy = lambda src: gather.cp_async_rows(src.at[:, k], rows_ref.at[device, m],
+      device, m, cols = where(step)
+      copy = lambda src: gather.cp_async_rows(src.at[:, cols], rows_ref.at[device, m],
                                               raw.at[step % 2], ready.at[step % 2],
                                               source_row_stride=d)
       pl.when(device == me)(lambda: copy(x_ref))
@@ -203,8 +218,8 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
         issue(step + 1)
 
       gather.wait_stage(ready.at[step % 2], lax.rem(step // 2, 2))
-      device, m, k = where(step)
-      plgpu.copy_smem_to_gmem(tiles.at[step % 2], out_ref.at[device, m, k])
+      device, m, cols = where(step)
+      plgpu.copy_smem_to_gmem(tiles.at[step % 2], out_ref.at[device, m, cols])
 
     plgpu.wait_smem_to_gmem(0)
     barrier(sem_done)  # no device releases its x while a peer still reads it
@@ -214,8 +229,8 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, tile_m: int = 64,
       kernel,
       out_type=jax.ShapeDtypeStruct((num_devices, r, d), x.dtype),
       scratch_types=[plgpu.RefUnion(
-                         plgpu.SMEM((2, tile_m, tile_k), x.dtype, transforms=tiled(x.dtype)),
-                         plgpu.SMEM((2, tile_m, tile_k), x.dtype)),  # raw, for cp.async
+                         plgpu.SMEM((2, tile_m, tile_n), x.dtype, transforms=tiled(x.dtype)),
+                         plgpu.SMEM((2, tile_m, tile_n), x.dtype)),  # raw, for cp.async
                      gather.stage_barriers(2)],
       grid=(num_blocks,),
       grid_names=("blocks",),
