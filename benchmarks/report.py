@@ -4,17 +4,17 @@ r"""BENCHMARKS.md from the results files in benchmarks/results/, and the README'
   python -m benchmarks.report --readme        # prints the README's table
   python -m benchmarks.report --results=DIR --out=FILE
 
-A results file is named <device>_<date>_<kind>[_<detail>].json (`grid.results_name`); its kind
-says which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kernel_bench),
+A results file is named <device>_<date>_<kind>[_<detail>].json (`grid.results_name`); its kind says
+which table it feeds: "layer" (moe_bench, sonicmoe_bench), "kernels" (kernel_bench),
 "token_rounding" (token_rounding_bench), "ep" (ep_bench), "nvlink" (nvlink_bench), "options"
-(moe_bench --options), "pretrain" (pretrain_bench). Layer files merge in date order: a row of a more recent run replaces
-the row of the same name and configuration from an older one. The kernel table takes each
-configuration from its most recent file, the expert-parallel table the most recent file of each
-device count, the NVLink and pretraining sections every file (the most recent first, each labelled by its
-place in date order), the token-rounding table the most recent file of the most configurations
-and its role times the most recent file that has them; the other tables show their kind's most
-recent file. Each table names the runs its rows come from: device, versions, date, command and
-the file's "notes" where it has them. Runs anywhere (no GPU needed).
+(moe_bench --options), "pretrain" (pretrain_bench). Layer files merge in date order: a row of a
+more recent run replaces the row of the same name and configuration from an older one. The kernel
+table takes each configuration from its most recent file, the expert-parallel table the most recent
+file of each device count, the NVLink and pretraining sections every file (the most recent first,
+each labelled by its place in date order), the token-rounding table the most recent file of the
+most configurations and its role times the most recent file that has them; the other tables show
+their kind's most recent file. Each table names the runs its rows come from: device, versions,
+date, command and the file's "notes" where it has them. Runs anywhere (no GPU needed).
 """
 
 from __future__ import annotations
@@ -82,6 +82,12 @@ def _ms(v):
 def _versions(rec):
   keys = (("jax", "jax"), ("sonicmoe", "sonic-moe"), ("torch", "torch"), ("tokamax", "tokamax"))
   return ", ".join(f"{label} {rec[k]}" for k, label in keys if isinstance(rec.get(k), str))
+
+
+def _labelled(runs):
+  """[(label, run)] newest first; labelled oldest first ("a", "b", ...), so that a file keeps its
+  label when newer ones come."""
+  return [(chr(ord("a") + i), run) for i, run in enumerate(runs)][::-1]
 
 
 def runs_legend(labelled):
@@ -438,22 +444,23 @@ def benchmarks_md(found):
                                 for r in runs) + "\n")
   if found["nvlink"]:
     from benchmarks.nvlink_bench import table as nvlink_table
-    labelled = [(chr(ord("a") + i), run) for i, run in enumerate(found["nvlink"])][::-1]
-    parts.append("## NVLink peer copies\n\nThe transport for expert-parallel dispatch and "
-                 "combine (`sonic_jax.mosaic_gpu.peer_copy`) against NCCL, every device of one "
-                 f"host:\n\n{runs_legend(labelled)}\n\nAll-gather of a (rows, d) bf16 array "
+    labelled = _labelled(found["nvlink"])
+    parts.append("## NVLink peer copies\n\nCandidate transports for expert-parallel dispatch "
+                 "and combine (`sonic_jax.mosaic_gpu.peer_copy`; the layer does not use them "
+                 "yet) against NCCL, every device of one host:\n\n"
+                 f"{runs_legend(labelled)}\n\nAll-gather of a (rows, d) bf16 array "
                  "per device: NCCL (`jax.lax.all_gather`) against TMA stores into each peer's "
                  "output. Row gather of half of each peer's rows in random order: NCCL's "
                  "all-gather and an XLA gather against cp.async reads from the peers' memory. "
-                 "GB/s: bytes a device receives from its peers over the time. Each variant's "
-                 "output equalled its NCCL reference bit for bit before it was timed.\n\n"
+                 "GB/s: bytes of the rows a device needs from its peers over the time (the NCCL "
+                 "row gather moves twice that). Each variant's output equalled its NCCL "
+                 "reference bit for bit before it was timed.\n\n"
                  + "\n\n".join(f"Run {label}:\n\n" + nvlink_table(run["results"])
                                  for label, run in labelled) + "\n")
   if found["pretrain"]:
     from benchmarks.pretrain_bench import curve_table as pretrain_curves
     from benchmarks.pretrain_bench import table as pretrain_table
-    # Labelled oldest first, so a file keeps its label when newer ones come; shown newest first.
-    labelled = [(chr(ord("a") + i), run) for i, run in enumerate(found["pretrain"])][::-1]
+    labelled = _labelled(found["pretrain"])
     parts.append(f"## Pretraining\n\n{runs_legend(labelled)}\n\n"
                  "`examples/pretrain/train.py --config=...`, one run after another on the same "
                  "devices (`benchmarks.pretrain_bench`), a table for each results file; MFU is "

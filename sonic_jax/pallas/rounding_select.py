@@ -53,8 +53,9 @@ def supports(num_tokens: int, num_experts: int, added_per_expert: int) -> str | 
 
 
 def padded_tokens(num_tokens: int, chunk: int = CHUNK) -> int:
-  """The key row's length: T up to a power of two within one chunk, else up to a multiple of the
-  chunk (40,960 tokens: 49,152 keys rather than 65,536; only the chunks must be powers of two)."""
+  """The key row's length for `select` with this chunk (a power of two): T rounded up to a power
+  of two within one chunk, else to a multiple of the chunk (40,960 tokens: 49,152 keys). The
+  kernel loads and stores the row a chunk at a time, and only those must be powers of two."""
   if num_tokens <= chunk:
     return next_pow2(num_tokens)
   return -(-num_tokens // chunk) * chunk
@@ -86,9 +87,10 @@ def target_count(counts, tile: int, mode: str, num_tokens: int):
 
 def selection_keys(probs, expert_ids, scores, t_pad: int):
   """(E, t_pad) int32 keys (module doc) of a TC routing, t_pad = `padded_tokens(T, chunk)` for
-  `select`; padding tokens get 0 (the kernel masks them). probs (T, E) and scores (T, K) are read without gradient. The probabilities' bits,
-  transposed, then the TC pairs' keys scattered in (T * K unique places): a (T, K, E) comparison
-  that finds the TC pairs in place costs several times more."""
+  `select`; padding tokens get 0 (the kernel masks them). probs (T, E) and scores (T, K) are read
+  without gradient. The probabilities' bits, transposed, then the TC pairs' keys scattered in
+  (T * K unique places): a (T, K, E) comparison that finds the TC pairs in place costs several
+  times more."""
   t_count, e_count = probs.shape
   probs = lax.stop_gradient(probs).astype(jnp.float32)
   scores = lax.stop_gradient(scores).astype(jnp.float32)
