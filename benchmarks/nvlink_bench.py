@@ -3,7 +3,7 @@ GPU peer copies of `sonic_jax.mosaic_gpu.peer_copy`: the all-gather by TMA store
 and the row gather by cp.async from the peers' memory (against NCCL's all-gather and an XLA gather).
 
   python -m benchmarks.nvlink_bench [--rows=16384,8192] [--d=4096] [--num_blocks=16,64,128]
-      [--out=dir]
+      [--stages=2,4] [--out=dir]
   PJRT_NPROC=16 XLA_FLAGS=--xla_force_host_platform_device_count=2 \
       python -m benchmarks.nvlink_bench --rows=256 --d=256 --num_blocks=2   # the harness on a CPU
 
@@ -41,11 +41,12 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_list("rows", ["16384", "8192"], "rows per device (T_local)")
   flags.DEFINE_integer("d", 4096, "row width")
   flags.DEFINE_list("num_blocks", ["16", "64", "128"], "CTAs of the peer-copy kernels")
+  flags.DEFINE_list("stages", ["2", "4"], "SMEM stages of the row gather")
   flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
   flags.DEFINE_string("out", "bench_out", "output folder")
 
 
-def variants(mesh, num_blocks):
+def variants(mesh, num_blocks, stages):
   """{group: {name: (jitted fn, kind)}}: the all-gathers of a (P * rows, d) array sharded over
   "ep", and the row gathers (rows (P, R) replicated: every device takes rows[p] of device p's x),
   each group's first entry the reference the others must equal."""
@@ -63,8 +64,9 @@ def variants(mesh, num_blocks):
 
   row_gathers = {"nccl all-gather + XLA gather": sharded(nccl_take, (P("ep"), P()))}
   for blocks in num_blocks:
-    row_gathers[f"cp.async from peers {blocks} CTAs"] = sharded(functools.partial(
-        peer_copy.gather_rows, axis="ep", num_blocks=blocks), (P("ep"), P()))
+    for n in stages:
+      row_gathers[f"cp.async from peers {blocks} CTAs, {n} stages"] = sharded(functools.partial(
+          peer_copy.gather_rows, axis="ep", num_blocks=blocks, stages=n), (P("ep"), P()))
   return {"all-gather": all_gathers, "row gather": row_gathers}
 
 
@@ -98,7 +100,7 @@ def main(_):
     rng = np.random.default_rng(rows)
     picked = jax.device_put(np.stack([rng.permutation(rows)[:rows // 2] for _ in range(p)]).astype(
         np.int32), NamedSharding(mesh, P()))
-    groups = variants(mesh, [int(b) for b in FLAGS.num_blocks])
+    groups = variants(mesh, [int(b) for b in FLAGS.num_blocks], [int(n) for n in FLAGS.stages])
     for group, calls in groups.items():
       args = (x,) if group == "all-gather" else (x, picked)
       received = (p - 1) * (rows if group == "all-gather" else rows // 2) * FLAGS.d * 2

@@ -2,7 +2,7 @@
 # The NVLink peer copies on a host with 2 or more GPUs: their compiled tests (outputs against
 # NCCL's all-gather and a NumPy gather, bit for bit), then nvlink_bench with its arguments,
 # results in $OUT:
-#   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=16,64,128]
+#   bash benchmarks/nvlink_gpu.sh [--rows=16384,8192] [--num_blocks=16,64,128] [--stages=2,4]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

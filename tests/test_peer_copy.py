@@ -70,14 +70,15 @@ def _gather_rows_fn(mesh, **kwargs):
                                check_vma=False))
 
 
-@pytest.mark.parametrize("devices", [2, 4])
-def test_peer_gather_rows_lowers_for_h100s(devices):
+@pytest.mark.parametrize("devices, stages", [(2, 2), (4, 2), (4, 4)])
+def test_peer_gather_rows_lowers_for_h100s(devices, stages):
   mesh = h100_abstract_mesh(axes={"ep": devices})
   x = jax.ShapeDtypeStruct((devices * 1024, 4096), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P("ep")))
   rows = jax.ShapeDtypeStruct((devices, 512), jnp.int32, sharding=NamedSharding(mesh, P()))
+  fn = _gather_rows_fn(mesh, stages=stages)
   with jax.sharding.use_abstract_mesh(mesh):
-    text = _gather_rows_fn(mesh).trace(x, rows).lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(x, rows).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
 
@@ -85,6 +86,7 @@ def test_peer_gather_rows_lowers_for_h100s(devices):
     ((3, 512), {}, "rows must be \\(2, R\\) int32"),
     ((2, 500), {}, "R=500 must be a multiple of tile_m=64"),
     ((2, 512), {"tile_n": 32}, "tile_n=32 must be a multiple of 64"),
+    ((2, 512), {"stages": 1}, "stages must be >= 2"),
     ((2, 512), {"num_blocks": 48}, "the P \\* \\(R / tile_m\\) \\* \\(d / tile_n\\) = 256 tiles"),
 ])
 def test_peer_gather_rows_refuses_bad_arguments(rows_shape, kwargs, match):
@@ -96,7 +98,8 @@ def test_peer_gather_rows_refuses_bad_arguments(rows_shape, kwargs, match):
 
 
 @pytest.mark.gpu
-def test_peer_gather_rows_equals_the_gathered_rows():
+@pytest.mark.parametrize("stages", [2, 4])
+def test_peer_gather_rows_equals_the_gathered_rows(stages):
   devices = jax.devices()
   if len(devices) < 2 or devices[0].platform != "gpu":
     pytest.skip("needs two or more GPUs")
@@ -104,9 +107,10 @@ def test_peer_gather_rows_equals_the_gathered_rows():
   mesh = jax.make_mesh((p,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
   x = jax.random.normal(jax.random.key(0), (p * 2048, 1024), jnp.bfloat16)
   rows = jax.random.randint(jax.random.key(1), (p, 512), 0, 2048, jnp.int32)
-  # 8 CTAs: each takes several tiles, so the two stages are reused.
-  got = _gather_rows_fn(mesh, num_blocks=8)(jax.device_put(x, NamedSharding(mesh, P("ep"))),
-                                            jax.device_put(rows, NamedSharding(mesh, P())))
+  # 8 CTAs: each takes several tiles, so the stages are reused.
+  got = _gather_rows_fn(mesh, num_blocks=8, stages=stages)(
+      jax.device_put(x, NamedSharding(mesh, P("ep"))),
+      jax.device_put(rows, NamedSharding(mesh, P())))
   want = np.stack([np.asarray(x)[i * 2048 + np.asarray(rows[i])] for i in range(p)])
   # Every device gathers the same rows: the output holds P copies of (P, R, d).
   got = np.asarray(got).reshape(p, p, 512, 1024)

@@ -155,11 +155,12 @@ def all_gather(x: jax.Array, *, axis: str, num_blocks: int = 64,
 
 @functools.partial(jax.named_call, name="peer_gather_rows")
 def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, num_blocks: int = 64,
-                tile_m: int = 64, tile_n: int = 256) -> jax.Array:
+                tile_m: int = 64, tile_n: int = 256, stages: int = 2) -> jax.Array:
   """(P, R, d): out[p, r] = device p's x[rows[p, r]], the rows read by cp.async straight from
   each peer's memory (the grouped GEMMs' row gather, `gather.cp_async_rows`, through a peer
-  reference) into a 128-byte-swizzled SMEM stage, then TMA-stored; two stages, so one stage's
-  gather runs while the other is stored. Inside a shard_map over `axis`; rows: (P, R) int32 on
+  reference) into a ring of `stages` 128-byte-swizzled SMEM stages, each then TMA-stored; the
+  gathers of the next stages - 1 tiles are in flight while one is stored (stages >= 2).
+  Inside a shard_map over `axis`; rows: (P, R) int32 on
   every device, each in [0, T) (not checked: an index outside reads another buffer). The
   P * (R / tile_m) * (d / tile_n) tiles are dealt to the CTAs in turn, so their number must be a
   multiple of num_blocks."""
@@ -176,6 +177,8 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, num_blocks: int = 6
   r = rows.shape[1]
   if r % tile_m:
     raise ValueError(f"R={r} must be a multiple of tile_m={tile_m}")
+  if stages < 2:
+    raise ValueError(f"stages must be >= 2, got {stages}")
   tiles_m, tiles_n = r // tile_m, d // tile_n
   total = num_devices * tiles_m * tiles_n
   if total % num_blocks:
@@ -202,24 +205,27 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, num_blocks: int = 6
     def issue(step):
       device, m, cols = where(step)
       copy = lambda src: gather.cp_async_rows(src.at[:, cols], rows_ref.at[device, m],
-                                              raw.at[step % 2], ready.at[step % 2],
+                                              raw.at[step % stages], ready.at[step % stages],
                                               source_row_stride=d)
       pl.when(device == me)(lambda: copy(x_ref))
       pl.when(device != me)(lambda: copy(plgpu.remote_ref(x_ref, device)))
 
     barrier(sem_ready)
-    issue(0)
+    for step in range(min(stages - 1, steps)):
+      issue(step)
 
     @pl.loop(0, steps)
     def _(step):
-      @pl.when(step + 1 < steps)
+      # The stage for step + stages - 1 is the one step - 1 stored from: once that store has read
+      # it (the latest pending store), its gather is issued.
+      @pl.when(step + stages - 1 < steps)
       def _():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other stage's store has read it
-        issue(step + 1)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        issue(step + stages - 1)
 
-      gather.wait_stage(ready.at[step % 2], lax.rem(step // 2, 2))
+      gather.wait_stage(ready.at[step % stages], lax.rem(step // stages, 2))
       device, m, cols = where(step)
-      plgpu.copy_smem_to_gmem(tiles.at[step % 2], out_ref.at[device, m, cols])
+      plgpu.copy_smem_to_gmem(tiles.at[step % stages], out_ref.at[device, m, cols])
 
     plgpu.wait_smem_to_gmem(0)
     barrier(sem_done)  # no device releases its x while a peer still reads it
@@ -229,9 +235,9 @@ def gather_rows(x: jax.Array, rows: jax.Array, *, axis: str, num_blocks: int = 6
       kernel,
       out_type=jax.ShapeDtypeStruct((num_devices, r, d), x.dtype),
       scratch_types=[plgpu.RefUnion(
-                         plgpu.SMEM((2, tile_m, tile_n), x.dtype, transforms=tiled(x.dtype)),
-                         plgpu.SMEM((2, tile_m, tile_n), x.dtype)),  # raw, for cp.async
-                     gather.stage_barriers(2)],
+                         plgpu.SMEM((stages, tile_m, tile_n), x.dtype, transforms=tiled(x.dtype)),
+                         plgpu.SMEM((stages, tile_m, tile_n), x.dtype)),  # raw, for cp.async
+                     gather.stage_barriers(stages)],
       grid=(num_blocks,),
       grid_names=("blocks",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
