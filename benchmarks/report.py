@@ -357,6 +357,10 @@ METHOD = """\
   the corpus's BPE: give it a longer `--timeout`):
   `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
   Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
+- **Two versions of the code** are compared in one device call, alternating, since timings compare
+  only within one machine and one call: `bash tools/ab_trees.sh prepare REF` on the CPU machine,
+  then, carrying `.cache/ab_base`, `bash tools/ab_trees.sh run --rounds=2 -- CMD` on the GPU
+  machine (CMD writes to `$AB_OUT`).
 """
 
 

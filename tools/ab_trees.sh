@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# An A/B of two versions of the code on one machine in one call: the same command run in a base
+# tree (another commit's files) and in the working tree, alternating, so that both see the same
+# GPU, clocks and load (timings compare only within one machine and one call).
+#
+#   bash tools/ab_trees.sh prepare REF     # here: REF's files into .cache/ab_base (git-ignored;
+#                                          # pass it to the device call's carry)
+#   bash tools/ab_trees.sh run [--rounds=N] -- CMD ARGS...
+#                                          # on the GPU machine: CMD in both trees, N rounds
+#
+# Each run executes CMD from its tree's root with PYTHONPATH there and AB_OUT set to
+# $OUT/<tree>/<round> (created), e.g.
+#   bash tools/ab_trees.sh run -- python -m benchmarks.token_rounding_bench --modes=nearest \
+#       --kernel_trace --thiek=40960,768,256,128,8 --out=\$AB_OUT
+# Round r runs base then new when r is odd, new then base when even.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+base=${AB_BASE:-.cache/ab_base}  # the base tree's folder
+
+case "${1:-}" in
+  prepare)
+    ref=${2:?"prepare needs a commit, e.g. main"}
+    rm -rf "$base" && mkdir -p "$base"
+    git archive "$ref" sonic_jax benchmarks tools tests pyproject.toml | tar -x -C "$base"
+    rm -rf "$base/benchmarks/results"
+    echo "$ref ($(git rev-parse --short "$ref")) in $base: carry it to the device call"
+    ;;
+  run)
+    shift
+    rounds=1
+    if [[ "${1:-}" == --rounds=* ]]; then rounds=${1#--rounds=}; shift; fi
+    [[ "${1:-}" == -- ]] && shift
+    (( $# )) || { echo "run needs a command after --" >&2; exit 2; }
+    [[ -d $base/sonic_jax ]] || { echo "$base is missing: run 'prepare REF' and carry it" >&2
+                                  exit 2; }
+    out=${OUT:-ab_out}
+    one() {  # tree name, tree root, round
+      local dir="$out/$1/$3"
+      mkdir -p "$dir"
+      dir=$(cd "$dir" && pwd)
+      echo "== $1, round $3"
+      (cd "$2" && PYTHONPATH="$PWD" AB_OUT="$dir" bash -c "$CMD")
+    }
+    CMD=$(printf '%q ' "$@")
+    CMD=${CMD//\\\$AB_OUT/\$AB_OUT}  # let \$AB_OUT in the arguments expand in each tree
+    for (( r = 1; r <= rounds; r++ )); do
+      if (( r % 2 )); then one base "$base" "$r"; one new . "$r"
+      else one new . "$r"; one base "$base" "$r"; fi
+    done
+    ;;
+  *)
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac
