@@ -340,7 +340,9 @@ def test_ab_trees_runs_a_command_in_both_trees(tmp_path):
   env = {**os.environ, "AB_BASE": str(tmp_path / "base"), "OUT": str(tmp_path / "out")}
   script = os.path.join(ROOT, "tools", "ab_trees.sh")
   subprocess.run(["bash", script, "prepare", "HEAD"], env=env, check=True, capture_output=True)
-  probe = "import os, sonic_jax; print(os.path.dirname(sonic_jax.__file__), os.environ['AB_OUT'])"
+  # find_spec locates the package without importing it (and jax).
+  probe = ("import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("
+           "'sonic_jax').origin), os.environ['AB_OUT'])")
   run = subprocess.run(["bash", script, "run", "--rounds=2", "--", sys.executable, "-c", probe],
                        env=env, check=True, capture_output=True, text=True)
   lines = [l for l in run.stdout.splitlines() if not l.startswith("==")]
