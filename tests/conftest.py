@@ -37,11 +37,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-# The files whose tests start subprocesses or train (30-95 s each on the 2-core CI machine): run
-# first, so that pytest-xdist's workers end on short tests rather than one waiting for the other.
-LONG_FIRST = ("test_pretrain.py", "test_parallel.py", "test_benchmarks.py")
-
-
 def pytest_collection_modifyitems(config, items):
   import jax
   on_gpu = jax.default_backend() == "gpu"
@@ -49,9 +44,6 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not on_gpu:
       item.add_marker(skip)
-  rank = lambda item: next((i for i, name in enumerate(LONG_FIRST)
-                            if item.nodeid.split("::")[0].endswith(name)), len(LONG_FIRST))
-  items.sort(key=rank)  # stable: each file keeps its order
 
 
 @pytest.fixture
