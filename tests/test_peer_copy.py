@@ -16,6 +16,14 @@ from cases import h100_abstract_mesh
 from sonic_jax.mosaic_gpu import peer_copy
 
 
+def _gpu_mesh():
+  """An "ep" mesh over every GPU of the host; skips the test with fewer than two."""
+  devices = jax.devices()
+  if len(devices) < 2 or devices[0].platform != "gpu":
+    pytest.skip("needs two or more GPUs")
+  return jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
 def _sharded(fn, mesh):
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
                                check_vma=False))
@@ -52,11 +60,8 @@ def test_peer_all_gather_refuses_bad_arguments(shape, kwargs, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_blocks", [16, 64])
 def test_peer_all_gather_equals_nccl(num_blocks):
-  devices = jax.devices()
-  if len(devices) < 2 or devices[0].platform != "gpu":
-    pytest.skip("needs two or more GPUs")
-  mesh = jax.make_mesh((len(devices),), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
-  x = jax.device_put(jax.random.normal(jax.random.key(0), (len(devices) * 4096, 1024),
+  mesh = _gpu_mesh()
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (mesh.size * 4096, 1024),
                                        jnp.bfloat16), NamedSharding(mesh, P("ep")))
   got = _sharded(functools.partial(peer_copy.all_gather, axis="ep", num_blocks=num_blocks),
                  mesh)(x)
@@ -100,11 +105,8 @@ def test_peer_gather_rows_refuses_bad_arguments(rows_shape, kwargs, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("stages", [2, 4])
 def test_peer_gather_rows_equals_the_gathered_rows(stages):
-  devices = jax.devices()
-  if len(devices) < 2 or devices[0].platform != "gpu":
-    pytest.skip("needs two or more GPUs")
-  p = len(devices)
-  mesh = jax.make_mesh((p,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = _gpu_mesh()
+  p = mesh.size
   x = jax.random.normal(jax.random.key(0), (p * 2048, 1024), jnp.bfloat16)
   rows = jax.random.randint(jax.random.key(1), (p, 512), 0, 2048, jnp.int32)
   # 8 CTAs: each takes several tiles, so the stages are reused.
