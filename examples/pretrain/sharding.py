@@ -26,7 +26,7 @@ def shard_spec(names, shape, mesh, fsdp):
     axes[lead] = "ep"
   if fsdp and "embed" in names:
     i = names.index("embed")
-    for over in ((("data",) if expert else ("data", "ep")), ("data",)):
+    for over in ([("data",)] if expert else [("data", "ep"), ("data",)]):
       if shape[i] % math.prod(mesh.shape[a] for a in over) == 0:
         axes[i] = over if len(over) > 1 else over[0]
         break
