@@ -74,6 +74,24 @@ def test_kernel_bench_interpreted(tmp_path):
   assert abs(cfg["backward_sum_ms"] - sum(ms[n] for n in report.BWD_KERNELS)) < 1e-9
 
 
+def test_gather_sum_bench_cases_and_table():
+  """The gather-sum sweep's configurations fit SMEM and include the default; a folded slot reads a
+  row for about one token in eight; the table ranks each case's variants against XLA's."""
+  from benchmarks import gather_sum_bench as bench
+  from sonic_jax.mosaic_gpu import gather_sum as gs
+  for s in (16, 17):
+    found = bench.configs(4096, s)
+    assert gs.default_config(4096, s) in found
+    assert all(4096 % c.block_columns == 0 and c.num_stages % 2 == 0 for c in found)
+  rows, pair_row, weights, read = bench.problem(512, 256, 17)
+  assert rows.shape == (512 * 16, 256) and pair_row.shape == weights.shape == (512, 17)
+  assert 16.05 < read < 16.25 and bool(jnp.all(weights[:, 16] == 1))
+  results = [{"T": 8, "d": 256, "S": 17, "variant": v, "us": us, "gbps": 1.0}
+             for v, us in (("xla", 10.0), ("256 columns, 2 stages (default)", 5.0))]
+  text = bench.table(results)
+  assert "| 8,256,17 | 256 columns, 2 stages (default) | 5.0 | 1 | 2.00 |" in text
+
+
 def test_token_rounding_bench(tmp_path):
   name, res = _run(["benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2", "--backend=xla",
                     "--repeats=2", "--modes=up,down", "--role_times"], tmp_path)

@@ -37,6 +37,7 @@ from sonic_jax.mosaic_gpu.grouped_gemm import drain_ring, num_sms, persistent_la
 VIEW_COLUMNS = (256, 128)
 MAX_SLOTS = 32
 STAGE_BYTES = 32 * 1024  # default piece: S row pieces of about this many bytes a stage
+PIECE_BYTES = 2 * 1024  # ... but no smaller a row piece (one TMA copy) where d allows
 SMEM_BYTES = 200 * 1024  # for the ring and the output staging
 _SUMMING_WGS = 2
 
@@ -67,11 +68,12 @@ def ring_stages(block_columns: int, slots: int, itemsize: int = 2, out_itemsize:
 
 
 def default_config(d: int, slots: int, itemsize: int = 2, out_itemsize: int = 2) -> GatherSumConfig:
-  """Pieces of about STAGE_BYTES a stage (the widest divisor of d up to that), on `ring_stages`."""
+  """Pieces of about STAGE_BYTES a stage but at least PIECE_BYTES a row (the widest divisor of d up
+  to that), on `ring_stages`: the copy's size matters more than the ring's depth."""
   c = view_columns(d)
   if c is None:
     raise ValueError(f"d={d} is not a multiple of {VIEW_COLUMNS[-1]}")
-  want = max(c, STAGE_BYTES // (slots * itemsize))
+  want = max(c, STAGE_BYTES // (slots * itemsize), PIECE_BYTES // itemsize)
   block = max(b for b in range(c, d + 1, c) if d % b == 0 and (b <= want or b == c))
   return GatherSumConfig(block_columns=block,
                          num_stages=ring_stages(block, slots, itemsize, out_itemsize))

@@ -1,0 +1,124 @@
+r"""The forward's gather-sum kernel (`sonic_jax.mosaic_gpu.gather_sum`) over its configurations:
+every (block_columns, num_stages) that fits, and the default, against XLA's gather fusion.
+
+  python -m benchmarks.gather_sum_bench [--tds=32768,4096,16 --tds=32768,4096,17] [--out=dir]
+
+A case T,d,S is T tokens of S slots over R = T * min(S, 16) grouped rows in random order. With
+S = 17 the last slot is token rounding's folded extra slot (`sonic_jax.pallas.extras_sum`): one
+token in eight has a row there, the others point past the rows (R), as the layer passes it. Each
+variant's output is checked against XLA's (relative error) before it is timed (median of
+interleaved samples after warm-up, `benchmarks.timing`); GB/s counts the rows a token reads.
+Writes DIR/<device>_<date>_gather_sum.json and prints a table. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import grid, timing
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("tds", None, "case T,d,S (repeatable; default 32768,4096,16 and 17)")
+flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
+flags.DEFINE_string("out", "bench_out", "output folder")
+
+DEFAULT_CASES = ("32768,4096,16", "32768,4096,17")
+
+
+def problem(t, d, s, seed=0):
+  """(rows (R, d) bf16, pair_row (T, S) int32, weights (T, S) float32, rows read per token)."""
+  rng = np.random.default_rng(seed)
+  slot_pairs = min(s, 16)
+  num_rows = t * slot_pairs
+  pair_row = rng.permutation(num_rows).reshape(t, slot_pairs).astype(np.int32)
+  weights = rng.random((t, s), dtype=np.float32)
+  read = float(slot_pairs)
+  if s > slot_pairs:  # the folded extra slots: a row for one token in eight, else past the rows
+    extra = np.where(rng.random((t, s - slot_pairs)) < 0.125,
+                     rng.integers(0, num_rows, (t, s - slot_pairs)), num_rows).astype(np.int32)
+    pair_row = np.concatenate([pair_row, extra], 1)
+    weights[:, slot_pairs:] = 1.0
+    read += float(np.mean(extra < num_rows)) * (s - slot_pairs)
+  rows = rng.standard_normal((num_rows, d), dtype=np.float32)
+  return (jnp.asarray(rows, jnp.bfloat16), jnp.asarray(pair_row), jnp.asarray(weights), read)
+
+
+def configs(d, s):
+  """Every GatherSumConfig the kernel takes at (d, S) whose ring fits SMEM_BYTES."""
+  from sonic_jax.mosaic_gpu import gather_sum as gs
+  c = gs.view_columns(d)
+  out = []
+  for block in range(c, d + 1, c):
+    if d % block:
+      continue
+    fits = gs.ring_stages(block, s)
+    staging = gs._SUMMING_WGS * 2 * block * 2
+    for stages in (2, 4, 6, 8):
+      if staging + stages * s * block * 2 <= gs.SMEM_BYTES and stages <= max(fits, 2):
+        out.append(gs.GatherSumConfig(block_columns=block, num_stages=stages))
+  return out
+
+
+def run_case(t, d, s, repeats):
+  from sonic_jax.mosaic_gpu import gather_sum as gs
+  rows, pair_row, weights, read = problem(t, d, s)
+  ref = jax.jit(lambda r, p, w: jnp.einsum(
+      "ts,tsd->td", w, jnp.where((p < r.shape[0])[..., None],
+                                 r[jnp.minimum(p, r.shape[0] - 1)].astype(jnp.float32), 0.0)
+  ).astype(jnp.bfloat16))
+  want = np.asarray(ref(rows, pair_row, weights), np.float32)
+  default = gs.default_config(d, s)
+  calls = {"xla": (timing.compile_fn(ref, rows, pair_row, weights)[0], (rows, pair_row, weights))}
+  names = {"xla": None}
+  for config in configs(d, s):
+    name = f"{config.block_columns} columns, {config.num_stages} stages"
+    if config == default:
+      name += " (default)"
+    fn = lambda r, p, w, config=config: gs.gather_sum(r, p, w, jnp.bfloat16, config)
+    got = np.asarray(jax.jit(fn)(rows, pair_row, weights), np.float32)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    if not err < 1e-2:
+      raise AssertionError(f"{name}: relative error {err:.2e} against XLA")
+    calls[name] = (timing.compile_fn(fn, rows, pair_row, weights)[0], (rows, pair_row, weights))
+    names[name] = config
+  times = timing.time_interleaved(calls, repeats=repeats)
+  nbytes = t * read * d * 2 + t * d * 2
+  return [{"T": t, "d": d, "S": s, "variant": name,
+           "block_columns": None if c is None else c.block_columns,
+           "num_stages": None if c is None else c.num_stages,
+           "us": times[name][0] * 1e6, "gbps": nbytes / times[name][0] / 1e9}
+          for name, c in names.items()]
+
+
+def table(results):
+  lines = ["| T,d,S | variant | us | GB/s | × xla |", "|---|---|---|---|---|"]
+  base = {(r["T"], r["d"], r["S"]): r["us"] for r in results if r["variant"] == "xla"}
+  for r in sorted(results, key=lambda r: (r["T"], r["d"], r["S"], r["us"])):
+    lines.append(f"| {r['T']},{r['d']},{r['S']} | {r['variant']} | {r['us']:.1f} | "
+                 f"{r['gbps']:.0f} | {base[(r['T'], r['d'], r['S'])] / r['us']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  results = []
+  for case in FLAGS.tds or DEFAULT_CASES:
+    t, d, s = (int(v) for v in case.split(","))
+    results += run_case(t, d, s, FLAGS.repeats)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  record = grid.run_record("gather_sum_bench", results=results)
+  path = os.path.join(FLAGS.out, grid.results_name(record, "gather_sum"))
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  print(table(results))
+  print("wrote", path)
+
+
+if __name__ == "__main__":
+  app.run(main)
