@@ -443,15 +443,11 @@ def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: in
   """(keep (T, K) bool, added (E, J) int32) by `sonic_jax.pallas.rounding_select`."""
   ids = routed.expert_ids
   t_count = ids.shape[0]
-  t_pad = rounding_select.padded_tokens(t_count)
-  interpret = jax.default_backend() != "gpu"
-  if rounding_select.keys_kernel_supports(routed.probs.shape[1]) is None:
-    keys = rounding_select.selection_keys_kernel(routed.probs, ids, routed.scores, t_pad,
-                                                 interpret=interpret)
-  else:
-    keys = rounding_select.selection_keys(routed.probs, ids, routed.scores, t_pad)
+  keys = rounding_select.selection_keys(routed.probs, ids, routed.scores,
+                                        rounding_select.padded_tokens(t_count))
   keep_tc, added = rounding_select.select(keys, num_tokens=t_count, tile=tile, mode=mode,
-                                          added_per_expert=per_expert, interpret=interpret)
+                                          added_per_expert=per_expert,
+                                          interpret=jax.default_backend() != "gpu")
   token = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
   return keep_tc[ids, token] > 0, added
 

@@ -232,50 +232,6 @@ def test_selection_kernel_over_several_chunks(rng, mode):
     np.testing.assert_array_equal(np.asarray(chunked[1]).reshape(-1), np.asarray(want.extra_tokens))
 
 
-@pytest.mark.parametrize("compiled", COMPILED)
-@pytest.mark.parametrize("t,e,k", [(300, 8, 2), (300, 64, 3), (1, 4, 1), (90, 1, 1),
-                                   (5000, 128, 8), (17000, 16, 4)])
-def test_selection_keys_kernel_equals_the_xla_keys(rng, compiled, t, e, k):
-  """The keys built in one Pallas pass equal XLA's pad, transpose and scatter bit for bit: T not a
-  multiple of a program's block, rows of several chunks, K not a power of two, ties, a dropped
-  pair (-1), an expert id past E and a -0.0 score."""
-  from sonic_jax.pallas import rounding_select
-  if compiled != (jax.default_backend() == "gpu"):
-    pytest.skip("compiled on a GPU, interpreted elsewhere")
-  logits = np.round(rng.normal(size=(t, e)) * 2).astype(np.float32) / 2
-  routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
-  ids, scores = np.asarray(routed.expert_ids).copy(), np.asarray(routed.scores).copy()
-  if t > 3:
-    ids[1, 0], scores[2, 0], ids[3, -1] = -1, -0.0, e
-  t_pad = rounding_select.padded_tokens(t)
-  args = (routed.probs, jnp.asarray(ids), jnp.asarray(scores), t_pad)
-  want = rounding_select.selection_keys(*args)
-  got = rounding_select.selection_keys_kernel(*args, interpret=not compiled)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_selection_keys_kernel_refusals_and_lowering():
-  from cases import export_for_h100
-  from sonic_jax.pallas import rounding_select
-  assert "E=96 is not a power of two" in rounding_select.keys_kernel_supports(96)
-  assert "E=2048 is over" in rounding_select.keys_kernel_supports(2048)
-  probs, ids = jnp.zeros((40, 8)), jnp.zeros((40, 2), jnp.int32)
-  with pytest.raises(ValueError, match="E=6 is not a power of two"):
-    rounding_select.selection_keys_kernel(jnp.zeros((40, 6)), ids, ids, 64, interpret=True)
-  with pytest.raises(ValueError, match="t_pad=48 is not a key row length"):
-    rounding_select.selection_keys_kernel(probs, ids, ids, 48, interpret=True)
-  with pytest.raises(ValueError, match="expert_ids and scores must be"):
-    rounding_select.selection_keys_kernel(probs, ids, ids[:, :1], 64, interpret=True)
-  if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    for t, e, k in ((40960, 128, 8), (32768, 256, 16)):
-      module = export_for_h100(
-          lambda p, i, s: rounding_select.selection_keys_kernel(
-              p, i, s, rounding_select.padded_tokens(t)),
-          jax.ShapeDtypeStruct((t, e), jnp.float32), jax.ShapeDtypeStruct((t, k), jnp.int32),
-          jax.ShapeDtypeStruct((t, k), jnp.float32))
-      assert "xla.gpu.triton" in module
-
-
 def test_selection_target_rounds_half_to_even():
   from sonic_jax.pallas import rounding_select
   counts = jnp.arange(0, 400, dtype=jnp.int32)

@@ -85,11 +85,6 @@ def target_count(counts, tile: int, mode: str, num_tokens: int):
   return jnp.minimum((q + up.astype(q.dtype)) * tile, num_tokens)
 
 
-def _bits(v):
-  # max(., 0): a -0.0 score or probability has the sign bit set.
-  return lax.bitcast_convert_type(jnp.maximum(v.astype(jnp.float32), 0.0), jnp.int32)
-
-
 def selection_keys(probs, expert_ids, scores, t_pad: int):
   """(E, t_pad) int32 keys (module doc) of a TC routing, t_pad = `padded_tokens(T, chunk)` for
   `select`; padding tokens get 0 (the kernel masks them). probs (T, E) and scores (T, K) are read
@@ -99,71 +94,15 @@ def selection_keys(probs, expert_ids, scores, t_pad: int):
   t_count, e_count = probs.shape
   probs = lax.stop_gradient(probs).astype(jnp.float32)
   scores = lax.stop_gradient(scores).astype(jnp.float32)
-  keys = jnp.pad(_bits(probs).T, ((0, 0), (0, t_pad - t_count)))
+  # max(., 0): a -0.0 score or probability has the sign bit set.
+  bits = lambda v: lax.bitcast_convert_type(jnp.maximum(v, 0.0), jnp.int32)
+  keys = jnp.pad(bits(probs).T, ((0, 0), (0, t_pad - t_count)))
   valid = (expert_ids >= 0) & (expert_ids < e_count)
   token = lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0)
   # Top-K's pairs are distinct; a pair routed nowhere goes past the rows, each to its own place.
   pair = token * expert_ids.shape[1] + lax.broadcasted_iota(jnp.int32, expert_ids.shape, 1)
   return keys.at[jnp.where(valid, expert_ids, e_count + pair), token].set(
-      -_bits(scores) - 1, mode="drop", unique_indices=True)
-
-
-# `selection_keys_kernel`: a program builds the keys of a block of tokens for all E experts, about
-# this many, then stores them transposed.
-KEYS_PER_PROGRAM = 16384
-MAX_KEYS_EXPERTS = 1024
-
-
-def keys_kernel_supports(num_experts: int) -> str | None:
-  """None when `selection_keys_kernel` takes E experts (Triton's blocks are powers of two)."""
-  if num_experts < 1 or num_experts & (num_experts - 1):
-    return f"E={num_experts} is not a power of two"
-  if num_experts > MAX_KEYS_EXPERTS:
-    return f"E={num_experts} is over {MAX_KEYS_EXPERTS}"
-  return None
-
-
-def _keys_kernel(probs_ref, ids_ref, scores_ref, keys_ref, *, num_tokens: int, block: int):
-  start = pl.program_id(0) * block
-  real = start + lax.broadcasted_iota(jnp.int32, (block,), 0) < num_tokens
-  expert = lax.broadcasted_iota(jnp.int32, (block, probs_ref.shape[1]), 1)
-  key = _bits(pltriton.load(probs_ref.at[pl.ds(start, block), :],
-                            mask=real[:, None] & (expert >= 0), other=0.0))
-  # A token's TC experts are distinct, so each (token, expert) takes at most one score; ids
-  # outside [0, E) match no column, as the scatter of `selection_keys` drops them.
-  for k in range(ids_ref.shape[1]):
-    column = (pl.ds(start, block), pl.ds(k, 1))
-    ids = pltriton.load(ids_ref.at[column], mask=real[:, None], other=-1)
-    score = pltriton.load(scores_ref.at[column], mask=real[:, None], other=0.0)
-    key = jnp.where(ids == expert, -_bits(score) - 1, key)
-  keys_ref[...] = key.T
-
-
-@functools.partial(jax.jit, static_argnames=("t_pad", "interpret"))
-def selection_keys_kernel(probs, expert_ids, scores, t_pad: int, *, interpret: bool = False):
-  """`selection_keys` in one Pallas (Triton) pass, for E a power of two (`keys_kernel_supports`):
-  each program reads a block of tokens' probabilities and TC pairs and writes their keys
-  transposed, where XLA pads, transposes and scatters in separate passes. Equal bit for bit."""
-  t_count, e_count = probs.shape
-  reason = keys_kernel_supports(e_count)
-  if reason is not None:
-    raise ValueError(f"selection keys kernel: {reason}")
-  if expert_ids.shape != scores.shape or expert_ids.shape[0] != t_count:
-    raise ValueError(f"expert_ids and scores must be (T={t_count}, K) alike, got "
-                     f"{expert_ids.shape} and {scores.shape}")
-  if t_pad < t_count or (t_pad > CHUNK and t_pad % CHUNK) or (t_pad <= CHUNK and
-                                                             t_pad & (t_pad - 1)):
-    raise ValueError(f"t_pad={t_pad} is not a key row length for T={t_count} "
-                     f"(`padded_tokens`)")
-  block = min(t_pad, max(16, KEYS_PER_PROGRAM // e_count))
-  return pl.pallas_call(
-      functools.partial(_keys_kernel, num_tokens=t_count, block=block),
-      out_shape=jax.ShapeDtypeStruct((e_count, t_pad), jnp.int32),
-      grid=(t_pad // block,),
-      out_specs=pl.BlockSpec((e_count, block), lambda i: (0, i)),
-      compiler_params=pltriton.CompilerParams(num_warps=8, num_stages=1),
-      interpret=interpret,
-  )(lax.stop_gradient(probs), expert_ids.astype(jnp.int32), lax.stop_gradient(scores))
+      -bits(scores) - 1, mode="drop", unique_indices=True)
 
 
 def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: str,
