@@ -103,7 +103,7 @@ def _free_port():
 
 
 def test_sharded_training_tracks_one_device(tmp_path):
-  """On 4 CPU devices, 10 steps: expert parallelism with FSDP and two accumulated micro-batches
+  """On 4 CPU devices, 6 steps: expert parallelism with FSDP and two accumulated micro-batches
   ((data 2, ep 2) mesh, the layers' own shard_map; parameters and optimizer state also sharded
   over data), run as two processes of two devices each (--distributed: what several hosts run),
   and the ragged_dot baseline MoE layer (same initialisation and math) data parallel with FSDP
@@ -115,11 +115,12 @@ def test_sharded_training_tracks_one_device(tmp_path):
   runs = (("one", 1, []),
           ("ep_fsdp", 2, ["--expert_parallel=2", "--fsdp", "--grad_accum=2"]),
           ("ragged_dot", 1, ["--moe_impl=ragged_dot", "--expert_parallel=1", "--fsdp",
-                             "--profile_step=5"]))
+                             "--profile_step=4"]))
   for name, processes, extra in runs:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}")
-    cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=10",
-           "--eval_every=10", "--warmup=5", "--backend=xla", "--plot=false", *extra]
+    cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=6",
+           "--eval_every=6", "--eval_batches=2", "--warmup=3", "--backend=xla", "--plot=false",
+           *extra]
     if processes > 1:
       cmd += ["--distributed", f"--coordinator_address=localhost:{port}",
               f"--num_processes={processes}"]
@@ -136,7 +137,7 @@ def test_sharded_training_tracks_one_device(tmp_path):
     if processes > 1:
       # The other process prints none of the run's lines (gloo, the CPU collectives between
       # processes, reports its connections from its own threads).
-      assert not any(s in results[1][0] for s in ("corpus", "mesh {", "step 10:")), results[1][0]
+      assert not any(s in results[1][0] for s in ("corpus", "mesh {", "step 6:")), results[1][0]
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep_fsdp"]
   assert "mesh {'data': 4, 'ep': 1}" in outs["ragged_dot"]
   for name in ("ep_fsdp", "ragged_dot"):
