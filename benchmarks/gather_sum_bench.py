@@ -24,9 +24,13 @@ import numpy as np
 from benchmarks import grid, timing
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("tds", None, "case T,d,S (repeatable; default 32768,4096,16 and 17)")
-flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
-flags.DEFINE_string("out", "bench_out", "output folder")
+
+
+def _define_flags():  # only when run as a script: tests import the module's functions
+  flags.DEFINE_multi_string("tds", None, "case T,d,S (repeatable; default 32768,4096,16, 17)")
+  flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
+  flags.DEFINE_string("out", "bench_out", "output folder")
+
 
 DEFAULT_CASES = ("32768,4096,16", "32768,4096,17")
 
@@ -121,4 +125,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -59,7 +59,10 @@ def test_default_config_fills_the_ring():
   assert (c.block_columns, c.num_stages) == (1024, 6)  # 32 KB stages
   assert gs.default_config(4096, 4).block_columns == 4096
   assert gs.default_config(768, 8).block_columns == 768
-  assert gs.default_config(4096, 32).block_columns == 512
+  # Row pieces stay at least 2 KB where d allows (32 KB stages would give 1 KB at S = 17 or 32).
+  assert (gs.default_config(4096, 17).block_columns, gs.default_config(4096, 17).num_stages) == (
+      1024, 4)
+  assert gs.default_config(4096, 32).block_columns == 1024
   assert gs.default_config(384, 2).block_columns == 384
   for d, s in [(4096, 16), (1536, 2), (768, 32), (128, 1), (4096, 32)]:
     cfg = gs.default_config(d, s)
