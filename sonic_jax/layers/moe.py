@@ -286,8 +286,11 @@ class MoE(nnx.Module):
     stats_specs = MoEAux(expert_counts=whole, expert_ids=tokens, scores=tokens,
                          router_logits=tokens, load_balance_loss=whole, z_loss=whole,
                          padded_rows=whole, dropped_pairs=whole, probs=tokens)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
-                         out_specs=(tokens, stats_specs), check_vma=False)(
+    # One program under jit: called eagerly (or differentiated eagerly), a shard_map runs its body
+    # op by op on every device, about a minute for a small layer on a CPU. Inside the caller's
+    # jit this nested jit is inlined.
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
+                                 out_specs=(tokens, stats_specs), check_vma=False))(
                              _constrain(h, tokens, mesh),
                              # parameters as stored may be unplaced: put each where it goes
                              *(None if v is None else _constrain(v, spec, mesh)
