@@ -1,14 +1,17 @@
 r"""The forward's gather-sum kernel (`sonic_jax.mosaic_gpu.gather_sum`) over its configurations:
 every (block_columns, num_stages) that fits, and the default, against XLA's gather fusion.
 
-  python -m benchmarks.gather_sum_bench [--tds=32768,4096,16 --tds=32768,4096,17] [--out=dir]
+  python -m benchmarks.gather_sum_bench [--case=32768,4096,16,0 --case=32768,4096,16,1]
+      [--out=dir]
 
-A case T,d,S is T tokens of S slots over R = T * min(S, 16) grouped rows in random order. With
-S = 17 the last slot is token rounding's folded extra slot (`sonic_jax.pallas.extras_sum`): one
-token in eight has a row there, the others point past the rows (R), as the layer passes it. Each
-variant's output is checked against XLA's (relative error) before it is timed (median of
-interleaved samples after warm-up, `benchmarks.timing`); GB/s counts the rows a token reads.
-Writes DIR/<device>_<date>_gather_sum.json and prints a table. Needs a Hopper GPU.
+A case T,d,K,F is T tokens of K slot pairs over R = T * K grouped rows in random order, plus F
+folded slots as token rounding adds them (`sonic_jax.pallas.extras_sum`: one token in eight has
+a row there, the others point past the rows, at R, as the layer passes them): S = K + F slots.
+Each variant's output is checked against XLA's (relative error) before it is timed (median of
+interleaved samples after warm-up, `benchmarks.timing`); GB/s counts the rows the tokens read
+and the output written. Writes DIR/<device>_<date>_gather_sum.json and prints a table; the file
+backs decisions (docs/decisions.md), not a BENCHMARKS.md table, so it stays out of
+benchmarks/results/. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -27,28 +30,29 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags():  # only when run as a script: tests import the module's functions
-  flags.DEFINE_multi_string("tds", None, "case T,d,S (repeatable; default 32768,4096,16, 17)")
+  flags.DEFINE_multi_string("case", None, "case T,d,K,F: K slot pairs, F folded slots "
+                            "(repeatable; default: 32768,4096,16 with F = 0 and 1)")
   flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
   flags.DEFINE_string("out", "bench_out", "output folder")
 
 
-DEFAULT_CASES = ("32768,4096,16", "32768,4096,17")
+DEFAULT_CASES = ("32768,4096,16,0", "32768,4096,16,1")
 
 
-def problem(t, d, s, seed=0):
-  """(rows (R, d) bf16, pair_row (T, S) int32, weights (T, S) float32, rows read per token)."""
+def problem(t, d, k, folded, seed=0):
+  """(rows (R, d) bf16, pair_row (T, S) int32, weights (T, S) float32, rows read per token),
+  S = k + folded."""
   rng = np.random.default_rng(seed)
-  slot_pairs = min(s, 16)
-  num_rows = t * slot_pairs
-  pair_row = rng.permutation(num_rows).reshape(t, slot_pairs).astype(np.int32)
-  weights = rng.random((t, s), dtype=np.float32)
-  read = float(slot_pairs)
-  if s > slot_pairs:  # the folded extra slots: a row for one token in eight, else past the rows
-    extra = np.where(rng.random((t, s - slot_pairs)) < 0.125,
-                     rng.integers(0, num_rows, (t, s - slot_pairs)), num_rows).astype(np.int32)
+  num_rows = t * k
+  pair_row = rng.permutation(num_rows).reshape(t, k).astype(np.int32)
+  weights = rng.random((t, k + folded), dtype=np.float32)
+  read = float(k)
+  if folded:  # a row for one token in eight, else past the rows; weight 1 as the layer gives
+    extra = np.where(rng.random((t, folded)) < 0.125, rng.integers(0, num_rows, (t, folded)),
+                     num_rows).astype(np.int32)
     pair_row = np.concatenate([pair_row, extra], 1)
-    weights[:, slot_pairs:] = 1.0
-    read += float(np.mean(extra < num_rows)) * (s - slot_pairs)
+    weights[:, k:] = 1.0
+    read += float(np.mean(extra < num_rows)) * folded
   rows = rng.standard_normal((num_rows, d), dtype=np.float32)
   return (jnp.asarray(rows, jnp.bfloat16), jnp.asarray(pair_row), jnp.asarray(weights), read)
 
@@ -61,17 +65,16 @@ def configs(d, s):
   for block in range(c, d + 1, c):
     if d % block:
       continue
-    fits = gs.ring_stages(block, s)
-    staging = gs._SUMMING_WGS * 2 * block * 2
     for stages in (2, 4, 6, 8):
-      if staging + stages * s * block * 2 <= gs.SMEM_BYTES and stages <= max(fits, 2):
+      if gs.smem_bytes(block, s, stages) <= gs.SMEM_BYTES:
         out.append(gs.GatherSumConfig(block_columns=block, num_stages=stages))
   return out
 
 
-def run_case(t, d, s, repeats):
+def run_case(t, d, k, folded, repeats):
   from sonic_jax.mosaic_gpu import gather_sum as gs
-  rows, pair_row, weights, read = problem(t, d, s)
+  rows, pair_row, weights, read = problem(t, d, k, folded)
+  s = k + folded
   ref = jax.jit(lambda r, p, w: jnp.einsum(
       "ts,tsd->td", w, jnp.where((p < r.shape[0])[..., None],
                                  r[jnp.minimum(p, r.shape[0] - 1)].astype(jnp.float32), 0.0)
@@ -112,9 +115,9 @@ def table(results):
 def main(argv):
   del argv
   results = []
-  for case in FLAGS.tds or DEFAULT_CASES:
-    t, d, s = (int(v) for v in case.split(","))
-    results += run_case(t, d, s, FLAGS.repeats)
+  for case in FLAGS.case or DEFAULT_CASES:
+    t, d, k, folded = (int(v) for v in case.split(","))
+    results += run_case(t, d, k, folded, FLAGS.repeats)
   os.makedirs(FLAGS.out, exist_ok=True)
   record = grid.run_record("gather_sum_bench", results=results)
   path = os.path.join(FLAGS.out, grid.results_name(record, "gather_sum"))

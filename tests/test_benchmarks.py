@@ -83,7 +83,7 @@ def test_gather_sum_bench_cases_and_table():
     found = bench.configs(4096, s)
     assert gs.default_config(4096, s) in found
     assert all(4096 % c.block_columns == 0 and c.num_stages % 2 == 0 for c in found)
-  rows, pair_row, weights, read = bench.problem(512, 256, 17)
+  rows, pair_row, weights, read = bench.problem(512, 256, 16, 1)
   assert rows.shape == (512 * 16, 256) and pair_row.shape == weights.shape == (512, 17)
   assert 16.05 < read < 16.25 and bool(jnp.all(weights[:, 16] == 1))
   results = [{"T": 8, "d": 256, "S": 17, "variant": v, "us": us, "gbps": 1.0}

@@ -64,10 +64,14 @@ def test_default_config_fills_the_ring():
       1024, 4)
   assert gs.default_config(4096, 32).block_columns == 1024
   assert gs.default_config(384, 2).block_columns == 384
-  for d, s in [(4096, 16), (1536, 2), (768, 32), (128, 1), (4096, 32)]:
-    cfg = gs.default_config(d, s)
-    assert d % cfg.block_columns == 0 and cfg.num_stages % 2 == 0
-    assert cfg.num_stages * s * cfg.block_columns * 2 <= gs.SMEM_BYTES
+  for d in range(128, 32769, 128):
+    for s in (1, 2, 8, 16, 17, 32):
+      for out_itemsize in (2, 4):
+        cfg = gs.default_config(d, s, 2, out_itemsize)
+        assert d % cfg.block_columns == 0 and cfg.num_stages % 2 == 0, (d, s, cfg)
+        assert cfg.block_columns % gs.view_columns(d) == 0, (d, s, cfg)
+        assert gs.smem_bytes(cfg.block_columns, s, cfg.num_stages, 2, out_itemsize) <= (
+            gs.SMEM_BYTES), (d, s, out_itemsize, cfg)
 
 
 def test_gather_sum_names_what_it_does_not_take():

@@ -59,10 +59,17 @@ class GatherSumConfig:
       raise ValueError(f"num_stages must be even and >= 2, got {self.num_stages}")
 
 
+def smem_bytes(block_columns: int, slots: int, stages: int, itemsize: int = 2,
+               out_itemsize: int = 2) -> int:
+  """SMEM of a configuration: the ring of `stages` x `slots` row pieces and the output staging."""
+  staging = _SUMMING_WGS * 2 * block_columns * out_itemsize
+  return staging + stages * slots * block_columns * itemsize
+
+
 def ring_stages(block_columns: int, slots: int, itemsize: int = 2, out_itemsize: int = 2) -> int:
   """As many ring stages of `slots` pieces of `block_columns` as SMEM_BYTES hold next to the output
   staging: even, 2 to 8."""
-  staging = _SUMMING_WGS * 2 * block_columns * out_itemsize
+  staging = smem_bytes(block_columns, slots, 0, itemsize, out_itemsize)
   stages = min(8, (SMEM_BYTES - staging) // (slots * block_columns * itemsize)) // 2 * 2
   return max(2, stages)
 
@@ -74,7 +81,8 @@ def default_config(d: int, slots: int, itemsize: int = 2, out_itemsize: int = 2)
   if c is None:
     raise ValueError(f"d={d} is not a multiple of {VIEW_COLUMNS[-1]}")
   want = max(c, STAGE_BYTES // (slots * itemsize), PIECE_BYTES // itemsize)
-  block = max(b for b in range(c, d + 1, c) if d % b == 0 and (b <= want or b == c))
+  fits = lambda b: smem_bytes(b, slots, 2, itemsize, out_itemsize) <= SMEM_BYTES
+  block = max(b for b in range(c, d + 1, c) if d % b == 0 and ((b <= want and fits(b)) or b == c))
   return GatherSumConfig(block_columns=block,
                          num_stages=ring_stages(block, slots, itemsize, out_itemsize))
 
