@@ -29,8 +29,9 @@ def _run(script, *args):
     ("all_gather", "random", "deepseek_v3"), ("all_to_all_dense", "random", "llama4"),
     ("all_gather", "skew", "llama4")])
 def test_expert_parallel_matches_single_device(scheme, routing, rounding):
-  """2 and 8 shards (and 1 with skewed routing), float64: output and the gradients of x, router, w1, w2, b1 (the third
-  argument: a token rounding mode, or a family router with router and selection biases)."""
+  """2 and 8 shards (and 1 with skewed routing), float64: output and the gradients of x, router,
+  w1, w2, b1 (the third argument: a token rounding mode, or a family router with router and
+  selection biases)."""
   _run("ep_check.py", scheme, routing, *([rounding] if rounding else []))
 
 

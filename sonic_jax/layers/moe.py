@@ -286,15 +286,15 @@ class MoE(nnx.Module):
     stats_specs = MoEAux(expert_counts=whole, expert_ids=tokens, scores=tokens,
                          router_logits=tokens, load_balance_loss=whole, z_loss=whole,
                          padded_rows=whole, dropped_pairs=whole, probs=tokens)
-    # One program under jit: called eagerly (or differentiated eagerly), a shard_map runs its body
-    # op by op on every device, about a minute for a small layer on a CPU. Inside the caller's
-    # jit this nested jit is inlined.
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
-                                 out_specs=(tokens, stats_specs), check_vma=False))(
-                             _constrain(h, tokens, mesh),
-                             # parameters as stored may be unplaced: put each where it goes
-                             *(None if v is None else _constrain(v, spec, mesh)
-                               for v, spec in zip(experts, specs)))
+    # Under jit: called (or differentiated) eagerly, a shard_map runs its body op by op on every
+    # device, far slower than compiling it (docs/decisions.md). An eager call compiles it anew
+    # (`local` is a new closure each call); inside the caller's jit XLA inlines the nested call.
+    mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
+                                   out_specs=(tokens, stats_specs), check_vma=False))
+    # parameters as stored may be unplaced: put each where it goes
+    return mapped(_constrain(h, tokens, mesh),
+                  *(None if v is None else _constrain(v, spec, mesh)
+                    for v, spec in zip(experts, specs)))
 
   def update_selection_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
