@@ -30,7 +30,7 @@ def main():
   with jax.set_mesh(mesh):
     layer = MoE(32, 8, 16, 2, expert_parallel_axis="ep", expert_parallel_scheme=scheme,
                 backend="xla", init_std=0.2, rngs=nnx.Rngs(0))
-    y, aux = layer(x)  # eager: no jax.jit of the caller's
+    y, aux = layer(x)  # eager: called outside jax.jit
     g = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
     errs = [rel(y, y_ref)] + [rel(getattr(g, k)[...], getattr(g_ref, k)[...])
                               for k in ("router", "w1", "w2")]
