@@ -382,11 +382,10 @@ def extra_pairs_per_expert(mode: str, tile: int, num_tokens: int | None = None) 
 ROUNDING_METHODS = ("auto", "kernel", "xla")
 
 
-def _rounding_kernel_unsupported(num_tokens: int, num_experts: int, per_expert: int, mode: str,
-                                 tile: int) -> str | None:
+def _rounding_kernel_unsupported(num_tokens: int, num_experts: int, per_expert: int) -> str | None:
   if not rounding_select.AVAILABLE:
     return "Pallas's Triton lowering is not available"
-  return rounding_select.supports(num_tokens, num_experts, per_expert, mode=mode, tile=tile)
+  return rounding_select.supports(num_tokens, num_experts, per_expert)
 
 
 def round_tokens(routed: RouterOutput, tile: int, mode: str,
@@ -403,10 +402,10 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   none. Static shapes: the added pairs live in an (E * extra_pairs_per_expert(mode, tile, T),)
   list, grouped by expert (`RoundedRouting`).
 
-  method: "kernel" selects with two Pallas passes, per block of tokens and experts, then per
-  expert (`sonic_jax.pallas.rounding_select`, interpreted off a GPU; T up to 262,144 at tile 128,
-  "nearest"), "xla" with XLA's sort and top-K over the (E, T) matrix (the kernel's reference),
-  "auto" (default) the kernel on a GPU where it applies, else XLA. The same pairs either way.
+  method: "kernel" selects with one Pallas program per expert (`sonic_jax.pallas.rounding_select`,
+  interpreted off a GPU; T <= 65536), "xla" with XLA's sort and top-K over the (E, T) matrix (the
+  kernel's reference), "auto" (default) the kernel on a GPU where it applies, else XLA. The same
+  pairs either way.
   """
   if mode not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
@@ -418,7 +417,7 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   t_count = ids.shape[0]
   e_count = probs.shape[1]
   per_expert = extra_pairs_per_expert(mode, tile, t_count)
-  reason = _rounding_kernel_unsupported(t_count, e_count, per_expert, mode, tile)
+  reason = _rounding_kernel_unsupported(t_count, e_count, per_expert)
   if method == "kernel" and reason is not None:
     raise ValueError(f"round_tokens(method='kernel'): {reason}")
   use_kernel = method == "kernel" or (method == "auto" and reason is None
@@ -442,9 +441,15 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
 
 def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: int):
   """(keep (T, K) bool, added (E, J) int32) by `sonic_jax.pallas.rounding_select`."""
-  return rounding_select.select(routed.probs, routed.expert_ids, routed.scores, tile=tile,
-                                mode=mode, added_per_expert=per_expert,
-                                interpret=jax.default_backend() != "gpu")
+  ids = routed.expert_ids
+  t_count = ids.shape[0]
+  keys = rounding_select.selection_keys(routed.probs, ids, routed.scores,
+                                        rounding_select.padded_tokens(t_count))
+  keep_tc, added = rounding_select.select(keys, num_tokens=t_count, tile=tile, mode=mode,
+                                          added_per_expert=per_expert,
+                                          interpret=jax.default_backend() != "gpu")
+  token = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+  return keep_tc[ids, token] > 0, added
 
 
 def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):

@@ -210,24 +210,26 @@ def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k,
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("token_block,expert_block", [(64, 8), (32, 2), (512, 4)])
-def test_selection_kernel_over_several_blocks(rng, mode, token_block, expert_block):
-  """Blocks of tokens and experts that do not divide T and E (the last ones partly padding), ties
-  across block boundaries: the same pairs as the XLA selection."""
+def test_selection_kernel_over_several_chunks(rng, mode):
+  """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries), padded to a
+  multiple of the chunk that is not a power of two (5 chunks)."""
   from sonic_jax.pallas import rounding_select
-  t, e, k, tile = 300, 6, 2, 32
+  t, e, k, tile = 300, 8, 2, 32
   logits = np.round(rng.normal(size=(t, e)) * 2).astype(np.float32) / 2
   routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
   per_expert = routing_lib.extra_pairs_per_expert(mode, tile, t)
-  keep, added = rounding_select.select(
-      routed.probs, routed.expert_ids, routed.scores, tile=tile, mode=mode,
-      added_per_expert=per_expert, interpret=True, token_block=token_block,
-      expert_block=expert_block)
+  keys = lambda chunk: rounding_select.selection_keys(
+      routed.probs, routed.expert_ids, routed.scores, rounding_select.padded_tokens(t, chunk))
+  assert keys(64).shape == (e, 320) and keys(rounding_select.CHUNK).shape == (e, 512)
+  whole = rounding_select.select(keys(rounding_select.CHUNK), num_tokens=t, tile=tile, mode=mode,
+                                 added_per_expert=per_expert, interpret=True)
+  chunked = rounding_select.select(keys(64), num_tokens=t, tile=tile, mode=mode,
+                                   added_per_expert=per_expert, interpret=True, chunk=64)
   want = routing_lib.round_tokens(routed, tile, mode, "xla")
-  np.testing.assert_array_equal(np.where(np.asarray(keep), np.asarray(routed.expert_ids), -1),
-                                np.asarray(want.expert_ids))
-  np.testing.assert_array_equal(np.asarray(added).reshape(-1), np.asarray(want.extra_tokens))
-  assert int(jnp.sum(want.expert_ids < 0)) + int(jnp.sum(want.extra_tokens < t)) > 0
+  for a, b in zip(whole, chunked):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if per_expert:
+    np.testing.assert_array_equal(np.asarray(chunked[1]).reshape(-1), np.asarray(want.extra_tokens))
 
 
 def test_selection_target_rounds_half_to_even():
@@ -242,30 +244,28 @@ def test_selection_target_rounds_half_to_even():
 def test_selection_kernel_refusals_and_lowering():
   from cases import export_for_h100
   from sonic_jax.pallas import rounding_select
-  assert rounding_select.supports(262144, 8, 64, mode="nearest", tile=128) is None
-  assert "over 32768" in rounding_select.supports(262145, 8, 64, mode="nearest", tile=128)
-  assert "T=0" in rounding_select.supports(0, 8, 4)
+  assert "T=70000" in rounding_select.supports(70000, 8, 4)
   with pytest.raises(ValueError, match="method must be one of"):
     routing_lib.round_tokens(routing_lib.route(jnp.zeros((4, 4)), 1, "softmax_topk"), 32, "up",
                              "sorting")
-  routed = routing_lib.route(jnp.zeros((8, 4)), 1, "softmax_topk")
-  args = (routed.probs, routed.expert_ids, routed.scores)
+  keys = jnp.zeros((4, 8), jnp.int32)
   with pytest.raises(ValueError, match="added_per_expert=3 is below"):
-    rounding_select.select(*args, tile=32, mode="nearest", added_per_expert=3, interpret=True)
-  with pytest.raises(ValueError, match="token_block must be a power of two"):
-    rounding_select.select(*args, tile=32, mode="up", added_per_expert=8, interpret=True,
-                           token_block=6)
-  with pytest.raises(ValueError, match=r"must both be \(T, K\)"):
-    rounding_select.select(routed.probs, routed.expert_ids[:4], routed.scores[:4], tile=32,
-                           mode="up", added_per_expert=8, interpret=True)
-  big = routing_lib.route(jnp.zeros((300000, 2)), 1, "softmax_topk")
-  with pytest.raises(ValueError, match="T=300000"):
-    routing_lib.round_tokens(big, 128, "up", "kernel")
-  if jax.default_backend() != "gpu":  # the Triton kernels lower for a GPU from this machine
-    for t, e, k in ((16384, 256, 8), (40960, 128, 8), (100, 60, 4)):
-      spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="nearest", added_per_expert=3,
+                           interpret=True)
+  with pytest.raises(ValueError, match="chunk must be a power of two"):
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
+                           interpret=True, chunk=6)
+  with pytest.raises(ValueError, match=r"keys must be \(E, 48\) for T=40 and chunk=16"):
+    rounding_select.select(jnp.zeros((4, 64), jnp.int32), num_tokens=40, tile=32, mode="up",
+                           added_per_expert=31, interpret=True, chunk=16)
+  big = routing_lib.route(jnp.zeros((70000, 2)), 1, "softmax_topk")
+  with pytest.raises(ValueError, match="T=70000"):
+    routing_lib.round_tokens(big, 32, "up", "kernel")
+  if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
+    for t in (16384, 40960):  # one chunk; three (a row of 49,152 keys)
       module = export_for_h100(
-          lambda p, i, s: rounding_select.select(p, i, s, tile=128, mode="nearest",
-                                                 added_per_expert=64),
-          spec((t, e), jnp.float32), spec((t, k), jnp.int32), spec((t, k), jnp.float32))
-      assert module.count("xla.gpu.triton") == 2
+          lambda keys: rounding_select.select(keys, num_tokens=t, tile=128, mode="nearest",
+                                              added_per_expert=64),
+          jax.ShapeDtypeStruct((256, rounding_select.padded_tokens(t)), jnp.int32))
+      assert "xla.gpu.triton" in module
+
