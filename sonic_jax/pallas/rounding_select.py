@@ -105,9 +105,8 @@ def selection_keys(probs, expert_ids, scores, t_pad: int):
       -bits(scores) - 1, mode="drop", unique_indices=True)
 
 
-def _kernel(keys_ref, keep_ref, added_ref, scratch_ref, *, num_tokens: int, tile: int, mode: str,
-            added_per_expert: int, chunk: int, bits_per_round: int, narrow_after: int,
-            interpret: bool):
+def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: str,
+            added_per_expert: int, chunk: int):
   # The row as a few chunks of `chunk` keys: a prefix sum over a chunk takes SMEM for its length.
   pieces = range(keys_ref.shape[0] // chunk)
   span = lambda i: pl.ds(i * chunk, chunk)
@@ -129,6 +128,21 @@ def _kernel(keys_ref, keep_ref, added_ref, scratch_ref, *, num_tokens: int, tile
   value = [jnp.where(down, jnp.where(c, -k - 1, -1), jnp.where(r & ~c, k, -1))
            for k, r, c in zip(key, real, tc)]
 
+  def bisect(state):
+    i, threshold, _ = state
+    candidate = threshold | (1 << (30 - i))
+    at_or_above = total(v >= candidate for v in value)
+    return (i + 1, jnp.where(at_or_above >= take, candidate, threshold),
+            at_or_above == take)
+
+  # The largest threshold with at least `take` values at or above it: the take-th largest value.
+  # Once exactly `take` values are at or above a candidate, they are the chosen set (the take-th
+  # largest and every value equal to it among them), so the search stops there: distinct scores
+  # usually separate before the last bits.
+  _, threshold, _ = lax.while_loop(lambda state: (state[0] < 31) & ~state[2], bisect,
+                                   (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))
+  ties_wanted = take - total(v > threshold for v in value)
+
   def exclusive_ranks(masks):
     """Per chunk, each position's count of True before it in the row."""
     ranks, before = [], jnp.int32(0)
@@ -137,57 +151,6 @@ def _kernel(keys_ref, keep_ref, added_ref, scratch_ref, *, num_tokens: int, tile
       ranks.append(jnp.cumsum(m) - m + before)
       before = before + jnp.sum(m)
     return ranks
-
-  rounds = -(-31 // bits_per_round)
-
-  def search(count_at_or_above, run, state):
-    """Bisection rounds while `run` holds, each the next `bits_per_round` bits of the threshold
-    from 2^b - 1 independent counts (they share each key's load)."""
-    def body(state):
-      r, threshold, done = state
-      low = jnp.maximum(31 - (r + 1) * bits_per_round, 0)
-      width = 31 - r * bits_per_round - low
-      best, exact = threshold, done
-      for j in range(1, 1 << bits_per_round):
-        candidate = threshold | (j << low)
-        at_or_above = count_at_or_above(candidate)
-        fits = (j < (1 << width)) & (at_or_above >= take)
-        best = jnp.where(fits, candidate, best)
-        exact = exact | (fits & (at_or_above == take))
-      return r + 1, best, exact
-    return lax.while_loop(lambda s: run(s) & (s[0] < rounds) & ~s[2], body, state)
-
-  # The largest threshold with at least `take` values at or above it: the take-th largest value.
-  # Once exactly `take` values are at or above a candidate, they are the chosen set (the take-th
-  # largest and every value equal to it among them), so the search stops there: distinct scores
-  # usually separate before the last bits.
-  whole_row = lambda c: total(v >= c for v in value)
-  state = (jnp.int32(0), jnp.int32(0), jnp.bool_(False))
-  if narrow_after:
-    # After the first rounds only the values sharing the threshold's decided high bits are in
-    # play; when they are few, they move to a short row and the remaining rounds count there.
-    state = search(whole_row, lambda s: s[0] < narrow_after, state)
-    low = 31 - narrow_after * bits_per_round
-    top = state[1] + (1 << low)  # every value at or above it is above all later candidates
-    above = total(v >= top for v in value)
-    play = [(v >= state[1]) & (v < top) for v in value]
-    short = scratch_ref.shape[0] // 2
-    compact = ~state[2] & (total(play) <= short)
-    column = lax.broadcasted_iota(jnp.int32, (2 * short,), 0)
-    pltriton.store(scratch_ref, jnp.full(column.shape, -1, jnp.int32), mask=column >= total(play))
-    for m, r, v, t in zip(play, exclusive_ranks(play), value, token):
-      m = m & (r < short)
-      pltriton.store(scratch_ref.at[jnp.where(m, r, short + (t & (short - 1)))], v, mask=m)
-    if not interpret:  # the short row's stores are seen by every thread (interpret mode is serial)
-      pltriton.debug_barrier()
-    few = scratch_ref[pl.ds(0, short)]
-    state = search(lambda c: above + jnp.sum((few >= c).astype(jnp.int32)), lambda s: compact,
-                   state)
-    state = search(whole_row, lambda s: ~compact, state)
-  else:
-    state = search(whole_row, lambda s: True, state)
-  threshold = state[1]
-  ties_wanted = take - total(v > threshold for v in value)
 
   ties = [v == threshold for v in value]
   chosen = [((v > threshold) | (t & (r < ties_wanted))) & (take > 0)
@@ -208,11 +171,9 @@ def _kernel(keys_ref, keep_ref, added_ref, scratch_ref, *, num_tokens: int, tile
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "tile", "mode", "added_per_expert",
-                                             "interpret", "chunk", "bits_per_round", "warps",
-                                             "narrow_after", "short"))
+                                             "interpret", "chunk"))
 def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int,
-           interpret: bool = False, chunk: int = CHUNK, bits_per_round: int = 1,
-           warps: int | None = None, narrow_after: int = 0, short: int = 2048):
+           interpret: bool = False, chunk: int = CHUNK):
   """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, padded_tokens(T,
   chunk)); J = added_per_expert, at least what the mode can add to one expert. chunk: keys per
   prefix sum (a power of two)."""
@@ -234,22 +195,16 @@ def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int
     raise ValueError(f"added_per_expert={added_per_expert} is below what mode={mode!r} can add "
                      f"to one expert ({bound})")
   j_pad = next_pow2(max(added_per_expert, 1))
-  short_row = 2 * short if narrow_after else 2
-  keep, added, _ = pl.pallas_call(
+  keep, added = pl.pallas_call(
       functools.partial(_kernel, num_tokens=num_tokens, tile=tile, mode=mode,
-                        added_per_expert=added_per_expert, chunk=min(t_pad, chunk),
-                        bits_per_round=bits_per_round, narrow_after=narrow_after,
-                        interpret=interpret),
+                        added_per_expert=added_per_expert, chunk=min(t_pad, chunk)),
       out_shape=(jax.ShapeDtypeStruct((e_count, t_pad), jnp.int8),
-                 jax.ShapeDtypeStruct((e_count, 2 * j_pad), jnp.int32),
-                 jax.ShapeDtypeStruct((e_count, short_row), jnp.int32)),
+                 jax.ShapeDtypeStruct((e_count, 2 * j_pad), jnp.int32)),
       grid=(e_count,),
       in_specs=[pl.BlockSpec((None, t_pad), lambda e: (e, 0))],
       out_specs=(pl.BlockSpec((None, t_pad), lambda e: (e, 0)),
-                 pl.BlockSpec((None, 2 * j_pad), lambda e: (e, 0)),
-                 pl.BlockSpec((None, short_row), lambda e: (e, 0))),
-      compiler_params=pltriton.CompilerParams(num_warps=warps or num_warps(num_tokens),
-                                              num_stages=1),
+                 pl.BlockSpec((None, 2 * j_pad), lambda e: (e, 0))),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps(num_tokens), num_stages=1),
       interpret=interpret,
   )(keys)
   return keep[:, :num_tokens], added[:, :added_per_expert]
