@@ -170,32 +170,27 @@ def dx_projection(d_h, w1, layout, *, config: Config):
 def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, config: Config):
   """The forward's weighted sum by the Mosaic GPU kernel where `config` says so, all else by XLA's
   gather fusion (the backward's unweighted dX sum fuses with the router's input gradient there).
-  Token rounding's extra pairs, if any, are first folded per token (`sonic_jax.pallas.extras_sum`,
-  reading only the pairs in use; compiled only: under interpret mode, and where it does not apply,
-  XLA's segment sum adds them). The kernel reads the folded rows as one more slot, weight 1 where
-  the slot pairs are weighted; after XLA's sum one unique scatter adds them to the tokens that have
-  extras. Unweighted (None), every slot counts 1."""
-  folded = None
+  Token rounding's extra pairs, if any, are first folded into one more slot per token
+  (`sonic_jax.pallas.extras_sum`, reading only the pairs in use; compiled only: under interpret
+  mode, and where it does not apply, XLA's segment sum adds them). The folded slot has weight 1
+  where the slot pairs are weighted; unweighted (None), every slot counts 1."""
   if layout.num_extra and extras_sum.AVAILABLE and not interpreting() and (
       extras_sum.supports(rows) is None):
-    folded = extras_sum.fold_extras(rows, layout.extra_token, layout.extra_row, extra_weights,
-                                    num_tokens=layout.pair_row.shape[0])
-    rows, extra_weights = folded.rows, None
-    layout = layout._replace(extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0])
-  slots = layout.pair_row.shape[1] + (folded is not None)
+    rows, token_row = extras_sum.fold_extras(rows, layout.extra_token, layout.extra_row,
+                                             extra_weights, num_tokens=layout.pair_row.shape[0])
+    layout = layout._replace(pair_row=jnp.concatenate([layout.pair_row, token_row[:, None]], 1),
+                             extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0])
+    if pair_weights is not None:
+      pair_weights = jnp.concatenate(
+          [pair_weights, jnp.ones((pair_weights.shape[0], 1), pair_weights.dtype)], 1)
+    extra_weights = None
   use_kernel = (config.gather_sum_kernel and pair_weights is not None and not layout.num_extra
-                and slots >= config.gather_sum_kernel_min_slots
-                and rows.shape[1] >= config.gather_sum_kernel_min_d)
-  if use_kernel and folded is not None:
-    pair_row = jnp.concatenate([layout.pair_row, folded.token_row[:, None]], 1)
-    weights = jnp.concatenate(
-        [pair_weights, jnp.ones((pair_weights.shape[0], 1), pair_weights.dtype)], 1)
-  else:
-    pair_row, weights = layout.pair_row, pair_weights
-  if use_kernel and gs.supports(rows, pair_row, weights) is None:
-    return gs.gather_sum(rows, pair_row, weights, out_dtype)
-  out = xla_backend.gather_sum(rows, layout, pair_weights, out_dtype, extra_weights)
-  return out if folded is None else extras_sum.add_folded(out, folded)
+                and layout.pair_row.shape[1] >= config.gather_sum_kernel_min_slots
+                and rows.shape[1] >= config.gather_sum_kernel_min_d
+                and gs.supports(rows, layout.pair_row, pair_weights) is None)
+  if not use_kernel:
+    return xla_backend.gather_sum(rows, layout, pair_weights, out_dtype, extra_weights)
+  return gs.gather_sum(rows, layout.pair_row, pair_weights, out_dtype)
 
 
 @functools.cache

@@ -22,7 +22,6 @@ after the gather-sum. Uses Pallas's Triton lowering (deprecated in jax 0.11, pre
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -52,17 +51,6 @@ def supports(rows: jax.Array) -> str | None:
   return None
 
 
-class Folded(NamedTuple):
-  """`fold_extras`'s result: the rows with each token's extra pairs summed into its first extra
-  row, that row per token, and the same as a list of the X sorted entries: head_token is the token
-  at its run's first entry, T at every other, head_row the entry's row."""
-
-  rows: jax.Array  # (R, d)
-  token_row: jax.Array  # (T,) int32, R for a token without extras
-  head_token: jax.Array  # (X,) int32
-  head_row: jax.Array  # (X,) int32
-
-
 def _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight):
   """The pairs in use sorted by token (unused last), each run's first entry marked."""
   used = (extra_token >= 0) & (extra_token < num_tokens) & (extra_row >= 0) & (
@@ -79,7 +67,7 @@ def _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight):
   # The row each token's extras are folded into: a unique scatter (one first entry per token).
   token_row = jnp.full((num_tokens,), num_rows, jnp.int32).at[
       jnp.where(first, token, num_tokens)].set(row, mode="drop", unique_indices=True)
-  return token, row, weight, token_row, jnp.where(first, token, num_tokens)
+  return token, row, weight, token_row
 
 
 def _kernel(token_ref, row_ref, weight_ref, rows_ref, out_ref, *, num_tokens: int, num_extra: int,
@@ -110,19 +98,19 @@ def _kernel(token_ref, row_ref, weight_ref, rows_ref, out_ref, *, num_tokens: in
 @functools.partial(jax.jit, static_argnames=("num_tokens", "interpret"))
 def fold_extras(rows, extra_token, extra_row, extra_weight, *, num_tokens: int,
                 interpret: bool = False):
-  """`Folded`: rows (R, d) with each token's extra pairs summed, weighted by extra_weight (X,)
-  (None: 1), in float32, into its first extra row (in sorted order); token_row names that row per
-  token, R for tokens without extras. Pairs with extra_token outside [0, T) or extra_row outside
-  [0, R) are unused. The other rows are unchanged."""
+  """(rows', token_row (T,) int32): rows (R, d) with each token's extra pairs summed, weighted
+  by extra_weight (X,) (None: 1), in float32, into its first extra row (in sorted order); token_row
+  names that row per token, R for tokens without extras. Pairs with extra_token outside [0, T) or
+  extra_row outside [0, R) are unused. The other rows are unchanged."""
   reason = supports(rows)
   if reason is not None:
     raise ValueError(f"extras kernel: {reason}")
   num_rows, d = rows.shape
   num_extra = extra_token.shape[0]
-  token, row, weight, token_row, head = _sorted_runs(num_tokens, num_rows, extra_token, extra_row,
-                                                     extra_weight)
+  token, row, weight, token_row = _sorted_runs(num_tokens, num_rows, extra_token, extra_row,
+                                               extra_weight)
   if num_extra == 0:
-    return Folded(rows, token_row, head, row)
+    return rows, token_row
   bd = block_columns(d)
   # Whole arrays left in place (no blocks copied per program): each program reads and writes only
   # the rows of its token's run.
@@ -137,22 +125,13 @@ def fold_extras(rows, extra_token, extra_row, extra_weight, *, num_tokens: int,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       interpret=interpret,
   )(token, row, weight, rows)
-  return Folded(out, token_row, head, row)
-
-
-def add_folded(out, folded: Folded):
-  """out (T, d) plus each token's folded extra row: one scatter over the X entries, unique
-  (only runs' first entries land), so it reads and writes the tokens with extras only, not T rows
-  as one more gather-sum slot does."""
-  update = folded.rows[folded.head_row].astype(out.dtype)
-  return out.at[folded.head_token].add(update, mode="drop", unique_indices=True)
+  return out, token_row
 
 
 def reference(rows, extra_token, extra_row, extra_weight, *, num_tokens: int):
   """`fold_extras` by a segment sum over the whole list (XLA)."""
   num_rows = rows.shape[0]
-  _, _, _, token_row, _ = _sorted_runs(num_tokens, num_rows, extra_token, extra_row,
-                                       extra_weight)
+  _, _, _, token_row = _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight)
   used = (extra_token >= 0) & (extra_token < num_tokens) & (extra_row >= 0) & (
       extra_row < num_rows)
   w = jnp.ones(extra_token.shape, jnp.float32) if extra_weight is None else extra_weight
