@@ -342,8 +342,9 @@ def z_loss(logits: Array) -> Array:
   return jnp.mean(lse * lse)
 
 
-# Token rounding (SonicMoE, DESIGN.md section 4): a training-time router that moves each expert's
-# number of tokens to a multiple of the grouped GEMM's row tile, so no tile is partly padding.
+# Token rounding (the SonicMoE paper's section 4; docs/design.md, "Token rounding"): a
+# training-time router that moves each expert's number of tokens to a multiple of the grouped
+# GEMM's row tile, so no tile is partly padding.
 TOKEN_ROUNDINGS = rounding_select.MODES  # ("down", "up", "nearest")
 
 
