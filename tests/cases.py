@@ -64,9 +64,21 @@ def h100_abstract_mesh(num_cores: int = 132, axes: dict[str, int] | None = None)
 
 def export_for_h100(fn, *args) -> str:
   """The MLIR module of `jax.export` of jit(fn) for 'cuda' on an H100, lowered on this machine
-  (Pallas Triton calls allowed)."""
+  (Pallas Triton calls allowed). Each Pallas Triton module is verified as it is built: Pallas
+  leaves that to the GPU compiler, and an ill-typed op (e.g. an integer op given a bool operand)
+  would otherwise pass here and fail only on a GPU."""
   import jax
-  with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
+  from unittest import mock
+  from jax._src.pallas.triton import lowering
+  lower = lowering.lower_jaxpr_to_triton_module
+
+  def lower_and_verify(*a, **k):
+    result = lower(*a, **k)
+    result.module.operation.verify()  # raises MLIRError naming the op
+    return result
+
+  with jax.sharding.use_abstract_mesh(h100_abstract_mesh()), mock.patch.object(
+      lowering, "lower_jaxpr_to_triton_module", lower_and_verify):
     return jax.export.export(
         jax.jit(fn), platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
