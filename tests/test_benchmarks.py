@@ -92,6 +92,21 @@ def test_gather_sum_bench_cases_and_table():
   assert "| 8,256,17 | 256 columns, 2 stages (default) | 5.0 | 1 | 2.00 |" in text
 
 
+def test_rounding_select_bench_checks_and_ranks_variants():
+  """The selection bench checks each variant against XLA's selection before timing it (here the
+  kernel interpreted at two warp counts, a tiny case), and ranks them against XLA's."""
+  import functools
+  from benchmarks import rounding_select_bench as bench
+  variants = {f"warps={w}": functools.partial(bench.selection_fn, interpret=True, warps=w)
+              for w in (4, 8)}
+  results = bench.run_case(300, 8, 2, "nearest", 32, 1, variants)
+  assert [r["variant"] for r in results] == ["xla", "warps=4", "warps=8"]
+  assert all(r["us"] > 0 for r in results)
+  lines = bench.table(results).splitlines()
+  assert len(lines) == 2 + 3 and all(line.startswith("| 300,8,2 | ") for line in lines[2:])
+  assert set(bench.default_variants(["16"])) == {"kernel", "warps=16"}
+
+
 def test_token_rounding_bench(tmp_path):
   name, res = _run(["benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2", "--backend=xla",
                     "--repeats=2", "--modes=up,down", "--role_times"], tmp_path)

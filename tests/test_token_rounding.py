@@ -209,6 +209,21 @@ def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k,
     assert int(jnp.sum(got.extra_tokens < t)) > 0, "the case should add pairs"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [40960, 65536])  # 96 and 128 keys a thread
+def test_selection_kernel_compiled_at_long_rows(rng, t):
+  """The longest rows the kernel takes, compiled, give XLA's selection."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("compiled on a GPU")
+  logits = rng.normal(size=(t, 128)).astype(np.float32)
+  routed = routing_lib.route(jnp.asarray(logits), 8, "softmax_topk")
+  want = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, 128, "nearest", "xla")
+  got = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, 128, "nearest",
+                                                                    "kernel")
+  for name, a, b in zip(want._fields, want, got):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_selection_kernel_over_several_chunks(rng, mode):
   """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries), padded to a
@@ -255,6 +270,11 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="chunk must be a power of two"):
     rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
                            interpret=True, chunk=6)
+  with pytest.raises(ValueError, match="warps must be a power of two"):
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
+                           interpret=True, warps=12)
+  assert [rounding_select.num_warps(t) for t in (64, 16384, 24576, 40960, 65536)] == [
+      4, 8, 16, 16, 16]
   with pytest.raises(ValueError, match=r"keys must be \(E, 48\) for T=40 and chunk=16"):
     rounding_select.select(jnp.zeros((4, 64), jnp.int32), num_tokens=40, tile=32, mode="up",
                            added_per_expert=31, interpret=True, chunk=16)
@@ -262,7 +282,7 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="T=70000"):
     routing_lib.round_tokens(big, 32, "up", "kernel")
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    for t in (16384, 40960):  # one chunk; three (a row of 49,152 keys)
+    for t in (16384, 40960, 65536):  # one chunk; three (49,152 keys); four (128 a thread)
       module = export_for_h100(
           lambda keys: rounding_select.select(keys, num_tokens=t, tile=128, mode="nearest",
                                               added_per_expert=64),

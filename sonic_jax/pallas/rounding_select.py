@@ -34,9 +34,10 @@ from sonic_jax.pallas import TRITON_AVAILABLE, next_pow2, pltriton
 
 AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering rounding uses XLA
 
-# A program keeps its expert's whole row in registers, 64 keys per thread of up to 32 warps.
+# A program keeps its expert's whole row in registers: 64 keys per thread, more past 16 warps.
 MAX_TOKENS = 65536
 KEYS_PER_THREAD = 64
+MAX_WARPS = 16  # 32 warps' block-wide reductions cost more than the registers they free
 CHUNK = 16384  # keys per prefix sum (its SMEM scratch)
 MODES = ("down", "up", "nearest")  # `sonic_jax.routing.TOKEN_ROUNDINGS`
 
@@ -62,7 +63,9 @@ def padded_tokens(num_tokens: int, chunk: int = CHUNK) -> int:
 
 
 def num_warps(num_tokens: int) -> int:
-  return max(4, min(32, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
+  """The program's warps: one per 32 * 64 keys, 4 to 16 (up to 128 keys per thread at T =
+  65536)."""
+  return max(4, min(MAX_WARPS, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
 
 
 def added_bound(mode: str, tile: int, num_tokens: int | None = None) -> int:
@@ -116,17 +119,20 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
     parts = [p.astype(jnp.int32) for p in parts]
     return jnp.sum(functools.reduce(jnp.add, parts[1:], parts[0]))
 
+  # Token indices are recomputed where used rather than held through the bisection.
+  token = lambda i: lax.broadcasted_iota(jnp.int32, (chunk,), 0) + i * chunk
   key = [keys_ref[span(i)] for i in pieces]
-  token = [lax.broadcasted_iota(jnp.int32, (chunk,), 0) + i * chunk for i in pieces]
-  real = [t < num_tokens for t in token]
-  tc = [(k < 0) & r for k, r in zip(key, real)]
-  count = total(tc)
+  count = total((k < 0) & (token(i) < num_tokens) for i, k in zip(pieces, key))
   target = target_count(count, tile, mode, num_tokens)
   down = target <= count
   # The region the boundary lies in, and how many of its largest values the expert keeps there.
   take = jnp.where(down, target, target - count)
-  value = [jnp.where(down, jnp.where(c, -k - 1, -1), jnp.where(r & ~c, k, -1))
-           for k, r, c in zip(key, real, tc)]
+  # One int32 per token orders the region: ~key (= -key - 1, a TC score's bits) when dropping,
+  # the key (an other token's probability bits) when adding; the other region's values and the
+  # padding are negative, below every candidate. Only these values stay live through the
+  # bisection (the key is value ^ flip again): a thread holds up to 128 of them in registers.
+  flip = jnp.where(down, jnp.int32(-1), jnp.int32(0))
+  value = [jnp.where(token(i) < num_tokens, k ^ flip, -1) for i, k in zip(pieces, key)]
 
   def bisect(state):
     i, threshold, _ = state
@@ -155,8 +161,9 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
   ties = [v == threshold for v in value]
   chosen = [((v > threshold) | (t & (r < ties_wanted))) & (take > 0)
             for v, t, r in zip(value, ties, exclusive_ranks(ties))]
-  for i, c, ch in zip(pieces, tc, chosen):
-    keep_ref[span(i)] = (c & (ch | ~down)).astype(jnp.int8)
+  # A TC pair's key is negative (padding columns come out as TC when adding; they are cut off).
+  for i, v, ch in zip(pieces, value, chosen):
+    keep_ref[span(i)] = (((v ^ flip) < 0) & (ch | ~down)).astype(jnp.int8)
   if added_per_expert:
     added = [ch & ~down for ch in chosen]
     j_pad = added_ref.shape[0] // 2
@@ -166,23 +173,27 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
     # old values back: they aim at a spare upper half that no used column shares.
     pltriton.store(added_ref, jnp.full(column.shape, num_tokens, jnp.int32),
                    mask=column >= total(added))
-    for a, r, t in zip(added, exclusive_ranks(added), token):
+    for i, a, r in zip(pieces, added, exclusive_ranks(added)):
+      t = token(i)
       pltriton.store(added_ref.at[jnp.where(a, r, j_pad + (t & (j_pad - 1)))], t, mask=a)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "tile", "mode", "added_per_expert",
-                                             "interpret", "chunk"))
+                                             "interpret", "chunk", "warps"))
 def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int,
-           interpret: bool = False, chunk: int = CHUNK):
+           interpret: bool = False, chunk: int = CHUNK, warps: int | None = None):
   """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, padded_tokens(T,
   chunk)); J = added_per_expert, at least what the mode can add to one expert. chunk: keys per
-  prefix sum (a power of two)."""
+  prefix sum (a power of two). warps: the program's warps, `num_warps(T)` by default (set for
+  tuning, `benchmarks.rounding_select_bench`)."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   if tile < 1:
     raise ValueError(f"tile must be >= 1, got {tile}")
   if chunk < 1 or chunk & (chunk - 1):
     raise ValueError(f"chunk must be a power of two, got {chunk}")
+  if warps is not None and (warps < 1 or warps & (warps - 1) or warps > 32):
+    raise ValueError(f"warps must be a power of two in [1, 32], got {warps}")
   e_count, t_pad = keys.shape
   reason = supports(num_tokens, e_count, added_per_expert)
   if reason is not None:
@@ -204,7 +215,8 @@ def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int
       in_specs=[pl.BlockSpec((None, t_pad), lambda e: (e, 0))],
       out_specs=(pl.BlockSpec((None, t_pad), lambda e: (e, 0)),
                  pl.BlockSpec((None, 2 * j_pad), lambda e: (e, 0))),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps(num_tokens), num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=warps or num_warps(num_tokens),
+                                              num_stages=1),
       interpret=interpret,
   )(keys)
   return keep[:, :num_tokens], added[:, :added_per_expert]
