@@ -2,7 +2,7 @@ r"""Token rounding's selection (`sonic_jax.pallas.rounding_select`: keys and ker
 (`round_tokens(method="xla")`: a sort and `lax.top_k`), over the kernel's warp counts.
 
   python -m benchmarks.rounding_select_bench [--case=40960,128,8 ...] [--mode=nearest]
-      [--tile=128] [--warps=16,32] [--kernel_trace] [--out=dir]
+      [--tile=128] [--warps=16,32] [--chunks=8192,16384] [--kernel_trace] [--out=dir]
 
 A case T,E,K routes T tokens of random N(0, 1) logits to K of E experts (softmax top-K). Each
 variant's (keep, added) is checked equal to XLA's before it is timed (median of interleaved
@@ -32,6 +32,7 @@ def _define_flags():  # only when run as a script
   flags.DEFINE_enum("mode", "nearest", ["down", "up", "nearest"], "rounding mode")
   flags.DEFINE_integer("tile", 128, "rounding tile")
   flags.DEFINE_list("warps", [], "warp counts to time besides the kernel's own choice")
+  flags.DEFINE_list("chunks", [], "row pieces (keys) to time besides the kernel's own choice")
   flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
   flags.DEFINE_bool("kernel_trace", False, "each kernel variant's kernels (device us per call, "
                     "from a profiler trace)")
@@ -45,7 +46,8 @@ def selection_fn(t, tile, mode, per_expert, module=None, **kernel_kwargs):
     from sonic_jax.pallas import rounding_select as module
 
   def fn(probs, ids, scores):
-    keys = module.selection_keys(probs, ids, scores, module.padded_tokens(t))
+    t_pad = module.padded_tokens(t, kernel_kwargs.get("chunk"))
+    keys = module.selection_keys(probs, ids, scores, t_pad)
     keep_tc, added = module.select(keys, num_tokens=t, tile=tile, mode=mode,
                                    added_per_expert=per_expert, **kernel_kwargs)
     token = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
@@ -92,17 +94,19 @@ def table(results):
   return "\n".join(lines)
 
 
-def default_variants(warps=()):
-  """The kernel as configured, then at each given warp count."""
+def default_variants(warps=(), chunks=()):
+  """The kernel as configured, then at each given warp count and row piece."""
   variants = {"kernel": selection_fn}
   for w in warps:
     variants[f"warps={w}"] = lambda *a, w=int(w): selection_fn(*a, warps=w)
+  for c in chunks:
+    variants[f"chunk={c}"] = lambda *a, c=int(c): selection_fn(*a, chunk=c)
   return variants
 
 
 def main(argv, variants=None):
   del argv
-  variants = variants or default_variants(FLAGS.warps)
+  variants = variants or default_variants(FLAGS.warps, FLAGS.chunks)
   results = []
   for case in FLAGS.case or DEFAULT_CASES:
     t, e, k = (int(v) for v in case.split(","))

@@ -104,7 +104,7 @@ def test_rounding_select_bench_checks_and_ranks_variants():
   assert all(r["us"] > 0 for r in results)
   lines = bench.table(results).splitlines()
   assert len(lines) == 2 + 3 and all(line.startswith("| 300,8,2 | ") for line in lines[2:])
-  assert set(bench.default_variants(["16"])) == {"kernel", "warps=16"}
+  assert set(bench.default_variants(["16"], ["8192"])) == {"kernel", "warps=16", "chunk=8192"}
 
 
 def test_token_rounding_bench(tmp_path):

@@ -275,6 +275,11 @@ def test_selection_kernel_refusals_and_lowering():
                            interpret=True, warps=12)
   assert [rounding_select.num_warps(t) for t in (64, 16384, 24576, 40960, 65536)] == [
       4, 8, 16, 16, 16]
+  # The row's pieces pad T least: 40,960 keys as 5 pieces of 8,192, not 49,152 as 3 of 16,384.
+  rows = (300, 12288, 16384, 24576, 40960, 49152, 65536)
+  assert [rounding_select.row_chunk(t) for t in rows] == [
+      512, 4096, 16384, 8192, 8192, 16384, 16384]
+  assert [rounding_select.padded_tokens(t) for t in rows] == [512] + list(rows[1:])
   with pytest.raises(ValueError, match=r"keys must be \(E, 48\) for T=40 and chunk=16"):
     rounding_select.select(jnp.zeros((4, 64), jnp.int32), num_tokens=40, tile=32, mode="up",
                            added_per_expert=31, interpret=True, chunk=16)
@@ -282,7 +287,7 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="T=70000"):
     routing_lib.round_tokens(big, 32, "up", "kernel")
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    for t in (16384, 40960, 65536):  # one chunk; three (49,152 keys); four (128 a thread)
+    for t in (16384, 40960, 65536):  # one chunk; five of 8,192; four of 16,384 (128 a thread)
       module = export_for_h100(
           lambda keys: rounding_select.select(keys, num_tokens=t, tile=128, mode="nearest",
                                               added_per_expert=64),

@@ -38,7 +38,8 @@ AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering rounding uses XLA
 MAX_TOKENS = 65536
 KEYS_PER_THREAD = 64
 MAX_WARPS = 16  # 32 warps' block-wide reductions cost more than the registers they free
-CHUNK = 16384  # keys per prefix sum (its SMEM scratch)
+CHUNK = 16384  # the most keys per prefix sum (its SMEM scratch)
+MIN_CHUNK = 4096
 MODES = ("down", "up", "nearest")  # `sonic_jax.routing.TOKEN_ROUNDINGS`
 
 
@@ -53,10 +54,21 @@ def supports(num_tokens: int, num_experts: int, added_per_expert: int) -> str | 
   return None
 
 
-def padded_tokens(num_tokens: int, chunk: int = CHUNK) -> int:
-  """The key row's length for `select` with this chunk (a power of two): T rounded up to a power
-  of two within one chunk, else to a multiple of the chunk (40,960 tokens: 49,152 keys). The
+def row_chunk(num_tokens: int) -> int:
+  """Keys per piece of the row (a power of two, at most `CHUNK`): the one that pads T least, the
+  longest among equals. 40,960 tokens: 5 pieces of 8,192, no padding (16,384 would pad to
+  49,152); 24,576: 3 of 8,192 (rather than 32,768 keys). The bisection's rounds cost per key."""
+  pow2 = next_pow2(num_tokens)
+  return min(sorted({min(c, pow2) for c in (CHUNK, CHUNK // 2, MIN_CHUNK)}, reverse=True),
+             key=lambda c: padded_tokens(num_tokens, c))
+
+
+def padded_tokens(num_tokens: int, chunk: int | None = None) -> int:
+  """The key row's length for `select` with this chunk (a power of two; `row_chunk(T)` by
+  default): T rounded up to a power of two within one chunk, else to a multiple of the chunk. The
   kernel loads and stores the row a chunk at a time, and only those must be powers of two."""
+  if chunk is None:
+    chunk = row_chunk(num_tokens)
   if num_tokens <= chunk:
     return next_pow2(num_tokens)
   return -(-num_tokens // chunk) * chunk
@@ -181,15 +193,17 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "tile", "mode", "added_per_expert",
                                              "interpret", "chunk", "warps"))
 def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int,
-           interpret: bool = False, chunk: int = CHUNK, warps: int | None = None):
+           interpret: bool = False, chunk: int | None = None, warps: int | None = None):
   """(keep_tc (E, T) int8, added (E, J) int32) from `selection_keys` (E, padded_tokens(T,
   chunk)); J = added_per_expert, at least what the mode can add to one expert. chunk: keys per
-  prefix sum (a power of two). warps: the program's warps, `num_warps(T)` by default (set for
-  tuning, `benchmarks.rounding_select_bench`)."""
+  prefix sum (a power of two; `row_chunk(T)` by default). warps: the program's warps,
+  `num_warps(T)` by default (set for tuning, `benchmarks.rounding_select_bench`)."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
   if tile < 1:
     raise ValueError(f"tile must be >= 1, got {tile}")
+  if chunk is None:
+    chunk = row_chunk(num_tokens)
   if chunk < 1 or chunk & (chunk - 1):
     raise ValueError(f"chunk must be a power of two, got {chunk}")
   if warps is not None and (warps < 1 or warps & (warps - 1) or warps > 32):
