@@ -1,5 +1,6 @@
 r"""Token rounding's selection (`sonic_jax.pallas.rounding_select`: keys and kernel) against XLA's
-(`round_tokens(method="xla")`: a sort and `lax.top_k`), over the kernel's warp counts.
+(`round_tokens(method="xla")`: a sort and `lax.top_k`), over the kernel's warp counts and row
+pieces.
 
   python -m benchmarks.rounding_select_bench [--case=40960,128,8 ...] [--mode=nearest]
       [--tile=128] [--warps=16,32] [--chunks=8192,16384] [--kernel_trace] [--out=dir]
@@ -39,17 +40,16 @@ def _define_flags():  # only when run as a script
   flags.DEFINE_string("out", "bench_out", "output folder")
 
 
-def selection_fn(t, tile, mode, per_expert, module=None, **kernel_kwargs):
-  """(probs, ids, scores) -> (keep (T, K), added (E, J)) through the selection kernel of `module`
-  (default `sonic_jax.pallas.rounding_select`), as `round_tokens` calls it."""
-  if module is None:
-    from sonic_jax.pallas import rounding_select as module
+def selection_fn(t, tile, mode, per_expert, **kernel_kwargs):
+  """(probs, ids, scores) -> (keep (T, K), added (E, J)) through the selection kernel
+  (`rounding_select.select(..., **kernel_kwargs)`), as `round_tokens` calls it."""
+  from sonic_jax.pallas import rounding_select
 
   def fn(probs, ids, scores):
-    t_pad = module.padded_tokens(t, kernel_kwargs.get("chunk"))
-    keys = module.selection_keys(probs, ids, scores, t_pad)
-    keep_tc, added = module.select(keys, num_tokens=t, tile=tile, mode=mode,
-                                   added_per_expert=per_expert, **kernel_kwargs)
+    t_pad = rounding_select.padded_tokens(t, kernel_kwargs.get("chunk"))
+    keys = rounding_select.selection_keys(probs, ids, scores, t_pad)
+    keep_tc, added = rounding_select.select(keys, num_tokens=t, tile=tile, mode=mode,
+                                            added_per_expert=per_expert, **kernel_kwargs)
     token = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 0)
     return keep_tc[ids, token] > 0, added
   return fn

@@ -462,11 +462,14 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
   flat_ids = ids.reshape(-1)
   counts = expert_counts(ids, e_count)
   target = rounding_select.target_count(counts, tile, mode, t_count)
+  # Scores and probabilities rank by their bits (`rounding_select.order_bits`), as the kernel's do:
+  # -0.0 ties with 0.0, and subnormals keep their order on a machine that flushes them.
+  bits = lambda v: rounding_select.order_bits(jax.lax.stop_gradient(v))
   # Rounding down: rank each expert's TC pairs by score (ties by pair order) and keep the first
   # target_e of them.
   keep = jnp.ones_like(flat_ids, dtype=bool)
   if mode != "up":
-    key = jax.lax.stop_gradient(routed.scores).reshape(-1)
+    key = bits(routed.scores).reshape(-1)
     pair = jnp.arange(flat_ids.shape[0], dtype=jnp.int32)
     order = jnp.lexsort((pair, -key, flat_ids)).astype(jnp.int32)  # expert-major, best first
     starts = jnp.cumsum(counts) - counts
@@ -479,10 +482,10 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
   # Rounding up: each expert adds its most probable tokens that did not choose it.
   chose = jnp.zeros((t_count, e_count), bool).at[
       jnp.arange(t_count)[:, None], ids].set(True)
-  candidates = jnp.where(chose, -jnp.inf, jax.lax.stop_gradient(probs)).T  # (E, T)
+  candidates = jnp.where(chose, -1, bits(probs)).T  # (E, T)
   best, tokens = jax.lax.top_k(candidates, per_expert)  # (E, J)
   need = jnp.maximum(target - counts, 0)
-  used = (jnp.arange(per_expert)[None, :] < need[:, None]) & (best > -jnp.inf)
+  used = (jnp.arange(per_expert)[None, :] < need[:, None]) & (best >= 0)
   return keep, jnp.sort(jnp.where(used, tokens, t_count).astype(jnp.int32), axis=1)
 
 

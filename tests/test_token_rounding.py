@@ -210,7 +210,7 @@ def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [40960, 65536])  # 96 and 128 keys a thread
+@pytest.mark.parametrize("t", [40960, 61440, 65536])  # 80, 60 and 64 keys a thread
 def test_selection_kernel_compiled_at_long_rows(rng, t):
   """The longest rows the kernel takes, compiled, give XLA's selection."""
   if jax.default_backend() != "gpu":
@@ -237,7 +237,8 @@ def test_selection_kernel_over_several_chunks(rng, mode):
       routed.probs, routed.expert_ids, routed.scores, rounding_select.padded_tokens(t, chunk))
   assert keys(64).shape == (e, 320) and keys(rounding_select.CHUNK).shape == (e, 512)
   whole = rounding_select.select(keys(rounding_select.CHUNK), num_tokens=t, tile=tile, mode=mode,
-                                 added_per_expert=per_expert, interpret=True)
+                                 added_per_expert=per_expert, interpret=True,
+                                 chunk=rounding_select.CHUNK)
   chunked = rounding_select.select(keys(64), num_tokens=t, tile=tile, mode=mode,
                                    added_per_expert=per_expert, interpret=True, chunk=64)
   want = routing_lib.round_tokens(routed, tile, mode, "xla")
@@ -245,6 +246,37 @@ def test_selection_kernel_over_several_chunks(rng, mode):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   if per_expert:
     np.testing.assert_array_equal(np.asarray(chunked[1]).reshape(-1), np.asarray(want.extra_tokens))
+
+
+def test_selection_kernel_default_pieces(rng):
+  """`round_tokens`'s own call, interpreted, on rows the default split cuts in several pieces
+  (12,288 and 20,480 tokens: 3 and 5 pieces of 4,096 keys, no padding), with many ties."""
+  from sonic_jax.pallas import rounding_select
+  for t, mode in [(12288, m) for m in MODES] + [(20480, "nearest")]:  # 3 and 5 pieces
+    assert rounding_select.row_chunk(t) == 4096 and rounding_select.padded_tokens(t) == t
+    logits = np.round(rng.normal(size=(t, 4)) * 2).astype(np.float32) / 2
+    routed = routing_lib.route(jnp.asarray(logits), 1, "softmax_topk")
+    want = routing_lib.round_tokens(routed, 128, mode, "xla")
+    got = routing_lib.round_tokens(routed, 128, mode, "kernel")
+    for name, a, b in zip(want._fields, want, got):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{mode} {name}")
+
+
+@pytest.mark.parametrize("a,b,second", [(-0.0, 0.0, 1), (0.0, 1e-40, 2)])
+def test_selection_ranks_signed_zeros_and_subnormals_alike(a, b, second):
+  """-0.0 ties with 0.0 and a subnormal probability ranks above 0 in both selections, also where
+  XLA flushes subnormals (a CPU): each token added by "up" is the NumPy model's."""
+  probs = jnp.asarray([[0.5, 0.5], [1.0, a], [1.0, b], [0.75, 0.25]], jnp.float32)
+  routed = routing_lib.RouterOutput(scores=jnp.asarray([[0.5], [1.0], [1.0], [0.75]], jnp.float32),
+                                    expert_ids=jnp.asarray([[1], [0], [0], [0]], jnp.int32),
+                                    probs=probs)
+  # Expert 1 has one TC token (0) and rounds up to 3: it adds token 3 (0.25), then the first of
+  # tokens 1 and 2 when their probabilities tie (-0.0 and 0.0), else the larger (1e-40 > 0).
+  want = [3, second]
+  for method in ("xla", "kernel"):
+    got = routing_lib.round_tokens(routed, 3, "up", method)
+    added = np.asarray(got.extra_tokens)[np.asarray(got.extra_experts) == 1]
+    assert sorted(added.tolist()) == sorted(want), (method, added)
 
 
 def test_selection_target_rounds_half_to_even():
@@ -267,14 +299,17 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="added_per_expert=3 is below"):
     rounding_select.select(keys, num_tokens=8, tile=32, mode="nearest", added_per_expert=3,
                            interpret=True)
+  with pytest.raises(ValueError, match="chunk must be a power of two of at most 16384, got 32768"):
+    rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
+                           interpret=True, chunk=32768)
   with pytest.raises(ValueError, match="chunk must be a power of two"):
     rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
                            interpret=True, chunk=6)
   with pytest.raises(ValueError, match="warps must be a power of two"):
     rounding_select.select(keys, num_tokens=8, tile=32, mode="up", added_per_expert=8,
                            interpret=True, warps=12)
-  assert [rounding_select.num_warps(t) for t in (64, 16384, 24576, 40960, 65536)] == [
-      4, 8, 16, 16, 16]
+  assert [rounding_select.num_warps(t) for t in (64, 16384, 24576, 40960, 49152, 61440, 65536)] == [
+      4, 8, 16, 16, 16, 32, 32]
   # The row's pieces pad T least: 40,960 keys as 5 pieces of 8,192, not 49,152 as 3 of 16,384.
   rows = (300, 12288, 16384, 24576, 40960, 49152, 65536)
   assert [rounding_select.row_chunk(t) for t in rows] == [
@@ -287,7 +322,7 @@ def test_selection_kernel_refusals_and_lowering():
   with pytest.raises(ValueError, match="T=70000"):
     routing_lib.round_tokens(big, 32, "up", "kernel")
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    for t in (16384, 40960, 65536):  # one chunk; five of 8,192; four of 16,384 (128 a thread)
+    for t in (16384, 40960, 61440):  # one piece; five of 8,192; fifteen of 4,096
       module = export_for_h100(
           lambda keys: rounding_select.select(keys, num_tokens=t, tile=128, mode="nearest",
                                               added_per_expert=64),

@@ -1,20 +1,20 @@
 """Token rounding's selection: for every expert, which tokens it keeps, one pass over its row.
 
 Token rounding (`sonic_jax.routing.round_tokens`) gives expert e a target count r_e, a multiple of
-the tile near its token-choice (TC) count c_e, and keeps the first r_e tokens of its ranking: its
-TC tokens by score, then the others by probability, ties to the lower token. When r_e <= c_e that
-drops the c_e - r_e lowest-scored TC tokens; when r_e > c_e it adds the r_e - c_e most probable
-others. Either way it is the m largest values of one region of the expert's row (TC scores, or
-the others' probabilities), which this kernel finds without a sort: one Pallas (Triton) program per
-expert holds the row's T keys in registers and finds the m-th largest by bisection over its 31
-bits (a count of the keys at or above a candidate per bit, stopping early once exactly m are),
-then keeps the keys above it and the first ties in token order (a prefix sum). XLA's `lax.top_k`
-over the (E, T) matrix is a segmented sort of all of it, and ranking the TC pairs a three-key
-sort.
+the tile near its token-choice (TC) count c_e, and keeps the first r_e tokens of its ranking: its TC
+tokens by score, then the others by probability, ties to the lower token. When r_e <= c_e that drops
+the c_e - r_e lowest-scored TC tokens; when r_e > c_e it adds the r_e - c_e most probable others.
+Either way it is the m largest values of one region of the expert's row (TC scores, or the others'
+probabilities), which this kernel finds without a sort: one Pallas (Triton) program per expert holds
+its row in registers, one int32 per token, and finds the m-th largest by bisection over its 31 bits
+(a count of the keys at or above a candidate per bit, stopping early once exactly m are), then keeps
+the keys above it and the first ties in token order (a prefix sum). XLA's `lax.top_k` over the (E,
+T) matrix is a segmented sort of all of it, and ranking the TC pairs a three-key sort.
 
-Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability); both
-values are floats >= 0, whose bit patterns order as the values do, so one array holds both regions
-(key < 0: TC) and each region's order. Outputs: `keep_tc` (E, T) int8, 1 where a TC pair is kept,
+Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability), where
+bits (`order_bits`) is a float32's bit pattern with -0.0 (any negative) as 0; floats >= 0 order as
+their bit patterns do, so one array holds both regions (key < 0: TC) and each region's order, and
+XLA's reference ranks by the same bits. Outputs: `keep_tc` (E, T) int8, 1 where a TC pair is kept,
 and `added` (E, J) int32, the tokens the expert adds in increasing order, T past its last. It uses
 Pallas's Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where
 it is gone, and rounding uses the XLA path. Reference: `sonic_jax.routing.round_tokens` with
@@ -34,12 +34,14 @@ from sonic_jax.pallas import TRITON_AVAILABLE, next_pow2, pltriton
 
 AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering rounding uses XLA
 
-# A program keeps its expert's whole row in registers: 64 keys per thread, more past 16 warps.
+# A program keeps its expert's whole row in registers: 64 keys a thread up to 16 warps, then up to
+# 96 at 16 warps (cheaper block-wide reductions than 32 warps'), and 32 warps beyond (with up to
+# 128 a thread, 61,440 tokens ran 3.5x slower).
 MAX_TOKENS = 65536
 KEYS_PER_THREAD = 64
-MAX_WARPS = 16  # 32 warps' block-wide reductions cost more than the registers they free
+MAX_KEYS_PER_THREAD = 96
 CHUNK = 16384  # the most keys per prefix sum (its SMEM scratch)
-MIN_CHUNK = 4096
+MIN_CHUNK = 4096  # the shortest piece the row is cut into (each piece adds two prefix sums)
 MODES = ("down", "up", "nearest")  # `sonic_jax.routing.TOKEN_ROUNDINGS`
 
 
@@ -59,8 +61,8 @@ def row_chunk(num_tokens: int) -> int:
   longest among equals. 40,960 tokens: 5 pieces of 8,192, no padding (16,384 would pad to
   49,152); 24,576: 3 of 8,192 (rather than 32,768 keys). The bisection's rounds cost per key."""
   pow2 = next_pow2(num_tokens)
-  return min(sorted({min(c, pow2) for c in (CHUNK, CHUNK // 2, MIN_CHUNK)}, reverse=True),
-             key=lambda c: padded_tokens(num_tokens, c))
+  pieces = {min(c, pow2) for c in (CHUNK, CHUNK // 2, MIN_CHUNK)}
+  return min(pieces, key=lambda c: (padded_tokens(num_tokens, c), -c))
 
 
 def padded_tokens(num_tokens: int, chunk: int | None = None) -> int:
@@ -75,9 +77,22 @@ def padded_tokens(num_tokens: int, chunk: int | None = None) -> int:
 
 
 def num_warps(num_tokens: int) -> int:
-  """The program's warps: one per 32 * 64 keys, 4 to 16 (up to 128 keys per thread at T =
-  65536)."""
-  return max(4, min(MAX_WARPS, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
+  """The program's warps: one per 32 * 64 keys, 4 to 16, then 32 once 16 warps would hold more
+  than 96 keys a thread (T > 49,152)."""
+  warps = max(4, min(16, next_pow2(num_tokens) // (32 * KEYS_PER_THREAD)))
+  if padded_tokens(num_tokens) > warps * 32 * MAX_KEYS_PER_THREAD:
+    warps *= 2
+  return warps
+
+
+def order_bits(v):
+  """Integer bit patterns of floats (int64 for float64, else int32 of float32), ordered as the
+  values are for v >= 0; -0.0 (and any negative) is 0. Integer ops, so subnormals keep their order
+  where XLA flushes them to zero."""
+  wide = v.dtype == jnp.float64
+  bits = lax.bitcast_convert_type(v.astype(jnp.float64 if wide else jnp.float32),
+                                  jnp.int64 if wide else jnp.int32)
+  return jnp.where(bits < 0, 0, bits)
 
 
 def added_bound(mode: str, tile: int, num_tokens: int | None = None) -> int:
@@ -109,15 +124,13 @@ def selection_keys(probs, expert_ids, scores, t_pad: int):
   t_count, e_count = probs.shape
   probs = lax.stop_gradient(probs).astype(jnp.float32)
   scores = lax.stop_gradient(scores).astype(jnp.float32)
-  # max(., 0): a -0.0 score or probability has the sign bit set.
-  bits = lambda v: lax.bitcast_convert_type(jnp.maximum(v, 0.0), jnp.int32)
-  keys = jnp.pad(bits(probs).T, ((0, 0), (0, t_pad - t_count)))
+  keys = jnp.pad(order_bits(probs).T, ((0, 0), (0, t_pad - t_count)))
   valid = (expert_ids >= 0) & (expert_ids < e_count)
   token = lax.broadcasted_iota(jnp.int32, expert_ids.shape, 0)
   # Top-K's pairs are distinct; a pair routed nowhere goes past the rows, each to its own place.
   pair = token * expert_ids.shape[1] + lax.broadcasted_iota(jnp.int32, expert_ids.shape, 1)
   return keys.at[jnp.where(valid, expert_ids, e_count + pair), token].set(
-      -bits(scores) - 1, mode="drop", unique_indices=True)
+      -order_bits(scores) - 1, mode="drop", unique_indices=True)
 
 
 def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: str,
@@ -142,7 +155,7 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
   # One int32 per token orders the region: ~key (= -key - 1, a TC score's bits) when dropping,
   # the key (an other token's probability bits) when adding; the other region's values and the
   # padding are negative, below every candidate. Only these values stay live through the
-  # bisection (the key is value ^ flip again): a thread holds up to 128 of them in registers.
+  # bisection (the key is value ^ flip again): a thread holds up to 96 of them in registers.
   flip = jnp.where(down, jnp.int32(-1), jnp.int32(0))
   value = [jnp.where(token(i) < num_tokens, k ^ flip, -1) for i, k in zip(pieces, key)]
 
@@ -204,8 +217,8 @@ def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int
     raise ValueError(f"tile must be >= 1, got {tile}")
   if chunk is None:
     chunk = row_chunk(num_tokens)
-  if chunk < 1 or chunk & (chunk - 1):
-    raise ValueError(f"chunk must be a power of two, got {chunk}")
+  if chunk < 1 or chunk & (chunk - 1) or chunk > CHUNK:
+    raise ValueError(f"chunk must be a power of two of at most {CHUNK}, got {chunk}")
   if warps is not None and (warps < 1 or warps & (warps - 1) or warps > 32):
     raise ValueError(f"warps must be a power of two in [1, 32], got {warps}")
   e_count, t_pad = keys.shape
