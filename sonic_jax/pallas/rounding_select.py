@@ -59,7 +59,8 @@ def supports(num_tokens: int, num_experts: int, added_per_expert: int) -> str | 
 def row_chunk(num_tokens: int) -> int:
   """Keys per piece of the row (a power of two, at most `CHUNK`): the one that pads T least, the
   longest among equals. 40,960 tokens: 5 pieces of 8,192, no padding (16,384 would pad to
-  49,152); 24,576: 3 of 8,192 (rather than 32,768 keys). The bisection's rounds cost per key."""
+  49,152); 24,576: 3 of 8,192 (rather than 32,768 keys). Padding keys cost bisection work, more
+  pieces cost prefix sums (docs/decisions.md has the figures)."""
   pow2 = next_pow2(num_tokens)
   pieces = {min(c, pow2) for c in (CHUNK, CHUNK // 2, MIN_CHUNK)}
   return min(pieces, key=lambda c: (padded_tokens(num_tokens, c), -c))
