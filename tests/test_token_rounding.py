@@ -224,7 +224,7 @@ def test_selection_kernel_compiled_at_long_rows(rng, t):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["down", "up"])  # "nearest": test_selection_kernel_default_pieces
 def test_selection_kernel_over_several_chunks(rng, mode):
   """A row longer than the kernel's prefix-sum chunk (ties across chunk boundaries), padded to a
   multiple of the chunk that is not a power of two (5 chunks)."""
@@ -252,9 +252,9 @@ def test_selection_kernel_default_pieces(rng):
   """`round_tokens`'s own call, interpreted, on rows the default split cuts in several pieces
   (12,288 and 20,480 tokens: 3 and 5 pieces of 4,096 keys, no padding), with many ties."""
   from sonic_jax.pallas import rounding_select
-  for t, mode in [(12288, m) for m in MODES] + [(20480, "nearest")]:  # 3 and 5 pieces
+  for t, mode in ((12288, "up"), (20480, "nearest")):  # 3 and 5 pieces
     assert rounding_select.row_chunk(t) == 4096 and rounding_select.padded_tokens(t) == t
-    logits = np.round(rng.normal(size=(t, 4)) * 2).astype(np.float32) / 2
+    logits = np.round(rng.normal(size=(t, 2)) * 2).astype(np.float32) / 2
     routed = routing_lib.route(jnp.asarray(logits), 1, "softmax_topk")
     want = routing_lib.round_tokens(routed, 128, mode, "xla")
     got = routing_lib.round_tokens(routed, 128, mode, "kernel")
