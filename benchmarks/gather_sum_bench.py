@@ -107,12 +107,8 @@ def run_case(t, d, k, folded, repeats):
 
 
 def table(results):
-  lines = ["| T,d,S | variant | us | GB/s | × xla |", "|---|---|---|---|---|"]
-  base = {(r["T"], r["d"], r["S"]): r["us"] for r in results if r["variant"] == "xla"}
-  for r in sorted(results, key=lambda r: (r["T"], r["d"], r["S"], r["us"])):
-    lines.append(f"| {r['T']},{r['d']},{r['S']} | {r['variant']} | {r['us']:.1f} | "
-                 f"{r['gbps']:.0f} | {base[(r['T'], r['d'], r['S'])] / r['us']:.2f} |")
-  return "\n".join(lines)
+  return grid.variants_table(results, ("T", "d", "S"),
+                             [("GB/s", lambda r: f"{r['gbps']:.0f}")])
 
 
 def main(argv):

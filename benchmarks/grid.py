@@ -134,3 +134,20 @@ def interpret_mode(enabled=True):
   with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
       plgpu.InterpretGPUParams(detect_races=False)):
     yield
+
+
+def variants_table(results, case_fields, columns=()):
+  """A markdown table of timed variants against the "xla" variant of the same case: one row per
+  result, each case's rows fastest first. case_fields: the result fields naming a case (joined by
+  commas in the first column); columns: (header, result -> text) pairs shown after the time."""
+  case = lambda r: tuple(r[f] for f in case_fields)
+  base = {case(r): r["us"] for r in results if r["variant"] == "xla"}
+  lines = ["| " + " | ".join([",".join(case_fields), "variant", "us",
+                              *(h for h, _ in columns), "× xla"]) + " |",
+           "|" + "---|" * (4 + len(columns))]
+  for r in sorted(results, key=lambda r: (case(r), r["us"])):
+    cells = [",".join(str(v) for v in case(r)), r["variant"], f"{r['us']:.1f}",
+             *(fmt(r) for _, fmt in columns), f"{base[case(r)] / r['us']:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+

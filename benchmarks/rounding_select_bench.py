@@ -86,12 +86,7 @@ def run_case(t, e, k, mode, tile, repeats, variants, kernel_trace=False):
 
 
 def table(results):
-  lines = ["| T,E,K | variant | us | × xla |", "|---|---|---|---|"]
-  base = {(r["T"], r["E"], r["K"]): r["us"] for r in results if r["variant"] == "xla"}
-  for r in sorted(results, key=lambda r: (r["T"], r["E"], r["K"], r["us"])):
-    lines.append(f"| {r['T']},{r['E']},{r['K']} | {r['variant']} | {r['us']:.1f} | "
-                 f"{base[(r['T'], r['E'], r['K'])] / r['us']:.2f} |")
-  return "\n".join(lines)
+  return grid.variants_table(results, ("T", "E", "K"))
 
 
 def default_variants(warps=(), chunks=()):
