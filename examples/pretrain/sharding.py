@@ -42,11 +42,13 @@ def shardings(tree, mesh, fsdp=False):
 
 
 def create_sharded(create, mesh, fsdp=False):
-  """`create()`'s modules, their state initialised in place on the mesh: each device computes
-  its own shards, so none ever holds the whole state (a 7B model's float32 parameters and AdamW
-  moments outgrow one GPU)."""
+  """`create()`'s modules, their state initialised by one compiled program: in place on the mesh,
+  where each device computes its own shards, so none ever holds the whole state (a 7B model's
+  float32 parameters and AdamW moments outgrow one GPU); with no mesh, on the default device
+  (rather than eagerly, one small program per initializer op)."""
   graphdef, abstract = nnx.split(nnx.eval_shape(create))
-  init = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings(abstract, mesh, fsdp))
+  init = jax.jit(lambda: nnx.split(create())[1],
+                 out_shardings=None if mesh is None else shardings(abstract, mesh, fsdp))
   total = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
   return nnx.merge(graphdef, init()), total
 

@@ -415,10 +415,8 @@ def main(_):
                          f"{mesh.size} devices")
   devices = 1 if mesh is None else mesh.size  # the devices the step runs on
   put = jnp.asarray  # a host batch (the same on every process) -> the step's input array
-  if mesh is None:
-    model, optimizer = create()
-  else:
-    (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
+  (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
+  if mesh is not None:
     mine = bytes_per_device(nnx.state((model, optimizer)))
     say(f"parameters and optimizer state: {mine / 1e6:.2f} of {total / 1e6:.2f} MB per device"
         f"{' (FSDP)' if FLAGS.fsdp else ''}")
