@@ -1,6 +1,6 @@
-"""Run in a fresh process with several CPU devices (see test_parallel.py): the expert-parallel op
+"""Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed
-routing)."""
+routing); each command-line argument is one case."""
 
 import functools
 import os
@@ -23,12 +23,13 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def main():
+def check(scheme_name, routing, mode=None):
+  """One case: a scheme, "random" or "skew" routing, and a token rounding mode or a family
+  router below (or neither)."""
   scheme = {"all_gather": moe_all_gather,
             "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
-            "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[sys.argv[1]]
-  skew = sys.argv[2] == "skew"
-  mode = sys.argv[3] if len(sys.argv) > 3 else None  # a token rounding mode or a router below
+            "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[scheme_name]
+  skew = routing == "skew"
   routers = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
       "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
                                       group_score="top2_sum", routed_scaling_factor=2.5),
@@ -78,7 +79,7 @@ def main():
                             # The all-to-all's losses are pmean'd, so shard_map's replication
                             # check holds; the all-gather scheme's and a rounded routing's are
                             # equal on every device but typed as varying.
-                            check_vma=sys.argv[1].startswith("all_to_all") and rounding is None)
+                            check_vma=scheme_name.startswith("all_to_all") and rounding is None)
 
     def loss_ep(x, rw, w1, w2, b1):
       y, lb = sharded(x, rw, w1, w2, b1)
@@ -88,10 +89,13 @@ def main():
     placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
     (_, y), g = jax.jit(jax.value_and_grad(loss_ep, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
     errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
-    print(shards, ["%.1e" % e for e in errs])
-    assert max(errs) < 1e-10, (shards, errs)
-  print("OK")
+    print(scheme_name, routing, mode, shards, ["%.1e" % e for e in errs])
+    assert max(errs) < 1e-10, (scheme_name, routing, mode, shards, errs)
 
 
 if __name__ == "__main__":
-  main()
+  # Each argument one case, "scheme:routing[:mode]": the cases of one process share its compiled
+  # programs (the single-device op's among them).
+  for case in sys.argv[1:]:
+    check(*case.split(":"))
+  print("OK")

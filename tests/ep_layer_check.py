@@ -1,6 +1,16 @@
 """Run in a fresh process with 4 CPU devices (see test_parallel.py): the Flax `MoE` layer with
-`expert_parallel_axis` under `jax.shard_map` equals the same layer on one device, output and the
-gradients of every parameter."""
+`expert_parallel_axis`, one scheme (the argument), against the same layer on one device:
+
+- under a user's `jax.shard_map`: output and the gradients of every parameter (float64);
+- in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
+  its own shard_map: output, the gradients of every parameter and of x, the expert counts, the
+  z-loss, and the load-balance loss as the mean of the two data shards' losses; explicit and auto
+  mesh axes (float64);
+- called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
+  constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
+  a mesh that cannot hold the experts is refused by name.
+
+Float64 throughout: compare to rounding, not to fusion order."""
 
 import os
 import sys
@@ -12,20 +22,27 @@ jax.config.update("jax_enable_x64", True)
 from flax import nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from sonic_jax.layers import MoE  # noqa: E402
 
+T = 64
 
-def main():
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_shard_map(scheme):
   kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
             token_rounding="up", backend="xla", init_std=0.3, dtype=jnp.float64,
             param_dtype=jnp.float64)
   single = MoE(**kw, rngs=nnx.Rngs(0))
-  sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=sys.argv[1],
+  sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme,
                 rngs=nnx.Rngs(0))
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((64, 16)))
-  d_y = jnp.asarray(np.random.default_rng(2).standard_normal((64, 16)))
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
+  d_y = jnp.asarray(np.random.default_rng(2).standard_normal((T, 16)))
 
   def loss_of(graphdef, run):
     def loss(state, x):
@@ -54,14 +71,80 @@ def main():
   x_placed = jax.device_put(x, jax.NamedSharding(mesh, P("ep")))
   (_, y), grads = jax.jit(jax.value_and_grad(loss_of(g2, lambda g, s, x: run(s, x)),
                                              has_aux=True))(placed, x_placed)
-  rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b))
   errs = {"y": rel(y, y_ref)}
-  for (path, g), (_, g_ref) in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(grads_ref)):
+  for (path, g), (_, g_ref) in zip(jax.tree.leaves_with_path(grads),
+                                   jax.tree.leaves_with_path(grads_ref)):
     errs[jax.tree_util.keystr(path)] = rel(g, g_ref)
-  print(errs)
+  print("shard_map", scheme, {k: f"{v:.1e}" for k, v in errs.items()})
   assert len(errs) == 1 + 7 and max(errs.values()) < 1e-10, errs
-  print("OK")
 
+
+def check_set_mesh(scheme):
+  kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
+            backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
+  extra = dict(capacity_factor=None) if scheme == "all_gather" else {}
+  single = MoE(**kw, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
+  d_y = jnp.asarray(np.random.default_rng(2).standard_normal((T, 16)))
+
+  def loss_of(graphdef):
+    def loss(state, x):
+      y, aux = nnx.merge(graphdef, state)(x)
+      return jnp.vdot(y, d_y) + aux.stats.z_loss, (y, aux.stats)
+    return loss
+
+  g1, s1 = nnx.split(single)
+  (_, (y_ref, st_ref)), (gs_ref, gx_ref) = jax.value_and_grad(loss_of(g1), argnums=(0, 1),
+                                                              has_aux=True)(s1, x)
+  halves = [nnx.merge(g1, s1)(x[i * T // 2:(i + 1) * T // 2])[1].stats.load_balance_loss
+            for i in range(2)]
+  for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
+    mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
+    sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, **extra,
+                  rngs=nnx.Rngs(0))
+    g2, s2 = nnx.split(sharded)
+    specs = jax.tree.map(lambda p: P("ep") if p and p[0] == "expert" else P(),
+                         nnx.get_partition_spec(s2), is_leaf=lambda v: isinstance(v, P))
+    with jax.set_mesh(mesh):
+      placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
+      x_placed = jax.device_put(x, NamedSharding(mesh, P(("data", "ep"))))
+      (_, (y, st)), (gs, gx) = jax.jit(jax.value_and_grad(loss_of(g2), argnums=(0, 1),
+                                                          has_aux=True))(placed, x_placed)
+    errs = {"y": rel(y, y_ref), "dx": rel(gx, gx_ref), "z_loss": rel(st.z_loss, st_ref.z_loss),
+            "load_balance": rel(st.load_balance_loss, np.mean(halves))}
+    for (path, g), (_, g_ref) in zip(jax.tree.leaves_with_path(gs),
+                                     jax.tree.leaves_with_path(gs_ref)):
+      errs[jax.tree_util.keystr(path)] = rel(g, g_ref)
+    print("set_mesh", scheme, types[0], {k: f"{v:.1e}" for k, v in errs.items()})
+    assert len(errs) == 4 + 7 and max(errs.values()) < 1e-10, errs
+    np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
+    np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
+
+
+def check_eager(scheme):
+  kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
+            backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, T // 4, 16)))  # batch dimensions
+  single = MoE(**kw, rngs=nnx.Rngs(0))
+  y_ref, _ = single(x)
+  g_ref = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(single)
+  with jax.set_mesh(jax.make_mesh((4,), ("ep",))):
+    layer = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
+    y, aux = layer(x)  # eager: called outside jax.jit
+    g = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
+    errs = [rel(y, y_ref)] + [rel(getattr(g, k)[...], getattr(g_ref, k)[...])
+                              for k in ("router", "w1", "w2", "b1", "shared_in")]
+    print("eager", scheme, ["%.1e" % e for e in errs])
+    assert max(errs) < 1e-10, errs
+    assert np.isfinite(float(aux.loss))
+    try:
+      MoE(16, 6, 8, 2, expert_parallel_axis="ep", backend="xla", rngs=nnx.Rngs(0))(x)
+    except ValueError as e:
+      assert "num_experts=6" in str(e), e
+    else:
+      raise AssertionError("6 experts over 4 devices were not refused")
 
 if __name__ == "__main__":
-  main()
+  for check in (check_shard_map, check_set_mesh, check_eager):
+    check(sys.argv[1])
+  print("OK")

@@ -19,20 +19,19 @@ def _run(script, *args):
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-# Each scheme with skewed routing (experts 5..7 get no token), token rounding both ways; the
-# transports do not depend on the router's mode, so not every product is run.
-@pytest.mark.parametrize("scheme,routing,rounding", [
-    ("all_to_all_dense", "random", None), ("all_to_all_dense", "skew", None),
-    ("all_to_all_dense", "random", "up"), ("all_to_all_ragged", "skew", "nearest"),
-    ("all_gather", "skew", "nearest"),
-    # family routers (groups and biases; Llama 4's input scaling) through both schemes
-    ("all_gather", "random", "deepseek_v3"), ("all_to_all_dense", "random", "llama4"),
-    ("all_gather", "skew", "llama4")])
-def test_expert_parallel_matches_single_device(scheme, routing, rounding):
+# Each scheme with skewed routing (experts 5..7 get no token), token rounding both ways, family
+# routers (groups and biases; Llama 4's input scaling) through both schemes; the transports do not
+# depend on the router's mode, so not every product is run. One process a scheme: its cases share
+# the compiled programs.
+@pytest.mark.parametrize("scheme,cases", [
+    ("all_to_all_dense", ["random", "skew", "random:up", "random:llama4"]),
+    ("all_to_all_ragged", ["skew:nearest"]),
+    ("all_gather", ["skew:nearest", "random:deepseek_v3", "skew:llama4"])])
+def test_expert_parallel_matches_single_device(scheme, cases):
   """2 and 8 shards (and 1 with skewed routing), float64: output and the gradients of x, router,
-  w1, w2, b1 (the third argument: a token rounding mode, or a family router with router and
+  w1, w2, b1 (a case's third field: a token rounding mode, or a family router with router and
   selection biases)."""
-  _run("ep_check.py", scheme, routing, *([rounding] if rounding else []))
+  _run("ep_check.py", *(f"{scheme}:{case}" for case in cases))
 
 
 def test_all_to_all_capacity_drops_and_data_parallel_mesh():
@@ -40,16 +39,7 @@ def test_all_to_all_capacity_drops_and_data_parallel_mesh():
 
 
 @pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
-def test_flax_layer_with_expert_parallel_axis_matches_single_device(scheme):
+def test_flax_layer_matches_single_device(scheme):
+  """Under a user's shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the
+  layer adding its own shard_map; eagerly under set_mesh with unplaced parameters."""
   _run("ep_layer_check.py", scheme)
-
-
-@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
-def test_flax_layer_under_set_mesh_matches_single_device(scheme):
-  """No user shard_map: a jit program under jax.set_mesh on a (data, ep) mesh."""
-  _run("ep_mesh_layer_check.py", scheme)
-
-
-@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
-def test_flax_layer_runs_eagerly_under_set_mesh_with_unplaced_parameters(scheme):
-  _run("ep_eager_check.py", scheme)
