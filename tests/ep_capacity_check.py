@@ -63,7 +63,7 @@ def check_capacity(transport, p=4, factor=0.75):
   assert 0 < dropped.sum() < tc.sum()
   y_ref, g_ref = oracle.reference_values_and_grads_masks(
       dict(x=x, router_weight=rw, w1=w1, w2=w2, b1=b1), d_y, tc, tc & ~dropped,
-      np.zeros_like(tc), activation="swiglu", gate_up_layout="concat")
+      np.zeros_like(tc), compiled=True, activation="swiglu", gate_up_layout="concat")
 
   mesh = jax.make_mesh((p,), ("ep",), devices=jax.devices()[:p])
   specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
@@ -98,7 +98,8 @@ def check_data_and_expert_parallel():
     y, _ = sonic_jax.moe(*a[:4], b1=a[4], top_k=K, backend="xla")
     return jnp.vdot(y, jnp.asarray(d_y)), y
 
-  (_, y_ref), g_ref = jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4), has_aux=True)(*args)
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4),
+                                                 has_aux=True))(*args)
   mesh = jax.make_mesh((2, 4), ("data", "ep"))
   tokens = P(("data", "ep"))
   specs = (tokens, P(), P("ep"), P("ep"), P("ep"))
@@ -139,7 +140,8 @@ def check_scan_checkpoint():
     return loss
 
   single = layers(lambda h, rw, w1, w2: sonic_jax.moe(h, rw, w1, w2, top_k=K, backend="xla")[0])
-  (_, y_ref), g_ref = jax.value_and_grad(loss_of(single), argnums=(0, 1, 2, 3), has_aux=True)(*args)
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_of(single), argnums=(0, 1, 2, 3),
+                                                 has_aux=True))(*args)
   mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
   specs = (P("ep"), P(), P(None, "ep"), P(None, "ep"))
   sharded = jax.shard_map(

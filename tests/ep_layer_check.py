@@ -51,9 +51,11 @@ def check_shard_map(scheme):
     return loss
 
   g1, s1 = nnx.split(single)
-  (_, y_ref), grads_ref = jax.value_and_grad(
+  # The references compiled (jax.jit), like the sharded runs: a fresh process would otherwise
+  # compile each of their ops on its own.
+  (_, y_ref), grads_ref = jax.jit(jax.value_and_grad(
       loss_of(g1, lambda g, s, x: (lambda y, a: (y, a.loss))(*nnx.merge(g, s)(x))),
-      has_aux=True)(s1, x)
+      has_aux=True))(s1, x)
 
   mesh = jax.make_mesh((4,), ("ep",))
   g2, s2 = nnx.split(sharded)
@@ -94,10 +96,10 @@ def check_set_mesh(scheme):
     return loss
 
   g1, s1 = nnx.split(single)
-  (_, (y_ref, st_ref)), (gs_ref, gx_ref) = jax.value_and_grad(loss_of(g1), argnums=(0, 1),
-                                                              has_aux=True)(s1, x)
-  halves = [nnx.merge(g1, s1)(x[i * T // 2:(i + 1) * T // 2])[1].stats.load_balance_loss
-            for i in range(2)]
+  (_, (y_ref, st_ref)), (gs_ref, gx_ref) = jax.jit(jax.value_and_grad(
+      loss_of(g1), argnums=(0, 1), has_aux=True))(s1, x)
+  half = jax.jit(lambda s, x: nnx.merge(g1, s)(x)[1].stats.load_balance_loss)
+  halves = [half(s1, x[i * T // 2:(i + 1) * T // 2]) for i in range(2)]
   for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
     mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
     sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, **extra,
@@ -126,8 +128,8 @@ def check_eager(scheme):
             backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((4, T // 4, 16)))  # batch dimensions
   single = MoE(**kw, rngs=nnx.Rngs(0))
-  y_ref, _ = single(x)
-  g_ref = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(single)
+  y_ref, _ = nnx.jit(lambda m: m(x))(single)
+  g_ref = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2)))(single)
   with jax.set_mesh(jax.make_mesh((4,), ("ep",))):
     layer = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
     y, aux = layer(x)  # eager: called outside jax.jit

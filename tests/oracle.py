@@ -83,7 +83,7 @@ def moe_reference(x, router_weight, w1, w2, b1, b2, ids, *, routing, activation,
   return y
 
 
-def _values_and_grads(inputs, d_y, forward):
+def _values_and_grads(inputs, d_y, forward, compiled=False):
   names = [k for k, v in inputs.items() if v is not None]
   with jax.enable_x64(True):
     args64 = {k: (None if v is None else jnp.asarray(np.asarray(v, np.float64)))
@@ -96,8 +96,10 @@ def _values_and_grads(inputs, d_y, forward):
       y = forward(a["x"], a["router_weight"], a["w1"], a["w2"], a.get("b1"), a.get("b2"))
       return jnp.vdot(y, d_y64), y
 
-    (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
-        *[args64[k] for k in names])
+    vg = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)
+    # Eagerly by default: a test session caches each op's program across tests; a script's fresh
+    # process (`compiled=True`) compiles one program instead of each op.
+    (_, y), grads = (jax.jit(vg) if compiled else vg)(*[args64[k] for k in names])
     return np.asarray(y), {k: np.asarray(g) for k, g in zip(names, grads)}
 
 
@@ -106,9 +108,10 @@ def reference_values_and_grads(inputs, d_y, ids, **kw):
   return _values_and_grads(inputs, d_y, lambda *a: moe_reference(*a, ids, **kw))
 
 
-def reference_values_and_grads_masks(inputs, d_y, tc, kept, added, **kw):
+def reference_values_and_grads_masks(inputs, d_y, tc, kept, added, compiled=False, **kw):
   """The same for a general routing given as masks (`moe_reference_masks`)."""
-  return _values_and_grads(inputs, d_y, lambda *a: moe_reference_masks(*a, tc, kept, added, **kw))
+  return _values_and_grads(inputs, d_y, lambda *a: moe_reference_masks(*a, tc, kept, added, **kw),
+                           compiled)
 
 
 def rel_err(got, want):
