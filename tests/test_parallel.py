@@ -28,9 +28,9 @@ def _run(script, *args):
     ("all_to_all_ragged", ["skew:nearest"]),
     ("all_gather", ["skew:nearest", "random:deepseek_v3", "skew:llama4"])])
 def test_expert_parallel_matches_single_device(scheme, cases):
-  """2 and 8 shards (and 1 with skewed routing), float64: output and the gradients of x, router,
-  w1, w2, b1 (a case's third field: a token rounding mode, or a family router with router and
-  selection biases)."""
+  """2 and 8 shards (and 1 with skewed routing; 8 alone with a family router), float64: output
+  and the gradients of x, router, w1, w2, b1 (a case's third field: a token rounding mode, or a
+  family router with router and selection biases)."""
   _run("ep_check.py", *(f"{scheme}:{case}" for case in cases))
 
 
