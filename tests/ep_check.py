@@ -65,8 +65,8 @@ def check(scheme_name, routing, mode=None):
   # Compiled, as the sharded runs are: eagerly a fresh process compiles each op on its own.
   (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4),
                                                  has_aux=True))(*args)
-  # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight
-  # A family router's case runs all eight shards alone: the transport does not depend on it.
+  # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight; a family
+  # router's case all eight alone (the transport does not depend on it)
   for shards in (8,) if mode in routers else (1, 2, 8) if skew else (2, 8):
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
