@@ -150,4 +150,3 @@ def variants_table(results, case_fields, columns=()):
              *(fmt(r) for _, fmt in columns), f"{base[case(r)] / r['us']:.2f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
-

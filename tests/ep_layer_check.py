@@ -27,6 +27,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from sonic_jax.layers import MoE  # noqa: E402
 
 T = 64
+KW = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
+          backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
 
 
 def rel(a, b):
@@ -35,9 +37,7 @@ def rel(a, b):
 
 
 def check_shard_map(scheme):
-  kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
-            token_rounding="up", backend="xla", init_std=0.3, dtype=jnp.float64,
-            param_dtype=jnp.float64)
+  kw = dict(KW, token_rounding="up")
   single = MoE(**kw, rngs=nnx.Rngs(0))
   sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme,
                 rngs=nnx.Rngs(0))
@@ -82,8 +82,7 @@ def check_shard_map(scheme):
 
 
 def check_set_mesh(scheme):
-  kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
-            backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
+  kw = KW
   extra = dict(capacity_factor=None) if scheme == "all_gather" else {}
   single = MoE(**kw, rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
@@ -124,8 +123,7 @@ def check_set_mesh(scheme):
 
 
 def check_eager(scheme):
-  kw = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
-            backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
+  kw = KW
   x = jnp.asarray(np.random.default_rng(1).standard_normal((4, T // 4, 16)))  # batch dimensions
   single = MoE(**kw, rngs=nnx.Rngs(0))
   y_ref, _ = nnx.jit(lambda m: m(x))(single)
@@ -145,6 +143,7 @@ def check_eager(scheme):
       assert "num_experts=6" in str(e), e
     else:
       raise AssertionError("6 experts over 4 devices were not refused")
+
 
 if __name__ == "__main__":
   for check in (check_shard_map, check_set_mesh, check_eager):

@@ -97,7 +97,7 @@ def _values_and_grads(inputs, d_y, forward, compiled=False):
       return jnp.vdot(y, d_y64), y
 
     vg = jax.value_and_grad(loss, argnums=tuple(range(len(names))), has_aux=True)
-    # Eagerly by default: a test session caches each op's program across tests; a script's fresh
+    # Eagerly by default: one pytest process caches each op's program across tests; a script's fresh
     # process (`compiled=True`) compiles one program instead of each op.
     (_, y), grads = (jax.jit(vg) if compiled else vg)(*[args64[k] for k in names])
     return np.asarray(y), {k: np.asarray(g) for k, g in zip(names, grads)}
