@@ -108,6 +108,7 @@ def block_ranks(expert_ids: jax.Array, num_experts: int, interpret: bool = False
       out_specs=(pl.BlockSpec((bt, s_block), lambda i: (i, 0)),
                  pl.BlockSpec((1, half_e), lambda i: (i, 0))),
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      name="layout_ranks",
       interpret=interpret,
   )(padded)
   counts = jnp.stack([counts & 0xFFFF, counts >> 16], axis=-1).reshape(blocks, 2 * half_e)

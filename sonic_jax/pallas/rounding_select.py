@@ -245,6 +245,7 @@ def select(keys, *, num_tokens: int, tile: int, mode: str, added_per_expert: int
                  pl.BlockSpec((None, 2 * j_pad), lambda e: (e, 0))),
       compiler_params=pltriton.CompilerParams(num_warps=warps or num_warps(num_tokens),
                                               num_stages=1),
+      name="rounding_select",
       interpret=interpret,
   )(keys)
   return keep[:, :num_tokens], added[:, :added_per_expert]

@@ -141,6 +141,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
       in_specs=[pl.BlockSpec((bt, e), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((bt, k_block), lambda i: (i, 0)),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      name="router_top_k",
       interpret=interpret,
   )(padded)[:t, :k]
   return jnp.take_along_axis(values, ids, axis=1), ids
@@ -227,6 +228,7 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
                  jax.ShapeDtypeStruct((t, k_block), jnp.int32)),
       grid=(blocks,),
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      name="router_logits_top_k",
       interpret=interpret,
   )(*operands)
   return logits, ids[:, :k] if k_block != k else ids
