@@ -1,12 +1,11 @@
 r"""The forward's gather-sum kernel (`sonic_jax.mosaic_gpu.gather_sum`) over its configurations:
 every (block_columns, num_stages) that fits, and the default, against XLA's gather fusion.
 
-  python -m benchmarks.gather_sum_bench [--case=32768,4096,16,0 --case=32768,4096,16,1]
-      [--out=dir]
+  python -m benchmarks.gather_sum_bench [--case=32768,4096,16 ...] [--out=dir]
 
-A case T,d,K,F is T tokens of K slot pairs over R = T * K grouped rows in random order, plus F
-folded slots as token rounding adds them (`sonic_jax.pallas.extras_sum`: one token in eight has
-a row there, the others point past the rows, at R, as the layer passes them): S = K + F slots.
+A case T,d,K is T tokens of K slot pairs over R = T * K grouped rows in random order (token
+rounding's extra pairs are folded into slot 0 first, `sonic_jax.pallas.extras_sum`, so they add
+no slot).
 Each variant's output is checked against XLA's (relative error) before it is timed (median of
 interleaved samples after warm-up, `benchmarks.timing`); GB/s counts the rows the tokens read
 and the output written. Writes DIR/<device>_<date>_gather_sum.json and prints a table; the file
@@ -29,31 +28,23 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags():  # only when run as a script: tests import the module's functions
-  flags.DEFINE_multi_string("case", None, "case T,d,K,F: K slot pairs, F folded slots "
-                            "(repeatable; default: 32768,4096,16 with F = 0 and 1)")
+  flags.DEFINE_multi_string("case", None, "case T,d,K: K slot pairs (repeatable; default: "
+                            f"{' and '.join(DEFAULT_CASES)})")
   flags.DEFINE_integer("repeats", 10, "timed samples per variant (median reported)")
   flags.DEFINE_string("out", "bench_out", "output folder")
 
 
-DEFAULT_CASES = ("32768,4096,16,0", "32768,4096,16,1")
+DEFAULT_CASES = ("32768,4096,16", "32768,4096,8")
 
 
-def problem(t, d, k, folded, seed=0):
-  """(rows (R, d) bf16, pair_row (T, S) int32, weights (T, S) float32, rows read per token),
-  S = k + folded."""
+def problem(t, d, k, seed=0):
+  """(rows (R, d) bf16, pair_row (T, K) int32, weights (T, K) float32)."""
   rng = np.random.default_rng(seed)
   num_rows = t * k
   pair_row = rng.permutation(num_rows).reshape(t, k).astype(np.int32)
-  weights = rng.random((t, k + folded), dtype=np.float32)
-  read = float(k)
-  if folded:  # a row for one token in eight, else past the rows; weight 1 as the layer gives
-    extra = np.where(rng.random((t, folded)) < 0.125, rng.integers(0, num_rows, (t, folded)),
-                     num_rows).astype(np.int32)
-    pair_row = np.concatenate([pair_row, extra], 1)
-    weights[:, k:] = 1.0
-    read += float(np.mean(extra < num_rows)) * folded
+  weights = rng.random((t, k), dtype=np.float32)
   rows = rng.standard_normal((num_rows, d), dtype=np.float32)
-  return (jnp.asarray(rows, jnp.bfloat16), jnp.asarray(pair_row), jnp.asarray(weights), read)
+  return jnp.asarray(rows, jnp.bfloat16), jnp.asarray(pair_row), jnp.asarray(weights)
 
 
 def configs(d, s):
@@ -70,10 +61,10 @@ def configs(d, s):
   return out
 
 
-def run_case(t, d, k, folded, repeats):
+def run_case(t, d, k, repeats):
   from sonic_jax.mosaic_gpu import gather_sum as gs
-  rows, pair_row, weights, read = problem(t, d, k, folded)
-  s = k + folded
+  rows, pair_row, weights = problem(t, d, k)
+  s = k
 
   def ref(r, p, w):  # XLA's gather fusion; rows past R add nothing, as in the kernel
     picked = r[jnp.minimum(p, r.shape[0] - 1)].astype(jnp.float32)
@@ -98,7 +89,7 @@ def run_case(t, d, k, folded, repeats):
     calls[name] = (compiled, args)
     names[name] = config
   times = timing.time_interleaved(calls, repeats=repeats)
-  nbytes = t * read * d * 2 + t * d * 2
+  nbytes = t * k * d * 2 + t * d * 2
   return [{"T": t, "d": d, "S": s, "variant": name,
            "block_columns": None if c is None else c.block_columns,
            "num_stages": None if c is None else c.num_stages,
@@ -115,8 +106,8 @@ def main(argv):
   del argv
   results = []
   for case in FLAGS.case or DEFAULT_CASES:
-    t, d, k, folded = (int(v) for v in case.split(","))
-    results += run_case(t, d, k, folded, FLAGS.repeats)
+    t, d, k = (int(v) for v in case.split(","))
+    results += run_case(t, d, k, FLAGS.repeats)
   os.makedirs(FLAGS.out, exist_ok=True)
   record = grid.run_record("gather_sum_bench", results=results)
   path = os.path.join(FLAGS.out, grid.results_name(record, "gather_sum"))

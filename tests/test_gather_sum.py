@@ -142,15 +142,15 @@ def test_backend_aggregation_equals_xla(rng, compiled, extras):
 def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch):
   """By default the kernel runs the forward's weighted sum at S >= 16 slots and d >= 4096 only;
   the backward's unweighted sum, fewer slots and a narrower d stay XLA's; the Config's thresholds
-  and switch move that line. Token rounding's extra pairs are first folded into one more slot."""
+  and switch move that line. Token rounding's extra pairs are folded into slot 0 first: no slot
+  is added."""
   import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
   calls = []
   monkeypatch.setattr(mosaic_backend.gs, "gather_sum", lambda *a: calls.append(a) or "kernel")
   monkeypatch.setattr(mosaic_backend.xla_backend, "gather_sum", lambda *a: "xla")
   monkeypatch.setattr(mosaic_backend.extras_sum, "fold_extras",
-                      lambda rows, tok, row, w, num_tokens: (rows, jnp.zeros((num_tokens,),
-                                                                             jnp.int32)))
+                      lambda rows, slot_row, slot_weight, *_: (rows, slot_row, slot_weight))
 
   def choice(t, s, d, weighted=True, extras=False, config=sonic_jax.Config()):
     ids = jnp.asarray(np.arange(t * s).reshape(t, s) % 32, jnp.int32)
@@ -164,9 +164,10 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
   assert choice(8, 16, 4096, weighted=False) == "xla"
   assert choice(8, 8, 4096) == "xla"
   assert choice(8, 16, 2048) == "xla"
-  assert choice(8, 15, 4096, extras=True) == "kernel"  # 15 slots and the folded one
-  assert choice(8, 16, 4096, weighted=False, extras=True) == "xla"
+  assert choice(8, 16, 4096, extras=True) == "kernel"
   assert calls[-1][1].shape == (8, 16)
+  assert choice(8, 15, 4096, extras=True) == "xla"
+  assert choice(8, 16, 4096, weighted=False, extras=True) == "xla"
   assert choice(8, 8, 2048, config=sonic_jax.Config(gather_sum_kernel_min_slots=8,
                                                     gather_sum_kernel_min_d=2048)) == "kernel"
   assert choice(8, 16, 4096, config=sonic_jax.Config(gather_sum_kernel=False)) == "xla"
@@ -178,47 +179,72 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
 @pytest.mark.parametrize("weighted", [True, False])
 def test_fold_extras_matches_the_segment_sum(rng, compiled, dtype, weighted):
   """`sonic_jax.pallas.extras_sum.fold_extras` against its segment-sum reference: tokens with one
-  and with several extra pairs (listed in any order), unused entries (tokens -1 and T, a row past
-  the buffer) whose rows are NaN and must not be read; every other row unchanged; and the gather
-  over the folded slot equals the segment sum."""
+  and with several extra pairs (listed in any order), with and without a slot-0 row (routed
+  nowhere: R, or past it), unused entries (tokens -1 and T, a row past the buffer) and padding
+  rows that are NaN and must not be read; every other row unchanged; and the gather over the
+  folded slot 0 equals slot 0 plus the segment sum."""
   from sonic_jax.pallas import extras_sum
   if compiled != (jax.default_backend() == "gpu"):
     pytest.skip("compiled on a GPU, interpreted elsewhere")
-  t, d, r, x = (37, 384, 60, 40) if not compiled else (3000, 4096, 9000, 4000)
+  t, d, r, x = (37, 384, 100, 40) if not compiled else (3000, 4096, 9000, 4000)
   rows = rng.standard_normal((r, d)).astype(np.float32)
   rows[-3:] = np.nan
   token = rng.integers(0, t, x)
   token[: x // 8] = 3  # one token with many extras
-  row = rng.permutation(r - 3)[:x]  # every pair its own row
+  placed = rng.permutation(r - 3)  # every pair its own row
+  row, slot_row = placed[:x], placed[x:x + t].copy()
+  slot_row[rng.random(t) < 0.3] = r  # slot 0 routed nowhere
+  slot_row[3], slot_row[4] = r + 5, r  # (also for the token with many extras)
   unused = rng.random(x) < 0.3
   token[unused] = np.where(rng.random(unused.sum()) < 0.5, -1, t)
   row[unused] = r - 1
   token[-1], row[-1] = 5, r + 7  # a row past the buffer: unused
   rows = jnp.asarray(rows, dtype)
   token, row = jnp.asarray(token, jnp.int32), jnp.asarray(row, jnp.int32)
+  slot_row = jnp.asarray(slot_row, jnp.int32)
   w = jnp.asarray(rng.uniform(0.1, 1.0, x), jnp.float32) if weighted else None
-  got, got_row = jax.jit(functools.partial(extras_sum.fold_extras, num_tokens=t,
-                                           interpret=not compiled))(rows, token, row, w)
-  want, want_row = extras_sum.reference(rows, token, row, w, num_tokens=t)
+  w0 = jnp.asarray(rng.uniform(0.1, 1.0, t), jnp.float32) if weighted else None
+  fold = jax.jit(functools.partial(extras_sum.fold_extras, interpret=not compiled))
+  got, got_row, got_w0 = fold(rows, slot_row, w0, token, row, w)
+  want, want_row, want_w0 = extras_sum.reference(rows, slot_row, w0, token, row, w)
   np.testing.assert_array_equal(np.asarray(got_row), np.asarray(want_row))
-  folded = np.asarray(want_row)[np.asarray(want_row) < r]
-  tokens_with_extras = {int(a) for a, b in zip(np.asarray(token), np.asarray(row))
-                        if 0 <= a < t and b < r}
-  assert folded.size == len(tokens_with_extras) > 1
+  assert (got_w0 is None) == (not weighted)
+  if weighted:
+    np.testing.assert_array_equal(np.asarray(got_w0), np.asarray(want_w0))
+  with_extras = sorted({int(a) for a, b in zip(np.asarray(token), np.asarray(row))
+                        if 0 <= a < t and b < r})
+  folded = np.asarray(want_row)[with_extras]
+  assert np.all(folded < r) and len(set(folded)) == len(folded) > 1
+  assert np.any(np.asarray(slot_row)[with_extras] >= r)  # folded into an extra row too
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
-  assert rel_err(np.asarray(got, np.float64)[folded], np.asarray(want, np.float64)[folded]) < tol
+  got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  assert rel_err(got64[folded], want64[folded]) < tol
   rest = np.setdiff1d(np.arange(r), folded)
   np.testing.assert_array_equal(np.asarray(got, np.float32)[rest],
                                 np.asarray(rows, np.float32)[rest])
+  # Slot 0 now gives the token's slot pair and extras, weighted; other tokens keep theirs.
+  rows64 = np.asarray(rows, np.float64)
+  expect = np.zeros((t, d))
+  for a, b, c in zip(np.asarray(token), np.asarray(row), range(x)):
+    if 0 <= a < t and b < r:
+      expect[a] += (1.0 if w is None else float(w[c])) * rows64[b]
+  for a in range(t):
+    if 0 <= slot_row[a] < r:
+      expect[a] += (1.0 if w0 is None else float(w0[a])) * rows64[slot_row[a]]
+  new_w0 = np.ones(t) if got_w0 is None else np.asarray(got_w0, np.float64)
+  new_row = np.asarray(got_row)
+  ok = new_row < r
+  summed = np.where(ok[:, None], new_w0[:, None] * got64[np.minimum(new_row, r - 1)], 0.0)
+  assert rel_err(summed, expect) < tol
 
 
 def test_extras_kernel_refusals_and_lowering():
   from sonic_jax.pallas import extras_sum
   assert "d=100" in extras_sum.supports(jnp.zeros((4, 100)))
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    shapes = [((150000, 4096), jnp.bfloat16), ((16384,), jnp.int32), ((16384,), jnp.int32),
-              ((16384,), jnp.float32)]
+    shapes = [((150000, 4096), jnp.bfloat16), ((16384,), jnp.int32), ((16384,), jnp.float32),
+              ((16384,), jnp.int32), ((16384,), jnp.int32), ((16384,), jnp.float32)]
     module = export_for_h100(
-        lambda *a: extras_sum.fold_extras(*a, num_tokens=16384),
+        extras_sum.fold_extras,
         *(jax.ShapeDtypeStruct(s, dt) for s, dt in shapes))
     assert "xla.gpu.triton" in module

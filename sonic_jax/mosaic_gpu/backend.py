@@ -170,19 +170,19 @@ def dx_projection(d_h, w1, layout, *, config: Config):
 def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, config: Config):
   """The forward's weighted sum by the Mosaic GPU kernel where `config` says so, all else by XLA's
   gather fusion (the backward's unweighted dX sum fuses with the router's input gradient there).
-  Token rounding's extra pairs, if any, are first folded into one more slot per token
+  Token rounding's extra pairs, if any, are first folded into each token's slot 0
   (`sonic_jax.pallas.extras_sum`, reading only the pairs in use; compiled only: under interpret
-  mode, and where it does not apply, XLA's segment sum adds them). The folded slot has weight 1
-  where the slot pairs are weighted; unweighted (None), every slot counts 1."""
+  mode, and where it does not apply, XLA's segment sum adds them), so the sum reads top-K's slots
+  alone. Unweighted (None), every slot counts 1."""
   if layout.num_extra and extras_sum.AVAILABLE and not interpreting() and (
       extras_sum.supports(rows) is None):
-    rows, token_row = extras_sum.fold_extras(rows, layout.extra_token, layout.extra_row,
-                                             extra_weights, num_tokens=layout.pair_row.shape[0])
-    layout = layout._replace(pair_row=jnp.concatenate([layout.pair_row, token_row[:, None]], 1),
+    rows, slot_row, slot_weight = extras_sum.fold_extras(
+        rows, layout.pair_row[:, 0], None if pair_weights is None else pair_weights[:, 0],
+        layout.extra_token, layout.extra_row, extra_weights)
+    layout = layout._replace(pair_row=layout.pair_row.at[:, 0].set(slot_row),
                              extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0])
     if pair_weights is not None:
-      pair_weights = jnp.concatenate(
-          [pair_weights, jnp.ones((pair_weights.shape[0], 1), pair_weights.dtype)], 1)
+      pair_weights = pair_weights.at[:, 0].set(slot_weight)
     extra_weights = None
   use_kernel = (config.gather_sum_kernel and pair_weights is not None and not layout.num_extra
                 and layout.pair_row.shape[1] >= config.gather_sum_kernel_min_slots
