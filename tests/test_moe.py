@@ -12,7 +12,8 @@ import sonic_jax
 from cases import GLU, gemm_operand_dtypes, make_problem
 from oracle import reference_values_and_grads, rel_err, select_experts
 
-ACTS = ["swiglu", "geglu", "reglu", "gelu", "relu", "relu_sq", "silu"]
+ACTS = ["swiglu", "geglu", "reglu", "geglu_tanh", "clamped_swiglu", "gelu", "gelu_tanh", "relu",
+        "relu_sq", "silu"]
 ROUTINGS = list(sonic_jax.ROUTINGS)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 ARG_NAMES = ("x", "router_weight", "w1", "w2", "b1", "b2")
