@@ -338,11 +338,13 @@ METHOD = """\
   its run label; rows of different runs come from different device calls, possibly different GPUs
   of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs where
   the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.
-- **Re-running** (GPU machines have no network: wheels travel in the ignored folders `.whl` and
-  `.sonic`, fetched on a CPU machine by `bash benchmarks/wheels.sh tokamax|sonicmoe`):
+- **Re-running** (the GPU machines have no network: the baselines' wheels are copied to them from
+  the ignored folders `.whl` and `.sonic`, fetched on a CPU machine by
+  `bash benchmarks/wheels.sh tokamax|sonicmoe`):
   sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes:
   `bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the
-  upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit`,
+  upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit
+  --router_dtype=float32`,
   with `.whl`); SonicMoE and sonic_jax on one GPU: `bash benchmarks/sonic_same_gpu.sh` (with
   `.sonic`); the compiled tests and the kernel table as its runs were timed:
   `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its

@@ -113,8 +113,8 @@ def test_gather_sum_lowers_for_sm90():
 def test_backend_aggregation_equals_xla(rng, compiled, extras):
   """The mosaic_gpu backend's aggregation, weighted (by the kernel, its thresholds lowered) and
   not, equals the XLA gather-sum on a grouped layout (skewed, an expert without pairs); with
-  token rounding's extra pairs (a token with several, unused entries) folded into one more slot
-  first (compiled; interpret mode adds them by XLA's segment sum)."""
+  token rounding's extra pairs (a token with several, unused entries) folded into each token's
+  slot 0 first (compiled; interpret mode adds them by XLA's segment sum)."""
   import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
   config = sonic_jax.Config(gather_sum_kernel_min_slots=1, gather_sum_kernel_min_d=1)
