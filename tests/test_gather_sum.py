@@ -167,6 +167,7 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
   assert choice(8, 16, 4096, extras=True) == "kernel"
   assert calls[-1][1].shape == (8, 16)
   assert choice(8, 15, 4096, extras=True) == "xla"
+  assert choice(8, 0, 4096, extras=True) == "xla"  # extra pairs alone: no slot to fold into
   assert choice(8, 16, 4096, weighted=False, extras=True) == "xla"
   assert choice(8, 8, 2048, config=sonic_jax.Config(gather_sum_kernel_min_slots=8,
                                                     gather_sum_kernel_min_d=2048)) == "kernel"
