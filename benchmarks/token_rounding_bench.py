@@ -12,7 +12,9 @@ alone (up-projection with its activation and down-projection on the routing's la
 "kernel execution time"), of the routing (router, top-K, rounding, layout), of the layer's forward
 and of its training step (forward and backward: the gradients of x, the router and the expert
 weights for a random output gradient). TFLOP/s count the pairs actually computed, as SonicMoE's
-token-rounding benchmark does. The default configurations are the grid's high-sparsity ones, the
+token-rounding benchmark does. Each of the four times every routing in alternating rounds
+(`benchmarks.timing.time_interleaved`), so a speed-up to top-K compares samples taken side by
+side rather than runs timed one after the other. The default configurations are the grid's high-sparsity ones, the
 paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
 --kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
 call); --role_times times each GEMM role alone on each routing's layout (up-projection,
@@ -90,7 +92,9 @@ def run_config(cfg, impl):
   act = acts.get_activation("swiglu")
   x, rw, w1, w2, d_y = grid.random_problem(cfg, data=FLAGS.data)
   out = {"config": list(cfg), "row_tile": impl.row_tile, "routings": []}
-  for mode in [None] + FLAGS.modes:
+  modes = [None] + FLAGS.modes
+  measured = {}  # mode -> {measure: (fn, args)}
+  for mode in modes:
 
     def route(x, rw, mode=mode):
       routed = routing_lib.route(routing_lib.router_logits(x, rw), k, "softmax_topk")
@@ -108,26 +112,38 @@ def run_config(cfg, impl):
       return sonic_jax.moe(x, rw, w1, w2, top_k=k, token_rounding=mode, backend=impl.name)[0]
 
     layout = jax.jit(route)(x, rw)
+    measured[mode] = {"layout": layout, "route": (route, (x, rw)),
+                      "gemm": (gemms, (x, w1, w2, layout)), "forward": (layer, (x, rw, w1, w2)),
+                      "step": (timing.forward_and_backward(layer), (x, rw, w1, w2, d_y))}
+  # Each measure times every routing in alternating rounds (`timing.time_interleaved`), so that
+  # the ratios to top-K do not carry the drift between separately timed runs.
+  seconds = {mode: {} for mode in modes}
+  for measure in ("gemm", "route", "forward", "step"):
+    calls = {}
+    for mode in modes:
+      fn, args = measured[mode][measure]
+      calls[mode] = (timing.compile_fn(fn, *args)[0], args)
+    for mode, (t, _) in timing.time_interleaved(calls, repeats=FLAGS.repeats).items():
+      seconds[mode][measure] = t
+  for mode in modes:
+    layout = measured[mode]["layout"]
     pairs = int(jnp.sum(layout.expert_counts))
     rows = int(layout.num_tiles) * impl.row_tile
     flops = 6 * pairs * d * n
-    t_gemm, t_route = _time(gemms, x, w1, w2, layout), _time(route, x, rw)
-    t_layer = _time(layer, x, rw, w1, w2)
-    t_step = _time(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
+    t = seconds[mode]
     roles = role_times(impl, act, x, w1, w2, d_y, layout) if FLAGS.role_times else {}
     kernels, step_kernels = {}, {}
     if FLAGS.kernel_trace:
-      compiled, _ = timing.compile_fn(route, x, rw)
-      kernels = dict(timing.kernel_times(compiled, (x, rw), top=20))
-      compiled, _ = timing.compile_fn(timing.forward_and_backward(layer), x, rw, w1, w2, d_y)
-      step_kernels = dict(timing.kernel_times(compiled, (x, rw, w1, w2, d_y), top=40))
+      for name, part, top in (("route", kernels, 20), ("step", step_kernels, 40)):
+        fn, args = measured[mode][name]
+        part.update(timing.kernel_times(timing.compile_fn(fn, *args)[0], args, top=top))
     out["routings"].append({
         "routing": "top-K" if mode is None else f"token rounding ({mode})",
         "pairs": pairs, "rows": rows, "padding_fraction": (rows - pairs) / max(pairs, 1),
-        "gemm_ms": t_gemm * 1e3, "gemm_tflops": flops / t_gemm / 1e12,
-        "route_layout_ms": t_route * 1e3, "forward_ms": t_layer * 1e3,
-        "forward_tflops": flops / t_layer / 1e12, "step_ms": t_step * 1e3,
-        "step_tflops": 3 * flops / t_step / 1e12, "role_ms": roles,
+        "gemm_ms": t["gemm"] * 1e3, "gemm_tflops": flops / t["gemm"] / 1e12,
+        "route_layout_ms": t["route"] * 1e3, "forward_ms": t["forward"] * 1e3,
+        "forward_tflops": flops / t["forward"] / 1e12, "step_ms": t["step"] * 1e3,
+        "step_tflops": 3 * flops / t["step"] / 1e12, "role_ms": roles,
         "route_layout_kernels_us": kernels,
         "step_kernels_us": step_kernels})
   base = out["routings"][0]
