@@ -68,9 +68,11 @@ def _sorted_runs(num_tokens, num_rows, extra_token, extra_row, extra_weight):
   if token.shape[0] > 1:
     first = first.at[1:].set(token[1:] != token[:-1])
   first = first & (token < num_tokens)
-  # A unique scatter: one first entry per token.
+  # A unique scatter: one first entry per token; the other entries each aim past the end at their
+  # own place (dropped), so that the indices are unique as promised.
+  beyond = num_tokens + lax.iota(jnp.int32, token.shape[0])
   first_row = jnp.full((num_tokens,), num_rows, jnp.int32).at[
-      jnp.where(first, token, num_tokens)].set(row, mode="drop", unique_indices=True)
+      jnp.where(first, token, beyond)].set(row, mode="drop", unique_indices=True)
   return token, row, weight, first_row
 
 
