@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -27,7 +28,7 @@ class MoEAux(NamedTuple):
   expert_counts: Array
   # (T, K) int32: -1 where token rounding or (on one device) a capacity dropped the pair
   expert_ids: Array
-  scores: Array  # (T, K) float32: 0 where the pair was dropped
+  scores: Array  # (T, K) float32: 0 where token rounding or (on one device) a capacity dropped it
   router_logits: Array  # (T, E) float32
   load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
   z_loss: Array  # () float32: mean logsumexp(logits)^2
@@ -143,11 +144,11 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
 def _check_capacity(capacity_factor):
   if capacity_factor is None:
     return
-  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
     raise TypeError(f"capacity_factor must be None or a Python float, got "
                     f"{type(capacity_factor).__name__}")
-  if not capacity_factor > 0:
-    raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+  if not 0 < capacity_factor < math.inf:
+    raise ValueError(f"capacity_factor must be finite and > 0, got {capacity_factor}")
 
 
 def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) -> int:

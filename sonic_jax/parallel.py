@@ -45,17 +45,49 @@ from sonic_jax.backends import resolve_backend
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
-from sonic_jax.ops import MoEAux, _scaled_inputs, _validate
+from sonic_jax.ops import MoEAux, _check_capacity, _scaled_inputs, _validate
 
 Array = jax.Array
 
 EXPERT_PARALLEL_SCHEMES = ("all_to_all", "all_gather")
 
 
-def _check_router(router_weight, p, e_local):
-  if router_weight.ndim != 2 or router_weight.shape[1] != e_local * p:
-    raise ValueError(f"router_weight must have shape (d, E) with E = {p} devices x {e_local} "
-                     f"local experts = {p * e_local}, got {tuple(router_weight.shape)}")
+def _axis_size(axis_name):
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:  # jax's "unbound axis name"
+    raise ValueError(f"axis_name={axis_name!r} is not an axis bound here: call the op inside "
+                     f"jax.shard_map over a mesh with that axis ({e})") from None
+
+
+def _check_router(router_weight, p, e_local, axis_name):
+  if router_weight.ndim != 2:
+    raise ValueError(f"router_weight must be (d, E), got shape {tuple(router_weight.shape)}")
+  e_count = router_weight.shape[1]
+  if e_count != e_local * p:
+    hint = ""
+    if e_count % p == 0:  # most likely the expert weights were not split over the axis
+      hint = (f"; w1, w2, b1, b2 must hold E / P = {e_count // p} experts a device (shard them "
+              f"over {axis_name!r} in shard_map's in_specs)")
+    raise ValueError(f"router_weight has E = {e_count} experts, but w1 holds {e_local} on each of "
+                     f"the {p} devices of axis {axis_name!r} (E = P x E_local = {p * e_local})"
+                     f"{hint}")
+
+
+def _no_tokens(x, router_weight, router_bias, top_k, e_count):
+  """The result when the axis holds no tokens (T_local = 0, on every device alike): zeros and an
+  empty routing, as `sonic_jax.moe` gives for T = 0."""
+  logits = routing_lib.router_logits(x, router_weight)
+  if router_bias is not None:
+    logits = logits + router_bias.astype(logits.dtype)
+  zero, none = jnp.zeros((), logits.dtype), jnp.zeros((), jnp.int32)
+  empty = jnp.zeros((0,), jnp.int32)
+  return jnp.zeros_like(x), MoEAux(
+      expert_counts=jnp.zeros((e_count,), jnp.int32),
+      expert_ids=jnp.zeros((0, top_k), jnp.int32), scores=jnp.zeros((0, top_k), logits.dtype),
+      router_logits=logits, load_balance_loss=zero, z_loss=zero, extra_tokens=empty,
+      extra_experts=empty, extra_scores=jnp.zeros((0,), logits.dtype), padded_rows=none,
+      dropped_pairs=none, probs=jnp.zeros((0, e_count), logits.dtype))
 
 
 def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
@@ -80,9 +112,9 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   the combine, one all-to-all of the partial outputs (x's dtype), which each token's owner sums in
   float32. The backward moves the same bytes the other way.
   """
-  p = jax.lax.axis_size(axis_name)
+  p = _axis_size(axis_name)
   e_local = w1.shape[0]
-  _check_router(router_weight, p, e_local)
+  _check_router(router_weight, p, e_local, axis_name)
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
@@ -90,6 +122,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   config = check_config(config)
   impl = resolve_backend(backend, config)
   e_count = e_local * p
+  if x.shape[0] == 0:
+    return _no_tokens(x, router_weight, router_bias, top_k, e_count)
   logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
                                                   selection_bias, config=config,
                                                   router_bias=router_bias)
@@ -106,7 +140,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     x_in, ids_in, combine = _scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
                                            None)
     layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
-    y_partial = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, rounded.scores.dtype), None,
+    # ones_like, not ones: the weights vary over the axis as the ids do (shard_map's type check)
+    y_partial = combine(expert_mixture(x_in, jnp.ones_like(ids_in, rounded.scores.dtype), None,
                                        layout, w1, w2, b1, b2, act, gate_up_layout, impl))
   else:
     extra = routing_lib.extra_scores_or_none(rounded)
@@ -123,10 +158,15 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   y = _sum_partials(y_partial, axis_name)
   counts = (routing_lib.expert_counts(rounded.expert_ids, e_count)
             + routing_lib.expert_counts(rounded.extra_experts[:, None], e_count))
-  aux = MoEAux(expert_counts=counts, expert_ids=rounded.expert_ids, scores=rounded.scores,
-               router_logits=logits,
-               load_balance_loss=routing_lib.load_balance_loss(routed.probs, counts),
-               z_loss=routing_lib.z_loss(logits), extra_tokens=rounded.extra_tokens,
+  # Every device computed the same values from the gathered logits; shard_map types them as
+  # varying, so a max (integers) or mean (losses: their gradient is shared out, not repeated)
+  # over the axis marks them replicated, as the docstring says, for out_specs=P().
+  aux = MoEAux(expert_counts=jax.lax.pmax(counts, axis_name), expert_ids=rounded.expert_ids,
+               scores=rounded.scores, router_logits=logits,
+               load_balance_loss=jax.lax.pmean(
+                   routing_lib.load_balance_loss(routed.probs, counts), axis_name),
+               z_loss=jax.lax.pmean(routing_lib.z_loss(logits), axis_name),
+               extra_tokens=rounded.extra_tokens,
                extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
                                         axis_name),
@@ -266,9 +306,9 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   integer metadata; the exchange's backward is the exchange back. The other arguments are those of
   `sonic_jax.moe`.
   """
-  p = jax.lax.axis_size(axis_name)
+  p = _axis_size(axis_name)
   e_local = w1.shape[0]
-  _check_router(router_weight, p, e_local)
+  _check_router(router_weight, p, e_local, axis_name)
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
@@ -276,7 +316,12 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   config = check_config(config)
   impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)
+  _check_capacity(capacity_factor)
+  if token_rounding is not None and capacity_factor is not None:
+    raise ValueError("token_rounding and capacity_factor exclude each other")
   e_count, t_local = e_local * p, x.shape[0]
+  if t_local == 0:
+    return _no_tokens(x, router_weight, router_bias, top_k, e_count)
   me = jax.lax.axis_index(axis_name)
 
   if token_rounding is None:
@@ -312,10 +357,10 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                           impl)  # (P*S, d): each received row times its score
   y = _sum_pairs(move(y_recv, combine), send)
 
-  total = counts.sum(0)
-  balance = routing_lib.load_balance_loss(routed.probs, total)
-  if token_rounding is None:  # routed holds this device's tokens: average P_e over the axis
-    balance = jax.lax.pmean(balance, axis_name)
+  total = jax.lax.psum(pairs.expert_counts, axis_name)  # counts.sum(0), typed replicated
+  # Without rounding, routed holds this device's tokens: the mean averages P_e over the axis;
+  # with it, every device computed the same loss, which the mean marks replicated.
+  balance = jax.lax.pmean(routing_lib.load_balance_loss(routed.probs, total), axis_name)
   aux = MoEAux(expert_counts=total, expert_ids=rounded.expert_ids, scores=rounded.scores,
                router_logits=logits, load_balance_loss=balance,
                z_loss=jax.lax.pmean(routing_lib.z_loss(logits), axis_name),
@@ -323,5 +368,5 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(experts.group_sizes - experts.expert_counts),
                                         axis_name),
-               dropped_pairs=dispatch.dropped, probs=routed.probs)
+               dropped_pairs=jax.lax.pmax(dispatch.dropped, axis_name), probs=rounded.probs)
   return y, aux

@@ -10,6 +10,7 @@ fed by the score gradient dS that the expert op returns.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -92,6 +93,10 @@ class Router:
 
   def check(self, num_experts: int, top_k: int) -> None:
     """Raises a ValueError naming the field when this router cannot pick top_k of num_experts."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+      raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     if self.n_group == 1:
       return
     if num_experts % self.n_group:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sonic_jax  # noqa: E402
 import oracle  # noqa: E402
-from sonic_jax.parallel import moe_all_to_all, slot_capacity  # noqa: E402
+from sonic_jax.parallel import moe_all_gather, moe_all_to_all, slot_capacity  # noqa: E402
 
 T, d, n, E, K = 64, 32, 16, 8, 2
 
@@ -156,7 +156,38 @@ def check_scan_checkpoint():
   assert max(errs) < 1e-10, errs
 
 
+def check_bad_arguments():
+  """Mistakes a user makes get errors naming what to change."""
+  x, rw, w1, w2, _, _ = inputs(3)
+  args = [jnp.asarray(a) for a in (x, rw, w1, w2)]
+  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
+
+  def expect(error, match, call, specs=(P("ep"), P(), P("ep"), P("ep")), **kw):
+    run = lambda *a: call(*a, axis_name="ep", top_k=K, backend="xla", **kw)[0]
+    placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    try:
+      jax.jit(jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=P("ep")))(*placed)
+    except error as e:
+      assert match in str(e), (match, str(e))
+    else:
+      raise AssertionError(f"no {error.__name__} for {match!r}")
+
+  try:  # outside shard_map: the axis is unbound
+    moe_all_to_all(*args, axis_name="ep", top_k=K)
+    raise AssertionError("no error outside shard_map")
+  except ValueError as e:
+    assert "call the op inside jax.shard_map" in str(e), e
+  expect(ValueError, "shard them over 'ep'", moe_all_gather, specs=(P("ep"), P(), P(), P()))
+  expect(ValueError, "exclude each other", moe_all_to_all, capacity_factor=1.0,
+         token_rounding="up")
+  expect(ValueError, "capacity_factor must be finite", moe_all_to_all,
+         capacity_factor=float("inf"))
+  expect(TypeError, "capacity_factor", moe_all_to_all, capacity_factor=True)
+  print("bad arguments refused")
+
+
 if __name__ == "__main__":
+  check_bad_arguments()
   check_capacity("dense")
   check_capacity("ragged")
   check_data_and_expert_parallel()

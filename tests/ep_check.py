@@ -73,16 +73,15 @@ def check(scheme_name, routing, mode=None):
     def local(x, rw, w1, w2, b1):
       y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, routing=router,
                       token_rounding=rounding, backend="xla", **extra)
-      assert aux.dropped_pairs is not None
+      # all-to-all: the aux of this device's tokens; all-gather: of the whole axis's
+      tokens = x.shape[0] * (shards if scheme_name == "all_gather" else 1)
+      assert aux.dropped_pairs is not None and aux.probs.shape == (tokens, E), aux.probs.shape
       return y, aux.load_balance_loss + 0.1 * aux.z_loss
 
+    # shard_map's replication check on: the losses come out replicated (out_specs P()).
     sharded = jax.shard_map(local, mesh=mesh,
                             in_specs=(P("ep"), P(), P("ep"), P("ep"), P("ep")),
-                            out_specs=(P("ep"), P()),
-                            # The all-to-all's losses are pmean'd, so shard_map's replication
-                            # check holds; the all-gather scheme's and a rounded routing's are
-                            # equal on every device but typed as varying.
-                            check_vma=scheme_name.startswith("all_to_all") and rounding is None)
+                            out_specs=(P("ep"), P()))
 
     def loss_ep(x, rw, w1, w2, b1):
       y, lb = sharded(x, rw, w1, w2, b1)
@@ -96,9 +95,34 @@ def check(scheme_name, routing, mode=None):
     assert max(errs) < 1e-10, (scheme_name, routing, mode, shards, errs)
 
 
+def check_no_tokens(scheme_name):
+  """T = 0 on every device: zeros, an empty routing and zero losses, as the single-device op
+  gives, and gradients."""
+  scheme = moe_all_gather if scheme_name == "all_gather" else moe_all_to_all
+  d, n, E, K = 8, 4, 4, 2
+  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+  specs = (P("ep"), P(), P("ep"), P("ep"))
+  args = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(
+      (jnp.zeros((0, d)), jnp.ones((d, E)), jnp.ones((E, d, 2 * n)), jnp.ones((E, n, d))), specs)]
+
+  def local(x, rw, w1, w2):
+    y, aux = scheme(x, rw, w1, w2, axis_name="ep", top_k=K, backend="xla")
+    assert aux.expert_ids.shape == (0, K) and aux.probs.shape == (0, E)
+    return y, aux.load_balance_loss + aux.z_loss
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()))
+  (y, loss), grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *b: f(*b)[1], (0, 2))(*a)))(*args)
+  assert y.shape == (0, d) and float(loss) == 0.0, (y.shape, loss)
+  assert grads[0].shape == (0, d) and not np.any(np.asarray(grads[1])), grads
+  print(scheme_name, "no tokens")
+
+
 if __name__ == "__main__":
   # Each argument one case, "scheme:routing[:mode]": the cases of one process share its compiled
   # programs (the single-device op's among them).
   for case in sys.argv[1:]:
-    check(*case.split(":"))
+    if case.endswith(":empty"):
+      check_no_tokens(case.split(":")[0])
+    else:
+      check(*case.split(":"))
   print("OK")

@@ -289,8 +289,12 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
     sonic_jax.moe(*a, top_k=3, routing=Router(n_group=4, topk_group=1), backend="xla")
   with pytest.raises(ValueError, match="router_bias must have shape"):
     sonic_jax.moe(*a, top_k=2, router_bias=jnp.zeros(7), backend="xla")
-  with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+  with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
     sonic_jax.moe(*a, top_k=2, capacity_factor=0.0, backend="xla")
+  with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
+    sonic_jax.moe(*a, top_k=2, capacity_factor=float("inf"), backend="xla")
+  with pytest.raises(ValueError, match=r"top_k must be in \[1, E=8\]"):
+    sonic_jax.route(a[0] @ a[1], 0, "softmax_topk")
   with pytest.raises(ValueError, match="exclude each other"):
     sonic_jax.moe(*a, top_k=2, capacity_factor=1.0, token_rounding="up", backend="xla")
   with pytest.raises(ValueError, match="softmax router"):
