@@ -120,6 +120,13 @@ def check_set_mesh(scheme):
     assert len(errs) == 4 + 7 and max(errs.values()) < 1e-10, errs
     np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
     np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
+    if types[0] == AxisType.Explicit:  # inside a user's shard_map over "data" alone
+      with jax.set_mesh(mesh):
+        inner = jax.jit(jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0],
+                                      in_specs=(P(), P("data")), out_specs=P("data"),
+                                      axis_names={"data"}, check_vma=False))
+        y_inner = inner(placed, jax.device_put(x, NamedSharding(mesh, P("data"))))
+      assert rel(y_inner, y_ref) < 1e-10, rel(y_inner, y_ref)
 
 
 def check_eager(scheme):

@@ -202,6 +202,19 @@ def test_bad_layer_arguments():
     _layer(capacity_factor=1.0, token_rounding="up")
   with pytest.raises(ValueError, match="capacity_factor"):
     _layer(expert_parallel_axis="ep", expert_parallel_scheme="all_gather", capacity_factor=1.25)
+  # Types and ranges a call would refuse (or misread), named at construction.
+  with pytest.raises(TypeError, match="top_k must be an int"):
+    _layer(top_k=2.0)
+  with pytest.raises(ValueError, match="expert_dim must be >= 1"):
+    _layer(expert_dim=0)
+  with pytest.raises(ValueError, match="num_shared_experts must be >= 0"):
+    _layer(num_shared_experts=-1)
+  with pytest.raises(TypeError, match="capacity_factor"):
+    _layer(capacity_factor=True)
+  with pytest.raises(ValueError, match="capacity_factor must be finite"):
+    _layer(capacity_factor=float("inf"))
+  assert _layer(capacity_factor=np.float32(1.25)).capacity_factor == np.float32(1.25)
+  assert _layer(expert_parallel_axis="ep", token_axes="data").token_axes == ("data",)
 
 
 def test_expert_parallel_axis_needs_a_mesh_or_shard_map():

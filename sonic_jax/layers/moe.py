@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 from flax import nnx
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 
 from sonic_jax import activations as acts
 from sonic_jax import backends
+from sonic_jax import ops
 from sonic_jax import routing as routing_lib
 from sonic_jax.config import Config, check_config
 from sonic_jax.ops import MoEAux, moe
@@ -76,10 +78,11 @@ class MoE(nnx.Module):
       parameters (those with `expert_axis` first) sharded over it and x's tokens over it too (and
       over any data axes); or call it in a plain `jax.jit` program under `jax.set_mesh(mesh)`: the
       layer then wraps its routed experts in a shard_map of its own over `token_axes` (explicit or
-      auto mesh axes), and its aux carries per-token fields sharded like the tokens and counts and
-      losses over all tokens (no extra-pair lists).
+      auto mesh axes), and its aux carries per-token fields sharded like the tokens, counts and the
+      z-loss over all tokens, and the balance loss averaged over the data shards' (as in
+      data-parallel training; no extra-pair lists).
     token_axes: the mesh axes that shard the tokens in that second case (default: all axes of the
-      mesh; they must include the expert axis).
+      mesh but those a surrounding shard_map made manual; they must include the expert axis).
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
       "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
@@ -116,6 +119,17 @@ class MoE(nnx.Module):
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
     # Everything a call would refuse is refused here, eval-mode-only paths included.
     act = acts.get_activation(activation)
+    for name, value in (("d_model", d_model), ("expert_dim", expert_dim),
+                        ("num_experts", num_experts), ("top_k", top_k)):
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+      if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts,
+                                                               numbers.Integral):
+      raise TypeError(f"num_shared_experts must be an int, got {type(num_shared_experts).__name__}")
+    if num_shared_experts < 0:
+      raise ValueError(f"num_shared_experts must be >= 0, got {num_shared_experts}")
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     router = routing_lib.get_router(routing)
@@ -145,8 +159,7 @@ class MoE(nnx.Module):
       raise ValueError(routing_lib.rounding_unsupported(router))
     if token_rounding is not None and capacity_factor is not None:
       raise ValueError("token_rounding and capacity_factor exclude each other")
-    if capacity_factor is not None and not capacity_factor > 0:
-      raise ValueError(f"capacity_factor must be None or > 0, got {capacity_factor}")
+    ops._check_capacity(capacity_factor)
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
       raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
@@ -159,6 +172,8 @@ class MoE(nnx.Module):
                        "expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
+    if isinstance(token_axes, str):  # one axis name, not its letters
+      token_axes = (token_axes,)
     self.token_axes = None if token_axes is None else tuple(token_axes)
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
@@ -241,15 +256,18 @@ class MoE(nnx.Module):
   def _routed_shard_map(self, h, experts):
     """`_routed` under a `jax.shard_map` of its own, over the mesh set with `jax.set_mesh`: tokens
     sharded over `token_axes`, expert weights over the expert axis, the rest replicated. The aux
-    comes back with per-token fields sharded like the tokens, counts and losses over all tokens, and
-    no extra-pair lists (they index device-local tokens)."""
+    comes back with per-token fields sharded like the tokens, counts and the z-loss over all tokens,
+    the balance loss averaged over the data shards' and no extra-pair lists (they index
+    device-local tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = self.expert_parallel_axis
     if mesh.empty or axis not in mesh.axis_names:
       raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
                        f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
                        f"(current mesh axes: {tuple(mesh.axis_names)})")
-    token_axes = tuple(self.token_axes or mesh.axis_names)
+    # By default every axis not already manual (inside a user's shard_map over some of them).
+    token_axes = tuple(self.token_axes or (a for a in mesh.axis_names
+                                           if a not in mesh.manual_axes))
     if axis not in token_axes or any(a not in mesh.axis_names for a in token_axes):
       raise ValueError(f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} "
                        f"and include the expert axis {axis!r}")
