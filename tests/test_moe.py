@@ -61,12 +61,19 @@ def check_against_oracle(p, d_y, dtype, *, top_k, activation, routing, gate_up_l
 
 
 def _activation_cases():
-  """Each activation and gate/up layout once; the dtype alternates (so each GLU activation runs
-  at both), the routing and the biases rotate."""
+  """Each activation once, swiglu with both gate/up layouts and the other GLU activations with
+  one each, alternating (the layouts only place the gate and up columns); the dtype, the routing
+  and the biases rotate."""
   cases = []
   i = 0
+  glu_turn = 0
   for act in ACTS:
-    for layout in (["concat", "interleaved"] if act in GLU else ["concat"]):
+    layouts = ["concat"]
+    if act == "swiglu":
+      layouts = ["concat", "interleaved"]
+    elif act in GLU:
+      layouts, glu_turn = [("interleaved", "concat")[glu_turn % 2]], glu_turn + 1
+    for layout in layouts:
       dtype, routing = (jnp.float32, jnp.bfloat16)[i % 2], ROUTINGS[i % len(ROUTINGS)]
       bias = i // 2 % 2
       cases.append(pytest.param(act, layout, routing, bool(bias), dtype,
