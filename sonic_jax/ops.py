@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
@@ -127,17 +126,13 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
   e_router = router_weight.shape[1]
   act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout,
                        e_router if num_local_experts is None else num_local_experts)
-  if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-    raise TypeError(f"top_k must be a Python int, got {type(top_k).__name__}")
-  if not 1 <= top_k <= e_router:
-    raise ValueError(f"top_k must be in [1, E] = [1, {e_router}], got {top_k}")
+  routing_lib.get_router(routing).check(e_router, top_k)  # top_k's type and range first
   for name, b in (("selection_bias", selection_bias), ("router_bias", router_bias)):
     if b is None:
       continue
     _check_array(name, b)
     if tuple(b.shape) != (e_router,):
       raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
-  routing_lib.get_router(routing).check(e_router, top_k)
   return act
 
 

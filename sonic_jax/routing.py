@@ -92,7 +92,8 @@ class Router:
                        f"{self.renorm_p}, {self.renorm_epsilon}")
 
   def check(self, num_experts: int, top_k: int) -> None:
-    """Raises a ValueError naming the field when this router cannot pick top_k of num_experts."""
+    """Raises a TypeError or ValueError naming the field or argument when this router cannot
+    pick top_k of num_experts (top_k not an int in [1, E] included)."""
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
       raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
     if not 1 <= top_k <= num_experts:

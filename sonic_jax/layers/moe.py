@@ -120,7 +120,7 @@ class MoE(nnx.Module):
     # Everything a call would refuse is refused here, eval-mode-only paths included.
     act = acts.get_activation(activation)
     for name, value in (("d_model", d_model), ("expert_dim", expert_dim),
-                        ("num_experts", num_experts), ("top_k", top_k)):
+                        ("num_experts", num_experts)):
       if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
       if value < 1:
@@ -130,10 +130,8 @@ class MoE(nnx.Module):
       raise TypeError(f"num_shared_experts must be an int, got {type(num_shared_experts).__name__}")
     if num_shared_experts < 0:
       raise ValueError(f"num_shared_experts must be >= 0, got {num_shared_experts}")
-    if not 1 <= top_k <= num_experts:
-      raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     router = routing_lib.get_router(routing)
-    router.check(num_experts, top_k)
+    router.check(num_experts, top_k)  # top_k's type and range too
     if gate_up_layout not in acts.GATE_UP_LAYOUTS:
       raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got "
                        f"{gate_up_layout!r}")
