@@ -197,11 +197,15 @@ def _kernel(keys_ref, keep_ref, added_ref, *, num_tokens: int, tile: int, mode: 
     # Unused entries hold T; the scatters below write the used ones (disjoint columns). Lanes of
     # tokens not added are masked off but still need an address, and interpret mode writes their
     # old values back: they aim at a spare upper half that no used column shares.
+    num_added = total(added)
     pltriton.store(added_ref, jnp.full(column.shape, num_tokens, jnp.int32),
-                   mask=column >= total(added))
-    for i, a, r in zip(pieces, added, exclusive_ranks(added)):
-      t = token(i)
-      pltriton.store(added_ref.at[jnp.where(a, r, j_pad + (t & (j_pad - 1)))], t, mask=a)
+                   mask=column >= num_added)
+
+    @pl.when(num_added > 0)  # an expert rounding down adds none: no prefix sums
+    def _():
+      for i, a, r in zip(pieces, added, exclusive_ranks(added)):
+        t = token(i)
+        pltriton.store(added_ref.at[jnp.where(a, r, j_pad + (t & (j_pad - 1)))], t, mask=a)
 
 
 @functools.partial(jax.jit, static_argnames=("num_tokens", "tile", "mode", "added_per_expert",
