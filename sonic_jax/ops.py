@@ -25,9 +25,10 @@ class MoEAux(NamedTuple):
   # (E,) int32: (token, expert) pairs routed to each expert (after token rounding, before any
   # capacity drop: the load that `update_selection_bias` balances)
   expert_counts: Array
-  # (T, K) int32: -1 where token rounding or (on one device) a capacity dropped the pair
+  # (T, K) int32: -1 where token rounding or a capacity (`capacity_factor`, or the all-to-all's
+  # slots under expert parallelism) dropped the pair
   expert_ids: Array
-  scores: Array  # (T, K) float32: 0 where token rounding or (on one device) a capacity dropped it
+  scores: Array  # (T, K) float32: 0 where token rounding or a capacity dropped the pair
   router_logits: Array  # (T, E) float32
   load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
   z_loss: Array  # () float32: mean logsumexp(logits)^2

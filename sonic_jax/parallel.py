@@ -293,8 +293,9 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
   so nothing is ever dropped; a number c sizes them at c times the balanced share
-  (`slot_capacity`), which bounds memory and traffic for large P, and drops (and counts in
-  `aux.dropped_pairs`) the pairs that do not fit: they add nothing to their token's output.
+  (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
+  fit: they add nothing to their token's output, their aux expert id is -1 and score 0, and
+  `aux.dropped_pairs` counts them.
   transport: "auto" (= "dense"), "dense" (`jax.lax.all_to_all` of whole slots) or "ragged"
   (`jax.lax.ragged_all_to_all` of the pairs only); see `sonic_jax.exchange`.
   token_rounding rounds the routing of the whole axis's tokens (their (T_local, E) logits are
@@ -361,8 +362,12 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   # Without rounding, routed holds this device's tokens: the mean averages P_e over the axis;
   # with it, every device computed the same loss, which the mean marks replicated.
   balance = jax.lax.pmean(routing_lib.load_balance_loss(routed.probs, total), axis_name)
-  aux = MoEAux(expert_counts=total, expert_ids=rounded.expert_ids, scores=rounded.scores,
-               router_logits=logits, load_balance_loss=balance,
+  # A pair that no slot holds was dropped by the capacity (or routed nowhere): marked as `moe`
+  # marks its capacity drops. Token rounding is dropless here, so its extra pairs stay as listed.
+  sent = send.pair_row < send.num_rows
+  aux = MoEAux(expert_counts=total, expert_ids=jnp.where(sent, rounded.expert_ids, -1),
+               scores=jnp.where(sent, rounded.scores, 0), router_logits=logits,
+               load_balance_loss=balance,
                z_loss=jax.lax.pmean(routing_lib.z_loss(logits), axis_name),
                extra_tokens=rounded.extra_tokens, extra_experts=rounded.extra_experts,
                extra_scores=rounded.extra_scores,

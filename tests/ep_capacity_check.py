@@ -71,22 +71,26 @@ def check_capacity(transport, p=4, factor=0.75):
   def local(x, rw, w1, w2, b1):
     y, aux = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
                             capacity_factor=factor, transport=transport, backend="xla")
-    return y, aux.dropped_pairs
+    return y, aux.dropped_pairs, aux.expert_ids, aux.scores
 
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()),
-                          check_vma=False)
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs,
+                          out_specs=(P("ep"), P(), P("ep"), P("ep")), check_vma=False)
 
   def loss(*a):
-    y, n_dropped = sharded(*a)
-    return jnp.vdot(y, jnp.asarray(d_y)), (y, n_dropped)
+    y, n_dropped, kept_ids, kept_scores = sharded(*a)
+    return jnp.vdot(y, jnp.asarray(d_y)), (y, n_dropped, kept_ids, kept_scores)
 
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  (_, (y, n_dropped)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+  (_, (y, n_dropped, kept_ids, kept_scores)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
                                                       has_aux=True))(*placed)
   errs = [rel(y, y_ref)] + [rel(a, g_ref[k]) for a, k in zip(g, ("x", "router_weight", "w1",
                                                                    "w2", "b1"))]
   print("capacity", transport, int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
   assert int(n_dropped) == int(dropped.sum())
+  # The aux marks exactly the dropped pairs, as `moe` marks its capacity's.
+  lost = np.take_along_axis(dropped, ids, axis=1)
+  np.testing.assert_array_equal(np.asarray(kept_ids), np.where(lost, -1, ids))
+  assert not np.any(np.asarray(kept_scores)[lost]) and np.all(np.asarray(kept_scores)[~lost] > 0)
   assert max(errs) < 1e-10, errs
 
 
