@@ -12,7 +12,9 @@
 # $OUT/<tree>/<round> (created), e.g.
 #   bash tools/ab_trees.sh run -- python -m benchmarks.token_rounding_bench --modes=nearest \
 #       --kernel_trace --thiek=40960,768,256,128,8 --out=\$AB_OUT
-# Round r runs base then new when r is odd, new then base when even.
+# Round r runs base then new when r is odd, new then base when even. Round 0 first runs the new
+# tree once as a warm-up, not a sample: a fresh machine's first process runs slow (the selection
+# kernel at 85 against 50-55 us, docs/decisions.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${AB_BASE:-.cache/ab_base}  # the base tree's folder
@@ -38,11 +40,12 @@ case "${1:-}" in
       local dir="$out/$1/$3"
       mkdir -p "$dir"
       dir=$(cd "$dir" && pwd)
-      echo "== $1, round $3"
+      echo "== $1, round $3$( (( $3 )) || echo ' (warm-up)')"
       (cd "$2" && PYTHONPATH="$PWD" AB_OUT="$dir" bash -c "$CMD")
     }
     CMD=$(printf '%q ' "$@")
     CMD=${CMD//\\\$AB_OUT/\$AB_OUT}  # let \$AB_OUT in the arguments expand in each tree
+    one new . 0
     for (( r = 1; r <= rounds; r++ )); do
       if (( r % 2 )); then one base "$base" "$r"; one new . "$r"
       else one new . "$r"; one base "$base" "$r"; fi
