@@ -50,6 +50,10 @@ from benchmarks import grid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain", "train.py")
 FIGURES = ("tokens_per_s_per_device", "mfu", "moe_tflops")
+# The runs import sonic_jax from this checkout, installed or not (`python -m` puts the working
+# folder on this process's path only, not on a child script's).
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
 
 FLAGS = flags.FLAGS
 
@@ -146,7 +150,8 @@ def run_one(name, extra, workdir, data_cache):
   record = {"name": name, "flags": shlex.join([*shlex.split(FLAGS.common), *extra])}
   print(f"[{name}] {shlex.join(cmd[1:])}", flush=True)
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout,
+                          env=CHILD_ENV)
   except subprocess.TimeoutExpired:
     return {**record, "error": f"timed out after {FLAGS.timeout} s"}
   if proc.returncode:
@@ -167,7 +172,8 @@ def _devices():
   """The devices the runs get, asked of a child process (this one keeps off the devices)."""
   probe = ("import jax, json; d = jax.devices(); print(json.dumps([d[0].device_kind, len(d), "
            "d[0].platform]))")
-  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                       env=CHILD_ENV)
   kind, count, platform = json.loads(out.stdout.strip().splitlines()[-1])
   return [types.SimpleNamespace(device_kind=kind, platform=platform)] * count
 
