@@ -113,7 +113,7 @@ def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
 
 def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
               num_local_experts=None, selection_bias=None, routing="softmax_topk",
-              router_bias=None):
+              router_bias=None, router_input=None, expert_scale=None):
   """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
   `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
   for name, a in (("x", x), ("router_weight", router_weight)):
@@ -128,12 +128,21 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
   act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout,
                        e_router if num_local_experts is None else num_local_experts)
   routing_lib.get_router(routing).check(e_router, top_k)  # top_k's type and range first
-  for name, b in (("selection_bias", selection_bias), ("router_bias", router_bias)):
+  for name, b in (("selection_bias", selection_bias), ("router_bias", router_bias),
+                  ("expert_scale", expert_scale)):
     if b is None:
       continue
     _check_array(name, b)
     if tuple(b.shape) != (e_router,):
       raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
+  if expert_scale is not None:
+    _check_float("expert_scale", expert_scale)
+  if router_input is not None:
+    _check_array("router_input", router_input)
+    _check_float("router_input", router_input)
+    if tuple(router_input.shape) != tuple(x.shape):
+      raise ValueError(f"router_input must have x's shape {tuple(x.shape)}, got "
+                       f"{tuple(router_input.shape)}")
   return act
 
 
@@ -342,7 +351,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
         routing: str | routing_lib.Router = "softmax_topk", gate_up_layout: str = "concat",
         b1: Array | None = None, b2: Array | None = None, router_bias: Array | None = None,
         selection_bias: Array | None = None, token_rounding: str | None = None,
-        capacity_factor: float | None = None, backend: str = "auto",
+        capacity_factor: float | None = None, router_input: Array | None = None,
+        expert_scale: Array | None = None, backend: str = "auto",
         config: Config | None = None) -> tuple[Array, MoEAux]:
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward:
   a router, then `routed_experts`.
@@ -374,6 +384,10 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     capacity_factor: None (dropless) or c > 0: each expert keeps at most ceil(c * T * K / E)
       pairs, the first in token order (Switch, MaxText); the rest are dropped, counted in
       `aux.dropped_pairs` and marked -1 in `aux.expert_ids`.
+    router_input: optional (T, d) input of the router in x's place (Gemma 4's router sees the
+      block's input normalised on its own, the experts another normalisation of it).
+    expert_scale: optional (E,) trained multiplier of each pair's weight by its expert, applied
+      after the router's renormalisation and scaling (Gemma 4's per-expert scale).
     backend: "auto", "xla" or "mosaic_gpu".
     config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
       Static: under `jax.jit` pass it by closure or as a static argument.
@@ -381,12 +395,13 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   Returns:
     (y, aux): y has x's shape and dtype; aux is a `MoEAux`.
 
-  Gradients flow to x (through the experts and the router), router_weight, router_bias, w1, w2, b1
-  and b2. The backward keeps only x, the pre-activation H, the scores and integer routing metadata.
+  Gradients flow to x (through the experts and the router, or router_input), router_weight,
+  router_bias, expert_scale, w1, w2, b1 and b2. The backward keeps only x, the pre-activation H, the scores and integer routing metadata.
   """
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  selection_bias=selection_bias, routing=router, router_bias=router_bias)
+                  selection_bias=selection_bias, routing=router, router_bias=router_bias,
+                  router_input=router_input, expert_scale=expert_scale)
   _check_capacity(capacity_factor)
   if token_rounding is not None and capacity_factor is not None:
     raise ValueError("token_rounding and capacity_factor exclude each other")
@@ -395,11 +410,12 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   config = check_config(config)
   impl = resolve_backend(backend, config)
   t_count = x.shape[0]
-  logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
-                                                  selection_bias, config=config,
-                                                  router_bias=router_bias)
+  logits, ids = routing_lib.router_logits_and_ids(
+      x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,
+      selection_bias, config=config, router_bias=router_bias)
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
-                                            token_rounding, impl.row_tile, ids)
+                                            token_rounding, impl.row_tile, ids,
+                                            expert_scale=expert_scale)
   extra = routing_lib.extra_scores_or_none(routed)
   extras = (None, None, None) if extra is None else (routed.extra_tokens, routed.extra_experts,
                                                      extra)

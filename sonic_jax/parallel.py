@@ -74,10 +74,10 @@ def _check_router(router_weight, p, e_local, axis_name):
                      f"{hint}")
 
 
-def _no_tokens(x, router_weight, router_bias, top_k, e_count):
+def _no_tokens(x, router_input, router_weight, router_bias, top_k, e_count):
   """The result when the axis holds no tokens (T_local = 0, on every device alike): zeros and an
   empty routing, as `sonic_jax.moe` gives for T = 0."""
-  logits = routing_lib.router_logits(x, router_weight)
+  logits = routing_lib.router_logits(router_input, router_weight)
   if router_bias is not None:
     logits = logits + router_bias.astype(logits.dtype)
   zero, none = jnp.zeros((), logits.dtype), jnp.zeros((), jnp.int32)
@@ -96,12 +96,14 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, router_bias: Array | None = None,
                    selection_bias: Array | None = None,
-                   token_rounding: str | None = None, backend: str = "auto",
+                   token_rounding: str | None = None, router_input: Array | None = None,
+                   expert_scale: Array | None = None, backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
-  Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
-  b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  Per device: x (T_local, d) — this device's tokens (router_input, if given, sharded as x);
+  router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this device's
+  E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
   identical on every device of the axis). token_rounding rounds the global routing (every device
   computes the same one), so each expert's count is a multiple of the backend's row tile wherever
@@ -118,20 +120,22 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias)
+                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   e_count = e_local * p
+  r_in = x if router_input is None else router_input
   if x.shape[0] == 0:
-    return _no_tokens(x, router_weight, router_bias, top_k, e_count)
-  logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
+    return _no_tokens(x, r_in, router_weight, router_bias, top_k, e_count)
+  logits, ids = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
                                                   selection_bias, config=config,
                                                   router_bias=router_bias)
   gather = lambda a: jax.lax.all_gather(a, axis_name, tiled=True)
   logits = gather(logits)  # (P*T_local, E): the axis's tokens, device by device
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                              token_rounding, impl.row_tile,
-                                             None if ids is None else gather(ids))
+                                             None if ids is None else gather(ids),
+                                             expert_scale=expert_scale)
   x_all = _gather_tokens(x, axis_name)  # (P*T_local, d)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
@@ -256,7 +260,8 @@ def slot_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
   return max(1, min(worst, math.ceil(capacity_factor * num_tokens * top_k / num_devices)))
 
 
-def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile, axis_name):
+def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile, axis_name,
+                    expert_scale):
   """Token rounding of the whole axis's tokens (it ranks tokens across devices), cut to this
   device's tokens. The (T_local, E) logits are all-gathered: E floats per token, much less than
   the d-wide rows that the exchange moves."""
@@ -264,7 +269,7 @@ def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile
   me = jax.lax.axis_index(axis_name)
   logits_all = jax.lax.all_gather(logits, axis_name, tiled=True)
   rounded, routed = routing_lib.route_tokens(logits_all, top_k, routing, selection_bias,
-                                             token_rounding, tile)
+                                             token_rounding, tile, expert_scale=expert_scale)
   mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * t_local, t_local, axis=0)
   e_count = logits.shape[1]
   token = rounded.extra_tokens - me * t_local
@@ -284,13 +289,15 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    b2: Array | None = None, router_bias: Array | None = None,
                    selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
-                   transport: str = "auto", backend: str = "auto",
+                   transport: str = "auto", router_input: Array | None = None,
+                   expert_scale: Array | None = None, backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`, tokens dispatched by all-to-all; call it
   inside `jax.shard_map`.
 
-  Per device: x (T_local, d) — this device's tokens; router_weight (d, E) replicated; w1, w2, b1,
-  b2 hold this device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  Per device: x (T_local, d) — this device's tokens (router_input, if given, sharded as x);
+  router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this device's
+  E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
   so nothing is ever dropped; a number c sizes them at c times the balanced share
   (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
@@ -313,7 +320,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias)
+                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)
@@ -321,22 +328,23 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   if token_rounding is not None and capacity_factor is not None:
     raise ValueError("token_rounding and capacity_factor exclude each other")
   e_count, t_local = e_local * p, x.shape[0]
+  r_in = x if router_input is None else router_input
   if t_local == 0:
-    return _no_tokens(x, router_weight, router_bias, top_k, e_count)
+    return _no_tokens(x, r_in, router_weight, router_bias, top_k, e_count)
   me = jax.lax.axis_index(axis_name)
 
   if token_rounding is None:
-    logits, ids = routing_lib.router_logits_and_ids(x, router_weight, top_k, router,
+    logits, ids = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
                                                     selection_bias, config=config,
                                                     router_bias=router_bias)
     rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
-                                               impl.row_tile, ids)
+                                               impl.row_tile, ids, expert_scale=expert_scale)
   else:
-    logits = routing_lib.router_logits(x, router_weight)
+    logits = routing_lib.router_logits(r_in, router_weight)
     if router_bias is not None:
       logits = logits + router_bias.astype(logits.dtype)
     rounded, routed = _local_rounding(logits, top_k, router, selection_bias, token_rounding,
-                                      impl.row_tile, axis_name)
+                                      impl.row_tile, axis_name, expert_scale)
   # The sender's pairs in expert order, then moved into one slot per receiving device.
   pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
                                rounded.extra_experts, config=config)

@@ -497,14 +497,17 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
 
 def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,
                  token_rounding: str | None, tile: int,
-                 expert_ids: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
+                 expert_ids: Array | None = None, *,
+                 expert_scale: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
   """`route`, then `round_tokens` when token_rounding is not None (an empty extra-pair list
-  otherwise). Returns (the routing the experts see, the token-choice routing it started from)."""
+  otherwise), then each pair's weight times `expert_scale` (E,) of its expert where given.
+  Returns (the routing the experts see, the token-choice routing it started from)."""
   routed = route(logits, top_k, routing, selection_bias, expert_ids)
   if token_rounding is None:
     empty = jnp.zeros((0,), jnp.int32)
-    return RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
-                          jnp.zeros((0,), routed.scores.dtype), routed.probs), routed
+    rounded = RoundedRouting(routed.scores, routed.expert_ids, empty, empty,
+                             jnp.zeros((0,), routed.scores.dtype), routed.probs)
+    return _scaled_by_expert(rounded, expert_scale), routed
   if token_rounding not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be None or one of {TOKEN_ROUNDINGS}, "
                      f"got {token_rounding!r}")
@@ -515,7 +518,20 @@ def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bia
   scale = get_router(routing).routed_scaling_factor
   if scale != 1.0:  # the added pairs' raw probabilities, scaled as the slot pairs' weights are
     rounded = rounded._replace(extra_scores=rounded.extra_scores * scale)
-  return rounded, routed
+  return _scaled_by_expert(rounded, expert_scale), routed
+
+
+def _scaled_by_expert(rounded: RoundedRouting, expert_scale: Array | None) -> RoundedRouting:
+  """Each pair's weight times its expert's entry of expert_scale (E,) (Gemma 4); differentiable
+  in both. Pairs routed nowhere keep weight 0."""
+  if expert_scale is None:
+    return rounded
+  e_count = expert_scale.shape[0]
+  def of(ids):
+    picked = expert_scale[jnp.clip(ids, 0, e_count - 1)]
+    return jnp.where((ids >= 0) & (ids < e_count), picked, 0).astype(rounded.scores.dtype)
+  return rounded._replace(scores=rounded.scores * of(rounded.expert_ids),
+                          extra_scores=rounded.extra_scores * of(rounded.extra_experts))
 
 
 def extra_scores_or_none(rounded: RoundedRouting) -> Array | None:

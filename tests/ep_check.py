@@ -1,6 +1,7 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed
-routing; 8 alone with a family router); each command-line argument is one case."""
+routing; 8 alone with a family router, its own router input and a per-expert scale); each
+command-line argument is one case."""
 
 import functools
 import os
@@ -49,47 +50,48 @@ def check(scheme_name, routing, mode=None):
   d_y = rng.standard_normal((T, d))
   args = [jnp.asarray(a, jnp.float64) for a in (x, rw, w1, w2, b1)]
   dy = jnp.asarray(d_y, jnp.float64)
-  # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3)
-  extra = {}
+  # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3);
+  # a router input of its own and a trained per-expert scale (Gemma 4), both differentiated
+  extra, names, specs = {}, (), (P("ep"), P(), P("ep"), P("ep"), P("ep"))
   if mode in routers:
     extra = dict(router_bias=jnp.asarray(rng.standard_normal(E) * 0.1),
                  selection_bias=jnp.asarray(rng.standard_normal(E) * 0.01))
+    args += [jnp.asarray(x + rng.standard_normal((T, d))), jnp.asarray(rng.uniform(0.5, 2, E))]
+    names, specs = ("router_input", "expert_scale"), specs + (P("ep"), P())
+  argnums = tuple(range(len(args)))
 
-  def loss_single(x, rw, w1, w2, b1):
+  def loss_single(x, rw, w1, w2, b1, *more):
     y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, token_rounding=rounding,
-                           routing=router, backend="xla", **extra)
+                           routing=router, backend="xla", **extra, **dict(zip(names, more)))
     if rounding == "up":
       assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
 
   # Compiled, as the sharded runs are: eagerly a fresh process compiles each op on its own.
-  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4),
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=argnums,
                                                  has_aux=True))(*args)
   # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight; a family
   # router's case all eight alone (the transport does not depend on it)
   for shards in (8,) if mode in routers else (1, 2, 8) if skew else (2, 8):
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
-    def local(x, rw, w1, w2, b1):
+    def local(x, rw, w1, w2, b1, *more):
       y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, routing=router,
-                      token_rounding=rounding, backend="xla", **extra)
+                      token_rounding=rounding, backend="xla", **extra, **dict(zip(names, more)))
       # all-to-all: the aux of this device's tokens; all-gather: of the whole axis's
       tokens = x.shape[0] * (shards if scheme_name == "all_gather" else 1)
       assert aux.dropped_pairs is not None and aux.probs.shape == (tokens, E), aux.probs.shape
       return y, aux.load_balance_loss + 0.1 * aux.z_loss
 
     # shard_map's replication check on: the losses come out replicated (out_specs P()).
-    sharded = jax.shard_map(local, mesh=mesh,
-                            in_specs=(P("ep"), P(), P("ep"), P("ep"), P("ep")),
-                            out_specs=(P("ep"), P()))
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()))
 
-    def loss_ep(x, rw, w1, w2, b1):
-      y, lb = sharded(x, rw, w1, w2, b1)
+    def loss_ep(*a):
+      y, lb = sharded(*a)
       return jnp.vdot(y, dy) + lb, y
 
-    specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
     placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-    (_, y), g = jax.jit(jax.value_and_grad(loss_ep, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
+    (_, y), g = jax.jit(jax.value_and_grad(loss_ep, argnums=argnums, has_aux=True))(*placed)
     errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
     print(scheme_name, routing, mode, shards, ["%.1e" % e for e in errs])
     assert max(errs) < 1e-10, (scheme_name, routing, mode, shards, errs)

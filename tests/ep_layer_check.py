@@ -3,9 +3,9 @@
 
 - under a user's `jax.shard_map`: output and the gradients of every parameter (float64);
 - in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
-  its own shard_map: output, the gradients of every parameter and of x, the expert counts, the
-  z-loss, and the load-balance loss as the mean of the two data shards' losses; explicit and auto
-  mesh axes (float64);
+  its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among
+  them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
+  data shards' losses; explicit and auto mesh axes (float64);
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name.
@@ -82,7 +82,7 @@ def check_shard_map(scheme):
 
 
 def check_set_mesh(scheme):
-  kw = KW
+  kw = dict(KW, router_norm_eps=1e-6, expert_scale=True)  # Gemma 4's router: two more inputs
   extra = dict(capacity_factor=None) if scheme == "all_gather" else {}
   single = MoE(**kw, rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
@@ -117,7 +117,7 @@ def check_set_mesh(scheme):
                                      jax.tree.leaves_with_path(gs_ref)):
       errs[jax.tree_util.keystr(path)] = rel(g, g_ref)
     print("set_mesh", scheme, types[0], {k: f"{v:.1e}" for k, v in errs.items()})
-    assert len(errs) == 4 + 7 and max(errs.values()) < 1e-10, errs
+    assert len(errs) == 4 + 9 and max(errs.values()) < 1e-10, errs
     np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
     np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
     if types[0] == AxisType.Explicit:  # inside a user's shard_map over "data" alone

@@ -74,6 +74,33 @@ def test_layer_family_options_equal_the_functional_op(rng):
     _layer(balance_loss="sequence", expert_parallel_axis="ep")
 
 
+def test_layer_gemma4_router_equals_the_functional_op(rng):
+  """router_norm_eps and expert_scale (Gemma 4): the router sees router_x RMS-normalised, times
+  its trained scale and d ** -0.5; each weight is times its expert's trained scale. Both scales
+  are parameters that get gradients."""
+  m = _layer(routing="topk_softmax", router_norm_eps=1e-6, expert_scale=True)
+  m.router_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 32), jnp.float32)
+  m.expert_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 4), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
+  h = jnp.asarray(rng.standard_normal((3, 10, 32)) * 3.0, jnp.float32)
+  y, aux = m(x, router_x=h)
+  flat = h.reshape(-1, 32)
+  r = flat / jnp.sqrt(jnp.mean(flat ** 2, -1, keepdims=True) + 1e-6) * m.router_scale[...]
+  want, stats = sonic_jax.moe(x.reshape(-1, 32), m.router[...], m.w1[...], m.w2[...], top_k=2,
+                              routing="topk_softmax", router_input=r / jnp.sqrt(32.0),
+                              expert_scale=m.expert_scale[...], backend="xla")
+  assert rel_err(y.reshape(-1, 32), want) < 1e-5
+  np.testing.assert_array_equal(aux.stats.expert_ids, stats.expert_ids)
+  assert rel_err(m(x)[0], m(x, router_x=x)[0]) == 0  # router_x defaults to x
+  grads = nnx.grad(lambda m: jnp.sum(m(x, router_x=h)[0] ** 2))(m)
+  for name in ("router_scale", "expert_scale", "router"):
+    assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
+  with pytest.raises(ValueError, match="router_x must have x's shape"):
+    m(x, router_x=h[:, :5])
+  with pytest.raises(ValueError, match="router_norm_eps"):
+    _layer(router_norm_eps=-1.0)
+
+
 def test_layer_capacity_on_one_device_drops_and_counts(rng):
   m = _layer(capacity_factor=0.5)
   x = jnp.asarray(rng.standard_normal((40, 32)), jnp.float32)

@@ -314,6 +314,11 @@ BAD = [
     ("selection_bias list", dict(selection_bias=[0.0] * 4), TypeError,
      "selection_bias must be an array"),
     ("selection_bias shape", dict(selection_bias=jnp.zeros((5,))), ValueError, "selection_bias"),
+    ("router_input shape", dict(router_input=jnp.zeros((8, 15))), ValueError,
+     "router_input must have x's shape"),
+    ("expert_scale shape", dict(expert_scale=jnp.ones((5,))), ValueError, "expert_scale"),
+    ("expert_scale dtype", dict(expert_scale=jnp.ones((4,), jnp.int32)), TypeError,
+     "expert_scale"),
 ]
 
 
@@ -380,3 +385,45 @@ def test_selection_bias_moves_selection_not_scores(rng, routing):
   assert np.all(np.asarray(g) == 0)
   with pytest.raises(ValueError, match="selection_bias"):
     sonic_jax.moe(*a, top_k=2, selection_bias=jnp.zeros((5,)))
+
+
+@pytest.mark.parametrize("token_rounding", [None, "up"])
+def test_router_input_and_expert_scale(rng, token_rounding):
+  """Gemma 4's router options: routing from router_input in x's place, each pair's weight (and
+  each rounding-added pair's) times its expert's scale; the same as `routed_experts` on that
+  routing, in value and in the scale's and router input's gradients (float64)."""
+  with jax.enable_x64(True):
+    _check_router_input_and_expert_scale(rng, token_rounding)
+
+
+def _check_router_input_and_expert_scale(rng, token_rounding):
+  p, _ = make_problem(rng, T=32, d=16, n=8, E=8)
+  x, rw, w1, w2 = (jnp.asarray(p[k], jnp.float64) for k in ("x", "router_weight", "w1", "w2"))
+  r = jnp.asarray(rng.standard_normal(x.shape))
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, 8))
+  kw = dict(top_k=2, routing="topk_softmax", backend="xla", token_rounding=token_rounding)
+
+  def layer(r, scale):
+    return sonic_jax.moe(x, rw, w1, w2, router_input=r, expert_scale=scale, **kw)
+
+  def on_its_routing(r, scale):
+    tile = sonic_jax.backends.resolve_backend("xla").row_tile
+    routed, _ = sonic_jax.routing.route_tokens(r @ rw, 2, "topk_softmax", None, token_rounding,
+                                               tile)
+    extra = routed.extra_scores * scale[jnp.clip(routed.extra_experts, 0, 7)]
+    return sonic_jax.routed_experts(
+        x, routed.expert_ids, routed.scores * scale[routed.expert_ids], w1, w2, backend="xla",
+        extra_tokens=routed.extra_tokens, extra_experts=routed.extra_experts,
+        extra_scores=extra)[0]
+
+  y, aux = layer(r, scale)
+  np.testing.assert_array_equal(np.asarray(aux.expert_ids)[:, 0],
+                                np.argmax(np.asarray(r @ rw), -1))
+  if token_rounding:
+    assert int(jnp.sum(aux.extra_experts < 8)) > 0
+  assert rel_err(y, on_its_routing(r, scale)) < 1e-12
+  d_y = jnp.asarray(rng.standard_normal(y.shape))
+  grads = jax.grad(lambda *a: jnp.vdot(layer(*a)[0], d_y), argnums=(0, 1))(r, scale)
+  want = jax.grad(lambda *a: jnp.vdot(on_its_routing(*a), d_y), argnums=(0, 1))(r, scale)
+  for g, w in zip(grads, want):
+    assert float(jnp.linalg.norm(w)) > 0 and rel_err(g, w) < 1e-12

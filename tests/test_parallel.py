@@ -30,7 +30,8 @@ def _run(script, *args):
 def test_expert_parallel_matches_single_device(scheme, cases):
   """2 and 8 shards (and 1 with skewed routing; 8 alone with a family router), float64: output
   and the gradients of x, router, w1, w2, b1 (a case's third field: a token rounding mode, or a
-  family router with router and selection biases), under shard_map's replication check; "empty":
+  family router with router and selection biases, a router input and a per-expert scale, whose
+  gradients are compared too), under shard_map's replication check; "empty":
   no tokens on any device."""
   _run("ep_check.py", *(f"{scheme}:{case}" for case in cases))
 

@@ -58,6 +58,11 @@ class MoE(nnx.Module):
       scaling factor, Llama 4's input scaling).
     use_bias: per-expert biases b1, b2.
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
+    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon (in
+      float32), times a trained (d,) scale `router_scale` and d ** -0.5 (Gemma 4's router, which
+      normalises the block's input on its own: pass that input as `router_x`).
+    expert_scale: each pair's weight times a trained (E,) scale of its expert (Gemma 4's
+      per-expert scale; ones at init).
     num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
       num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
     shared_expert_gate: the shared output is multiplied by sigmoid(x @ w_g), a learned scalar gate
@@ -104,6 +109,7 @@ class MoE(nnx.Module):
                routing: str | routing_lib.Router = "softmax_topk",
                gate_up_layout: str = "concat", use_bias: bool = False,
                use_router_bias: bool = False,
+               router_norm_eps: float | None = None, expert_scale: bool = False,
                num_shared_experts: int = 0, shared_expert_dim: int | None = None,
                shared_expert_gate: bool = False,
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
@@ -144,6 +150,11 @@ class MoE(nnx.Module):
                        "balance_loss='batch' with expert_parallel_axis")
     if shared_expert_gate and not num_shared_experts:
       raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+    if router_norm_eps is not None and (isinstance(router_norm_eps, bool) or not isinstance(
+        router_norm_eps, numbers.Real) or not 0 <= router_norm_eps < math.inf):
+      raise ValueError(f"router_norm_eps must be None or a finite number >= 0, got "
+                       f"{router_norm_eps!r}")
+    self.router_norm_eps = router_norm_eps
     self.top_k, self.activation, self.routing = top_k, act, router
     self.balance_loss = balance_loss
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
@@ -189,6 +200,11 @@ class MoE(nnx.Module):
                               (expert_axis, embed_axis)) if use_bias else None)
     self.router_bias = nnx.data(_param(rngs, zeros, (num_experts,), param_dtype, (None,))
                                 if use_router_bias else None)
+    ones = jax.nn.initializers.ones
+    self.router_scale = nnx.data(_param(rngs, ones, (d_model,), param_dtype, (embed_axis,))
+                                 if router_norm_eps is not None else None)
+    self.expert_scale = nnx.data(_param(rngs, ones, (num_experts,), param_dtype, (None,))
+                                 if expert_scale else None)
     self.selection_bias = nnx.data(SelectionBias(jnp.zeros((num_experts,), jnp.float32))
                                    if bias_update_rate > 0 else None)
     shared_in = shared_out = None
@@ -202,18 +218,30 @@ class MoE(nnx.Module):
     self.shared_gate = nnx.data(_param(rngs, normal(init_std), (d_model, 1), param_dtype,
                                        (embed_axis, None)) if shared_expert_gate else None)
 
-  def __call__(self, x: Array) -> tuple[Array, MoELayerAux]:
-    """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens."""
+  def __call__(self, x: Array, router_x: Array | None = None) -> tuple[Array, MoELayerAux]:
+    """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens.
+
+    router_x: optional input of the router, x's shape (default x): Gemma 4 routes on the block's
+    input and runs the experts on another normalisation of it."""
     dtype = self.dtype or x.dtype
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
     if self.balance_loss == "sequence" and x.ndim != 3:
       raise ValueError(f"balance_loss='sequence' takes x of shape (B, S, d), got {x.shape}")
+    if router_x is not None and tuple(router_x.shape) != tuple(x.shape):
+      raise ValueError(f"router_x must have x's shape {tuple(x.shape)}, got "
+                       f"{tuple(router_x.shape)}")
+    r = None if router_x is None else router_x.reshape(h.shape)
+    if self.router_scale is not None:
+      r = self._normalised_router_input(h if r is None else r, dtype)
+    elif r is not None:
+      r = r.astype(dtype)
     sel_bias = None if self.selection_bias is None else self.selection_bias[...]
     router_bias = None if self.router_bias is None else self.router_bias[...]
+    expert_scale = None if self.expert_scale is None else self.expert_scale[...]
     experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2),
-               router_bias, sel_bias)
+               router_bias, sel_bias, r, expert_scale)
     axis = self.expert_parallel_axis
     if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
       y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
@@ -237,11 +265,21 @@ class MoE(nnx.Module):
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
 
-  def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias):
+  def _normalised_router_input(self, r, dtype):
+    """Gemma 4's router input: r RMS-normalised in float32 (or wider), times the trained scale
+    and d ** -0.5, in the compute dtype."""
+    wide = jnp.promote_types(r.dtype, jnp.float32)
+    r = r.astype(wide)
+    r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + self.router_norm_eps)
+    return (r * self.router_scale[...].astype(wide) * r.shape[-1] ** -0.5).astype(dtype)
+
+  def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias, router_input,
+              expert_scale):
     """The routed experts on tokens h (T, d): one device, or this device's part of the axis."""
     kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
               gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, router_bias=router_bias,
-              selection_bias=selection_bias,
+              selection_bias=selection_bias, router_input=router_input,
+              expert_scale=expert_scale,
               token_rounding=None if self.deterministic else self.token_rounding,
               backend=self.backend, config=self.config)
     if self.expert_parallel_axis is None:
@@ -280,7 +318,8 @@ class MoE(nnx.Module):
     data_axes = tuple(a for a in token_axes if a != axis)
     tokens, expert_dim, whole = P(token_axes), P(axis), P()
     specs = tuple(None if v is None else s for v, s in zip(
-        experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole, whole)))
+        experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole, whole, tokens,
+                  whole)))
 
     def local(h, *experts):
       y, st = self._routed(h, *experts)
