@@ -17,6 +17,12 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
   builds and loads a layer in one call; `block_state_dict` takes one layer's block out of a whole
   model's state dict.
 
+A multimodal config holds its language model's as text_config (Llama 4's "llama4", Qwen3.5-MoE's
+"qwen3_5_moe", Qwen3-VL-MoE's "qwen3_vl_moe", the Qwen3-Omni-MoE thinker's and talker's
+"qwen3_omni_moe_thinker", "qwen3_omni_moe_talker"): every function takes either. A whole
+Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
+talker's: pass the one meant (config["thinker_config"]["text_config"], say).
+
 The state dicts are transformers' in-memory ones (fused experts, `experts.gate_up_proj`). Hub
 checkpoints that store experts one by one (Mixtral's `block_sparse_moe.experts.0.w1.weight`, ...)
 are fused by transformers when it loads them: load the model with transformers, then take its
@@ -25,12 +31,13 @@ are fused by transformers when it loads them: load the model with transformers, 
 How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
 
   router        gate.weight / router.weight (E, d) (nn.Linear) -> router (d, E) = W^T.
-                DBRX: router.layer.weight; Hunyuan: gate.wg.weight.
+                DBRX: router.layer.weight; Hunyuan: gate.wg.weight; AFMoE: router.gate.weight.
   experts       experts.gate_up_proj (E, 2n, d), gate rows first ("concat") -> w1 (E, d, 2n) =
                 transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
-                OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3, GLM-4.5, dots.llm1, MiniMax-M2, ERNIE 4.5,
-                LFM2-MoE, Hunyuan, Granite.)
+                Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
+                V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1,
+                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite.)
                 Llama 4: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first) and
                 down_proj (E, n, d): taken as they are.
                 gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
@@ -46,32 +53,39 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 pass gate_up_layout="interleaved" to convert a concat family for the faster
                 mosaic_gpu up-projection, the same value to every function here.
   shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
-                Qwen3-Next, DeepSeek-V2/V3, GLM-4.5, dots.llm1, ERNIE 4.5, Llama 4; Hunyuan's
-                shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2, GLM-4.5,
+                GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1, ERNIE 4.5,
+                Llama 4; Hunyuan's shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T],
+                shared_out (s, d) = down^T.
                 Granite (granitemoeshared): the decoder layer's shared_mlp.input_linear.weight
                 (2s, d), gate rows first, -> shared_in = W^T; output_linear.weight (d, s) ->
                 shared_out = W^T. Its state dict is the decoder layer's MoE part:
                 "block_sparse_moe.*" and "shared_mlp.*".
-  shared gate   Qwen2-MoE / Qwen3-Next shared_expert_gate.weight (1, d) -> shared_gate (d, 1):
-                the shared output times sigmoid(x @ shared_gate).
-  selection     DeepSeek-V3 / GLM-4.5 / dots.llm1 gate.e_score_correction_bias (E,), MiniMax-M2
-  bias          e_score_correction_bias (E,), LFM2-MoE expert_bias (E,), ERNIE 4.5
+  shared gate   Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE / Qwen3-Omni talker shared_expert_gate.weight
+                (1, d) -> shared_gate (d, 1): the shared output times sigmoid(x @ shared_gate).
+  selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
+  bias          GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1), MiniMax-M2
+                e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
 
 The routers (`layer_kwargs`' routing, a `Router`):
 
-  Mixtral, MiniMax, Hunyuan, Granite, ERNIE 4.5   Router("softmax"): softmax over E, top-K,
-      renormalised (Granite's softmax over the K selected logits is the same; ERNIE selects on
-      the probabilities plus its bias). Qwen2-MoE, Qwen3-MoE, Qwen3-Next, OLMoE, FlexOlmo:
-      renormalised as norm_topk_prob says; Jamba never.
+  Mixtral, MiniMax, Hunyuan, Granite, ERNIE 4.5, Qwen3.5-MoE, Qwen3-VL-MoE   Router("softmax"):
+      softmax over E, top-K, renormalised (Granite's softmax over the K selected logits is the
+      same; ERNIE selects on the probabilities plus its bias). Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
+      Qwen3-Omni-MoE (thinker and talker), OLMoE, FlexOlmo: renormalised as norm_topk_prob says;
+      Jamba never.
   DeepSeek-V2    Router("softmax", renormalize=norm_topk_prob, routed_scaling_factor); topk_method
       "group_limited_greedy": n_group, topk_group, group_score="max".
-  DeepSeek-V3, GLM-4.5, dots.llm1    Router("sigmoid", renormalize=norm_topk_prob,
-      renorm_epsilon=1e-20, n_group, topk_group, group_score="top2_sum", routed_scaling_factor)
-      with the selection bias. MiniMax-M2: Router("sigmoid") with its bias. LFM2-MoE:
-      Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-6, routed_scaling_factor),
-      the bias where use_expert_bias.
+  DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1
+      Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group, topk_group,
+      group_score="top2_sum", routed_scaling_factor) with the selection bias (Kimi-Linear's
+      fields: moe_renormalize, num_expert_group, num_shared_experts, num_experts_per_token;
+      EXAONE-MoE's and Sarvam's checkpoints: num_shared_experts). AFMoE: the same with one group,
+      always renormalised, route_scale as the factor. MiniMax-M2: Router("sigmoid") with its
+      bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-6,
+      routed_scaling_factor), the bias where use_expert_bias.
   gpt-oss        Router("softmax") on logits + router_bias (top-K of them, softmax over the K),
       activation clamped_swiglu(swiglu_alpha, swiglu_limit), interleaved gate/up, expert biases.
   Llama 4        Router("sigmoid", renormalize=False, scale_input=True): top-1 by logit, the
@@ -193,7 +207,7 @@ def _deepseek_v2(c, layer):
 
 
 def _deepseek_v3(c, layer):
-  """DeepSeek-V3's router (GLM-4.5, dots.llm1, Kimi-K2 share it)."""
+  """DeepSeek-V3's router (V3.2, GLM-4.5, GLM-4.7-Flash, dots.llm1, Kimi-K2, Sarvam share it)."""
   n_group = int(c.get("n_group") or 1)
   router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
                   renorm_epsilon=1e-20, n_group=n_group,
@@ -203,6 +217,25 @@ def _deepseek_v3(c, layer):
   n = _get(c, "moe_intermediate_size")
   return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
                selection_bias=True, **_shared(c.get("n_shared_experts") or 0, n))
+
+
+def _renamed(kwargs, **names: str):
+  """`kwargs` for a config that calls some of its fields otherwise (field=its name there)."""
+
+  def renamed(c, layer):
+    return kwargs({**c, **{field: c[own] for field, own in names.items()
+                           if c.get(own) is not None}}, layer)
+
+  return renamed
+
+
+def _afmoe(c, layer):
+  """Sigmoid scores, selection on scores + expert_bias, always renormalised, times route_scale."""
+  router = Router("sigmoid", renorm_epsilon=1e-20,
+                  routed_scaling_factor=float(c.get("route_scale") or 1.0))
+  n = _get(c, "moe_intermediate_size")
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+               selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
 
 
 def _minimax_m2(c, layer):
@@ -271,8 +304,11 @@ def _dbrx(c, layer):
 class Family:
   """How one transformers MoE block maps to the layer.
 
-  model_type: the config's model_type. block: the transformers class of the block. prefix: where
-  the block's keys sit in the whole model's state dict ("{layer}": the decoder layer's index).
+  model_type: the config's model_type (a multimodal model's: its text config's). block: the
+  transformers class of the block. prefix: where the block's keys sit in the whole model's state
+  dict ("{layer}": the decoder layer's index), the model that transformers' AutoModelForCausalLM
+  builds (Llama 4's and Qwen3.5-MoE's text model; Qwen3-VL-MoE's and Qwen3-Omni-MoE's multimodal
+  model, the only one they have).
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
   "gpt_oss" (fused_xw with interleaved gate/up and biases) or "dbrx" (separate w1, v1, w2).
@@ -301,6 +337,9 @@ class Family:
 
 def _families():
   mlp = "model.layers.{layer}.mlp."
+  qwen_shared = dict(shared="shared_expert.", shared_gate="shared_expert_gate.weight")
+  v3 = dict(selection_bias="gate.e_score_correction_bias", shared="shared_experts.")
+  v3_shared_named = _renamed(_deepseek_v3, n_shared_experts="num_shared_experts")
   fams = [
       Family("mixtral", "MixtralSparseMoeBlock", mlp,
              _softmax_family("intermediate_size", True)),
@@ -309,13 +348,26 @@ def _families():
       Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", mlp,
              _softmax_family("moe_intermediate_size", "norm_topk_prob",
                              "shared_expert_intermediate_size", shared_gate=True),
-             shared="shared_expert.", shared_gate="shared_expert_gate.weight"),
+             **qwen_shared),
       Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", mlp,
              _softmax_family("moe_intermediate_size", "norm_topk_prob")),
       Family("qwen3_next", "Qwen3NextSparseMoeBlock", mlp,
              _softmax_family("moe_intermediate_size", "norm_topk_prob",
                              "shared_expert_intermediate_size", shared_gate=True),
-             shared="shared_expert.", shared_gate="shared_expert_gate.weight"),
+             **qwen_shared),
+      Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", mlp,
+             _softmax_family("moe_intermediate_size", True, "shared_expert_intermediate_size",
+                             shared_gate=True), **qwen_shared),
+      Family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock",
+             "model.language_model.layers.{layer}.mlp.",
+             _softmax_family("moe_intermediate_size", True)),
+      Family("qwen3_omni_moe_text", "Qwen3OmniMoeThinkerTextSparseMoeBlock",
+             "thinker.model.language_model.layers.{layer}.mlp.",
+             _softmax_family("moe_intermediate_size", "norm_topk_prob")),
+      Family("qwen3_omni_moe_talker_text", "Qwen3OmniMoeTalkerTextSparseMoeBlock",
+             "talker.model.layers.{layer}.mlp.",
+             _softmax_family("moe_intermediate_size", "norm_topk_prob",
+                             "shared_expert_intermediate_size", shared_gate=True), **qwen_shared),
       Family("olmoe", "OlmoeSparseMoeBlock", mlp,
              _softmax_family("intermediate_size", "norm_topk_prob")),
       Family("flex_olmo", "FlexOlmoSparseMoeBlock", mlp,
@@ -323,12 +375,21 @@ def _families():
       Family("jamba", "JambaSparseMoeBlock", "model.layers.{layer}.feed_forward.",
              _softmax_family("intermediate_size", False), router="router.weight"),
       Family("deepseek_v2", "DeepseekV2Moe", mlp, _deepseek_v2, shared="shared_experts."),
-      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3,
-             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
-      Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3,
-             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
-      Family("dots1", "Dots1MoE", mlp, _deepseek_v3,
-             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3, **v3),
+      Family("deepseek_v32", "DeepseekV32MoE", mlp, _deepseek_v3, **v3),
+      Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3, **v3),
+      Family("glm4_moe_lite", "Glm4MoeLiteMoE", mlp, _deepseek_v3, **v3),
+      Family("dots1", "Dots1MoE", mlp, _deepseek_v3, **v3),
+      Family("kimi_linear", "KimiLinearMoE", mlp,
+             _renamed(_deepseek_v3, n_group="num_expert_group", norm_topk_prob="moe_renormalize",
+                      n_shared_experts="num_shared_experts",
+                      num_experts_per_tok="num_experts_per_token"), **v3),
+      Family("exaone_moe", "ExaoneMoeSparseMoEBlock", mlp, v3_shared_named, **v3),
+      # transformers runs Sarvam on GLM-4.5's and DeepSeek-V3's models
+      Family("sarvam_moe", "Glm4MoeMoE", mlp, v3_shared_named, **v3),
+      Family("sarvam_mla", "DeepseekV3MoE", mlp, v3_shared_named, **v3),
+      Family("afmoe", "AfmoeSparseMoeBlock", mlp, _afmoe, router="router.gate.weight",
+             selection_bias="expert_bias", shared="shared_experts."),
       Family("minimax_m2", "MiniMaxM2SparseMoeBlock", mlp, _minimax_m2,
              selection_bias="e_score_correction_bias"),
       Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", mlp, _ernie,
@@ -357,19 +418,31 @@ def _families():
 FAMILIES: dict[str, Family] = _families()
 
 
+# A multimodal config's model_type -> the model_type of its text_config (the language model's).
+WRAPPERS = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
+            "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
+            "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text"}
+
+
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-  """A multimodal wrapper's text config (Llama 4's model_type "llama4")."""
-  if config.get("model_type") == "llama4" and "text_config" in config:
-    return config["text_config"]
-  return config
+  """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
+  config.json leaves it out); any other config as it is."""
+  text_type = WRAPPERS.get(config.get("model_type"))
+  if text_type is None or not isinstance(config.get("text_config"), Mapping):
+    return config
+  return {"model_type": text_type, **config["text_config"]}
 
 
 def family(config: Mapping[str, Any] | str) -> Family:
   """The `Family` of a config dict (or of a model_type)."""
   model_type = config if isinstance(config, str) else _text_config(config).get("model_type")
   if model_type not in FAMILIES:
-    raise ValueError(f"model_type {model_type!r} is not a supported MoE family; supported: "
-                     f"{sorted(FAMILIES)}")
+    inner = [] if isinstance(config, str) else [
+        f"config[{k!r}]['text_config']" for k, v in config.items()
+        if isinstance(v, Mapping) and isinstance(v.get("text_config"), Mapping)]
+    hint = f"; pass its language model's config, {' or '.join(inner)}"
+    raise ValueError(f"model_type {model_type!r} is not a supported MoE family"
+                     f"{hint if inner else ''}; supported: {sorted(FAMILIES)}")
   return FAMILIES[model_type]
 
 

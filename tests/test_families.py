@@ -118,15 +118,18 @@ def _ref_grads(r):
 
 
 def _value_and_grads(layer, x, cot, jit=True):
-  """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot)."""
+  """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot).
+
+  Every array is an argument, none a constant of the program: cases whose layers are configured
+  alike compile one program (the run's compilation cache, conftest.py)."""
   graph, params, rest = nnx.split(layer, nnx.Param, ...)
 
-  def loss(params, x):
+  def loss(params, rest, x, cot):
     y, aux = nnx.merge(graph, params, rest)(x)
     return jnp.sum(y.astype(cot.dtype) * cot), (y, aux.stats.router_logits)
 
-  f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, x)
+  f = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)
+  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, rest, x, cot)
   return y, logits, g_x, hf.layer_params(g_params)
 
 
@@ -174,19 +177,38 @@ def _without(layer, feature):
 @pytest.mark.parametrize("case, feature", [
     ("deepseek_v3", "selection bias"), ("minimax_m2", "selection bias"),
     ("ernie4_5_moe", "selection bias"), ("lfm2_moe", "selection bias"),
-    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"), ("gpt_oss", "clamp"),
+    ("deepseek_v32", "selection bias"), ("kimi_linear", "selection bias"),
+    ("glm4_moe_lite", "selection bias"), ("exaone_moe", "selection bias"),
+    ("afmoe", "selection bias"), ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
+    ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
     ("dbrx_p2", "p-norm")])
 def test_reference_cases_exercise_their_family_features(references, case, feature):
-  """The random cases are not degenerate: without the feature the layer misses the block."""
+  """The random cases are not degenerate: without the feature the layer misses the block. (The
+  program of test_layer_matches_transformers_block: a feature that is a value, not part of the
+  configuration, adds no compilation.)"""
   r = references.get(case)
   with jax.enable_x64(True):
     layer = _without(hf.moe_layer(_config(r), _state(r), param_dtype=jnp.float64,
                                   backend="xla"), feature)
-    y, _ = jax.jit(lambda x: layer(x))(jnp.asarray(r["input"]))
+    y, *_ = _value_and_grads(layer, jnp.asarray(r["input"]), jnp.asarray(r["cotangent"]))
   assert rel_err(y, r["output"]) > 1e-2
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "granitemoeshared", "gpt_oss", "dbrx"])
+def _first_case_of_each(key) -> list[str]:
+  """The first case (in CASES' order) of each distinct key(family)."""
+  firsts = {}
+  for name, case in hf_reference.CASES.items():
+    firsts.setdefault(key(hf.FAMILIES[case.model_type]), name)
+  return list(firsts.values())
+
+
+def _gate_up_storage(fam: hf.Family):
+  """Where a family keeps the columns that a gate/up layout orders: experts, shared MLP."""
+  return fam.experts, fam.shared_kind if fam.shared else None
+
+
+# One case per gate/up storage: the converters' column permutation depends on nothing else.
+@pytest.mark.parametrize("case", _first_case_of_each(_gate_up_storage))
 def test_other_gate_up_layout_is_the_same_layer(references, case):
   """Loading into a layer with the other gate/up layout (columns permuted by the converter) gives
   the same layer: output and gradients as with the family's own layout."""
@@ -241,16 +263,26 @@ def _expected_kwargs(case):
       "qwen2_moe": dict(routing=raw, num_shared_experts=1, shared_expert_dim=2 * n,
                         shared_expert_gate=True),
       "qwen3_next": dict(num_shared_experts=1, shared_expert_dim=n, shared_expert_gate=True),
+      "qwen3_5_moe_text": dict(num_shared_experts=1, shared_expert_dim=n,
+                               shared_expert_gate=True),
+      "qwen3_vl_moe_text": {}, "qwen3_omni_moe_text": {},
+      "qwen3_omni_moe_talker_text": dict(routing=raw, num_shared_experts=1,
+                                         shared_expert_dim=2 * n, shared_expert_gate=True),
       "olmoe": dict(routing=raw), "flex_olmo": dict(routing=raw), "jamba": dict(routing=raw),
       "deepseek_v2": dict(routing=Router("softmax", renormalize=False, n_group=2, topk_group=1,
                                          group_score="max", routed_scaling_factor=1.5),
                           num_shared_experts=2, shared_expert_dim=n),
-      "deepseek_v3": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
-                          num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
-      "glm4_moe": dict(routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
-                       shared_expert_dim=n, bias_update_rate=1e-3),
-      "dots1": dict(routing=v3(renormalize=False, routed_scaling_factor=2.5),
-                    num_shared_experts=2, shared_expert_dim=n, bias_update_rate=1e-3),
+      **dict.fromkeys(("deepseek_v3", "deepseek_v32", "sarvam_mla", "kimi_linear"), dict(
+          routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5), num_shared_experts=1,
+          shared_expert_dim=n, bias_update_rate=1e-3)),
+      **dict.fromkeys(("glm4_moe", "glm4_moe_lite", "sarvam_moe"), dict(
+          routing=v3(routed_scaling_factor=2.5), num_shared_experts=1, shared_expert_dim=n,
+          bias_update_rate=1e-3)),
+      "afmoe": dict(routing=Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5),
+                    num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
+      **dict.fromkeys(("dots1", "exaone_moe"), dict(
+          routing=v3(renormalize=False, routed_scaling_factor=2.5), num_shared_experts=2,
+          shared_expert_dim=n, bias_update_rate=1e-3)),
       "minimax_m2": dict(routing=Router("sigmoid"), bias_update_rate=1e-3),
       "ernie4_5_moe": dict(num_shared_experts=2, shared_expert_dim=n, bias_update_rate=1e-3),
       "lfm2_moe": dict(routing=Router("sigmoid", renorm_epsilon=1e-6, routed_scaling_factor=1.5),
@@ -303,6 +335,10 @@ MINIMAL_CONFIGS = {
                     num_experts_per_tok=2, swiglu_alpha=1.702, swiglu_limit=7.0),
     "llama4": dict(text_config=dict(model_type="llama4_text", hidden_size=32, num_local_experts=4,
                                     intermediate_size=16, num_experts_per_tok=1)),
+    # a checkpoint's config.json: its text_config names no model_type
+    "qwen3_5_moe": dict(text_config=dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
+                                         num_experts_per_tok=2,
+                                         shared_expert_intermediate_size=24)),
     "granitemoeshared": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
                              num_experts_per_tok=2, shared_intermediate_size=8),
     "hunyuan_v1_moe": dict(hidden_size=32, num_experts=[4, 6], intermediate_size=16,
@@ -330,6 +366,17 @@ def test_layer_to_hf_to_layer_is_exact(model_type, layout):
     assert np.array_equal(again[k], params[k]), k
 
 
+def test_layer_kwargs_read_the_names_of_the_checkpoints():
+  """Sarvam's config.json has num_experts and num_shared_experts where transformers' config has
+  n_routed_experts and n_shared_experts (it renames them on loading): both read alike."""
+  ours = dict(model_type="sarvam_moe", hidden_size=32, n_routed_experts=8,
+              moe_intermediate_size=16, num_experts_per_tok=2, n_shared_experts=2)
+  theirs = dict(model_type="sarvam_moe", hidden_size=32, num_experts=8, moe_intermediate_size=16,
+                num_experts_per_tok=2, num_shared_experts=2)
+  assert hf.layer_kwargs(theirs) == hf.layer_kwargs(ours)
+  assert hf.layer_kwargs(ours)["num_shared_experts"] == 2
+
+
 def test_converters_refuse_a_state_dict_that_does_not_fit():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
   state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
@@ -339,6 +386,10 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_params_from_hf(config, {**state, "experts.bias": np.zeros(4)})
   with pytest.raises(ValueError, match="not a supported MoE family"):
     hf.layer_kwargs({"model_type": "phimoe"})
+  omni = {"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": {}},
+          "talker_config": {"text_config": {}}}
+  with pytest.raises(ValueError, match=r"config\['thinker_config'\]\['text_config'\] or"):
+    hf.layer_kwargs(omni)
   layer = hf.moe_layer(config)
   with pytest.raises(ValueError, match="shape"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
