@@ -31,13 +31,15 @@ are fused by transformers when it loads them: load the model with transformers, 
 How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
 
   router        gate.weight / router.weight (E, d) (nn.Linear) -> router (d, E) = W^T.
-                DBRX: router.layer.weight; Hunyuan: gate.wg.weight; AFMoE: router.gate.weight.
+                DBRX: router.layer.weight; Hunyuan: gate.wg.weight; AFMoE: router.gate.weight;
+                Gemma 4: router.proj.weight, with router.scale (d,) -> router_scale and
+                router.per_expert_scale (E,) -> expert_scale as they are.
   experts       experts.gate_up_proj (E, 2n, d), gate rows first ("concat") -> w1 (E, d, 2n) =
                 transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
                 Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
                 V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1,
-                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite.)
+                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite, Gemma 4.)
                 Llama 4: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first) and
                 down_proj (E, n, d): taken as they are.
                 gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
@@ -92,6 +94,11 @@ The routers (`layer_kwargs`' routing, a `Router`):
       expert sees sigmoid(logit) * x.
   DBRX           Router("softmax", renorm_p=moe_normalize_expert_weights) (None: not
       renormalised); the activation from ffn_config's ffn_act_fn.
+  Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
+      input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
+      each weight times router.per_expert_scale (E,) of its expert (expert_scale=True); GELU-tanh
+      GLU experts. The router sees the decoder layer's residual stream h and the experts
+      pre_feedforward_layernorm_2(h): call the layer as layer(that, router_x=h).
 
 Semantics that differ from transformers only where no real input reaches: group-limited selection
 never picks an expert of a dropped group (DeepSeek-V2's transformers code masks its probabilities
@@ -103,8 +110,7 @@ layer follows it, as DeepSeek's own code does. Several transformers routers comp
 in float32 even for float64 weights, so a float64 comparison agrees to about 1e-7.
 
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
-family's own router): Gemma 4 (a router on a separately normalised input and a trainable
-per-expert scale), PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
+family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
 experts), DeepSeek-V4 (hash-routed layers), Switch / NLLB-MoE (capacity-dropping top-1 with
 their own layouts), Cohere2-MoE's "average" shared-expert combination.
 """
@@ -123,7 +129,7 @@ Array = np.ndarray
 
 # The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
 PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias", "shared_in",
-               "shared_out", "shared_gate")
+               "shared_out", "shared_gate", "router_scale", "expert_scale")
 
 # transformers' hidden_act -> the layer's GLU activation (the experts compute act(gate) * up).
 GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
@@ -238,6 +244,16 @@ def _afmoe(c, layer):
                selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
 
 
+def _gemma4(c, layer):
+  """Gemma 4: softmax over E of logits from the router's own normalisation of the block input,
+  top-K, renormalised, times a trained per-expert scale; GELU-tanh GLU experts."""
+  if not c.get("enable_moe_block"):
+    raise ValueError("this Gemma 4 config has enable_moe_block=False: no MoE block")
+  return _base(c["hidden_size"], _get(c, "num_experts"), _get(c, "moe_intermediate_size"),
+               _get(c, "top_k_experts"), Router("softmax"), _glu(c, "hidden_activation"),
+               router_norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)), expert_scale=True)
+
+
 def _minimax_m2(c, layer):
   return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
                Router("sigmoid"), _glu(c), selection_bias=True)
@@ -316,6 +332,7 @@ class Family:
   selection_bias_shape: its shape in the state dict ((E,) or (1, E)). shared: the shared MLP's key
   prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj) or "fused" (Granite's
   input_linear / output_linear); shared_gate: key of the (1, d) shared-expert gate.
+  router_scale, expert_scale: keys of Gemma 4's (d,) router input scale and (E,) per-expert scale.
   kwargs: config dict, layer index -> the layer's keyword arguments.
   """
 
@@ -333,6 +350,8 @@ class Family:
   shared_kind: str = "split"
   shared_gate: str | None = None
   natural_layout: str = "concat"
+  router_scale: str | None = None
+  expert_scale: str | None = None
 
 
 def _families():
@@ -411,6 +430,10 @@ def _families():
              shared_kind="fused"),
       Family("dbrx", "DbrxFFN", "transformer.blocks.{layer}.ffn.", _dbrx,
              router="router.layer.weight", experts="dbrx", experts_prefix="experts.mlp."),
+      # The MoE part of the decoder layer: its router and experts, keys relative to the layer.
+      Family("gemma4_text", "Gemma4TextRouter + Gemma4TextExperts of the decoder layer",
+             "model.layers.{layer}.", _gemma4, router="router.proj.weight",
+             router_scale="router.scale", expert_scale="router.per_expert_scale"),
   ]
   return {f.model_type: f for f in fams}
 
@@ -419,7 +442,7 @@ FAMILIES: dict[str, Family] = _families()
 
 
 # A multimodal config's model_type -> the model_type of its text_config (the language model's).
-WRAPPERS = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
+WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
             "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
             "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text"}
 
@@ -457,8 +480,9 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
     0.001). layer: the decoder layer's index, for configs with per-layer lists (Hunyuan).
   Returns d_model, num_experts, expert_dim, top_k, activation, routing (a `Router`),
   gate_up_layout, use_bias, use_router_bias, num_shared_experts, shared_expert_dim,
-  shared_expert_gate and, with a selection bias, bias_update_rate. They describe the model's MoE
-  layers (families that mix in dense layers, first_k_dense_replace and the like, say which).
+  shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
+  expert_scale too). They describe the model's MoE layers (families that mix in dense layers,
+  first_k_dense_replace and the like, say which).
   """
   config = _text_config(config)
   fam = family(config)
@@ -530,7 +554,7 @@ def hf_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
   fam = family(config)
   kw = fam.kwargs(config, 0 if _has_lists(config) else None)
   keys = (fam.router,) + _expert_keys(fam)
-  keys += tuple(k for k in (fam.router_bias,) if k)
+  keys += tuple(k for k in (fam.router_bias, fam.router_scale, fam.expert_scale) if k)
   if kw.get("selection_bias"):
     keys += (fam.selection_bias,)
   if kw["num_shared_experts"]:
@@ -547,7 +571,8 @@ def _has_lists(config):
 def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
                          gate_up_layout: str | None = None) -> dict[str, Array]:
   """The layer's parameter arrays (names as `MoE`'s attributes: router, w1, w2, b1, b2,
-  router_bias, selection_bias, shared_in, shared_out, shared_gate; only those the family has)
+  router_bias, selection_bias, shared_in, shared_out, shared_gate, router_scale, expert_scale;
+  only those the family has)
   from the block's state dict (keys relative to the block; values NumPy arrays or anything
   `np.asarray` takes). Exact: only transposes, reshapes and column reorders; dtypes kept.
 
@@ -582,8 +607,9 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
     gate, up, down = (sd[p + k].reshape(e, -1, sd[p + k].shape[-1]) for k in ("w1", "v1", "w2"))
     out["w1"] = _merge(_t(gate), _t(up), layout)
     out["w2"] = down.copy()
-  if fam.router_bias:
-    out["router_bias"] = sd[fam.router_bias].copy()
+  for name in ("router_bias", "router_scale", "expert_scale"):
+    if getattr(fam, name):
+      out[name] = sd[getattr(fam, name)].copy()
   if fam.selection_bias and fam.selection_bias in sd:
     out["selection_bias"] = sd[fam.selection_bias].reshape(-1).copy()
   if fam.shared and _shared_keys(fam)[0] in sd:
@@ -637,8 +663,9 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     sd[p + "w1"] = _t(gate).reshape(e * n, d)
     sd[p + "v1"] = _t(up).reshape(e * n, d)
     sd[p + "w2"] = prm["w2"].reshape(e * n, d).copy()
-  if fam.router_bias and "router_bias" in prm:
-    sd[fam.router_bias] = prm["router_bias"].copy()
+  for name in ("router_bias", "router_scale", "expert_scale"):
+    if getattr(fam, name) and name in prm:
+      sd[getattr(fam, name)] = prm[name].copy()
   if fam.selection_bias and "selection_bias" in prm:
     shape = (1, -1) if fam.selection_bias_shape == "(1, E)" else (-1,)
     sd[fam.selection_bias] = prm["selection_bias"].reshape(shape).copy()
@@ -663,8 +690,8 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   config = _text_config(config)
   fam = family(config)
   prefix = fam.prefix.format(layer=layer)
-  want = set(_expert_keys(fam) + (fam.router, fam.router_bias, fam.selection_bias, fam.shared_gate)
-             + _shared_keys(fam)) - {None}
+  want = set(_expert_keys(fam) + (fam.router, fam.router_bias, fam.selection_bias, fam.shared_gate,
+                                   fam.router_scale, fam.expert_scale) + _shared_keys(fam)) - {None}
   out = {k[len(prefix):]: v for k, v in state_dict.items()
          if k.startswith(prefix) and k[len(prefix):] in want}
   if not out:

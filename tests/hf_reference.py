@@ -165,6 +165,12 @@ CASES: dict[str, Case] = {
                     overrides=(("swiglu_limit", 1.25),), gpu_overrides=()),
     "llama4_text": Case("llama4_text", "llama4", "Llama4TextMoe", "router", logits_index=1,
                         overrides=(("intermediate_size_mlp", "4n"),), top_k=1),
+    # the decoder layer's router and experts (no block class of their own): make_block
+    "gemma4_text": Case("gemma4_text", "gemma4", "Gemma4TextExperts", "router.proj",
+                        logits_index=None,
+                        fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                                "top_k_experts"),
+                        overrides=(("enable_moe_block", True),)),
     "granitemoe": Case("granitemoe", "granitemoe", "GraniteMoeMoE", "router"),
     "granitemoeshared": Case("granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
                              "block_sparse_moe.router",
@@ -227,6 +233,22 @@ def make_block(case: Case, config):
         return self.block_sparse_moe(x) + self.shared_mlp(x)
 
     return GraniteMoeSharedBlock()
+  if case.model_type == "gemma4_text":
+    # The decoder layer's MoE part under its attribute names (keys as the layer's): the router
+    # and the experts, both on the block's input (the layer feeds the experts another
+    # normalisation of it; the MoE layer's router_x).
+    class Gemma4Moe(torch.nn.Module):
+      def __init__(self):
+        super().__init__()
+        self.router = module.Gemma4TextRouter(config)
+        self.experts = block_cls(config)
+
+      def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, ids = self.router(flat)
+        return self.experts(flat, ids, weights).reshape(x.shape)
+
+    return Gemma4Moe()
   if case.model_type == "dbrx":
     return block_cls(config=config)
   if case.model_type == "hunyuan_v1_moe":
@@ -250,6 +272,8 @@ def _randomize(block, rng, d, router, size):
       leaf = name.rsplit(".", 1)[-1]
       if "correction_bias" in name or leaf == "expert_bias":
         values = 0.05 * rng.standard_normal(t.shape)  # selection bias: moves some choices
+      elif name in ("router.scale", "router.per_expert_scale"):  # Gemma 4: multipliers
+        values = 1.0 + 0.3 * rng.standard_normal(t.shape)
       elif t.ndim == 1 or "bias" in leaf:
         values = 0.3 * rng.standard_normal(t.shape)
       elif name.startswith(router + ".") and t.ndim == 2:

@@ -171,6 +171,9 @@ def _without(layer, feature):
     layer.activation = dataclasses.replace(layer.activation, limit=None)
   elif feature == "p-norm":
     layer.routing = dataclasses.replace(layer.routing, renorm_p=1.0)
+  elif feature in ("router scale", "expert scale"):  # Gemma 4's: back to their ones
+    scale = getattr(layer, feature.replace(" ", "_"))
+    scale[...] = jnp.ones_like(scale[...])
   return layer
 
 
@@ -181,7 +184,7 @@ def _without(layer, feature):
     ("glm4_moe_lite", "selection bias"), ("exaone_moe", "selection bias"),
     ("afmoe", "selection bias"), ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
-    ("dbrx_p2", "p-norm")])
+    ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale")])
 def test_reference_cases_exercise_their_family_features(references, case, feature):
   """The random cases are not degenerate: without the feature the layer misses the block. (The
   program of test_layer_matches_transformers_block: a feature that is a value, not part of the
@@ -293,6 +296,7 @@ def _expected_kwargs(case):
                           num_shared_experts=1, shared_expert_dim=n),
       "granitemoeshared": dict(num_shared_experts=1, shared_expert_dim=2 * n),
       "dbrx": {}, "dbrx_p2": dict(routing=Router("softmax", renorm_p=2.0)),
+      "gemma4_text": dict(activation="geglu_tanh", router_norm_eps=1e-6, expert_scale=True),
   }
   return {**base, **specific[case]}
 
@@ -339,6 +343,9 @@ MINIMAL_CONFIGS = {
     "qwen3_5_moe": dict(text_config=dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
                                          num_experts_per_tok=2,
                                          shared_expert_intermediate_size=24)),
+    "gemma4": dict(text_config=dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
+                                    top_k_experts=2, enable_moe_block=True,
+                                    hidden_activation="gelu_pytorch_tanh")),
     "granitemoeshared": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
                              num_experts_per_tok=2, shared_intermediate_size=8),
     "hunyuan_v1_moe": dict(hidden_size=32, num_experts=[4, 6], intermediate_size=16,
@@ -386,6 +393,9 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_params_from_hf(config, {**state, "experts.bias": np.zeros(4)})
   with pytest.raises(ValueError, match="not a supported MoE family"):
     hf.layer_kwargs({"model_type": "phimoe"})
+  with pytest.raises(ValueError, match="enable_moe_block=False"):  # a dense Gemma 4
+    hf.layer_kwargs({"model_type": "gemma4", "text_config": {
+        **MINIMAL_CONFIGS["gemma4"]["text_config"], "enable_moe_block": False}})
   omni = {"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": {}},
           "talker_config": {"text_config": {}}}
   with pytest.raises(ValueError, match=r"config\['thinker_config'\]\['text_config'\] or"):
@@ -405,6 +415,15 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
   block = hf.block_state_dict(model, config, 1)
   assert set(block) == set(state)
   assert all(np.array_equal(block[k], state[k] + 1) for k in state)
+  # Gemma 4's keys are the decoder layer's, beside its dense MLP and norms: only the MoE's taken
+  config = dict(MINIMAL_CONFIGS["gemma4"], model_type="gemma4")
+  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  model = {f"model.layers.0.{k}": v for k, v in state.items()}
+  model["model.layers.0.mlp.gate_proj.weight"] = np.zeros(3)
+  model["model.layers.0.pre_feedforward_layernorm_2.weight"] = np.zeros(3)
+  assert set(hf.block_state_dict(model, config, 0)) == set(state) == {
+      "router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
+      "experts.down_proj"}
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------

@@ -58,8 +58,8 @@ class MoE(nnx.Module):
       scaling factor, Llama 4's input scaling).
     use_bias: per-expert biases b1, b2.
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
-    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon (in
-      float32), times a trained (d,) scale `router_scale` and d ** -0.5 (Gemma 4's router, which
+    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon, times
+      a trained (d,) scale `router_scale` and d ** -0.5, in float32 (Gemma 4's router, which
       normalises the block's input on its own: pass that input as `router_x`).
     expert_scale: each pair's weight times a trained (E,) scale of its expert (Gemma 4's
       per-expert scale; ones at init).
@@ -234,7 +234,7 @@ class MoE(nnx.Module):
                        f"{tuple(router_x.shape)}")
     r = None if router_x is None else router_x.reshape(h.shape)
     if self.router_scale is not None:
-      r = self._normalised_router_input(h if r is None else r, dtype)
+      r = self._normalised_router_input(h if r is None else r)
     elif r is not None:
       r = r.astype(dtype)
     sel_bias = None if self.selection_bias is None else self.selection_bias[...]
@@ -265,13 +265,14 @@ class MoE(nnx.Module):
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
     return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
 
-  def _normalised_router_input(self, r, dtype):
-    """Gemma 4's router input: r RMS-normalised in float32 (or wider), times the trained scale
-    and d ** -0.5, in the compute dtype."""
+  def _normalised_router_input(self, r):
+    """Gemma 4's router input: r RMS-normalised, times the trained scale and d ** -0.5, in
+    float32 (or wider): the router GEMM takes it unrounded, so a 16-bit layer selects the experts
+    that the normalised input's float32 logits rank first."""
     wide = jnp.promote_types(r.dtype, jnp.float32)
     r = r.astype(wide)
     r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + self.router_norm_eps)
-    return (r * self.router_scale[...].astype(wide) * r.shape[-1] ** -0.5).astype(dtype)
+    return r * self.router_scale[...].astype(wide) * r.shape[-1] ** -0.5
 
   def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias, router_input,
               expert_scale):
