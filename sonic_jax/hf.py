@@ -39,7 +39,7 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
                 Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
                 V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1,
-                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite, Gemma 4.)
+                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite, Gemma 4, DeepSeek-V4.)
                 Llama 4: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first) and
                 down_proj (E, n, d): taken as they are.
                 gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
@@ -55,7 +55,7 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 pass gate_up_layout="interleaved" to convert a concat family for the faster
                 mosaic_gpu up-projection, the same value to every function here.
   shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
-                Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2, GLM-4.5,
+                Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2/V4, GLM-4.5,
                 GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1, ERNIE 4.5,
                 Llama 4; Hunyuan's shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T],
                 shared_out (s, d) = down^T.
@@ -66,7 +66,8 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
   shared gate   Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE / Qwen3-Omni talker shared_expert_gate.weight
                 (1, d) -> shared_gate (d, 1): the shared output times sigmoid(x @ shared_gate).
   selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
-  bias          GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1), MiniMax-M2
+  bias          GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1; DeepSeek-V4's top-K
+                layers), MiniMax-M2
                 e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
@@ -94,6 +95,13 @@ The routers (`layer_kwargs`' routing, a `Router`):
       expert sees sigmoid(logit) * x.
   DBRX           Router("softmax", renorm_p=moe_normalize_expert_weights) (None: not
       renormalised); the activation from ffn_config's ffn_act_fn.
+  DeepSeek-V4    Router("sqrt_softplus", renorm_epsilon=1e-20, routed_scaling_factor): scores
+      sqrt(softplus(logit)), selected on the scores plus gate.e_score_correction_bias, always
+      renormalised; activation clamped_swiglu(alpha=1, limit=swiglu_limit, up_offset=0) (SiLU
+      of the clamped gate times the clamped up half), one shared expert of the experts' width.
+      Its first layers (mlp_layer_types "hash_moe") select by a frozen table of each token id's
+      experts, gate.tid2eid (vocab, K): no selection bias there, and the caller passes
+      layer(x, expert_ids=tid2eid[input_ids]); layer_kwargs and the converters take layer=.
   Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
       each weight times router.per_expert_scale (E,) of its expert (expert_scale=True); GELU-tanh
@@ -111,7 +119,7 @@ in float32 even for float64 weights, so a float64 comparison agrees to about 1e-
 
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
 family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
-experts), DeepSeek-V4 (hash-routed layers), Switch / NLLB-MoE (capacity-dropping top-1 with
+experts), Switch / NLLB-MoE (capacity-dropping top-1 with
 their own layouts), Cohere2-MoE's "average" shared-expert combination.
 """
 
@@ -244,6 +252,44 @@ def _afmoe(c, layer):
                selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
 
 
+_SCORINGS = {"sqrtsoftplus": "sqrt_softplus", "sigmoid": "sigmoid", "softmax": "softmax"}
+
+
+def _deepseek_v4_hashed(c, layer) -> bool:
+  """Whether DeepSeek-V4's decoder layer `layer` is hash-routed (mlp_layer_types, or a
+  checkpoint's num_hash_layers: the first layers)."""
+  kinds = c.get("mlp_layer_types")
+  if kinds is None:
+    n_hash = int(c.get("num_hash_layers", 3))
+    kinds = ["hash_moe"] * n_hash + ["moe"] * max(0, int(c.get("num_hidden_layers", 1)) - n_hash)
+  if layer is None:
+    if len(set(kinds)) > 1:
+      raise ValueError(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types {kinds}): "
+                       f"pass layer=")
+    layer = 0
+  return kinds[layer] == "hash_moe"
+
+
+def _deepseek_v4(c, layer):
+  """DeepSeek-V4: sqrt(softplus) scores, selected on the scores plus the bias (top-K layers) or
+  by a frozen table of each token id's experts (hash layers: the layer's expert_ids), always
+  renormalised (+1e-20), times routed_scaling_factor; clamped SwiGLU experts and one shared
+  expert of their width and activation."""
+  scoring = _SCORINGS.get(c.get("scoring_func", "sqrtsoftplus"))
+  if scoring is None:
+    raise ValueError(f"DeepSeek-V4 scoring_func={c.get('scoring_func')!r}: only "
+                     f"{sorted(_SCORINGS)}")
+  if _glu(c) != "swiglu":
+    raise ValueError(f"DeepSeek-V4 hidden_act={c.get('hidden_act')!r}: only SiLU")
+  limit = c.get("swiglu_limit")
+  act = acts.clamped_swiglu(alpha=1.0, limit=float(limit), up_offset=0.0) if limit else "swiglu"
+  n = _get(c, "moe_intermediate_size", "intermediate_size")
+  router = Router(scoring, renorm_epsilon=1e-20,
+                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, act,
+               selection_bias=not _deepseek_v4_hashed(c, layer), **_shared(1, n))
+
+
 def _gemma4(c, layer):
   """Gemma 4: softmax over E of logits from the router's own normalisation of the block input,
   top-K, renormalised, times a trained per-expert scale; GELU-tanh GLU experts."""
@@ -333,6 +379,8 @@ class Family:
   prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj) or "fused" (Granite's
   input_linear / output_linear); shared_gate: key of the (1, d) shared-expert gate.
   router_scale, expert_scale: keys of Gemma 4's (d,) router input scale and (E,) per-expert scale.
+  lookup: key of a table the caller reads, not a parameter (DeepSeek-V4's hash layers'
+  gate.tid2eid: expert_ids = tid2eid[input_ids]); the converters pass over it.
   kwargs: config dict, layer index -> the layer's keyword arguments.
   """
 
@@ -352,6 +400,7 @@ class Family:
   natural_layout: str = "concat"
   router_scale: str | None = None
   expert_scale: str | None = None
+  lookup: str | None = None
 
 
 def _families():
@@ -396,6 +445,8 @@ def _families():
       Family("deepseek_v2", "DeepseekV2Moe", mlp, _deepseek_v2, shared="shared_experts."),
       Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3, **v3),
       Family("deepseek_v32", "DeepseekV32MoE", mlp, _deepseek_v3, **v3),
+      Family("deepseek_v4", "DeepseekV4SparseMoeBlock", mlp, _deepseek_v4, **v3,
+             lookup="gate.tid2eid"),
       Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3, **v3),
       Family("glm4_moe_lite", "Glm4MoeLiteMoE", mlp, _deepseek_v3, **v3),
       Family("dots1", "Dots1MoE", mlp, _deepseek_v3, **v3),
@@ -547,12 +598,13 @@ def _expert_keys(fam: Family) -> tuple[str, ...]:
   return (p + "gate_up_proj", p + "down_proj")
 
 
-def hf_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str, ...]:
   """The keys of the family's block state dict that the converters read and write (a shared
-  expert's only where the config has one)."""
+  expert's only where the config has one); layer: the decoder layer's index where the family's
+  layers differ (DeepSeek-V4's hash layers have no selection bias)."""
   config = _text_config(config)
   fam = family(config)
-  kw = fam.kwargs(config, 0 if _has_lists(config) else None)
+  kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
   keys = (fam.router,) + _expert_keys(fam)
   keys += tuple(k for k in (fam.router_bias, fam.router_scale, fam.expert_scale) if k)
   if kw.get("selection_bias"):
@@ -569,21 +621,22 @@ def _has_lists(config):
 
 
 def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
-                         gate_up_layout: str | None = None) -> dict[str, Array]:
+                         gate_up_layout: str | None = None,
+                         layer: int | None = None) -> dict[str, Array]:
   """The layer's parameter arrays (names as `MoE`'s attributes: router, w1, w2, b1, b2,
   router_bias, selection_bias, shared_in, shared_out, shared_gate, router_scale, expert_scale;
   only those the family has)
   from the block's state dict (keys relative to the block; values NumPy arrays or anything
   `np.asarray` takes). Exact: only transposes, reshapes and column reorders; dtypes kept.
 
-  gate_up_layout: the target layer's layout (default the family's). Raises a ValueError naming
-  the keys that are missing or not understood (a shared-expert bias, say).
+  gate_up_layout: the target layer's layout (default the family's). layer: as `hf_keys`. Raises a
+  ValueError naming the keys that are missing or not understood (a shared-expert bias, say).
   """
   config = _text_config(config)
   fam = family(config)
   layout = _layout(fam, gate_up_layout)
-  want = hf_keys(config)
-  sd = {k: np.asarray(v) for k, v in state_dict.items()}
+  want = hf_keys(config, layer=layer)
+  sd = {k: np.asarray(v) for k, v in state_dict.items() if k != fam.lookup}
   missing = [k for k in want if k not in sd]
   extra = [k for k in sd if k not in want]
   if missing or extra:
@@ -686,12 +739,14 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
                      layer: int) -> dict[str, Any]:
   """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
   family's prefix ("model.layers.{layer}.mlp." and the like), the prefix removed. The family's
-  keys only (Granite's prefix is the whole decoder layer)."""
+  keys only (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table
+  gate.tid2eid among them where the layer has one."""
   config = _text_config(config)
   fam = family(config)
   prefix = fam.prefix.format(layer=layer)
   want = set(_expert_keys(fam) + (fam.router, fam.router_bias, fam.selection_bias, fam.shared_gate,
-                                   fam.router_scale, fam.expert_scale) + _shared_keys(fam)) - {None}
+                                   fam.router_scale, fam.expert_scale, fam.lookup)
+             + _shared_keys(fam)) - {None}
   out = {k[len(prefix):]: v for k, v in state_dict.items()
          if k.startswith(prefix) and k[len(prefix):] in want}
   if not out:
@@ -756,5 +811,5 @@ def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = 
   m = MoE(**kw, rngs=rngs if rngs is not None else nnx.Rngs(0))
   if state_dict is not None:
     load_into_layer(m, layer_params_from_hf(config, state_dict,
-                                            gate_up_layout=kw["gate_up_layout"]))
+                                            gate_up_layout=kw["gate_up_layout"], layer=layer))
   return m

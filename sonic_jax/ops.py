@@ -113,7 +113,8 @@ def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
 
 def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
               num_local_experts=None, selection_bias=None, routing="softmax_topk",
-              router_bias=None, router_input=None, expert_scale=None):
+              router_bias=None, router_input=None, expert_scale=None, expert_ids=None,
+              token_rounding=None):
   """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
   `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
   for name, a in (("x", x), ("router_weight", router_weight)):
@@ -135,11 +136,18 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     _check_array(name, b)
     if tuple(b.shape) != (e_router,):
       raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
-  if expert_scale is not None:
-    _check_float("expert_scale", expert_scale)
+  if expert_ids is not None:
+    if not hasattr(expert_ids, "shape") or not hasattr(expert_ids, "dtype"):
+      raise TypeError(f"expert_ids must be an array, got {type(expert_ids).__name__}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+      raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+    if tuple(expert_ids.shape) != (x.shape[0], top_k):
+      raise ValueError(f"expert_ids must have shape (T, top_k) = ({x.shape[0]}, {top_k}), got "
+                       f"{tuple(expert_ids.shape)}")
+    if token_rounding is not None:
+      raise ValueError("expert_ids (a fixed selection) and token_rounding exclude each other")
   if router_input is not None:
     _check_array("router_input", router_input)
-    _check_float("router_input", router_input)
     if tuple(router_input.shape) != tuple(x.shape):
       raise ValueError(f"router_input must have x's shape {tuple(x.shape)}, got "
                        f"{tuple(router_input.shape)}")
@@ -352,7 +360,7 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
         b1: Array | None = None, b2: Array | None = None, router_bias: Array | None = None,
         selection_bias: Array | None = None, token_rounding: str | None = None,
         capacity_factor: float | None = None, router_input: Array | None = None,
-        expert_scale: Array | None = None, backend: str = "auto",
+        expert_scale: Array | None = None, expert_ids: Array | None = None, backend: str = "auto",
         config: Config | None = None) -> tuple[Array, MoEAux]:
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward:
   a router, then `routed_experts`.
@@ -388,6 +396,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       block's input normalised on its own, the experts another normalisation of it).
     expert_scale: optional (E,) trained multiplier of each pair's weight by its expert, applied
       after the router's renormalisation and scaling (Gemma 4's per-expert scale).
+    expert_ids: optional (T, K) integer: a fixed selection in place of the router's, whose weights
+      the router still computes from the logits (DeepSeek-V4's hash-routed layers: a frozen table
+      of each token id's experts). Not with token_rounding.
     backend: "auto", "xla" or "mosaic_gpu".
     config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
       Static: under `jax.jit` pass it by closure or as a static argument.
@@ -401,7 +412,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   selection_bias=selection_bias, routing=router, router_bias=router_bias,
-                  router_input=router_input, expert_scale=expert_scale)
+                  router_input=router_input, expert_scale=expert_scale, expert_ids=expert_ids,
+                  token_rounding=token_rounding)
   _check_capacity(capacity_factor)
   if token_rounding is not None and capacity_factor is not None:
     raise ValueError("token_rounding and capacity_factor exclude each other")
@@ -412,7 +424,10 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   t_count = x.shape[0]
   logits, ids = routing_lib.router_logits_and_ids(
       x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,
-      selection_bias, config=config, router_bias=router_bias)
+      selection_bias, config=config, router_bias=router_bias,
+      fused=False if expert_ids is not None else None)
+  if expert_ids is not None:
+    ids = jnp.asarray(expert_ids)
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                             token_rounding, impl.row_tile, ids,
                                             expert_scale=expert_scale)

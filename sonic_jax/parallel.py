@@ -97,11 +97,13 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    b2: Array | None = None, router_bias: Array | None = None,
                    selection_bias: Array | None = None,
                    token_rounding: str | None = None, router_input: Array | None = None,
-                   expert_scale: Array | None = None, backend: str = "auto",
+                   expert_scale: Array | None = None, expert_ids: Array | None = None,
+                   backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
-  Per device: x (T_local, d) — this device's tokens (router_input, if given, sharded as x);
+  Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
+  sharded as x);
   router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this device's
   E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
@@ -120,16 +122,19 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale)
+                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale,
+                  expert_ids=expert_ids, token_rounding=token_rounding)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   e_count = e_local * p
   r_in = x if router_input is None else router_input
   if x.shape[0] == 0:
     return _no_tokens(x, r_in, router_weight, router_bias, top_k, e_count)
-  logits, ids = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
-                                                  selection_bias, config=config,
-                                                  router_bias=router_bias)
+  logits, ids = routing_lib.router_logits_and_ids(
+      r_in, router_weight, top_k, router, selection_bias, config=config, router_bias=router_bias,
+      fused=False if expert_ids is not None else None)
+  if expert_ids is not None:
+    ids = expert_ids
   gather = lambda a: jax.lax.all_gather(a, axis_name, tiled=True)
   logits = gather(logits)  # (P*T_local, E): the axis's tokens, device by device
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
@@ -290,14 +295,15 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
                    transport: str = "auto", router_input: Array | None = None,
-                   expert_scale: Array | None = None, backend: str = "auto",
+                   expert_scale: Array | None = None, expert_ids: Array | None = None,
+                   backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`, tokens dispatched by all-to-all; call it
   inside `jax.shard_map`.
 
-  Per device: x (T_local, d) — this device's tokens (router_input, if given, sharded as x);
-  router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this device's
-  E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
+  sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
+  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
   so nothing is ever dropped; a number c sizes them at c times the balanced share
   (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
@@ -320,7 +326,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale)
+                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale,
+                  expert_ids=expert_ids, token_rounding=token_rounding)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   transport = exchange.resolve_transport(transport)
@@ -334,11 +341,12 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   me = jax.lax.axis_index(axis_name)
 
   if token_rounding is None:
-    logits, ids = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
-                                                    selection_bias, config=config,
-                                                    router_bias=router_bias)
-    rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
-                                               impl.row_tile, ids, expert_scale=expert_scale)
+    logits, ids = routing_lib.router_logits_and_ids(
+        r_in, router_weight, top_k, router, selection_bias, config=config,
+        router_bias=router_bias, fused=False if expert_ids is not None else None)
+    rounded, routed = routing_lib.route_tokens(
+        logits, top_k, router, selection_bias, None, impl.row_tile,
+        ids if expert_ids is None else expert_ids, expert_scale=expert_scale)
   else:
     logits = routing_lib.router_logits(r_in, router_weight)
     if router_bias is not None:

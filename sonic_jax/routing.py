@@ -23,7 +23,7 @@ from sonic_jax.precision import dot_f32
 
 Array = jax.Array
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "sqrt_softplus")
 GROUP_SCORES = ("max", "top2_sum")
 
 
@@ -34,7 +34,8 @@ class Router:
   Frozen and hashable: a static value under `jax.jit`. The fields read like the families' configs
   (`sonic_jax.hf` builds one from a Hugging Face config).
 
-  scoring: "softmax" (probabilities over all E) or "sigmoid" (an independent gate per expert).
+  scoring: "softmax" (probabilities over all E), "sigmoid" (an independent gate per expert) or
+    "sqrt_softplus" (sqrt(softplus(logit)) per expert, DeepSeek-V4).
   renormalize: divide the K selected scores by their p-norm (`renorm_p`, default 1: their sum) plus
     `renorm_epsilon` (HF's norm_topk_prob; DeepSeek-V3 adds 1e-20, DBRX takes a p-norm). With
     selection_bias_on="logits" (the "softmax_topk" preset), renormalised softmax weights (p = 1, no
@@ -56,7 +57,7 @@ class Router:
     instead of y = sum_k s_k expert_k(x).
 
   Selection ranks the selection values (scores, plus the bias where given); with no bias and no
-  groups it ranks the logits instead, which softmax and sigmoid preserve and which do not
+  groups it ranks the logits instead, which every scoring preserves and which do not
   saturate (a float32 sigmoid is exactly 1.0 above a logit of about 17).
   """
 
@@ -295,8 +296,10 @@ def route(logits: Array, top_k: int, routing: str | Router,
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
-  else:
+  elif router.scoring == "sigmoid":
     probs = jax.nn.sigmoid(logits)
+  else:
+    probs = _sqrt_softplus(logits)
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
   else:
@@ -316,10 +319,19 @@ def route(logits: Array, top_k: int, routing: str | Router,
       scores = scores / (norm + router.renorm_epsilon)
   if router.routed_scaling_factor != 1.0:
     scores = scores * router.routed_scaling_factor
-  if router.scoring == "sigmoid":
+  if router.scoring != "softmax":
     # The balance losses take per-token distributions: the gates normalised over E (DeepSeek).
     probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
   return RouterOutput(scores, ids, probs)
+
+
+def _sqrt_softplus(logits: Array) -> Array:
+  """sqrt(softplus(logits)) (DeepSeek-V4's scores), with a finite gradient where softplus
+  underflows to 0 (a logit below about -103 in float32): the balance losses differentiate every
+  expert's score."""
+  soft = jax.nn.softplus(logits)
+  positive = soft > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, soft, 1.0)), 0.0)
 
 
 def expert_counts(expert_ids: Array, num_experts: int) -> Array:

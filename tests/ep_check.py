@@ -1,7 +1,7 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed
-routing; 8 alone with a family router, its own router input and a per-expert scale); each
-command-line argument is one case."""
+routing; 8 alone with a family router, its own router input and a per-expert scale, and
+DeepSeek-V4's with a fixed selection); each command-line argument is one case."""
 
 import functools
 import os
@@ -34,7 +34,10 @@ def check(scheme_name, routing, mode=None):
   routers = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
       "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
                                       group_score="top2_sum", routed_scaling_factor=2.5),
-      "llama4": sonic_jax.Router("sigmoid", renormalize=False, scale_input=True)}
+      "llama4": sonic_jax.Router("sigmoid", renormalize=False, scale_input=True),
+      # with a fixed selection (its hash-routed layers) besides
+      "deepseek_v4": sonic_jax.Router("sqrt_softplus", renorm_epsilon=1e-20,
+                                      routed_scaling_factor=1.5)}
   router = routers.get(mode, "softmax_topk")
   rounding = None if mode in routers else mode
   T, d, n, E, K = 64, 32, 16, 8, 2
@@ -52,17 +55,21 @@ def check(scheme_name, routing, mode=None):
   dy = jnp.asarray(d_y, jnp.float64)
   # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3);
   # a router input of its own and a trained per-expert scale (Gemma 4), both differentiated
-  extra, names, specs = {}, (), (P("ep"), P(), P("ep"), P("ep"), P("ep"))
+  extra, names, specs, fixed = {}, (), (P("ep"), P(), P("ep"), P("ep"), P("ep")), None
   if mode in routers:
     extra = dict(router_bias=jnp.asarray(rng.standard_normal(E) * 0.1),
                  selection_bias=jnp.asarray(rng.standard_normal(E) * 0.01))
     args += [jnp.asarray(x + rng.standard_normal((T, d))), jnp.asarray(rng.uniform(0.5, 2, E))]
     names, specs = ("router_input", "expert_scale"), specs + (P("ep"), P())
+  if mode == "deepseek_v4":
+    fixed = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+    extra.pop("selection_bias")  # a fixed selection takes none
   argnums = tuple(range(len(args)))
 
   def loss_single(x, rw, w1, w2, b1, *more):
     y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, token_rounding=rounding,
-                           routing=router, backend="xla", **extra, **dict(zip(names, more)))
+                           routing=router, backend="xla", expert_ids=fixed, **extra,
+                           **dict(zip(names, more)))
     if rounding == "up":
       assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
@@ -76,8 +83,11 @@ def check(scheme_name, routing, mode=None):
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
 
     def local(x, rw, w1, w2, b1, *more):
+      mine = None if fixed is None else jax.lax.dynamic_slice_in_dim(
+          fixed, jax.lax.axis_index("ep") * x.shape[0], x.shape[0])
       y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, routing=router,
-                      token_rounding=rounding, backend="xla", **extra, **dict(zip(names, more)))
+                      token_rounding=rounding, backend="xla", expert_ids=mine, **extra,
+                      **dict(zip(names, more)))
       # all-to-all: the aux of this device's tokens; all-gather: of the whole axis's
       tokens = x.shape[0] * (shards if scheme_name == "all_gather" else 1)
       assert aux.dropped_pairs is not None and aux.probs.shape == (tokens, E), aux.probs.shape

@@ -22,6 +22,8 @@ backpropagates a random output cotangent with torch autograd. The .npz holds:
   grad_input         dL/dx
   grad/<key>         dL/dp for every parameter that has a gradient
   router_logits      (T, E) the router's logits (a forward hook on the router module)
+  expert_ids         (T, K) a hash-routed layer's fixed selection, tid2eid[input_ids] (DeepSeek-V4;
+                     its random token ids are the case's), for the layer's expert_ids
   lb_loss, lb_loss_masked, lb_mask
                      transformers' `load_balancing_loss_func` over two "layers" (the logits and
                      half of them), without and with an attention mask `lb_mask` (B, S)
@@ -74,6 +76,11 @@ _GLM = (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("norm_topk_
 
 # A family whose block computes what another family's does takes that family's overrides (under
 # its own field names): its layer is then the same program, compiled once in a test run.
+_V4_FIELDS = ("hidden_size", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+_V4_GPU = (("routed_scaling_factor", 1.5), ("vocab_size", 64), ("num_key_value_heads", 1),
+           ("head_dim", 8), ("q_lora_rank", 16), ("o_lora_rank", 16))
+_V4 = _V4_GPU + (("swiglu_limit", 1.25),)
+
 CASES: dict[str, Case] = {
     "mixtral": Case("mixtral", "mixtral", "MixtralSparseMoeBlock", "gate"),
     "minimax": Case("minimax", "minimax", "MiniMaxSparseMoeBlock", "gate"),
@@ -165,6 +172,15 @@ CASES: dict[str, Case] = {
                     overrides=(("swiglu_limit", 1.25),), gpu_overrides=()),
     "llama4_text": Case("llama4_text", "llama4", "Llama4TextMoe", "router", logits_index=1,
                         overrides=(("intermediate_size_mlp", "4n"),), top_k=1),
+    # a top-K layer and a hash-routed one (the block's input_ids: make_block); a clamp limit that
+    # the random pre-activations cross on the CPU, DeepSeek-V4's own (10) on the GPU (see gpt-oss)
+    "deepseek_v4": Case("deepseek_v4", "deepseek_v4", "DeepseekV4SparseMoeBlock", "gate",
+                        fields=_V4_FIELDS, overrides=_V4 + (("mlp_layer_types", ["moe"]),),
+                        gpu_overrides=_V4_GPU + (("mlp_layer_types", ["moe"]),)),
+    "deepseek_v4_hash": Case("deepseek_v4", "deepseek_v4", "DeepseekV4SparseMoeBlock", "gate",
+                             fields=_V4_FIELDS,
+                             overrides=_V4 + (("mlp_layer_types", ["hash_moe"]),),
+                             gpu_overrides=_V4_GPU + (("mlp_layer_types", ["hash_moe"]),)),
     # the decoder layer's router and experts (no block class of their own): make_block
     "gemma4_text": Case("gemma4_text", "gemma4", "Gemma4TextExperts", "router.proj",
                         logits_index=None,
@@ -249,6 +265,23 @@ def make_block(case: Case, config):
         return self.experts(flat, ids, weights).reshape(x.shape)
 
     return Gemma4Moe()
+  if case.model_type == "deepseek_v4":
+    block = block_cls(config, layer_idx=0)
+    if not block.is_hash:
+      return block
+
+    # A hash-routed layer selects by its input's token ids: fixed ones, from `input_ids`.
+    class HashRouted(torch.nn.Module):
+      def __init__(self):
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = (block.gate, block.experts,
+                                                        block.shared_experts)
+        self.input_ids = None
+
+      def forward(self, x):
+        return block(x, input_ids=self.input_ids)
+
+    return HashRouted()
   if case.model_type == "dbrx":
     return block_cls(config=config)
   if case.model_type == "hunyuan_v1_moe":
@@ -264,12 +297,16 @@ def _representable(values, size):
   return t.to(torch.float32 if size == "cpu" else torch.bfloat16).to(torch.float64)
 
 
-def _randomize(block, rng, d, router, size):
+def _randomize(block, rng, d, e_count, router, size):
   """Random representable (`_representable`) values for every parameter and buffer (in place)."""
   import torch
   with torch.no_grad():
     for name, t in list(block.named_parameters()) + list(block.named_buffers()):
       leaf = name.rsplit(".", 1)[-1]
+      if leaf == "tid2eid":  # DeepSeek-V4's hash table: K distinct experts per token id
+        t.copy_(torch.from_numpy(np.stack([rng.permutation(e_count)[:t.shape[1]]
+                                           for _ in range(t.shape[0])])))
+        continue
       if "correction_bias" in name or leaf == "expert_bias":
         values = 0.05 * rng.standard_normal(t.shape)  # selection bias: moves some choices
       elif name in ("router.scale", "router.per_expert_scale"):  # Gemma 4: multipliers
@@ -296,7 +333,9 @@ def run_case(name: str, seed: int = 0, size: str = "cpu") -> dict[str, np.ndarra
   d, e, _, b, s = SIZES[size]
   k = case.top_k
   rng = np.random.default_rng([seed, sum(map(ord, name))])
-  _randomize(block, rng, d, case.router, size)
+  _randomize(block, rng, d, e, case.router, size)
+  if hasattr(block, "input_ids"):  # hash-routed: the token ids it selects by
+    block.input_ids = torch.from_numpy(rng.integers(0, config.vocab_size, (b, s)))
   x = _representable(rng.standard_normal((b, s, d)), size)
   x.requires_grad_(True)
   cot = torch.from_numpy(rng.standard_normal((b, s, d)))
@@ -314,7 +353,9 @@ def run_case(name: str, seed: int = 0, size: str = "cpu") -> dict[str, np.ndarra
     y = y[0]
   y = y.reshape(x.shape)
   torch.sum(y * cot).backward()
-  out = {"config_json": np.array(config.to_json_string(use_diff=False)),
+  out = {} if not hasattr(block, "input_ids") else {"expert_ids": block.gate.tid2eid[
+      block.input_ids.reshape(-1)].numpy().astype(np.int32)}  # the layer's expert_ids
+  out |= {"config_json": np.array(config.to_json_string(use_diff=False)),
          "model_type": np.array(config.model_type),
          "input": x.detach().numpy(), "cotangent": cot.numpy(), "output": y.detach().numpy(),
          "grad_input": x.grad.numpy()}

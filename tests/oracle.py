@@ -170,12 +170,13 @@ def moe_reference_masks(x, router_weight, w1, w2, b1, b2, tc, kept, added, *, ac
 
 def route_reference(logits, top_k, *, scoring="softmax", renormalize=True, renorm_epsilon=0.0,
                     renorm_p=1.0, n_group=1, topk_group=1, group_score="max", scaling=1.0,
-                    selection_bias=None, bias_on="scores"):
+                    selection_bias=None, bias_on="scores", ids=None):
   """The families' routers from their description (model-families.md), in NumPy float64 for the
-  selection: returns (ids (T, K), a function logits -> (T, K) weights for autodiff)."""
+  selection: returns (ids (T, K), a function logits -> (T, K) weights for autodiff). ids: a fixed
+  selection to weight instead (hash routing)."""
   logits = np.asarray(logits, np.float64)
-  score_fn = ((lambda l: jax.nn.softmax(l, axis=-1)) if scoring == "softmax"
-              else jax.nn.sigmoid)
+  score_fn = {"softmax": lambda l: jax.nn.softmax(l, axis=-1), "sigmoid": jax.nn.sigmoid,
+              "sqrt_softplus": lambda l: jnp.sqrt(jnp.logaddexp(l, 0.0))}[scoring]
   with jax.enable_x64(True):
     scores = np.asarray(score_fn(jnp.asarray(logits)))
   choice = (scores if bias_on == "scores" else logits).copy()
@@ -192,7 +193,8 @@ def route_reference(logits, top_k, *, scoring="softmax", renormalize=True, renor
       masked = np.full(n_group, True)
       masked[keep] = False
       choice[t].reshape(n_group, per)[masked] = -np.inf
-  ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+  if ids is None:
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
 
   def weights(l):
     w = jnp.take_along_axis(score_fn(l), jnp.asarray(ids), axis=-1)

@@ -117,19 +117,21 @@ def _ref_grads(r):
   return {k[len("grad/"):]: r[k] for k in r if k.startswith("grad/")}
 
 
-def _value_and_grads(layer, x, cot, jit=True):
-  """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot).
+def _value_and_grads(layer, x, cot, r, jit=True):
+  """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot);
+  the reference r's fixed selection where it has one (a hash-routed layer's expert_ids).
 
   Every array is an argument, none a constant of the program: cases whose layers are configured
   alike compile one program (the run's compilation cache, conftest.py)."""
   graph, params, rest = nnx.split(layer, nnx.Param, ...)
+  ids = r["expert_ids"].reshape(x.shape[:-1] + (-1,)) if "expert_ids" in r else None
 
-  def loss(params, rest, x, cot):
-    y, aux = nnx.merge(graph, params, rest)(x)
+  def loss(params, rest, x, cot, ids):
+    y, aux = nnx.merge(graph, params, rest)(x, expert_ids=ids)
     return jnp.sum(y.astype(cot.dtype) * cot), (y, aux.stats.router_logits)
 
   f = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)
-  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, rest, x, cot)
+  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, rest, x, cot, ids)
   return y, logits, g_x, hf.layer_params(g_params)
 
 
@@ -153,7 +155,7 @@ def test_layer_matches_transformers_block(references, case):
   with jax.enable_x64(True):
     layer = hf.moe_layer(config, _state(r), param_dtype=jnp.float64, backend="xla")
     y, logits, g_x, g_params = _value_and_grads(layer, jnp.asarray(r["input"]),
-                                                jnp.asarray(r["cotangent"]))
+                                                jnp.asarray(r["cotangent"]), r)
     errs = _errors(config, r, y, logits, g_x, g_params)
   worst = max((k for k in errs if k.startswith("grad")), key=errs.get)
   print(f"\n{case}: output {errs['output']:.1e}, worst gradient {errs[worst]:.1e} ({worst})")
@@ -184,7 +186,8 @@ def _without(layer, feature):
     ("glm4_moe_lite", "selection bias"), ("exaone_moe", "selection bias"),
     ("afmoe", "selection bias"), ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
-    ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale")])
+    ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale"),
+    ("deepseek_v4", "selection bias"), ("deepseek_v4", "clamp")])
 def test_reference_cases_exercise_their_family_features(references, case, feature):
   """The random cases are not degenerate: without the feature the layer misses the block. (The
   program of test_layer_matches_transformers_block: a feature that is a value, not part of the
@@ -193,7 +196,7 @@ def test_reference_cases_exercise_their_family_features(references, case, featur
   with jax.enable_x64(True):
     layer = _without(hf.moe_layer(_config(r), _state(r), param_dtype=jnp.float64,
                                   backend="xla"), feature)
-    y, *_ = _value_and_grads(layer, jnp.asarray(r["input"]), jnp.asarray(r["cotangent"]))
+    y, *_ = _value_and_grads(layer, jnp.asarray(r["input"]), jnp.asarray(r["cotangent"]), r)
   assert rel_err(y, r["output"]) > 1e-2
 
 
@@ -223,7 +226,7 @@ def test_other_gate_up_layout_is_the_same_layer(references, case):
                          backend="xla")
     assert layer.gate_up_layout == layout
     y, logits, g_x, g_params = _value_and_grads(layer, jnp.asarray(r["input"]),
-                                                jnp.asarray(r["cotangent"]))
+                                                jnp.asarray(r["cotangent"]), r)
     errs = _errors(config, r, y, logits, g_x, g_params, gate_up_layout=layout)
   bad = {k: v for k, v in errs.items() if not v <= TOL}
   assert not bad, f"{case} with {layout}: relative errors above {TOL}: {bad}"
@@ -235,6 +238,8 @@ def test_state_dict_round_trip_through_the_layer_is_exact(references, case):
   config = _config(r)
   state = _state(r)
   params = hf.layer_params_from_hf(config, state)
+  # (DeepSeek-V4's hash table is the caller's, not a parameter: the converters pass over it.)
+  state.pop(hf.family(config).lookup, None)
   for layout in ("concat", "interleaved"):
     back = hf.hf_state_from_layer(config, hf.layer_params_from_hf(config, state,
                                                                   gate_up_layout=layout),
@@ -297,6 +302,12 @@ def _expected_kwargs(case):
       "granitemoeshared": dict(num_shared_experts=1, shared_expert_dim=2 * n),
       "dbrx": {}, "dbrx_p2": dict(routing=Router("softmax", renorm_p=2.0)),
       "gemma4_text": dict(activation="geglu_tanh", router_norm_eps=1e-6, expert_scale=True),
+      **{name: dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
+                    routing=Router("sqrt_softplus", renorm_epsilon=1e-20,
+                                   routed_scaling_factor=1.5),
+                    num_shared_experts=1, shared_expert_dim=n, **bias)
+         for name, bias in (("deepseek_v4", dict(bias_update_rate=1e-3)),
+                            ("deepseek_v4_hash", {}))},
   }
   return {**base, **specific[case]}
 
@@ -384,6 +395,30 @@ def test_layer_kwargs_read_the_names_of_the_checkpoints():
   assert hf.layer_kwargs(ours)["num_shared_experts"] == 2
 
 
+def test_deepseek_v4_layers_of_both_kinds():
+  """No torch needed: DeepSeek-V4's first layers are hash-routed (no selection bias; its table
+  gate.tid2eid the caller's), the rest top-K: the converters take layer= and say so without it;
+  a checkpoint's num_hash_layers reads as mlp_layer_types does."""
+  config = dict(model_type="deepseek_v4", hidden_size=32, n_routed_experts=4,
+                moe_intermediate_size=16, num_experts_per_tok=2, swiglu_limit=10.0,
+                mlp_layer_types=["hash_moe", "moe"])
+  with pytest.raises(ValueError, match="pass layer="):
+    hf.layer_kwargs(config)
+  assert "bias_update_rate" not in hf.layer_kwargs(config, layer=0)
+  assert hf.layer_kwargs(config, layer=1)["bias_update_rate"] == 1e-3
+  legacy = {k: v for k, v in config.items() if k != "mlp_layer_types"}
+  legacy.update(num_hash_layers=1, num_hidden_layers=2)
+  for layer in (0, 1):
+    assert hf.layer_kwargs(legacy, layer=layer) == hf.layer_kwargs(config, layer=layer)
+    state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config, layer=layer)))
+    assert ("gate.e_score_correction_bias" in state) == (layer == 1)
+    assert set(state) == set(hf.hf_keys(config, layer=layer))
+    table = {"gate.tid2eid": np.zeros((64, 2), np.int64)} if layer == 0 else {}
+    again = hf.layer_params_from_hf(config, {**state, **table}, layer=layer)
+    assert all(np.array_equal(again[k], v) for k, v in
+               hf.layer_params_from_hf(config, state, layer=layer).items())
+
+
 def test_converters_refuse_a_state_dict_that_does_not_fit():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
   state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
@@ -446,7 +481,7 @@ def test_family_on_the_hopper_kernels(references, case):
     layer = hf.moe_layer(config, _state(r), param_dtype=jnp.float32, dtype=jnp.bfloat16,
                          backend="mosaic_gpu")
     y, logits, g_x, g_params = _value_and_grads(
-        layer, jnp.asarray(r["input"], jnp.bfloat16), jnp.asarray(r["cotangent"], jnp.float32))
+        layer, jnp.asarray(r["input"], jnp.bfloat16), jnp.asarray(r["cotangent"], jnp.float32), r)
     errs = _errors(config, r, y, logits, g_x, g_params)
   fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
   assert not fallbacks, fallbacks

@@ -77,7 +77,7 @@ def test_layer_family_options_equal_the_functional_op(rng):
 def test_layer_gemma4_router_equals_the_functional_op(rng):
   """router_norm_eps and expert_scale (Gemma 4): the router sees router_x RMS-normalised, times
   its trained scale and d ** -0.5; each weight is times its expert's trained scale. Both scales
-  are parameters that get gradients."""
+  are parameters that get gradients. Then a fixed selection (expert_ids) through the layer."""
   m = _layer(routing="topk_softmax", router_norm_eps=1e-6, expert_scale=True)
   m.router_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 32), jnp.float32)
   m.expert_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 4), jnp.float32)
@@ -97,6 +97,17 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
     assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
   with pytest.raises(ValueError, match="router_x must have x's shape"):
     m(x, router_x=h[:, :5])
+  # A fixed selection (DeepSeek-V4's hash layers), x's leading dims: the router weights it.
+  ids = jnp.asarray(rng.integers(0, 4, (3, 10, 2)), jnp.int32)
+  y, aux = m(x, router_x=h, expert_ids=ids)
+  np.testing.assert_array_equal(aux.stats.expert_ids, ids.reshape(-1, 2))
+  want, _ = sonic_jax.moe(x.reshape(-1, 32), m.router[...], m.w1[...], m.w2[...], top_k=2,
+                          routing="topk_softmax", router_input=r / jnp.sqrt(32.0),
+                          expert_scale=m.expert_scale[...], expert_ids=ids.reshape(-1, 2),
+                          backend="xla")
+  assert rel_err(y.reshape(-1, 32), want) < 1e-5
+  with pytest.raises(ValueError, match="expert_ids must have shape"):
+    m(x, expert_ids=ids.reshape(-1, 2))
   with pytest.raises(ValueError, match="router_norm_eps"):
     _layer(router_norm_eps=-1.0)
 

@@ -319,6 +319,11 @@ BAD = [
     ("expert_scale shape", dict(expert_scale=jnp.ones((5,))), ValueError, "expert_scale"),
     ("expert_scale dtype", dict(expert_scale=jnp.ones((4,), jnp.int32)), TypeError,
      "expert_scale"),
+    ("expert_ids shape", dict(expert_ids=jnp.zeros((8, 3), jnp.int32)), ValueError,
+     r"expert_ids must have shape \(T, top_k\)"),
+    ("expert_ids dtype", dict(expert_ids=jnp.zeros((8, 2))), TypeError, "expert_ids"),
+    ("expert_ids rounded", dict(expert_ids=jnp.zeros((8, 2), jnp.int32), token_rounding="up"),
+     ValueError, "exclude each other"),
 ]
 
 

@@ -24,14 +24,17 @@ def _run(script, *args):
 # depend on the router's mode, so not every product is run. One process a scheme: its cases share
 # the compiled programs.
 @pytest.mark.parametrize("scheme,cases", [
-    ("all_to_all_dense", ["random", "skew", "random:up", "random:llama4", "empty"]),
+    ("all_to_all_dense", ["random", "skew", "random:up", "random:llama4", "random:deepseek_v4",
+                          "empty"]),
     ("all_to_all_ragged", ["skew:nearest"]),
-    ("all_gather", ["skew:nearest", "random:deepseek_v3", "skew:llama4", "empty"])])
+    ("all_gather", ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
+                    "empty"])])
 def test_expert_parallel_matches_single_device(scheme, cases):
   """2 and 8 shards (and 1 with skewed routing; 8 alone with a family router), float64: output
   and the gradients of x, router, w1, w2, b1 (a case's third field: a token rounding mode, or a
   family router with router and selection biases, a router input and a per-expert scale, whose
-  gradients are compared too), under shard_map's replication check; "empty":
+  gradients are compared too; DeepSeek-V4's with a fixed selection), under shard_map's
+  replication check; "empty":
   no tokens on any device."""
   _run("ep_check.py", *(f"{scheme}:{case}" for case in cases))
 

@@ -38,6 +38,8 @@ CASES = [
     ("scale_input_k2", Router("softmax", scale_input=True), dict(), 2, True, False, "geglu_tanh"),
     ("logit_bias", Router("softmax", selection_bias_on="logits"), dict(bias_on="logits"), 2, False,
      True, "swiglu"),
+    ("deepseek_v4", Router("sqrt_softplus", renorm_epsilon=1e-20, routed_scaling_factor=1.5),
+     dict(scoring="sqrt_softplus", renorm_epsilon=1e-20, scaling=1.5), 2, False, True, "swiglu"),
 ]
 
 
@@ -309,3 +311,39 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
                              backend="xla")
   with pytest.raises(ValueError, match="w2 must have shape"):
     sonic_jax.routed_experts(a[0], ids, s, a[2], a[3][:, :4], backend="xla")
+
+
+def test_fixed_selection_weighted_by_the_router(rng):
+  """expert_ids (DeepSeek-V4's hash layers: a frozen table of each token id's experts): those
+  experts, weighted as the router weights them, whatever it would select; x's and the router's
+  gradients (float64). sqrt(softplus) scores keep a finite gradient where softplus underflows."""
+  p, d_y = make_problem(rng, T=40, d=16, n=8, E=8)
+  ids = np.stack([rng.permutation(8)[:2] for _ in range(40)]).astype(np.int32)
+  router = Router("sqrt_softplus", renorm_epsilon=1e-20, routed_scaling_factor=1.5)
+  spec = dict(scoring="sqrt_softplus", renorm_epsilon=1e-20, scaling=1.5)
+  with jax.enable_x64(True):
+    a = {k: _f64(p[k]) for k in ("x", "router_weight", "w1", "w2")}
+
+    def loss(x, rw):
+      y, aux = sonic_jax.moe(x, rw, a["w1"], a["w2"], top_k=2, routing=router,
+                             expert_ids=jnp.asarray(ids), backend="xla")
+      return jnp.vdot(y, _f64(d_y)) + aux.load_balance_loss, (y, aux)
+
+    (_, (y, aux)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        a["x"], a["router_weight"])
+    np.testing.assert_array_equal(aux.expert_ids, ids)
+    _, weights = route_reference(np.asarray(p["x"]) @ p["router_weight"], 2, ids=ids, **spec)
+
+    def ref_loss(x, rw):
+      y = moe_reference_weights(x, rw, a["w1"], a["w2"], None, None, None, ids, weights,
+                                activation="swiglu", gate_up_layout="concat")
+      return jnp.vdot(y, _f64(d_y)), y
+
+    (_, y_ref), _ = jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True)(
+        a["x"], a["router_weight"])
+    assert rel_err(y, y_ref) < TOL
+    far = jnp.full((3, 8), -200.0).at[:, 0].set(0.0)  # softplus(-200) is 0 in float32
+    g = jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs))(far.astype(jnp.float32))
+    assert np.all(np.isfinite(np.asarray(g)))
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g))) and float(jnp.linalg.norm(g)) > 0

@@ -218,11 +218,15 @@ class MoE(nnx.Module):
     self.shared_gate = nnx.data(_param(rngs, normal(init_std), (d_model, 1), param_dtype,
                                        (embed_axis, None)) if shared_expert_gate else None)
 
-  def __call__(self, x: Array, router_x: Array | None = None) -> tuple[Array, MoELayerAux]:
+  def __call__(self, x: Array, router_x: Array | None = None,
+               expert_ids: Array | None = None) -> tuple[Array, MoELayerAux]:
     """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens.
 
     router_x: optional input of the router, x's shape (default x): Gemma 4 routes on the block's
-    input and runs the experts on another normalisation of it."""
+    input and runs the experts on another normalisation of it.
+    expert_ids: optional (..., K) integer, x's leading dims: a fixed selection whose weights the
+    router computes (DeepSeek-V4's hash-routed layers: `tid2eid[input_ids]`); not while token
+    rounding trains."""
     dtype = self.dtype or x.dtype
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
@@ -240,8 +244,13 @@ class MoE(nnx.Module):
     sel_bias = None if self.selection_bias is None else self.selection_bias[...]
     router_bias = None if self.router_bias is None else self.router_bias[...]
     expert_scale = None if self.expert_scale is None else self.expert_scale[...]
+    if expert_ids is not None:
+      if tuple(expert_ids.shape) != tuple(lead) + (self.top_k,):
+        raise ValueError(f"expert_ids must have shape {tuple(lead) + (self.top_k,)} (x's leading "
+                         f"dims, top_k), got {tuple(expert_ids.shape)}")
+      expert_ids = expert_ids.reshape(-1, self.top_k)
     experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2),
-               router_bias, sel_bias, r, expert_scale)
+               router_bias, sel_bias, r, expert_scale, expert_ids)
     axis = self.expert_parallel_axis
     if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
       y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
@@ -275,12 +284,12 @@ class MoE(nnx.Module):
     return r * self.router_scale[...].astype(wide) * r.shape[-1] ** -0.5
 
   def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias, router_input,
-              expert_scale):
+              expert_scale, expert_ids):
     """The routed experts on tokens h (T, d): one device, or this device's part of the axis."""
     kw = dict(top_k=self.top_k, activation=self.activation, routing=self.routing,
               gate_up_layout=self.gate_up_layout, b1=b1, b2=b2, router_bias=router_bias,
               selection_bias=selection_bias, router_input=router_input,
-              expert_scale=expert_scale,
+              expert_scale=expert_scale, expert_ids=expert_ids,
               token_rounding=None if self.deterministic else self.token_rounding,
               backend=self.backend, config=self.config)
     if self.expert_parallel_axis is None:
@@ -320,7 +329,7 @@ class MoE(nnx.Module):
     tokens, expert_dim, whole = P(token_axes), P(axis), P()
     specs = tuple(None if v is None else s for v, s in zip(
         experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole, whole, tokens,
-                  whole)))
+                  whole, tokens)))
 
     def local(h, *experts):
       y, st = self._routed(h, *experts)
