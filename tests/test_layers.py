@@ -83,29 +83,38 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
   m.expert_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 4), jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
   h = jnp.asarray(rng.standard_normal((3, 10, 32)) * 3.0, jnp.float32)
-  y, aux = m(x, router_x=h)
-  flat = h.reshape(-1, 32)
-  r = flat / jnp.sqrt(jnp.mean(flat ** 2, -1, keepdims=True) + 1e-6) * m.router_scale[...]
-  want, stats = sonic_jax.moe(x.reshape(-1, 32), m.router[...], m.w1[...], m.w2[...], top_k=2,
-                              routing="topk_softmax", router_input=r / jnp.sqrt(32.0),
-                              expert_scale=m.expert_scale[...], backend="xla")
+  # A fixed selection too (DeepSeek-V4's hash layers), x's leading dims: the router weights it.
+  ids = jnp.asarray(rng.integers(0, 4, (3, 10, 2)), jnp.int32)
+
+  @nnx.jit
+  def layer_runs(m, x, h, ids):
+    y, aux = m(x, router_x=h)
+    y_ids, aux_ids = m(x, router_x=h, expert_ids=ids)
+    return y, aux.stats.expert_ids, y_ids, aux_ids.stats.expert_ids, m(x)[0] - m(x, router_x=x)[0]
+
+  @jax.jit
+  def functional(x, h, router, w1, w2, router_scale, expert_scale, ids):
+    flat = h.reshape(-1, 32)
+    r = flat / jnp.sqrt(jnp.mean(flat ** 2, -1, keepdims=True) + 1e-6) * router_scale
+    kw = dict(top_k=2, routing="topk_softmax", router_input=r / jnp.sqrt(32.0),
+              expert_scale=expert_scale, backend="xla")
+    want, stats = sonic_jax.moe(x.reshape(-1, 32), router, w1, w2, **kw)
+    return want, stats.expert_ids, sonic_jax.moe(x.reshape(-1, 32), router, w1, w2,
+                                                 expert_ids=ids.reshape(-1, 2), **kw)[0]
+
+  y, y_ids_chosen, y_fixed, fixed_ids, default_diff = layer_runs(m, x, h, ids)
+  want, want_ids, want_fixed = functional(x, h, m.router[...], m.w1[...], m.w2[...],
+                                          m.router_scale[...], m.expert_scale[...], ids)
   assert rel_err(y.reshape(-1, 32), want) < 1e-5
-  np.testing.assert_array_equal(aux.stats.expert_ids, stats.expert_ids)
-  assert rel_err(m(x)[0], m(x, router_x=x)[0]) == 0  # router_x defaults to x
-  grads = nnx.grad(lambda m: jnp.sum(m(x, router_x=h)[0] ** 2))(m)
+  np.testing.assert_array_equal(y_ids_chosen, want_ids)
+  assert not np.any(np.asarray(default_diff))  # router_x defaults to x
+  assert rel_err(y_fixed.reshape(-1, 32), want_fixed) < 1e-5
+  np.testing.assert_array_equal(fixed_ids, ids.reshape(-1, 2))
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, router_x=h)[0] ** 2)))(m)
   for name in ("router_scale", "expert_scale", "router"):
     assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
   with pytest.raises(ValueError, match="router_x must have x's shape"):
     m(x, router_x=h[:, :5])
-  # A fixed selection (DeepSeek-V4's hash layers), x's leading dims: the router weights it.
-  ids = jnp.asarray(rng.integers(0, 4, (3, 10, 2)), jnp.int32)
-  y, aux = m(x, router_x=h, expert_ids=ids)
-  np.testing.assert_array_equal(aux.stats.expert_ids, ids.reshape(-1, 2))
-  want, _ = sonic_jax.moe(x.reshape(-1, 32), m.router[...], m.w1[...], m.w2[...], top_k=2,
-                          routing="topk_softmax", router_input=r / jnp.sqrt(32.0),
-                          expert_scale=m.expert_scale[...], expert_ids=ids.reshape(-1, 2),
-                          backend="xla")
-  assert rel_err(y.reshape(-1, 32), want) < 1e-5
   with pytest.raises(ValueError, match="expert_ids must have shape"):
     m(x, expert_ids=ids.reshape(-1, 2))
   with pytest.raises(ValueError, match="router_norm_eps"):
