@@ -100,11 +100,13 @@ The routers (`layer_kwargs`' routing, a `Router`):
       renormalised; activation clamped_swiglu(alpha=1, limit=swiglu_limit, up_offset=0) (SiLU
       of the clamped gate times the clamped up half), one shared expert of the experts' width.
       Its first layers (mlp_layer_types "hash_moe") select by a frozen table of each token id's
-      experts, gate.tid2eid (vocab, K): no selection bias there, and the caller passes
-      layer(x, expert_ids=tid2eid[input_ids]); layer_kwargs and the converters take layer=.
+      experts, gate.tid2eid (vocab, K): no selection bias there, fixed_selection=True, and the
+      caller passes layer(x, expert_ids=tid2eid[input_ids]); layer_kwargs, hf_keys,
+      layer_params_from_hf and moe_layer take layer= (hf_state_from_layer writes no tid2eid: the
+      table is the caller's, not a parameter).
   Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
-      each weight times router.per_expert_scale (E,) of its expert (expert_scale=True); GELU-tanh
+      each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True); GELU-tanh
       GLU experts. The router sees the decoder layer's residual stream h and the experts
       pre_feedforward_layernorm_2(h): call the layer as layer(that, router_x=h).
 
@@ -138,6 +140,9 @@ Array = np.ndarray
 # The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
 PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias", "shared_in",
                "shared_out", "shared_gate", "router_scale", "expert_scale")
+
+# Parameters that map as they are, each under its key in `Family` (a field of the same name).
+_AS_THEY_ARE = ("router_bias", "router_scale", "expert_scale")
 
 # transformers' hidden_act -> the layer's GLU activation (the experts compute act(gate) * up).
 GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
@@ -259,14 +264,17 @@ def _deepseek_v4_hashed(c, layer) -> bool:
   """Whether DeepSeek-V4's decoder layer `layer` is hash-routed (mlp_layer_types, or a
   checkpoint's num_hash_layers: the first layers)."""
   kinds = c.get("mlp_layer_types")
-  if kinds is None:
-    n_hash = int(c.get("num_hash_layers", 3))
-    kinds = ["hash_moe"] * n_hash + ["moe"] * max(0, int(c.get("num_hidden_layers", 1)) - n_hash)
+  if kinds is None:  # transformers' defaults: 43 layers, the first 3 hash-routed
+    n, n_hash = int(c.get("num_hidden_layers", 43)), int(c.get("num_hash_layers", 3))
+    kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
   if layer is None:
     if len(set(kinds)) > 1:
       raise ValueError(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types {kinds}): "
                        f"pass layer=")
     layer = 0
+  if not 0 <= layer < len(kinds):
+    raise ValueError(f"layer={layer} is not a decoder layer of this DeepSeek-V4 config "
+                     f"({len(kinds)} layers)")
   return kinds[layer] == "hash_moe"
 
 
@@ -286,8 +294,10 @@ def _deepseek_v4(c, layer):
   n = _get(c, "moe_intermediate_size", "intermediate_size")
   router = Router(scoring, renorm_epsilon=1e-20,
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, act,
-               selection_bias=not _deepseek_v4_hashed(c, layer), **_shared(1, n))
+  hashed = _deepseek_v4_hashed(c, layer)
+  extra = dict(fixed_selection=True) if hashed else dict(selection_bias=True)
+  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, act, **extra,
+               **_shared(1, n))
 
 
 def _gemma4(c, layer):
@@ -297,7 +307,8 @@ def _gemma4(c, layer):
     raise ValueError("this Gemma 4 config has enable_moe_block=False: no MoE block")
   return _base(c["hidden_size"], _get(c, "num_experts"), _get(c, "moe_intermediate_size"),
                _get(c, "top_k_experts"), Router("softmax"), _glu(c, "hidden_activation"),
-               router_norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)), expert_scale=True)
+               router_norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)),
+               use_expert_scale=True)
 
 
 def _minimax_m2(c, layer):
@@ -532,7 +543,7 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   Returns d_model, num_experts, expert_dim, top_k, activation, routing (a `Router`),
   gate_up_layout, use_bias, use_router_bias, num_shared_experts, shared_expert_dim,
   shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
-  expert_scale too). They describe the model's MoE layers (families that mix in dense layers,
+  use_expert_scale too; DeepSeek-V4's hash layers: fixed_selection). They describe the model's MoE layers (families that mix in dense layers,
   first_k_dense_replace and the like, say which).
   """
   config = _text_config(config)
@@ -606,7 +617,7 @@ def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str
   fam = family(config)
   kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
   keys = (fam.router,) + _expert_keys(fam)
-  keys += tuple(k for k in (fam.router_bias, fam.router_scale, fam.expert_scale) if k)
+  keys += tuple(getattr(fam, name) for name in _AS_THEY_ARE if getattr(fam, name))
   if kw.get("selection_bias"):
     keys += (fam.selection_bias,)
   if kw["num_shared_experts"]:
@@ -660,7 +671,7 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
     gate, up, down = (sd[p + k].reshape(e, -1, sd[p + k].shape[-1]) for k in ("w1", "v1", "w2"))
     out["w1"] = _merge(_t(gate), _t(up), layout)
     out["w2"] = down.copy()
-  for name in ("router_bias", "router_scale", "expert_scale"):
+  for name in _AS_THEY_ARE:
     if getattr(fam, name):
       out[name] = sd[getattr(fam, name)].copy()
   if fam.selection_bias and fam.selection_bias in sd:
@@ -716,7 +727,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     sd[p + "w1"] = _t(gate).reshape(e * n, d)
     sd[p + "v1"] = _t(up).reshape(e * n, d)
     sd[p + "w2"] = prm["w2"].reshape(e * n, d).copy()
-  for name in ("router_bias", "router_scale", "expert_scale"):
+  for name in _AS_THEY_ARE:
     if getattr(fam, name) and name in prm:
       sd[getattr(fam, name)] = prm[name].copy()
   if fam.selection_bias and "selection_bias" in prm:
@@ -744,9 +755,8 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   config = _text_config(config)
   fam = family(config)
   prefix = fam.prefix.format(layer=layer)
-  want = set(_expert_keys(fam) + (fam.router, fam.router_bias, fam.selection_bias, fam.shared_gate,
-                                   fam.router_scale, fam.expert_scale, fam.lookup)
-             + _shared_keys(fam)) - {None}
+  want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
+             + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   out = {k[len(prefix):]: v for k, v in state_dict.items()
          if k.startswith(prefix) and k[len(prefix):] in want}
   if not out:

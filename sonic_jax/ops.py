@@ -40,8 +40,8 @@ class MoEAux(NamedTuple):
   # Pairs dropped by a capacity: `capacity_factor` on one device, or the all-to-all's buffers
   # under expert parallelism (`sonic_jax.parallel.moe_all_to_all`; 0 when dropless).
   dropped_pairs: Array | None = None  # () int32
-  # (T, E) the router's per-token distribution the balance losses use (softmax; sigmoid gates
-  # normalised over E), for `sonic_jax.routing.sequence_balance_loss`.
+  # (T, E) the router's per-token distribution the balance losses use (softmax; sigmoid or
+  # sqrt_softplus scores normalised over E), for `sonic_jax.routing.sequence_balance_loss`.
   probs: Array | None = None
   # (T, K) int32: the router's token-choice selection before token rounding or a capacity drop
   # (`sonic_jax.moe`; None from the parallel ops)
@@ -144,8 +144,14 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     if tuple(expert_ids.shape) != (x.shape[0], top_k):
       raise ValueError(f"expert_ids must have shape (T, top_k) = ({x.shape[0]}, {top_k}), got "
                        f"{tuple(expert_ids.shape)}")
+    # The options that only move a selection would be silently unused: refused.
     if token_rounding is not None:
       raise ValueError("expert_ids (a fixed selection) and token_rounding exclude each other")
+    if selection_bias is not None:
+      raise ValueError("expert_ids (a fixed selection) takes no selection_bias")
+    if routing_lib.get_router(routing).n_group > 1:
+      raise ValueError("expert_ids (a fixed selection) takes no group-limited routing "
+                       "(Router.n_group > 1)")
   if router_input is not None:
     _check_array("router_input", router_input)
     if tuple(router_input.shape) != tuple(x.shape):
@@ -398,7 +404,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       after the router's renormalisation and scaling (Gemma 4's per-expert scale).
     expert_ids: optional (T, K) integer: a fixed selection in place of the router's, whose weights
       the router still computes from the logits (DeepSeek-V4's hash-routed layers: a frozen table
-      of each token id's experts). Not with token_rounding.
+      of each token id's experts); an id outside [0, E) is an empty slot (id -1, weight 0, the
+      token's other weights renormalised without it). Not with token_rounding, a selection_bias
+      or groups, which only move a selection.
     backend: "auto", "xla" or "mosaic_gpu".
     config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
       Static: under `jax.jit` pass it by closure or as a static argument.
@@ -407,7 +415,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     (y, aux): y has x's shape and dtype; aux is a `MoEAux`.
 
   Gradients flow to x (through the experts and the router, or router_input), router_weight,
-  router_bias, expert_scale, w1, w2, b1 and b2. The backward keeps only x, the pre-activation H, the scores and integer routing metadata.
+  router_bias, expert_scale, w1, w2, b1 and b2. The backward keeps only x (and router_input where
+  given, for the router GEMM's gradient), the pre-activation H, the scores and integer routing
+  metadata.
   """
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
@@ -425,9 +435,7 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   logits, ids = routing_lib.router_logits_and_ids(
       x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,
       selection_bias, config=config, router_bias=router_bias,
-      fused=False if expert_ids is not None else None)
-  if expert_ids is not None:
-    ids = jnp.asarray(expert_ids)
+      expert_ids=None if expert_ids is None else jnp.asarray(expert_ids))
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                             token_rounding, impl.row_tile, ids,
                                             expert_scale=expert_scale)

@@ -132,9 +132,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     return _no_tokens(x, r_in, router_weight, router_bias, top_k, e_count)
   logits, ids = routing_lib.router_logits_and_ids(
       r_in, router_weight, top_k, router, selection_bias, config=config, router_bias=router_bias,
-      fused=False if expert_ids is not None else None)
-  if expert_ids is not None:
-    ids = expert_ids
+      expert_ids=expert_ids)
   gather = lambda a: jax.lax.all_gather(a, axis_name, tiled=True)
   logits = gather(logits)  # (P*T_local, E): the axis's tokens, device by device
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
@@ -343,14 +341,12 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   if token_rounding is None:
     logits, ids = routing_lib.router_logits_and_ids(
         r_in, router_weight, top_k, router, selection_bias, config=config,
-        router_bias=router_bias, fused=False if expert_ids is not None else None)
-    rounded, routed = routing_lib.route_tokens(
-        logits, top_k, router, selection_bias, None, impl.row_tile,
-        ids if expert_ids is None else expert_ids, expert_scale=expert_scale)
+        router_bias=router_bias, expert_ids=expert_ids)
+    rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
+                                               impl.row_tile, ids, expert_scale=expert_scale)
   else:
-    logits = routing_lib.router_logits(r_in, router_weight)
-    if router_bias is not None:
-      logits = logits + router_bias.astype(logits.dtype)
+    logits, _ = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
+                                                  fused=False, router_bias=router_bias)
     rounded, routed = _local_rounding(logits, top_k, router, selection_bias, token_rounding,
                                       impl.row_tile, axis_name, expert_scale)
   # The sender's pairs in expert order, then moved into one slot per receiving device.
@@ -380,7 +376,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   balance = jax.lax.pmean(routing_lib.load_balance_loss(routed.probs, total), axis_name)
   # A pair that no slot holds was dropped by the capacity (or routed nowhere): marked as `moe`
   # marks its capacity drops. Token rounding is dropless here, so its extra pairs stay as listed.
-  sent = send.pair_row < send.num_rows
+  sent = send.pair_valid()
   aux = MoEAux(expert_counts=total, expert_ids=jnp.where(sent, rounded.expert_ids, -1),
                scores=jnp.where(sent, rounded.scores, 0), router_logits=logits,
                load_balance_loss=balance,

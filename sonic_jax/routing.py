@@ -193,8 +193,8 @@ def fused_top_k_unsupported(x: Array, router_weight: Array, top_k: int, routing:
 
 def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: str | Router,
                           selection_bias: Array | None = None, fused: bool | None = None,
-                          config: Config | None = None,
-                          router_bias: Array | None = None) -> tuple[Array, Array | None]:
+                          config: Config | None = None, router_bias: Array | None = None,
+                          expert_ids: Array | None = None) -> tuple[Array, Array | None]:
   """(logits, expert ids or None): `router_logits(x, router_weight)` (+ router_bias, (E,),
   differentiable: gpt-oss's router Linear bias) and, where one kernel can give them with the
   logits (`fused_top_k_unsupported` is None: a GPU, 16-bit x and weight, a selection that ranks
@@ -202,7 +202,11 @@ def router_logits_and_ids(x: Array, router_weight: Array, top_k: int, routing: s
   kernel saves the top-K's pass over the logits and a launch; the gradients are those of
   `router_logits` (16-bit GEMMs, float32 accumulation; none into the selection bias).
   fused: None (where it applies and `config` chooses it), False (never: ids None), True (always;
-  interpreted off a GPU; a ValueError where it does not apply)."""
+  interpreted off a GPU; a ValueError where it does not apply). expert_ids: a fixed selection,
+  returned as the ids beside the logits alone (no fused kernel)."""
+  if expert_ids is not None:
+    return router_logits_and_ids(x, router_weight, top_k, routing, fused=False,
+                                 router_bias=router_bias)[0], expert_ids
   reason = fused_top_k_unsupported(x, router_weight, top_k, routing, gpu_only=fused is None,
                                    config=config, selection_bias=selection_bias,
                                    router_bias=router_bias)
@@ -288,8 +292,9 @@ def route(logits: Array, top_k: int, routing: str | Router,
   probabilities), "topk_softmax_raw" (not renormalised), "sigmoid_topk" (sigmoid gates,
   renormalised), "sigmoid_topk_raw" (not renormalised).
 
-  expert_ids (T, K), optional: the selection, already made (`router_logits_and_ids`); the weights
-  come from these logits.
+  expert_ids (T, K), optional: the selection, already made (the fused kernel's, or a fixed one
+  such as DeepSeek-V4's hash layers'); the weights come from these logits. An id outside [0, E)
+  is an empty slot: id -1, weight 0, the token's other weights renormalised without it.
   """
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
@@ -300,6 +305,7 @@ def route(logits: Array, top_k: int, routing: str | Router,
     probs = jax.nn.sigmoid(logits)
   else:
     probs = _sqrt_softplus(logits)
+  valid = None  # where a given selection names an expert
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
   else:
@@ -307,16 +313,24 @@ def route(logits: Array, top_k: int, routing: str | Router,
       raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
                        f"{expert_ids.shape}")
     ids = expert_ids.astype(jnp.int32)
+    valid = (ids >= 0) & (ids < logits.shape[-1])
+    ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
+  picked = lambda v, fill: (jnp.take_along_axis(v, ids, axis=-1) if valid is None else jnp.where(
+      valid, jnp.take_along_axis(v, jnp.maximum(ids, 0), axis=-1), fill))
   if router.softmax_of_selected:
-    scores = jax.nn.softmax(jnp.take_along_axis(logits, ids, axis=-1), axis=-1)
+    # An empty slot's logit is the dtype's lowest: exp gives 0 beside any real one, and a token
+    # with no expert gets finite weights (then zeroed) rather than NaN.
+    scores = jax.nn.softmax(picked(logits, jnp.finfo(logits.dtype).min), axis=-1)
+    scores = scores if valid is None else jnp.where(valid, scores, 0.0)
   else:
-    scores = jnp.take_along_axis(probs, ids, axis=-1)
+    scores = picked(probs, 0.0)
     if router.renormalize:
       if router.renorm_p == 1.0:
         norm = jnp.sum(scores, axis=-1, keepdims=True)
       else:
         norm = jnp.sum(scores ** router.renorm_p, axis=-1, keepdims=True) ** (1 / router.renorm_p)
-      scores = scores / (norm + router.renorm_epsilon)
+      norm = norm + router.renorm_epsilon
+      scores = scores / (norm if valid is None else jnp.where(norm > 0, norm, 1.0))
   if router.routed_scaling_factor != 1.0:
     scores = scores * router.routed_scaling_factor
   if router.scoring != "softmax":
@@ -327,8 +341,8 @@ def route(logits: Array, top_k: int, routing: str | Router,
 
 def _sqrt_softplus(logits: Array) -> Array:
   """sqrt(softplus(logits)) (DeepSeek-V4's scores), with a finite gradient where softplus
-  underflows to 0 (a logit below about -103 in float32): the balance losses differentiate every
-  expert's score."""
+  underflows to 0 (a float32 logit below about -88, denormals flushed): the balance losses
+  differentiate every expert's score."""
   soft = jax.nn.softplus(logits)
   positive = soft > 0
   return jnp.where(positive, jnp.sqrt(jnp.where(positive, soft, 1.0)), 0.0)

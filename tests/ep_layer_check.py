@@ -5,7 +5,8 @@
 - in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
   its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among
   them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
-  data shards' losses; explicit and auto mesh axes (float64);
+  data shards' losses, the output with a fixed selection (expert_ids); explicit and auto mesh
+  axes (float64);
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name.
@@ -82,7 +83,7 @@ def check_shard_map(scheme):
 
 
 def check_set_mesh(scheme):
-  kw = dict(KW, router_norm_eps=1e-6, expert_scale=True)  # Gemma 4's router: two more inputs
+  kw = dict(KW, router_norm_eps=1e-6, use_expert_scale=True)  # Gemma 4's router: two more inputs
   extra = dict(capacity_factor=None) if scheme == "all_gather" else {}
   single = MoE(**kw, rngs=nnx.Rngs(0))
   x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
@@ -120,6 +121,14 @@ def check_set_mesh(scheme):
     assert len(errs) == 4 + 9 and max(errs.values()) < 1e-10, errs
     np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
     np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
+    if types[0] == AxisType.Explicit:
+      # A fixed selection (expert_ids), sharded as the tokens by the layer's own shard_map.
+      ids = jnp.asarray(np.random.default_rng(3).integers(0, 8, (T, 2)), jnp.int32)
+      y_ids_ref = jax.jit(lambda s, x, ids: nnx.merge(g1, s)(x, expert_ids=ids)[0])(s1, x, ids)
+      with jax.set_mesh(mesh):
+        y_ids = jax.jit(lambda s, x, ids: nnx.merge(g2, s)(x, expert_ids=ids)[0])(
+            placed, x_placed, jax.device_put(ids, NamedSharding(mesh, P(("data", "ep")))))
+      assert rel(y_ids, y_ids_ref) < 1e-10, rel(y_ids, y_ids_ref)
     if types[0] == AxisType.Explicit:  # inside a user's shard_map over "data" alone
       with jax.set_mesh(mesh):
         inner = jax.jit(jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0],

@@ -372,7 +372,8 @@ def test_benchmarks_md_is_generated_from_the_results_files(tmp_path):
 
 def test_ab_trees_runs_a_command_in_both_trees(tmp_path):
   """tools/ab_trees.sh: `prepare` puts a commit's files in the base folder, `run` executes the
-  command in each tree (its own sonic_jax first on the path), alternating over rounds."""
+  command in each tree (its own sonic_jax first on the path), alternating over rounds, after a
+  warm-up run of the new tree that writes apart from the rounds."""
   env = {**os.environ, "AB_BASE": str(tmp_path / "base"), "OUT": str(tmp_path / "out")}
   script = os.path.join(ROOT, "tools", "ab_trees.sh")
   subprocess.run(["bash", script, "prepare", "HEAD"], env=env, check=True, capture_output=True)
@@ -384,8 +385,8 @@ def test_ab_trees_runs_a_command_in_both_trees(tmp_path):
   lines = [l for l in run.stdout.splitlines() if not l.startswith("==")]
   base, new = str(tmp_path / "base" / "sonic_jax"), os.path.join(ROOT, "sonic_jax")
   out = tmp_path / "out"
-  assert lines == [f"{base} {out}/base/1", f"{new} {out}/new/1", f"{new} {out}/new/2",
-                   f"{base} {out}/base/2"], run.stdout
+  assert lines == [f"{new} {out}/warmup", f"{base} {out}/base/1", f"{new} {out}/new/1",
+                   f"{new} {out}/new/2", f"{base} {out}/base/2"], run.stdout
 
 
 def test_scripts_parse():

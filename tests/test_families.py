@@ -301,13 +301,14 @@ def _expected_kwargs(case):
                           num_shared_experts=1, shared_expert_dim=n),
       "granitemoeshared": dict(num_shared_experts=1, shared_expert_dim=2 * n),
       "dbrx": {}, "dbrx_p2": dict(routing=Router("softmax", renorm_p=2.0)),
-      "gemma4_text": dict(activation="geglu_tanh", router_norm_eps=1e-6, expert_scale=True),
+      "gemma4_text": dict(activation="geglu_tanh", router_norm_eps=1e-6,
+                          use_expert_scale=True),
       **{name: dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
                     routing=Router("sqrt_softplus", renorm_epsilon=1e-20,
                                    routed_scaling_factor=1.5),
                     num_shared_experts=1, shared_expert_dim=n, **bias)
          for name, bias in (("deepseek_v4", dict(bias_update_rate=1e-3)),
-                            ("deepseek_v4_hash", {}))},
+                            ("deepseek_v4_hash", dict(fixed_selection=True)))},
   }
   return {**base, **specific[case]}
 
@@ -404,8 +405,13 @@ def test_deepseek_v4_layers_of_both_kinds():
                 mlp_layer_types=["hash_moe", "moe"])
   with pytest.raises(ValueError, match="pass layer="):
     hf.layer_kwargs(config)
-  assert "bias_update_rate" not in hf.layer_kwargs(config, layer=0)
+  hashed = hf.layer_kwargs(config, layer=0)
+  assert "bias_update_rate" not in hashed and hashed["fixed_selection"]
   assert hf.layer_kwargs(config, layer=1)["bias_update_rate"] == 1e-3
+  with pytest.raises(ValueError, match="layer=2 is not a decoder layer"):
+    hf.layer_kwargs(config, layer=2)
+  with pytest.raises(ValueError, match="pass its selection as expert_ids"):
+    hf.moe_layer(config, layer=0)(np.zeros((3, 32), np.float32))
   legacy = {k: v for k, v in config.items() if k != "mlp_layer_types"}
   legacy.update(num_hash_layers=1, num_hidden_layers=2)
   for layer in (0, 1):

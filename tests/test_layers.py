@@ -78,7 +78,7 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
   """router_norm_eps and expert_scale (Gemma 4): the router sees router_x RMS-normalised, times
   its trained scale and d ** -0.5; each weight is times its expert's trained scale. Both scales
   are parameters that get gradients. Then a fixed selection (expert_ids) through the layer."""
-  m = _layer(routing="topk_softmax", router_norm_eps=1e-6, expert_scale=True)
+  m = _layer(routing="topk_softmax", router_norm_eps=1e-6, use_expert_scale=True)
   m.router_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 32), jnp.float32)
   m.expert_scale[...] = jnp.asarray(rng.uniform(0.5, 2.0, 4), jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)

@@ -326,6 +326,11 @@ BAD = [
     ("expert_ids dtype", dict(expert_ids=jnp.zeros((8, 2))), TypeError, "expert_ids"),
     ("expert_ids rounded", dict(expert_ids=jnp.zeros((8, 2), jnp.int32), token_rounding="up"),
      ValueError, "exclude each other"),
+    ("expert_ids biased", dict(expert_ids=jnp.zeros((8, 2), jnp.int32),
+                               selection_bias=jnp.zeros((4,))), ValueError, "no selection_bias"),
+    ("expert_ids grouped", dict(expert_ids=jnp.zeros((8, 2), jnp.int32),
+                                routing=sonic_jax.Router(n_group=2)), ValueError,
+     "no group-limited"),
 ]
 
 

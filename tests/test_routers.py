@@ -315,30 +315,43 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
 
 def test_fixed_selection_weighted_by_the_router(rng):
   """expert_ids (DeepSeek-V4's hash layers: a frozen table of each token id's experts): those
-  experts, weighted as the router weights them, whatever it would select; x's and the router's
-  gradients (float64). sqrt(softplus) scores keep a finite gradient where softplus underflows."""
+  experts, weighted as the router weights them, whatever it would select; an id outside [0, E)
+  an empty slot (the token's other weights renormalised without it); output and x's and the
+  router's gradients against the oracle (float64). sqrt(softplus) scores keep a finite gradient
+  where softplus underflows."""
   p, d_y = make_problem(rng, T=40, d=16, n=8, E=8)
   ids = np.stack([rng.permutation(8)[:2] for _ in range(40)]).astype(np.int32)
+  ids[3, 1], ids[5, 0], ids[7] = -1, 8, [-1, 9]  # empty slots; token 7 has no expert
+  valid = (ids >= 0) & (ids < 8)
   router = Router("sqrt_softplus", renorm_epsilon=1e-20, routed_scaling_factor=1.5)
-  spec = dict(scoring="sqrt_softplus", renorm_epsilon=1e-20, scaling=1.5)
+
+  def weights(logits):  # the oracle's: DeepSeek-V4's router over the slots that name an expert
+    s = jnp.where(valid, jnp.take_along_axis(jnp.sqrt(jnp.logaddexp(logits, 0.0)),
+                                             jnp.asarray(np.maximum(ids, 0)), -1), 0.0)
+    return 1.5 * s / (jnp.sum(s, -1, keepdims=True) + 1e-20)
+
   with jax.enable_x64(True):
     a = {k: _f64(p[k]) for k in ("x", "router_weight", "w1", "w2")}
 
     def loss(x, rw):
       y, aux = sonic_jax.moe(x, rw, a["w1"], a["w2"], top_k=2, routing=router,
                              expert_ids=jnp.asarray(ids), backend="xla")
-      return jnp.vdot(y, _f64(d_y)) + aux.load_balance_loss, (y, aux)
+      return jnp.vdot(y, _f64(d_y)), (y, aux)
+
+    def ref_loss(x, rw):
+      return jnp.vdot(moe_reference_weights(x, rw, a["w1"], a["w2"], None, None, None,
+                                            np.maximum(ids, 0), weights, activation="swiglu",
+                                            gate_up_layout="concat"), _f64(d_y))
 
     (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         a["x"], a["router_weight"])
-    np.testing.assert_array_equal(aux.expert_ids, ids)
-    _, weights = route_reference(np.asarray(p["x"]) @ p["router_weight"], 2, ids=ids, **spec)
-
-    y_ref = moe_reference_weights(a["x"], a["router_weight"], a["w1"], a["w2"], None, None, None,
-                                  ids, weights, activation="swiglu", gate_up_layout="concat")
-    assert rel_err(y, y_ref) < TOL
+    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(a["x"], a["router_weight"])
+    np.testing.assert_array_equal(aux.expert_ids, np.where(valid, ids, -1))
+    assert not np.any(np.asarray(y)[7]) and np.all(np.isfinite(np.asarray(y)))
+    assert rel_err(jnp.vdot(y, _f64(d_y)), ref_loss(a["x"], a["router_weight"])) < TOL
+    for g, w in zip(grads, want):
+      assert rel_err(g, w) < TOL
     far = jnp.full((3, 8), -200.0).at[:, 0].set(0.0)  # softplus(-200) is 0 in float32
-    g = jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs))(far.astype(jnp.float32))
+    g = jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs[:, 0]))(
+        far.astype(jnp.float32))
     assert np.all(np.isfinite(np.asarray(g)))
-  for g in grads:
-    assert np.all(np.isfinite(np.asarray(g))) and float(jnp.linalg.norm(g)) > 0

@@ -12,9 +12,9 @@
 # $OUT/<tree>/<round> (created), e.g.
 #   bash tools/ab_trees.sh run -- python -m benchmarks.token_rounding_bench --modes=nearest \
 #       --kernel_trace --thiek=40960,768,256,128,8 --out=\$AB_OUT
-# Round r runs base then new when r is odd, new then base when even. Round 0 first runs the new
-# tree once as a warm-up, not a sample: a fresh machine's first process runs slow (the selection
-# kernel at 85 against 50-55 us, docs/decisions.md).
+# Round r runs base then new when r is odd, new then base when even. First the new tree runs once
+# as a warm-up, not a sample (AB_OUT=$OUT/warmup): a fresh machine's first process runs slow (the
+# selection kernel at 85 against 50-55 us, docs/decisions.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${AB_BASE:-.cache/ab_base}  # the base tree's folder
@@ -36,11 +36,12 @@ case "${1:-}" in
     [[ -d $base/sonic_jax ]] || { echo "$base is missing: run 'prepare REF' and carry it" >&2
                                   exit 2; }
     out=${OUT:-ab_out}
-    one() {  # tree name, tree root, round
+    one() {  # tree name, tree root, round (0: the warm-up)
       local dir="$out/$1/$3"
+      (( $3 )) || dir="$out/warmup"
       mkdir -p "$dir"
       dir=$(cd "$dir" && pwd)
-      echo "== $1, round $3$( (( $3 )) || echo ' (warm-up)')"
+      echo "== $1, $( (( $3 )) && echo "round $3" || echo "warm-up")"
       (cd "$2" && PYTHONPATH="$PWD" AB_OUT="$dir" bash -c "$CMD")
     }
     CMD=$(printf '%q ' "$@")
@@ -52,7 +53,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -59,10 +59,13 @@ class MoE(nnx.Module):
     use_bias: per-expert biases b1, b2.
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
     router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon, times
-      a trained (d,) scale `router_scale` and d ** -0.5, in float32 (Gemma 4's router, which
-      normalises the block's input on its own: pass that input as `router_x`).
-    expert_scale: each pair's weight times a trained (E,) scale of its expert (Gemma 4's
-      per-expert scale; ones at init).
+      a trained (d,) scale (the parameter `router_scale`) and d ** -0.5, in float32 (Gemma 4's
+      router, which normalises the block's input on its own: pass that input as `router_x`, the
+      functional op's `router_input`).
+    use_expert_scale: each pair's weight times a trained (E,) scale of its expert (the parameter
+      `expert_scale`, ones at init; Gemma 4's per-expert scale).
+    fixed_selection: every call gives its selection as `expert_ids` (DeepSeek-V4's hash-routed
+      layers; a call without refuses).
     num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
       num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
     shared_expert_gate: the shared output is multiplied by sigmoid(x @ w_g), a learned scalar gate
@@ -109,7 +112,8 @@ class MoE(nnx.Module):
                routing: str | routing_lib.Router = "softmax_topk",
                gate_up_layout: str = "concat", use_bias: bool = False,
                use_router_bias: bool = False,
-               router_norm_eps: float | None = None, expert_scale: bool = False,
+               router_norm_eps: float | None = None, use_expert_scale: bool = False,
+               fixed_selection: bool = False,
                num_shared_experts: int = 0, shared_expert_dim: int | None = None,
                shared_expert_gate: bool = False,
                load_balance_coef: float = 0.01, z_loss_coef: float = 1e-3,
@@ -154,7 +158,7 @@ class MoE(nnx.Module):
         router_norm_eps, numbers.Real) or not 0 <= router_norm_eps < math.inf):
       raise ValueError(f"router_norm_eps must be None or a finite number >= 0, got "
                        f"{router_norm_eps!r}")
-    self.router_norm_eps = router_norm_eps
+    self.router_norm_eps, self.fixed_selection = router_norm_eps, fixed_selection
     self.top_k, self.activation, self.routing = top_k, act, router
     self.balance_loss = balance_loss
     self.gate_up_layout, self.backend, self.dtype = gate_up_layout, backend, dtype
@@ -204,7 +208,7 @@ class MoE(nnx.Module):
     self.router_scale = nnx.data(_param(rngs, ones, (d_model,), param_dtype, (embed_axis,))
                                  if router_norm_eps is not None else None)
     self.expert_scale = nnx.data(_param(rngs, ones, (num_experts,), param_dtype, (None,))
-                                 if expert_scale else None)
+                                 if use_expert_scale else None)
     self.selection_bias = nnx.data(SelectionBias(jnp.zeros((num_experts,), jnp.float32))
                                    if bias_update_rate > 0 else None)
     shared_in = shared_out = None
@@ -244,6 +248,9 @@ class MoE(nnx.Module):
     sel_bias = None if self.selection_bias is None else self.selection_bias[...]
     router_bias = None if self.router_bias is None else self.router_bias[...]
     expert_scale = None if self.expert_scale is None else self.expert_scale[...]
+    if self.fixed_selection and expert_ids is None:
+      raise ValueError("this layer has fixed_selection=True (a hash-routed layer): pass its "
+                       "selection as expert_ids")
     if expert_ids is not None:
       if tuple(expert_ids.shape) != tuple(lead) + (self.top_k,):
         raise ValueError(f"expert_ids must have shape {tuple(lead) + (self.top_k,)} (x's leading "
