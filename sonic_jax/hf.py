@@ -18,8 +18,9 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
   model's state dict.
 
 A multimodal config holds its language model's as text_config (Llama 4's "llama4", Qwen3.5-MoE's
-"qwen3_5_moe", Qwen3-VL-MoE's "qwen3_vl_moe", the Qwen3-Omni-MoE thinker's and talker's
-"qwen3_omni_moe_thinker", "qwen3_omni_moe_talker"): every function takes either. A whole
+"qwen3_5_moe", Gemma 4's "gemma4", Qwen3-VL-MoE's "qwen3_vl_moe", the Qwen3-Omni-MoE thinker's
+and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker"): every function takes either, and
+`block_state_dict` finds a layer under the text model's keys or the multimodal model's. A whole
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
 
@@ -380,8 +381,9 @@ class Family:
   model_type: the config's model_type (a multimodal model's: its text config's). block: the
   transformers class of the block. prefix: where the block's keys sit in the whole model's state
   dict ("{layer}": the decoder layer's index), the model that transformers' AutoModelForCausalLM
-  builds (Llama 4's and Qwen3.5-MoE's text model; Qwen3-VL-MoE's and Qwen3-Omni-MoE's multimodal
-  model, the only one they have).
+  builds (Llama 4's, Qwen3.5-MoE's and Gemma 4's text model; Qwen3-VL-MoE's and Qwen3-Omni-MoE's
+  multimodal model, the only one they have). multimodal_prefix: the same keys in the multimodal
+  model where a family has both (its released checkpoints), which `block_state_dict` tries too.
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
   "gpt_oss" (fused_xw with interleaved gate/up and biases) or "dbrx" (separate w1, v1, w2).
@@ -412,6 +414,7 @@ class Family:
   router_scale: str | None = None
   expert_scale: str | None = None
   lookup: str | None = None
+  multimodal_prefix: str | None = None
 
 
 def _families():
@@ -436,7 +439,8 @@ def _families():
              **qwen_shared),
       Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", mlp,
              _softmax_family("moe_intermediate_size", True, "shared_expert_intermediate_size",
-                             shared_gate=True), **qwen_shared),
+                             shared_gate=True), **qwen_shared,
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock",
              "model.language_model.layers.{layer}.mlp.",
              _softmax_family("moe_intermediate_size", True)),
@@ -483,7 +487,8 @@ def _families():
       Family("gpt_oss", "GptOssMLP", mlp, _gpt_oss, router="router.weight", experts="gpt_oss",
              router_bias="router.bias", natural_layout="interleaved"),
       Family("llama4_text", "Llama4TextMoe", "model.layers.{layer}.feed_forward.", _llama4,
-             router="router.weight", experts="fused_xw", shared="shared_expert."),
+             router="router.weight", experts="fused_xw", shared="shared_expert.",
+             multimodal_prefix="language_model.model.layers.{layer}.feed_forward."),
       Family("granitemoe", "GraniteMoeMoE", "model.layers.{layer}.block_sparse_moe.", _granite,
              router="router.weight"),
       Family("granitemoeshared", "GraniteMoeSharedMoE + the decoder layer's GraniteMoeSharedMLP",
@@ -495,7 +500,8 @@ def _families():
       # The MoE part of the decoder layer: its router and experts, keys relative to the layer.
       Family("gemma4_text", "Gemma4TextRouter + Gemma4TextExperts of the decoder layer",
              "model.layers.{layer}.", _gemma4, router="router.proj.weight",
-             router_scale="router.scale", expert_scale="router.per_expert_scale"),
+             router_scale="router.scale", expert_scale="router.per_expert_scale",
+             multimodal_prefix="model.language_model.layers.{layer}."),
   ]
   return {f.model_type: f for f in fams}
 
@@ -749,19 +755,22 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
 def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
                      layer: int) -> dict[str, Any]:
   """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
-  family's prefix ("model.layers.{layer}.mlp." and the like), the prefix removed. The family's
-  keys only (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table
-  gate.tid2eid among them where the layer has one."""
+  family's prefix ("model.layers.{layer}.mlp." and the like; or its multimodal model's, for a
+  Llama 4, Qwen3.5-MoE or Gemma 4 checkpoint), the prefix removed. The family's keys only
+  (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table gate.tid2eid among them
+  where the layer has one."""
   config = _text_config(config)
   fam = family(config)
-  prefix = fam.prefix.format(layer=layer)
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
-  out = {k[len(prefix):]: v for k, v in state_dict.items()
-         if k.startswith(prefix) and k[len(prefix):] in want}
-  if not out:
-    raise ValueError(f"no {fam.model_type} MoE block under {prefix!r} in the state dict")
-  return out
+  prefixes = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
+  for prefix in prefixes:
+    out = {k[len(prefix):]: v for k, v in state_dict.items()
+           if k.startswith(prefix) and k[len(prefix):] in want}
+    if out:
+      return out
+  raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, prefixes))} in "
+                   f"the state dict")
 
 
 # --- the nnx layer -------------------------------------------------------------------------------

@@ -459,12 +459,15 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
   # Gemma 4's keys are the decoder layer's, beside its dense MLP and norms: only the MoE's taken
   config = dict(MINIMAL_CONFIGS["gemma4"], model_type="gemma4")
   state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
-  model = {f"model.layers.0.{k}": v for k, v in state.items()}
-  model["model.layers.0.mlp.gate_proj.weight"] = np.zeros(3)
-  model["model.layers.0.pre_feedforward_layernorm_2.weight"] = np.zeros(3)
-  assert set(hf.block_state_dict(model, config, 0)) == set(state) == {
-      "router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
-      "experts.down_proj"}
+  for prefix in ("model.layers.0.", "model.language_model.layers.0."):  # text, multimodal model
+    model = {f"{prefix}{k}": v for k, v in state.items()}
+    model[f"{prefix}mlp.gate_proj.weight"] = np.zeros(3)
+    model[f"{prefix}pre_feedforward_layernorm_2.weight"] = np.zeros(3)
+    assert set(hf.block_state_dict(model, config, 0)) == set(state) == {
+        "router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
+        "experts.down_proj"}
+  with pytest.raises(ValueError, match="'model.layers.1.' or 'model.language_model.layers.1.'"):
+    hf.block_state_dict(model, config, 1)
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------
