@@ -107,8 +107,8 @@ The routers (`layer_kwargs`' routing, a `Router`):
       table is the caller's, not a parameter).
   Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
-      each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True); GELU-tanh
-      GLU experts. The router sees the decoder layer's residual stream h and the experts
+      each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True);
+      GELU-tanh GLU experts. The router sees the decoder layer's residual stream h and the experts
       pre_feedforward_layernorm_2(h): call the layer as layer(that, router_x=h).
 
 Semantics that differ from transformers only where no real input reaches: group-limited selection
@@ -549,8 +549,8 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   Returns d_model, num_experts, expert_dim, top_k, activation, routing (a `Router`),
   gate_up_layout, use_bias, use_router_bias, num_shared_experts, shared_expert_dim,
   shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
-  use_expert_scale too; DeepSeek-V4's hash layers: fixed_selection). They describe the model's MoE layers (families that mix in dense layers,
-  first_k_dense_replace and the like, say which).
+  use_expert_scale too; DeepSeek-V4's hash layers: fixed_selection). They describe the model's MoE
+  layers (families that mix in dense layers, first_k_dense_replace and the like, say which).
   """
   config = _text_config(config)
   fam = family(config)

@@ -81,8 +81,8 @@ def check_capacity(transport, p=4, factor=0.75):
     return jnp.vdot(y, jnp.asarray(d_y)), (y, n_dropped, kept_ids, kept_scores)
 
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  (_, (y, n_dropped, kept_ids, kept_scores)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
-                                                      has_aux=True))(*placed)
+  (_, (y, n_dropped, kept_ids, kept_scores)), g = jax.jit(
+      jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
   errs = [rel(y, y_ref)] + [rel(a, g_ref[k]) for a, k in zip(g, ("x", "router_weight", "w1",
                                                                    "w2", "b1"))]
   print("capacity", transport, int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
