@@ -283,8 +283,9 @@ class MoE(nnx.Module):
 
   def _normalised_router_input(self, r):
     """Gemma 4's router input: r RMS-normalised, times the trained scale and d ** -0.5, in
-    float32 (or wider): the router GEMM takes it unrounded, so a 16-bit layer selects the experts
-    that the normalised input's float32 logits rank first."""
+    float32 (or wider): the router GEMM takes it without a 16-bit rounding, whose error could
+    reorder near-tied logits (a float32 router weight then makes it a float32 GEMM, at the
+    caller's matmul precision)."""
     wide = jnp.promote_types(r.dtype, jnp.float32)
     r = r.astype(wide)
     r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + self.router_norm_eps)
