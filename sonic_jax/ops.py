@@ -438,6 +438,7 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       expert_ids=None if expert_ids is None else jnp.asarray(expert_ids))
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                             token_rounding, impl.row_tile, ids,
+                                            empty_slots=expert_ids is not None,
                                             expert_scale=expert_scale)
   extra = routing_lib.extra_scores_or_none(routed)
   extras = (None, None, None) if extra is None else (routed.extra_tokens, routed.extra_experts,

@@ -103,9 +103,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
-  sharded as x);
-  router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this device's
-  E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
+  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
   identical on every device of the axis). token_rounding rounds the global routing (every device
   computes the same one), so each expert's count is a multiple of the backend's row tile wherever
@@ -138,6 +137,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                              token_rounding, impl.row_tile,
                                              None if ids is None else gather(ids),
+                                             empty_slots=expert_ids is not None,
                                              expert_scale=expert_scale)
   x_all = _gather_tokens(x, axis_name)  # (P*T_local, d)
   first = jax.lax.axis_index(axis_name) * e_local
@@ -343,7 +343,9 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
         r_in, router_weight, top_k, router, selection_bias, config=config,
         router_bias=router_bias, expert_ids=expert_ids)
     rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
-                                               impl.row_tile, ids, expert_scale=expert_scale)
+                                               impl.row_tile, ids,
+                                               empty_slots=expert_ids is not None,
+                                               expert_scale=expert_scale)
   else:
     logits, _ = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,
                                                   fused=False, router_bias=router_bias)

@@ -279,7 +279,8 @@ def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
 
 
 def route(logits: Array, top_k: int, routing: str | Router,
-          selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
+          selection_bias: Array | None = None, expert_ids: Array | None = None, *,
+          empty_slots: bool = False) -> RouterOutput:
   """Selects K experts per token and their weights, as `routing` (a `Router` or the name of one
   of `ROUTINGS`) says.
 
@@ -293,8 +294,9 @@ def route(logits: Array, top_k: int, routing: str | Router,
   renormalised), "sigmoid_topk_raw" (not renormalised).
 
   expert_ids (T, K), optional: the selection, already made (the fused kernel's, or a fixed one
-  such as DeepSeek-V4's hash layers'); the weights come from these logits. An id outside [0, E)
-  is an empty slot: id -1, weight 0, the token's other weights renormalised without it.
+  such as DeepSeek-V4's hash layers'); the weights come from these logits. empty_slots: the
+  given ids may lie outside [0, E) (a caller's fixed selection; the fused kernel's never do): such
+  a slot is empty, id -1 and weight 0, the token's other weights renormalised without it.
   """
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
@@ -313,8 +315,9 @@ def route(logits: Array, top_k: int, routing: str | Router,
       raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
                        f"{expert_ids.shape}")
     ids = expert_ids.astype(jnp.int32)
-    valid = (ids >= 0) & (ids < logits.shape[-1])
-    ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
+    if empty_slots:
+      valid = (ids >= 0) & (ids < logits.shape[-1])
+      ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
   picked = lambda v, fill: (jnp.take_along_axis(v, ids, axis=-1) if valid is None else jnp.where(
       valid, jnp.take_along_axis(v, jnp.maximum(ids, 0), axis=-1), fill))
   if router.softmax_of_selected:
@@ -523,12 +526,13 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
 
 def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,
                  token_rounding: str | None, tile: int,
-                 expert_ids: Array | None = None, *,
+                 expert_ids: Array | None = None, *, empty_slots: bool = False,
                  expert_scale: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
-  """`route`, then `round_tokens` when token_rounding is not None (an empty extra-pair list
-  otherwise), then each pair's weight times `expert_scale` (E,) of its expert where given.
-  Returns (the routing the experts see, the token-choice routing it started from)."""
-  routed = route(logits, top_k, routing, selection_bias, expert_ids)
+  """`route` (expert_ids, empty_slots: as there), then `round_tokens` when token_rounding is
+  not None (an empty extra-pair list otherwise), then each pair's weight times `expert_scale`
+  (E,) of its expert where given. Returns (the routing the experts see, the token-choice routing
+  it started from)."""
+  routed = route(logits, top_k, routing, selection_bias, expert_ids, empty_slots=empty_slots)
   if token_rounding is None:
     empty = jnp.zeros((0,), jnp.int32)
     rounded = RoundedRouting(routed.scores, routed.expert_ids, empty, empty,

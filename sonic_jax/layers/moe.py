@@ -129,17 +129,13 @@ class MoE(nnx.Module):
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
     # Everything a call would refuse is refused here, eval-mode-only paths included.
     act = acts.get_activation(activation)
-    for name, value in (("d_model", d_model), ("expert_dim", expert_dim),
-                        ("num_experts", num_experts)):
+    for name, value, least in (("d_model", d_model, 1), ("expert_dim", expert_dim, 1),
+                               ("num_experts", num_experts, 1),
+                               ("num_shared_experts", num_shared_experts, 0)):
       if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-      if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts,
-                                                               numbers.Integral):
-      raise TypeError(f"num_shared_experts must be an int, got {type(num_shared_experts).__name__}")
-    if num_shared_experts < 0:
-      raise ValueError(f"num_shared_experts must be >= 0, got {num_shared_experts}")
+      if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
     router = routing_lib.get_router(routing)
     router.check(num_experts, top_k)  # top_k's type and range too
     if gate_up_layout not in acts.GATE_UP_LAYOUTS:
