@@ -15,8 +15,6 @@ benchmarks/results/. Needs a Hopper GPU.
 
 from __future__ import annotations
 
-import json
-import os
 
 from absl import app, flags
 import jax.numpy as jnp
@@ -108,11 +106,7 @@ def main(argv):
   for case in FLAGS.case or DEFAULT_CASES:
     t, d, k = (int(v) for v in case.split(","))
     results += run_case(t, d, k, FLAGS.repeats)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  record = grid.run_record("gather_sum_bench", results=results)
-  path = os.path.join(FLAGS.out, grid.results_name(record, "gather_sum"))
-  with open(path, "w") as f:
-    json.dump(record, f, indent=1)
+  path = grid.write_record(grid.run_record("gather_sum_bench", results=results), FLAGS.out, "gather_sum")
   print(table(results))
   print("wrote", path)
 

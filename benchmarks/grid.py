@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
+import os
 import platform
 import shlex
 import re
@@ -118,6 +120,15 @@ def results_name(record, kind):
   these names; `benchmarks.report` reads the kind from it)."""
   tag = device_tag(record["device"], record.get("devices", 1))
   return f"{tag}_{record['date'][:10]}_{kind}.json"
+
+
+def write_record(record, out, kind):
+  """Writes a whole run's record to out/`results_name(record, kind)`; returns the path."""
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, results_name(record, kind))
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  return path
 
 
 @contextlib.contextmanager

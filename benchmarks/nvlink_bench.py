@@ -22,8 +22,6 @@ DIR/<device>x<P>_<date>_nvlink.json and prints a table.
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 from absl import app, flags
 import jax
@@ -127,11 +125,8 @@ def main(_):
           row["error"] = errors[name]
         results.append(row)
   print(table(results))
-  os.makedirs(FLAGS.out, exist_ok=True)
-  record = grid.run_record("nvlink_bench", devices, results=results)
-  path = os.path.join(FLAGS.out, grid.results_name(record, "nvlink"))
-  with open(path, "w") as f:
-    json.dump(record, f, indent=1)
+  path = grid.write_record(grid.run_record("nvlink_bench", devices, results=results), FLAGS.out,
+                           "nvlink")
   print(f"wrote {path}")
 
 

@@ -14,8 +14,6 @@ stays out of benchmarks/results/. Needs a GPU.
 
 from __future__ import annotations
 
-import json
-import os
 
 from absl import app, flags
 import jax
@@ -107,11 +105,7 @@ def main(argv, variants=None):
     t, e, k = (int(v) for v in case.split(","))
     results += run_case(t, e, k, FLAGS.mode, FLAGS.tile, FLAGS.repeats, variants,
                         FLAGS.kernel_trace)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  record = grid.run_record("rounding_select_bench", results=results)
-  path = os.path.join(FLAGS.out, grid.results_name(record, "rounding_select"))
-  with open(path, "w") as f:
-    json.dump(record, f, indent=1)
+  path = grid.write_record(grid.run_record("rounding_select_bench", results=results), FLAGS.out, "rounding_select")
   print(table(results))
   for r in results:
     for name, us in r["kernels_us"].items():

@@ -516,3 +516,14 @@ def test_ncu_stalls_read_source_pages(tmp_path, capsys):
       {"SYNCS": 10 / 1100, "BRA": 60 / 1100, "HGMMA": 1030 / 1100})
   assert out["down_projection_mosaic_gpu_kernel#2"] == {"BAR": 1.0}
   assert "long_sb 55" in capsys.readouterr().out
+
+
+def test_extras_fold_bench_checks_the_fold_against_its_reference():
+  """The fold bench checks the kernel (interpreted, a tiny rounding with extra pairs) against the
+  segment-sum reference before timing both."""
+  from benchmarks import extras_fold_bench as bench
+  results = bench.run_case(64, 128, 4, 2, 1, tile=16, interpret=True)
+  assert [r["variant"] for r in results] == ["xla", "kernel"]
+  assert results[1]["extras_used"] > 0 and results[1]["error"] <= 1e-2
+  lines = bench.table(results).splitlines()
+  assert len(lines) == 2 + 2 and all(line.startswith("| 64,128,4,2 | ") for line in lines[2:])

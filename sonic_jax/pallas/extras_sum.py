@@ -13,13 +13,13 @@ and scatter-adds all X rows.
 
 The pairs are sorted by token first (X small integers). One Pallas (Triton) program per sorted
 entry: the program at the first entry of a token's run adds the slot row and the run's rows in
-order in float32, column block by column block, and stores the sum, in the buffer's dtype, over the
-slot row (or the run's first row, whose piece it has already read); every other program returns at
-once. Each row of the buffer belongs to one pair, so no two programs touch the same row: no
-atomics, deterministic. The buffer is updated in place (aliased); the rows are the forward's Y or
-the backward's dX rows, which nothing reads after the gather-sum. Uses Pallas's Triton lowering
-(deprecated in jax 0.11, present in 0.11.2; `AVAILABLE` is False where it is gone). Reference:
-`reference`.
+order in float32, every column block of a row loaded at once, and stores the sum, in the buffer's
+dtype, over the slot row (or the run's first row, which it has already read); every other program
+returns at once. Each row of the buffer belongs to one pair, so no two programs touch the same
+row: no atomics, deterministic. The buffer is updated in place (aliased); the rows are the
+forward's Y or the backward's dX rows, which nothing reads after the gather-sum. Uses Pallas's
+Triton lowering (deprecated in jax 0.11, present in 0.11.2; `AVAILABLE` is False where it is
+gone). Reference: `reference`.
 """
 
 from __future__ import annotations
@@ -105,22 +105,26 @@ def _kernel(token_ref, row_ref, weight_ref, slot_row_ref, slot_weight_ref, rows_
     slot_row = jnp.clip(slot_row, 0, num_rows - 1)
     slot_weight = slot_weight_ref[token] if weighted else jnp.float32(1.0)
     target = jnp.where(has_slot, slot_row, row_ref[i])
-    for c in range(out_ref.shape[1] // bd):
-      columns = pl.ds(c * bd, bd)
+    # Every column block of a row is loaded at once, one accumulator each: a run's loads are
+    # latency-bound, so the chain is one dependent load per row, not one per row and block.
+    blocks = [pl.ds(c * bd, bd) for c in range(out_ref.shape[1] // bd)]
 
-      def more(carry):
-        j, _ = carry
-        return (j < num_extra) & (token_ref[jnp.minimum(j, num_extra - 1)] == token)
+    def weighted_row(row, weight):
+      return tuple(weight * out_ref[row, columns].astype(jnp.float32) for columns in blocks)
 
-      def add(carry):
-        j, acc = carry
-        return j + 1, acc + weight_ref[j] * out_ref[row_ref[j], columns].astype(jnp.float32)
+    def more(carry):
+      j, _ = carry
+      return (j < num_extra) & (token_ref[jnp.minimum(j, num_extra - 1)] == token)
 
-      # where(), not a zero weight: a slot routed nowhere points at a padding row (garbage).
-      start = jnp.where(has_slot, slot_weight * out_ref[slot_row, columns].astype(jnp.float32),
-                        0.0)
-      _, acc = lax.while_loop(more, add, (i, start))
-      out_ref[target, columns] = acc.astype(out_ref.dtype)
+    def add(carry):
+      j, acc = carry
+      return j + 1, tuple(a + b for a, b in zip(acc, weighted_row(row_ref[j], weight_ref[j])))
+
+    # where(), not a zero weight: a slot routed nowhere points at a padding row (garbage).
+    start = tuple(jnp.where(has_slot, piece, 0.0) for piece in weighted_row(slot_row, slot_weight))
+    _, acc = lax.while_loop(more, add, (i, start))
+    for columns, piece in zip(blocks, acc):
+      out_ref[target, columns] = piece.astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -157,7 +161,8 @@ def fold_extras(rows, slot_row, slot_weight, extra_token, extra_row, extra_weigh
       in_specs=[whole] * 6,
       out_specs=whole,
       input_output_aliases={5: 0},
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      # A thread holds d / (32 * num_warps) float32 accumulators.
+      compiler_params=pltriton.CompilerParams(num_warps=4 if d <= 4096 else 8, num_stages=1),
       name="extras_fold",
       interpret=interpret,
   )(token, row, weight, slot_row.astype(jnp.int32),
