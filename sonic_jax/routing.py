@@ -1,7 +1,7 @@
 """Token-choice routers: logits, top-K scores and the auxiliary losses.
 
-A router maps logits (T, E) to `scores` (T, K) float32 and `expert_ids` (T, K) int32. Everything here
-is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient; for
+A router maps logits (T, E) to `scores` (T, K) float32 and `expert_ids` (T, K) int32. Everything
+here is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient; for
 'softmax_topk' one kernel runs the router GEMM and the selection, `router_logits_and_ids`), so the
 router's backward (softmax or sigmoid backward, then the router GEMM's backward) is JAX autodiff
 fed by the score gradient dS that the expert op returns.
@@ -425,7 +425,7 @@ def _rounding_kernel_unsupported(num_tokens: int, num_experts: int, per_expert: 
 
 
 def round_tokens(routed: RouterOutput, tile: int, mode: str,
-                 method: str = "auto") -> RoundedRouting:
+                 method: str = "auto", logits: Array | None = None) -> RoundedRouting:
   """Token rounding of a softmax token-choice routing to multiples of `tile` rows per expert.
 
   With f_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
@@ -442,6 +442,11 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   interpreted off a GPU; T <= 65536), "xla" with XLA's sort and top-K over the (E, T) matrix (the
   kernel's reference), "auto" (default) the kernel on a GPU where it applies, else XLA. The same
   pairs either way.
+
+  logits (T, E), optional: the logits whose softmax `routed.probs` is. The added pairs' weights
+  are then exp(logit - logsumexp(token's logits)) of their own logits: the same values, and a
+  backward of one scatter of the X pairs beside a dense term with a (T,) factor, where gathering
+  from `routed.probs` takes the softmax's backward through a dense (T, E) gradient.
   """
   if mode not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
@@ -471,7 +476,13 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   used = extra_tokens < t_count
   experts = jax.lax.broadcasted_iota(jnp.int32, added.shape, 0).reshape(-1)
   extra_experts = jnp.where(used, experts, e_count)
-  extra_scores = jnp.where(used, probs[jnp.minimum(extra_tokens, t_count - 1), experts], 0.0)
+  token = jnp.minimum(extra_tokens, t_count - 1)
+  if logits is None:
+    extra_scores = jnp.where(used, probs[token, experts], 0.0)
+  else:
+    logits = logits.astype(probs.dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    extra_scores = jnp.where(used, jnp.exp(logits[token, experts] - lse[token]), 0.0)
   return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
 
 
@@ -544,7 +555,7 @@ def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bia
   reason = rounding_unsupported(routing)
   if reason is not None:
     raise ValueError(reason)
-  rounded = round_tokens(routed, tile, token_rounding)
+  rounded = round_tokens(routed, tile, token_rounding, logits=logits)
   scale = get_router(routing).routed_scaling_factor
   if scale != 1.0:  # the added pairs' raw probabilities, scaled as the slot pairs' weights are
     rounded = rounded._replace(extra_scores=rounded.extra_scores * scale)
