@@ -19,7 +19,10 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
 
 A multimodal config holds its language model's as text_config (Llama 4's "llama4", Qwen3.5-MoE's
 "qwen3_5_moe", Gemma 4's "gemma4", Qwen3-VL-MoE's "qwen3_vl_moe", the Qwen3-Omni-MoE thinker's
-and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker"): every function takes either, and
+and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker", GLM-4.5V's "glm4v_moe",
+GLM-5.3-Flash's "glm5_next", DeepSeek-OCR-2's "deepseek_ocr2", Kimi-K2.5's "kimi_k25" (a
+DeepSeek-V3 text config), Step-3.7's "step3p7", MiniMax-M3's "minimax_m3_vl", Aria's "aria",
+dots3's "dots3_note"): every function takes either, and
 `block_state_dict` finds a layer under the text model's keys or the multimodal model's. A whole
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
@@ -39,15 +42,19 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
                 Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
-                V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1,
-                MiniMax-M2, ERNIE 4.5, LFM2-MoE, Hunyuan, Granite, Gemma 4, DeepSeek-V4.)
-                Llama 4: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first) and
-                down_proj (E, n, d): taken as they are.
+                V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear,
+                Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, MiMo-V2-Flash, Step-3.7, Bailing-Hybrid,
+                Solar Open, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2, MiniMax-M3, ERNIE 4.5,
+                LFM2-MoE, Hunyuan, Granite (and Granite-SWA, GraniteMoeHybrid), Gemma 4,
+                DeepSeek-V4.)
+                Llama 4, Aria: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first)
+                and down_proj (E, n, d): taken as they are.
                 gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
                 (gate = [..., 0::2], up = [..., 1::2]) and its bias gate_up_proj_bias (E, 2n) the
                 same way -> w1, b1 as they are, gate_up_layout "interleaved"; down_proj (E, n, d)
                 and down_proj_bias (E, d) -> w2, b2; the router's Linear bias router.bias (E,) ->
-                router_bias (trained, added to the logits).
+                router_bias (trained, added to the logits). The OpenAI privacy filter stores
+                gpt-oss's experts with concat gate/up.
                 DBRX: separate experts.mlp.w1 (gate) and experts.mlp.v1 (up), each (E * n, d),
                 -> w1 = [w1_e^T | v1_e^T]; experts.mlp.w2 (E * n, d) is x-side already ->
                 w2 = reshape (E, n, d).
@@ -57,39 +64,67 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 mosaic_gpu up-projection, the same value to every function here.
   shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
                 Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2/V4, GLM-4.5,
-                GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, AFMoE, dots.llm1, ERNIE 4.5,
-                Llama 4; Hunyuan's shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T],
-                shared_out (s, d) = down^T.
-                Granite (granitemoeshared): the decoder layer's shared_mlp.input_linear.weight
-                (2s, d), gate rows first, -> shared_in = W^T; output_linear.weight (d, s) ->
-                shared_out = W^T. Its state dict is the decoder layer's MoE part:
-                "block_sparse_moe.*" and "shared_mlp.*".
+                GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
+                EXAONE-MoE, Sarvam, AFMoE, Step-3.7, Bailing-Hybrid, Solar Open, dots.llm1,
+                dots3, DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria; Hunyuan's shared_mlp) ->
+                shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                Granite (granitemoeshared, Granite-SWA, GraniteMoeHybrid): the decoder layer's
+                shared_mlp.input_linear.weight (2s, d), gate rows first, -> shared_in = W^T;
+                output_linear.weight (d, s) -> shared_out = W^T. Its state dict is the decoder
+                layer's MoE part: "block_sparse_moe.*" and "shared_mlp.*".
   shared gate   Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE / Qwen3-Omni talker shared_expert_gate.weight
                 (1, d) -> shared_gate (d, 1): the shared output times sigmoid(x @ shared_gate).
   selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
-  bias          GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1; DeepSeek-V4's top-K
-                layers), MiniMax-M2
+  bias          GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
+                EXAONE-MoE, Sarvam, MiMo-V2-Flash, Bailing-Hybrid, Solar Open, dots.llm1, dots3,
+                Step-3.7, MiniMax-M3; DeepSeek-V4's top-K layers), MiniMax-M2
                 e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
 
 The routers (`layer_kwargs`' routing, a `Router`):
 
-  Mixtral, MiniMax, Hunyuan, Granite, ERNIE 4.5, Qwen3.5-MoE, Qwen3-VL-MoE   Router("softmax"):
+  Mixtral, MiniMax, Hunyuan, Granite (-SWA, MoeHybrid), ERNIE 4.5, Qwen3.5-MoE, Qwen3-VL-MoE, Aria
+      Router("softmax"):
       softmax over E, top-K, renormalised (Granite's softmax over the K selected logits is the
       same; ERNIE selects on the probabilities plus its bias). Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
       Qwen3-Omni-MoE (thinker and talker), OLMoE, FlexOlmo: renormalised as norm_topk_prob says;
       Jamba never.
-  DeepSeek-V2    Router("softmax", renormalize=norm_topk_prob, routed_scaling_factor); topk_method
-      "group_limited_greedy": n_group, topk_group, group_score="max".
-  DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-4.7-Flash, Kimi-Linear, EXAONE-MoE, Sarvam, dots.llm1
+  DeepSeek-V2, DeepSeek-OCR-2   Router("softmax", renormalize=norm_topk_prob,
+      routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
+      group_score="max".
+  DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
+  EXAONE-MoE, Sarvam, MiMo-V2-Flash (no shared expert), Bailing-Hybrid, Solar Open, dots.llm1,
+  dots3
       Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group, topk_group,
-      group_score="top2_sum", routed_scaling_factor) with the selection bias (Kimi-Linear's
-      fields: moe_renormalize, num_expert_group, num_shared_experts, num_experts_per_token;
-      EXAONE-MoE's and Sarvam's checkpoints: num_shared_experts). AFMoE: the same with one group,
-      always renormalised, route_scale as the factor. MiniMax-M2: Router("sigmoid") with its
-      bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-6,
-      routed_scaling_factor), the bias where use_expert_bias.
+      group_score="top2_sum", routed_scaling_factor) with the selection bias (Kimi-Linear's and
+      Bailing-Hybrid's fields: moe_renormalize, num_expert_group, num_shared_experts,
+      num_experts_per_token; EXAONE-MoE's and Sarvam's checkpoints: num_shared_experts). AFMoE:
+      the same with one group, always renormalised, route_scale as the factor. MiniMax-M2:
+      Router("sigmoid") with its bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob,
+      renorm_epsilon=1e-6, routed_scaling_factor), the bias where use_expert_bias.
+  GLM-5.3-Flash  DeepSeek-V3's router; the experts and the shared expert compute
+      clamped_swiglu(alpha=1, limit=swiglu_limit, up_offset=0) (DeepSeek-V4's activation).
+  Kimi-K2.5      its text_config is DeepSeek-V3's (model_type "deepseek_v3", or "kimi_k2" as its
+      config.json says: the same family).
+  DeepSeek-OCR-2 DeepSeek-V2's router; its config has no norm_topk_prob: never renormalised.
+  Step-3.7 (its text config, model_type "step3p5")   Router("sigmoid", routed_scaling_factor=
+      moe_router_scaling_factor) with gate.e_score_correction_bias: renormalised without an
+      epsilon, the routed output times the factor; one shared expert of share_expert_dim; SiLU
+      experts whatever hidden_act says. Layers that swiglu_limits or swiglu_limits_shared clamp
+      compute min(silu(gate), limit) * clip(up, -limit, limit), the clamp after the SiLU, which no
+      layer activation does: refused (pass layer= for the others where a config has such layers).
+  MiniMax-M3     Router("sigmoid", routed_scaling_factor) with its gate.e_score_correction_bias;
+      activation clamped_swiglu(swiglu_alpha, swiglu_limit) on concat gate/up, in the experts and
+      in its one shared MLP (shared_intermediate_size), whose shared_experts.gate_up_proj.weight
+      (2s, d), gate rows first, and down_proj.weight (d, s) map as Granite's shared_mlp.
+      Aria: Router("softmax") (softmax over the K best logits); experts stored x-side as Llama 4's
+      (experts.gate_up_proj (E, d, 2n), down_proj (E, n, d)), always SiLU; moe_num_shared_experts
+      shared experts of intermediate_size (hidden_act must be SiLU too). dots3 (Dots3Note):
+      DeepSeek-V3's router, n_shared_experts shared experts of shared_experts_intermediate_size.
+      Granite-SWA and GraniteMoeHybrid: Granite's (with the shared MLP) on the decoder layer's
+      keys. OpenAI privacy filter: gpt-oss's block with concat gate/up (its router's 1/K and the
+      block's factor K cancel).
   gpt-oss        Router("softmax") on logits + router_bias (top-K of them, softmax over the K),
       activation clamped_swiglu(swiglu_alpha, swiglu_limit), interleaved gate/up, expert biases.
   Llama 4        Router("sigmoid", renormalize=False, scale_input=True): top-1 by logit, the
@@ -122,8 +157,10 @@ in float32 even for float64 weights, so a float64 comparison agrees to about 1e-
 
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
 family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
-experts), Switch / NLLB-MoE (capacity-dropping top-1 with
-their own layouts), Cohere2-MoE's "average" shared-expert combination.
+experts), Switch / NLLB-MoE (capacity-dropping top-1 with their own layouts), Cohere2-MoE's
+"average" shared-expert combination, Inkling 2 (softcapped SwiGLU experts), ERNIE-4.5-VL-MoE
+(each token routed within its modality's own expert set), Step-3.7's layers that clamp after
+the SiLU (refused: see above), dots3's vision-tower MoE (not mapped).
 """
 
 from __future__ import annotations
@@ -239,6 +276,18 @@ def _deepseek_v3(c, layer):
                selection_bias=True, **_shared(c.get("n_shared_experts") or 0, n))
 
 
+def _glm5_next(c, layer):
+  """GLM-5.3-Flash: DeepSeek-V3's router and shared experts; the experts' and the shared expert's
+  SwiGLU takes min(gate, swiglu_limit) and up clipped to +-swiglu_limit."""
+  if _glu(c) != "swiglu":  # the routed experts apply SiLU whatever hidden_act says
+    raise ValueError(f"GLM-5.3-Flash hidden_act={c.get('hidden_act')!r}: only SiLU")
+  kw = _deepseek_v3(c, layer)
+  limit = c.get("swiglu_limit")
+  if limit:
+    kw["activation"] = acts.clamped_swiglu(alpha=1.0, limit=float(limit), up_offset=0.0)
+  return kw
+
+
 def _renamed(kwargs, **names: str):
   """`kwargs` for a config that calls some of its fields otherwise (field=its name there)."""
 
@@ -256,6 +305,34 @@ def _afmoe(c, layer):
   n = _get(c, "moe_intermediate_size")
   return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
                selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
+
+
+def _mimo_v2_flash(c, layer):
+  """DeepSeek-V3's router and experts; the block has no shared experts, whatever the config."""
+  return _deepseek_v3({**c, "n_shared_experts": 0}, layer)
+
+
+def _step3p5(c, layer):
+  """Step-3.7's text model: sigmoid scores, selected on scores + the bias, renormalised (no
+  epsilon); the routed output times moe_router_scaling_factor; one shared expert of
+  share_expert_dim. Its experts apply SiLU whatever hidden_act says ("swigluoai" on the Hub)."""
+  if c.get("mlp_bias"):
+    raise ValueError("Step-3.7 mlp_bias=True: the layer's shared expert has no biases")
+  # Clamped layers compute min(silu(gate), limit) * clip(up): the clamp follows the SiLU, which
+  # no layer activation does (clamped_swiglu clamps the gate before it).
+  clamps = {name: c.get(name) or [] for name in ("swiglu_limits", "swiglu_limits_shared")}
+  clamped = sorted({i for v in clamps.values() for i, x in enumerate(v) if x})
+  if layer is None and clamped:
+    raise ValueError(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
+                     f"swiglu_limits_shared): pass layer=")
+  if layer is not None and layer in clamped:
+    raise ValueError(f"Step-3.7 layer {layer} clamps its SwiGLU after the SiLU (swiglu_limits, "
+                     f"swiglu_limits_shared): no sonic_jax activation computes that")
+  router = Router("sigmoid",
+                  routed_scaling_factor=float(c.get("moe_router_scaling_factor") or 1.0))
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
+               router, "swiglu", selection_bias=True,
+               **_shared(1, _get(c, "share_expert_dim", "share_expert_dims")))
 
 
 _SCORINGS = {"sqrtsoftplus": "sqrt_softplus", "sigmoid": "sigmoid", "softmax": "softmax"}
@@ -317,6 +394,45 @@ def _minimax_m2(c, layer):
                Router("sigmoid"), _glu(c), selection_bias=True)
 
 
+def _minimax_m3(c, layer):
+  """MiniMax-M2's router times routed_scaling_factor; gpt-oss's clamped SwiGLU (concat gate/up)
+  in the experts and the shared MLP alike."""
+  router = Router("sigmoid", routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+               router, _swiglu_oai(c), selection_bias=True,
+               **_shared(1, c.get("shared_intermediate_size") or 0))
+
+
+def _aria(c, layer):
+  """Softmax over the K selected logits; SiLU experts, shared ones of hidden_act."""
+  if c.get("mlp_bias"):
+    raise ValueError("Aria mlp_bias=True: the layer's shared experts have no biases")
+  if _glu(c) != "swiglu":  # the routed experts are SiLU whatever hidden_act says
+    raise ValueError(f"Aria hidden_act={c.get('hidden_act')!r}: its shared experts would differ "
+                     f"from its SiLU routed ones; the layer gives both one activation")
+  n = _get(c, "intermediate_size")
+  return _base(c["hidden_size"], _get(c, "moe_num_experts", *_E), n, _get(c, "moe_topk", *_K),
+               Router("softmax"), "swiglu", **_shared(c.get("moe_num_shared_experts") or 0, n))
+
+
+def _dots3(c, layer):
+  """DeepSeek-V3's router; n_shared_experts shared experts of shared_experts_intermediate_size."""
+  kw = _deepseek_v3(c, layer)
+  kw.update(_shared(c.get("n_shared_experts") or 0, c.get("shared_experts_intermediate_size") or 0))
+  return kw
+
+
+def _granite_hybrid(c, layer):
+  if not _get(c, *_E, default=0):
+    raise ValueError("this GraniteMoeHybrid config has num_local_experts=0: no MoE block")
+  return _granite(c, layer)
+
+
+def _privacy_filter(c, layer):
+  """gpt-oss's block with concat gate/up (its router's 1/K and the block's factor K cancel)."""
+  return {**_gpt_oss(c, layer), "gate_up_layout": "concat"}
+
+
 def _ernie(c, layer):
   if c.get("use_bias"):
     raise ValueError("ERNIE 4.5 use_bias=True: the layer's shared experts have no biases")
@@ -341,13 +457,17 @@ def _hunyuan(c, layer):
                **_shared(1, n))
 
 
-def _gpt_oss(c, layer):
-  """Top-K of (logits + router bias), softmax over the K: the softmax over E renormalised."""
+def _swiglu_oai(c):
+  """gpt-oss's clamped SwiGLU from swiglu_alpha and swiglu_limit (by name at its defaults)."""
   act = acts.clamped_swiglu(alpha=float(c.get("swiglu_alpha", 1.702)),
                             limit=float(c.get("swiglu_limit", 7.0)))
-  activation = "clamped_swiglu" if act == acts.ACTIVATIONS["clamped_swiglu"] else act
+  return "clamped_swiglu" if act == acts.ACTIVATIONS["clamped_swiglu"] else act
+
+
+def _gpt_oss(c, layer):
+  """Top-K of (logits + router bias), softmax over the K: the softmax over E renormalised."""
   return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
-               Router("softmax"), activation, gate_up_layout="interleaved", use_bias=True,
+               Router("softmax"), _swiglu_oai(c), gate_up_layout="interleaved", use_bias=True,
                use_router_bias=True)
 
 
@@ -386,11 +506,14 @@ class Family:
   model where a family has both (its released checkpoints), which `block_state_dict` tries too.
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
-  "gpt_oss" (fused_xw with interleaved gate/up and biases) or "dbrx" (separate w1, v1, w2).
+  "gpt_oss" (fused_xw with biases, gate/up as natural_layout says: gpt-oss interleaved) or "dbrx"
+  (separate w1, v1, w2).
   experts_prefix: the experts' key prefix. router_bias, selection_bias: keys (or None);
   selection_bias_shape: its shape in the state dict ((E,) or (1, E)). shared: the shared MLP's key
-  prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj) or "fused" (Granite's
-  input_linear / output_linear); shared_gate: key of the (1, d) shared-expert gate.
+  prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj), "fused" (Granite's
+  input_linear / output_linear) or "gate_up" (MiniMax-M3's gate_up_proj / down_proj: the same
+  (2s, d) and (d, s) Linears); shared_gate: key of the (1, d) shared-expert gate.
+  natural_layout: the order of a "gpt_oss" storage's gate/up columns, the layer's default layout.
   router_scale, expert_scale: keys of Gemma 4's (d,) router input scale and (E,) per-expert scale.
   lookup: key of a table the caller reads, not a parameter (DeepSeek-V4's hash layers'
   gate.tid2eid: expert_ids = tid2eid[input_ids]); the converters pass over it.
@@ -458,12 +581,23 @@ def _families():
       Family("jamba", "JambaSparseMoeBlock", "model.layers.{layer}.feed_forward.",
              _softmax_family("intermediate_size", False), router="router.weight"),
       Family("deepseek_v2", "DeepseekV2Moe", mlp, _deepseek_v2, shared="shared_experts."),
-      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3, **v3),
+      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3, **v3,
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("deepseek_v32", "DeepseekV32MoE", mlp, _deepseek_v3, **v3),
       Family("deepseek_v4", "DeepseekV4SparseMoeBlock", mlp, _deepseek_v4, **v3,
              lookup="gate.tid2eid"),
       Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3, **v3),
       Family("glm4_moe_lite", "Glm4MoeLiteMoE", mlp, _deepseek_v3, **v3),
+      Family("glm5_next_text", "Glm5NextTextMoE", "model.language_model.layers.{layer}.mlp.",
+             _glm5_next, **v3),
+      Family("glm_moe_dsa", "GlmMoeDsaMoE", mlp, _deepseek_v3, **v3),
+      Family("glm4v_moe_text", "Glm4vMoeTextMoE", "model.language_model.layers.{layer}.mlp.",
+             _deepseek_v3, **v3),
+      Family("deepseek_ocr2_text", "DeepseekOcr2TextMoe",
+             "model.language_model.layers.{layer}.mlp.", _deepseek_v2, shared="shared_experts."),
+      # Kimi-K2's config.json names DeepSeek-V3's model "kimi_k2" (Kimi-K2.5's text_config too)
+      Family("kimi_k2", "DeepseekV3MoE", mlp, _deepseek_v3, **v3,
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("dots1", "Dots1MoE", mlp, _deepseek_v3, **v3),
       Family("kimi_linear", "KimiLinearMoE", mlp,
              _renamed(_deepseek_v3, n_group="num_expert_group", norm_topk_prob="moe_renormalize",
@@ -475,8 +609,38 @@ def _families():
       Family("sarvam_mla", "DeepseekV3MoE", mlp, v3_shared_named, **v3),
       Family("afmoe", "AfmoeSparseMoeBlock", mlp, _afmoe, router="router.gate.weight",
              selection_bias="expert_bias", shared="shared_experts."),
+      Family("mimo_v2_flash", "MiMoV2FlashMoE", mlp, _mimo_v2_flash,
+             selection_bias="gate.e_score_correction_bias"),
+      # Step-3.7's text config (model_type "step3p5"), under its multimodal model's keys
+      Family("step3p5", "Step3p7SparseMoeBlock", "model.language_model.layers.{layer}.mlp.",
+             _step3p5, selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+      # Ling 3.0: Kimi-Linear's block and field names
+      Family("bailing_hybrid", "BailingHybridMoE", mlp,
+             _renamed(_deepseek_v3, n_group="num_expert_group", norm_topk_prob="moe_renormalize",
+                      n_shared_experts="num_shared_experts",
+                      num_experts_per_tok="num_experts_per_token"), **v3),
+      Family("solar_open", "SolarOpenMoE", mlp, _deepseek_v3, **v3),
       Family("minimax_m2", "MiniMaxM2SparseMoeBlock", mlp, _minimax_m2,
              selection_bias="e_score_correction_bias"),
+      Family("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", mlp, _minimax_m3,
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts.",
+             shared_kind="gate_up", multimodal_prefix="model.language_model.layers.{layer}.mlp."),
+      Family("aria_text", "AriaTextMoELayer", mlp, _aria, router="router.weight",
+             experts="fused_xw", shared="shared_experts.",
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
+      Family("dots3_note_text", "Dots3NoteTextMoE", mlp, _dots3, **v3,
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
+      Family("granitemoe_swa", "GraniteMoeSWAMoE + the decoder layer's GraniteMoeSWAMLP",
+             "model.layers.{layer}.", _granite, router="block_sparse_moe.router.weight",
+             experts_prefix="block_sparse_moe.experts.", shared="shared_mlp.",
+             shared_kind="fused"),
+      Family("granitemoehybrid",
+             "GraniteMoeHybridMoE + the decoder layer's GraniteMoeHybridMLP",
+             "model.layers.{layer}.", _granite_hybrid, router="block_sparse_moe.router.weight",
+             experts_prefix="block_sparse_moe.experts.", shared="shared_mlp.",
+             shared_kind="fused"),
+      Family("openai_privacy_filter", "OpenAIPrivacyFilterMLP", mlp, _privacy_filter,
+             router="router.weight", experts="gpt_oss", router_bias="router.bias"),
       Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", mlp, _ernie,
              selection_bias="gate.moe_statics.e_score_correction_bias",
              selection_bias_shape="(1, E)", shared="shared_experts."),
@@ -512,7 +676,10 @@ FAMILIES: dict[str, Family] = _families()
 # A multimodal config's model_type -> the model_type of its text_config (the language model's).
 WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
             "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
-            "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text"}
+            "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text", "glm5_next": "glm5_next_text",
+            "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
+            "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
+            "aria": "aria_text", "dots3_note": "dots3_note_text"}
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -598,11 +765,16 @@ def _layout(fam: Family, gate_up_layout: str | None) -> str:
   return layout
 
 
+# shared_kind -> the names of a shared MLP's (2s, d) gate/up Linear and its (d, s) down Linear
+_FUSED_SHARED = {"fused": ("input_linear", "output_linear"),
+                 "gate_up": ("gate_up_proj", "down_proj")}
+
+
 def _shared_keys(fam: Family) -> tuple[str, ...]:
   if fam.shared is None:
     return ()
-  if fam.shared_kind == "fused":
-    return (fam.shared + "input_linear.weight", fam.shared + "output_linear.weight")
+  if fam.shared_kind in _FUSED_SHARED:
+    return tuple(fam.shared + f"{p}.weight" for p in _FUSED_SHARED[fam.shared_kind])
   return tuple(fam.shared + f"{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
@@ -668,8 +840,8 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
     out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), "concat", layout)
     out["w2"] = sd[p + "down_proj"].copy()
   elif fam.experts == "gpt_oss":
-    out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), "interleaved", layout)
-    out["b1"] = _relayout(sd[p + "gate_up_proj_bias"].copy(), "interleaved", layout)
+    out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), fam.natural_layout, layout)
+    out["b1"] = _relayout(sd[p + "gate_up_proj_bias"].copy(), fam.natural_layout, layout)
     out["w2"] = sd[p + "down_proj"].copy()
     out["b2"] = sd[p + "down_proj_bias"].copy()
   else:  # dbrx: (E * n, d) each
@@ -683,7 +855,7 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
   if fam.selection_bias and fam.selection_bias in sd:
     out["selection_bias"] = sd[fam.selection_bias].reshape(-1).copy()
   if fam.shared and _shared_keys(fam)[0] in sd:
-    if fam.shared_kind == "fused":
+    if fam.shared_kind in _FUSED_SHARED:
       w_in, w_out = (sd[k] for k in _shared_keys(fam))
       out["shared_in"] = _relayout(_t(w_in), "concat", layout)
     else:
@@ -720,10 +892,11 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout, "concat"))
     sd[p + "down_proj"] = prm["w2"].copy()
   elif fam.experts == "gpt_oss":
-    sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout, "interleaved"))
+    sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout,
+                                                            fam.natural_layout))
     if "b1" in prm:
       sd[p + "gate_up_proj_bias"] = np.ascontiguousarray(
-          _relayout(prm["b1"], layout, "interleaved"))
+          _relayout(prm["b1"], layout, fam.natural_layout))
     sd[p + "down_proj"] = prm["w2"].copy()
     if "b2" in prm:
       sd[p + "down_proj_bias"] = prm["b2"].copy()
@@ -741,7 +914,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     sd[fam.selection_bias] = prm["selection_bias"].reshape(shape).copy()
   if fam.shared and "shared_in" in prm:
     keys = _shared_keys(fam)
-    if fam.shared_kind == "fused":
+    if fam.shared_kind in _FUSED_SHARED:
       sd[keys[0]] = _t(_relayout(prm["shared_in"], layout, "concat"))
     else:
       gate, up = _split(prm["shared_in"], layout)

@@ -141,11 +141,43 @@ CASES: dict[str, Case] = {
                      overrides=_GLM),
     "glm4_moe_lite": Case("glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLiteMoE", "gate",
                           fields=_V3_FIELDS, overrides=_GLM),
+    # GLM-4.5's router, clamped SwiGLU experts: a limit that the random pre-activations cross on
+    # the CPU, its own (10) on the GPU (see gpt-oss); its attention wants as many kv heads as heads
+    "glm5_next_text": Case("glm5_next_text", "glm5_next", "Glm5NextTextMoE", "gate",
+                           fields=_V3_FIELDS,
+                           overrides=_GLM + (("num_key_value_heads", 4), ("swiglu_limit", 1.25)),
+                           gpu_overrides=_GLM + (("num_key_value_heads", 4),)),
+    "glm_moe_dsa": Case("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaMoE", "gate", fields=_V3_FIELDS,
+                        overrides=_GLM),
+    "glm4v_moe_text": Case("glm4v_moe_text", "glm4v_moe", "Glm4vMoeTextMoE", "gate",
+                           fields=_V3_FIELDS, overrides=_GLM),
+    # DeepSeek-V2's block (no norm_topk_prob)
+    "deepseek_ocr2_text": Case("deepseek_ocr2_text", "deepseek_ocr2", "DeepseekOcr2TextMoe", "gate",
+                               fields=_V3_FIELDS,
+                               overrides=(("n_shared_experts", 2),
+                                          ("topk_method", "group_limited_greedy"), ("n_group", 2),
+                                          ("topk_group", 1), ("routed_scaling_factor", 1.5))),
     "sarvam_moe": Case("sarvam_moe", "glm4_moe", "Glm4MoeMoE", "gate", fields=_V3_FIELDS,
                        overrides=_GLM),
     # GLM-4.5's router (one group, renormalised) with its own field names
     "afmoe": Case("afmoe", "afmoe", "AfmoeSparseMoeBlock", "router", fields=_QWEN_FIELDS,
                   overrides=(("num_shared_experts", 1), ("route_scale", 2.5))),
+    # DeepSeek-V3's router, no shared expert
+    "mimo_v2_flash": Case("mimo_v2_flash", "mimo_v2_flash", "MiMoV2FlashMoE", "gate",
+                          fields=_V3_FIELDS,
+                          overrides=(("n_group", 4), ("topk_group", 2), ("norm_topk_prob", True),
+                                     ("routed_scaling_factor", 2.5))),
+    "step3p5": Case("step3p5", "step3p7", "Step3p7SparseMoeBlock", "gate", fields=_V3_FIELDS,
+                    overrides=(("share_expert_dim", "n"), ("moe_router_scaling_factor", 2.5))),
+    # Kimi-Linear's block and field names
+    "bailing_hybrid": Case("bailing_hybrid", "bailing_hybrid", "BailingHybridMoE", "gate",
+                           fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                                   "num_experts_per_token"),
+                           overrides=(("num_shared_experts", 1), ("num_expert_group", 4),
+                                      ("topk_group", 2), ("moe_renormalize", True),
+                                      ("routed_scaling_factor", 2.5))),
+    "solar_open": Case("solar_open", "solar_open", "SolarOpenMoE", "gate", fields=_V3_FIELDS,
+                       overrides=_GLM),
     "dots1": Case("dots1", "dots1", "Dots1MoE", "gate", fields=_V3_FIELDS,
                   overrides=(("n_shared_experts", 2), ("n_group", 1), ("topk_group", 1),
                              ("norm_topk_prob", False), ("routed_scaling_factor", 2.5))),
@@ -155,6 +187,36 @@ CASES: dict[str, Case] = {
                        overrides=(("num_shared_experts", 2), ("n_group", 1), ("topk_group", 1),
                                   ("norm_topk_prob", False), ("routed_scaling_factor", 2.5))),
     "minimax_m2": Case("minimax_m2", "minimax_m2", "MiniMaxM2SparseMoeBlock", "gate"),
+    # a clamp limit that the random pre-activations cross on the CPU, the default on the GPU
+    "minimax_m3_vl_text": Case("minimax_m3_vl_text", "minimax_m3_vl", "MiniMaxM3VLSparseMoeBlock",
+                               "gate", overrides=(("shared_intermediate_size", "2n"),
+                                                  ("routed_scaling_factor", 1.5),
+                                                  ("swiglu_limit", 1.25)),
+                               gpu_overrides=(("shared_intermediate_size", "2n"),
+                                              ("routed_scaling_factor", 1.5))),
+    # Granite-with-shared's program (Router("softmax"), a shared MLP of width 2n)
+    "aria_text": Case("aria_text", "aria", "AriaTextMoELayer", "router",
+                      fields=("hidden_size", "moe_num_experts", "intermediate_size", "moe_topk"),
+                      overrides=(("moe_num_shared_experts", 2),)),
+    # dots.llm1's program: its shared width 2n, one expert of shared_experts_intermediate_size
+    "dots3_note_text": Case("dots3_note_text", "dots3_note", "Dots3NoteTextMoE", "gate",
+                            fields=_V3_FIELDS,
+                            overrides=(("n_shared_experts", 1),
+                                       ("shared_experts_intermediate_size", "2n"), ("n_group", 1),
+                                       ("topk_group", 1), ("norm_topk_prob", False),
+                                       ("routed_scaling_factor", 2.5),
+                                       ("num_key_value_heads", 4))),
+    "granitemoe_swa": Case("granitemoe_swa", "granitemoe_swa", "GraniteMoeSWAMoE",
+                           "block_sparse_moe.router",
+                           overrides=(("shared_intermediate_size", "2n"),)),
+    # (its config's Mamba heads must divide 2d)
+    "granitemoehybrid": Case("granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridMoE",
+                             "block_sparse_moe.router",
+                             overrides=(("shared_intermediate_size", "2n"), ("mamba_n_heads", 8))),
+    # gpt-oss's program in the concat layout (its other-layout test), its limit likewise
+    "openai_privacy_filter": Case("openai_privacy_filter", "openai_privacy_filter",
+                                  "OpenAIPrivacyFilterMLP", "router",
+                                  overrides=(("swiglu_limit", 1.25),), gpu_overrides=()),
     "ernie4_5_moe": Case("ernie4_5_moe", "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", "gate",
                          fields=("hidden_size", "moe_num_experts", "moe_intermediate_size",
                                  "moe_k"),
@@ -236,14 +298,14 @@ def make_block(case: Case, config):
   import torch
   module = importlib.import_module(f"transformers.models.{case.module}.modeling_{case.module}")
   block_cls = getattr(module, case.block)
-  if case.model_type == "granitemoeshared":
+  if case.model_type in ("granitemoeshared", "granitemoe_swa", "granitemoehybrid"):
     # The shared MLP lives in the decoder layer, beside `block_sparse_moe`: this block holds both
     # under the layer's attribute names, so its keys are the layer's (without the layer prefix).
     class GraniteMoeSharedBlock(torch.nn.Module):
       def __init__(self):
         super().__init__()
         self.block_sparse_moe = block_cls(config)
-        self.shared_mlp = module.GraniteMoeSharedMLP(config)
+        self.shared_mlp = getattr(module, case.block[:-len("MoE")] + "MLP")(config)
 
       def forward(self, x):
         return self.block_sparse_moe(x) + self.shared_mlp(x)
@@ -284,6 +346,8 @@ def make_block(case: Case, config):
     return HashRouted()
   if case.model_type == "dbrx":
     return block_cls(config=config)
+  if case.model_type == "step3p5":
+    return block_cls(config, layer_idx=0)
   if case.model_type == "hunyuan_v1_moe":
     return block_cls(config, layer_idx=0)
   return block_cls(config)

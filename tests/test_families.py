@@ -181,13 +181,17 @@ def _without(layer, feature):
 
 @pytest.mark.parametrize("case, feature", [
     ("deepseek_v3", "selection bias"), ("minimax_m2", "selection bias"),
+    ("minimax_m3_vl_text", "selection bias"), ("minimax_m3_vl_text", "clamp"),
+    ("dots3_note_text", "selection bias"), ("openai_privacy_filter", "clamp"),
     ("ernie4_5_moe", "selection bias"), ("lfm2_moe", "selection bias"),
     ("deepseek_v32", "selection bias"), ("kimi_linear", "selection bias"),
     ("glm4_moe_lite", "selection bias"), ("exaone_moe", "selection bias"),
-    ("afmoe", "selection bias"), ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
+    ("afmoe", "selection bias"), ("mimo_v2_flash", "selection bias"), ("mimo_v2_flash", "groups"),
+    ("step3p5", "selection bias"), ("bailing_hybrid", "groups"), ("solar_open", "selection bias"),
+    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
     ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale"),
-    ("deepseek_v4", "selection bias"), ("deepseek_v4", "clamp")])
+    ("deepseek_v4", "selection bias"), ("deepseek_v4", "clamp"), ("glm5_next_text", "clamp")])
 def test_reference_cases_exercise_their_family_features(references, case, feature):
   """The random cases are not degenerate: without the feature the layer misses the block. (The
   program of test_layer_matches_transformers_block: a feature that is a value, not part of the
@@ -209,8 +213,9 @@ def _first_case_of_each(key) -> list[str]:
 
 
 def _gate_up_storage(fam: hf.Family):
-  """Where a family keeps the columns that a gate/up layout orders: experts, shared MLP."""
-  return fam.experts, fam.shared_kind if fam.shared else None
+  """Where and in what order a family keeps the columns that a gate/up layout orders: experts
+  (and their stored layout), shared MLP."""
+  return fam.experts, fam.natural_layout, fam.shared_kind if fam.shared else None
 
 
 # One case per gate/up storage: the converters' column permutation depends on nothing else.
@@ -286,12 +291,42 @@ def _expected_kwargs(case):
       **dict.fromkeys(("glm4_moe", "glm4_moe_lite", "sarvam_moe"), dict(
           routing=v3(routed_scaling_factor=2.5), num_shared_experts=1, shared_expert_dim=n,
           bias_update_rate=1e-3)),
+      **dict.fromkeys(("glm_moe_dsa", "glm4v_moe_text"), dict(
+          routing=v3(routed_scaling_factor=2.5), num_shared_experts=1, shared_expert_dim=n,
+          bias_update_rate=1e-3)),
+      "glm5_next_text": dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
+                             routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
+                             shared_expert_dim=n, bias_update_rate=1e-3),
+      "deepseek_ocr2_text": dict(routing=Router("softmax", renormalize=False, n_group=2,
+                                                topk_group=1, group_score="max",
+                                                routed_scaling_factor=1.5),
+                                 num_shared_experts=2, shared_expert_dim=n),
       "afmoe": dict(routing=Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5),
                     num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
+      "mimo_v2_flash": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
+                            bias_update_rate=1e-3),
+      "step3p5": dict(routing=Router("sigmoid", routed_scaling_factor=2.5), num_shared_experts=1,
+                      shared_expert_dim=n, bias_update_rate=1e-3),
+      "bailing_hybrid": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
+                             num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
+      "solar_open": dict(routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
+                         shared_expert_dim=n, bias_update_rate=1e-3),
       **dict.fromkeys(("dots1", "exaone_moe"), dict(
           routing=v3(renormalize=False, routed_scaling_factor=2.5), num_shared_experts=2,
           shared_expert_dim=n, bias_update_rate=1e-3)),
       "minimax_m2": dict(routing=Router("sigmoid"), bias_update_rate=1e-3),
+      "minimax_m3_vl_text": dict(activation=clamped_swiglu(alpha=1.702, limit=1.25),
+                                 routing=Router("sigmoid", routed_scaling_factor=1.5),
+                                 num_shared_experts=1, shared_expert_dim=2 * n,
+                                 bias_update_rate=1e-3),
+      "aria_text": dict(num_shared_experts=2, shared_expert_dim=n),
+      "dots3_note_text": dict(routing=v3(renormalize=False, routed_scaling_factor=2.5),
+                              num_shared_experts=1, shared_expert_dim=2 * n,
+                              bias_update_rate=1e-3),
+      **dict.fromkeys(("granitemoe_swa", "granitemoehybrid"),
+                      dict(num_shared_experts=1, shared_expert_dim=2 * n)),
+      "openai_privacy_filter": dict(activation=clamped_swiglu(alpha=1.702, limit=1.25),
+                                    use_bias=True, use_router_bias=True),
       "ernie4_5_moe": dict(num_shared_experts=2, shared_expert_dim=n, bias_update_rate=1e-3),
       "lfm2_moe": dict(routing=Router("sigmoid", renorm_epsilon=1e-6, routed_scaling_factor=1.5),
                        bias_update_rate=1e-3),
@@ -358,11 +393,18 @@ MINIMAL_CONFIGS = {
     "gemma4": dict(text_config=dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
                                     top_k_experts=2, enable_moe_block=True,
                                     hidden_activation="gelu_pytorch_tanh")),
+    # a checkpoint's config.json: the text_config's legacy names, no model_type, "swigluoai"
+    "step3p7": dict(text_config=dict(hidden_size=32, moe_num_experts=4, moe_intermediate_size=16,
+                                     moe_top_k=2, share_expert_dims=24,
+                                     hidden_act="swigluoai")),
     "granitemoeshared": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
                              num_experts_per_tok=2, shared_intermediate_size=8),
     "hunyuan_v1_moe": dict(hidden_size=32, num_experts=[4, 6], intermediate_size=16,
                            moe_topk=[2, 3]),
     "dbrx": dict(d_model=32, ffn_config=dict(moe_num_experts=4, ffn_hidden_size=16, moe_top_k=2)),
+    "minimax_m3_vl": dict(text_config=dict(hidden_size=32, num_local_experts=4,
+                                           intermediate_size=16, num_experts_per_tok=2,
+                                           shared_intermediate_size=8)),
 }
 
 
@@ -396,6 +438,20 @@ def test_layer_kwargs_read_the_names_of_the_checkpoints():
   assert hf.layer_kwargs(ours)["num_shared_experts"] == 2
 
 
+def test_step3p5_refuses_its_clamped_layers():
+  """Step-3.7's clamped layers (SiLU, then the clamp) have no layer activation: refused, the
+  others read."""
+  config = {"model_type": "step3p7", "text_config": {
+      **MINIMAL_CONFIGS["step3p7"]["text_config"], "swiglu_limits_shared": [0.0, 16.0]}}
+  with pytest.raises(ValueError, match="pass layer="):
+    hf.layer_kwargs(config)
+  with pytest.raises(ValueError, match="layer 1 clamps"):
+    hf.layer_kwargs(config, layer=1)
+  kw = hf.layer_kwargs(config, layer=0)
+  assert (kw["activation"], kw["num_experts"], kw["top_k"], kw["shared_expert_dim"]) == (
+      "swiglu", 4, 2, 24)
+
+
 def test_deepseek_v4_layers_of_both_kinds():
   """No torch needed: DeepSeek-V4's first layers are hash-routed (no selection bias; its table
   gate.tid2eid the caller's), the rest top-K: the converters take layer= and say so without it;
@@ -423,6 +479,20 @@ def test_deepseek_v4_layers_of_both_kinds():
     again = hf.layer_params_from_hf(config, {**state, **table}, layer=layer)
     assert all(np.array_equal(again[k], v) for k, v in
                hf.layer_params_from_hf(config, state, layer=layer).items())
+
+
+def test_kimi_k25_language_model_is_deepseek_v3():
+  """Kimi-K2.5's text_config is DeepSeek-V3's, its model_type "deepseek_v3" (transformers'
+  to_dict) or "kimi_k2" (its config.json); its layers' keys are under model.language_model."""
+  v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3")
+  for name in ("deepseek_v3", "kimi_k2"):
+    config = dict(model_type="kimi_k25", text_config=dict(v3, model_type=name))
+    assert hf.layer_kwargs(config) == hf.layer_kwargs(v3)
+    state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+    assert set(state) == set(hf.hf_keys(v3))
+    model = {f"model.language_model.layers.3.mlp.{k}": v for k, v in state.items()}
+    block = hf.block_state_dict(model, config, 3)
+    assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
 
 
 def test_converters_refuse_a_state_dict_that_does_not_fit():
