@@ -220,7 +220,8 @@ def readme_table(runs):
     lines.append(f"| {_cfg(cfg)} | " + " | ".join(speeds) + f" | {' / '.join(memory)} |")
   runs_text = "; ".join(f"{k}, {', '.join(sorted(v))}" for k, v in sources.items())
   return ("\n".join(lines) + "\n\nTF/s, bfloat16, SwiGLU, FLOPs as the SonicMoE paper counts them. "
-          f"{runs_text}. Method and all 12 configurations: BENCHMARKS.md.")
+          f"{runs_text}. Columns are separate runs; GPUs of one kind differ by up to 8%. "
+          "Method, 12 configurations: BENCHMARKS.md.")
 
 
 def kernels_table(runs):
@@ -338,9 +339,9 @@ METHOD = """\
   its run label; rows of different runs come from different device calls, possibly different GPUs
   of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs where
   the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.
-- **Re-running** (the GPU machines have no network: the baselines' wheels are copied to them from
-  the ignored folders `.whl` and `.sonic`, fetched on a CPU machine by
-  `bash benchmarks/wheels.sh tokamax|sonicmoe`):
+- **Re-running** (the baselines' wheels come from the ignored folders `.whl` and `.sonic`, which
+  `bash benchmarks/wheels.sh tokamax|sonicmoe` fills on a machine with network access, for a GPU
+  host without it):
   sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes:
   `bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the
   upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit
@@ -358,11 +359,12 @@ METHOD = """\
   `.whl` for tokamax), 2-4 minutes a run of the OLMoE preset (a machine's first run also builds
   the corpus's BPE: give it a longer `--timeout`):
   `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
-  Copy the results JSON from `$OUT` into `benchmarks/results/`, then `python -m benchmarks.report`.
+  The scripts write their results JSON to `$OUT` (default `bench_out`): copy it into
+  `benchmarks/results/`, then `python -m benchmarks.report`.
 - **Two versions of the code** are compared in one device call, alternating, since timings compare
   only within one machine and one call: `bash tools/ab_trees.sh prepare REF` on the CPU machine,
-  then, carrying `.cache/ab_base`, `bash tools/ab_trees.sh run --rounds=2 -- CMD` on the GPU
-  machine (CMD writes to `$AB_OUT`).
+  then, with `.cache/ab_base` copied to the GPU machine, `bash tools/ab_trees.sh run --rounds=2
+  -- CMD` there (CMD writes to `$AB_OUT`).
 """
 
 
@@ -452,8 +454,8 @@ def benchmarks_md(found):
     from benchmarks.nvlink_bench import table as nvlink_table
     labelled = _labelled(found["nvlink"])
     parts.append("## NVLink peer copies\n\nCandidate transports for expert-parallel dispatch "
-                 "and combine (`sonic_jax.mosaic_gpu.peer_copy`; the layer does not use them "
-                 "yet) against NCCL, every device of one host:\n\n"
+                 "and combine (`sonic_jax.mosaic_gpu.peer_copy`; the layer does not use them) "
+                 "against NCCL, every device of one host:\n\n"
                  f"{runs_legend(labelled)}\n\nAll-gather of a (rows, d) bf16 array "
                  "per device: NCCL (`jax.lax.all_gather`) against TMA stores into each peer's "
                  "output. Row gather of half of each peer's rows in random order: NCCL's "
