@@ -16,9 +16,11 @@ from typing import Any
 class Config:
   """Implementation choices of `sonic_jax.moe`, `sonic_jax.parallel` and `sonic_jax.layers.MoE`.
 
-  router_kernel_max_experts: on a GPU, "softmax_topk" routing with 16-bit x and router weight runs
-    the router GEMM and the top-K selection as one Pallas kernel up to this many experts E (it
-    reads the whole weight per program, so it loses to two kernels at large E); 0: never.
+  router_kernel_max_experts: on a GPU, a routing whose selection ranks the logits ("softmax_topk",
+    "topk_softmax", ...; no selection bias on the scores, no group limit, no router_bias), with x
+    and the router weight in one 16-bit dtype (a float32 router weight never takes it), runs the
+    router GEMM and the top-K selection as one Pallas kernel up to this many experts E (it reads
+    the whole weight per program, so it loses to two kernels at large E); 0: never.
   layout_kernel_max_experts: on a GPU, the grouped layout of a top-K routing comes from a
     block-rank counting kernel up to this many experts (E rounded up to a power of two; its work
     per pair grows with E), else from a sort of the expert ids; 0: never.

@@ -113,6 +113,7 @@ def native_ragged_all_to_all() -> bool:
 
 
 def resolve_transport(transport: str) -> str:
+  """The transport `transport` (one of `TRANSPORTS`) stands for: "auto" is "dense"."""
   if transport not in TRANSPORTS:
     raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
   return "dense" if transport == "auto" else transport

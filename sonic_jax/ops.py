@@ -417,7 +417,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   Gradients flow to x (through the experts and the router, or router_input), router_weight,
   router_bias, expert_scale, w1, w2, b1 and b2. The backward keeps only x (and router_input where
   given, for the router GEMM's gradient), the pre-activation H, the scores and integer routing
-  metadata.
+  metadata, beside what autodiff keeps for the router's scores outside the expert op (at most a
+  few (T, E) or (T, K) float arrays, e.g. the probabilities).
   """
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,

@@ -144,6 +144,9 @@ def get_router(routing: str | Router) -> Router:
 
 
 class RouterOutput(NamedTuple):
+  """A token-choice routing (`route`): each token's K experts, their weights, and the per-token
+  distribution over all E that the balance losses use."""
+
   scores: Array  # (T, K) float32 (float64 for float64 logits), the weight of each selected expert
   expert_ids: Array  # (T, K) int32
   probs: Array  # (T, E), the per-expert probabilities that the load-balance loss uses

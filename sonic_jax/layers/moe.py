@@ -38,6 +38,10 @@ class SelectionBias(nnx.Variable):
 
 
 class MoELayerAux(NamedTuple):
+  """What `MoE.__call__` returns beside the output: the layer's weighted auxiliary loss, to add to
+  the training loss, and `stats`, the op's `sonic_jax.MoEAux` (routing, counts, unweighted
+  losses)."""
+
   loss: Array  # () load_balance_coef * (the balance loss) + z_loss_coef * z_loss: add it to yours
   stats: MoEAux  # routing results and the unweighted losses (load_balance_loss: the one in `loss`)
 
