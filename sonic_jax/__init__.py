@@ -12,6 +12,18 @@ from sonic_jax.routing import (ROUTINGS, TOKEN_ROUNDINGS, Router, hf_load_balanc
 
 __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it from here
 
+# Subpackages imported on first use (`sonic_jax.layers.MoE` after `import sonic_jax`), so that
+# importing the functional op does not import Flax, the parallel ops or the checkpoint converters.
+_SUBMODULES = ("hf", "layers", "mosaic_gpu", "pallas", "parallel")
+
+
+def __getattr__(name):
+  if name in _SUBMODULES:
+    import importlib
+    return importlib.import_module(f"sonic_jax.{name}")
+  raise AttributeError(f"module 'sonic_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "ACTIVATIONS", "BACKENDS", "Activation", "Config", "ExpertsAux", "GATE_UP_LAYOUTS", "ROUTINGS",
     "Router", "TOKEN_ROUNDINGS", "GroupedLayout", "MoEAux", "build_grouped_layout",

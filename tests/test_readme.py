@@ -38,3 +38,15 @@ def test_readme_quickstart_runs(index, tmp_path):
   done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_subpackages_load_on_first_use():
+  """`import sonic_jax` then `sonic_jax.layers.MoE` (and the other subpackages) works; an unknown
+  attribute is still an AttributeError."""
+  import sonic_jax  # the README names the layer sonic_jax.layers.MoE
+  from sonic_jax.layers import MoE
+  from sonic_jax.parallel import moe_all_gather
+  assert sonic_jax.layers.MoE is MoE and sonic_jax.parallel.moe_all_gather is moe_all_gather
+  assert "deepseek_v3" in sonic_jax.hf.FAMILIES
+  with pytest.raises(AttributeError, match="no_such_name"):
+    sonic_jax.no_such_name  # noqa: B018
