@@ -85,11 +85,10 @@ def main(argv):
   for case in FLAGS.case or DEFAULT_CASES:
     t, d, e, k = (int(v) for v in case.split(","))
     results += run_case(t, d, e, k, FLAGS.repeats, kernel_trace=FLAGS.kernel_trace)
-  path = grid.write_record(grid.run_record("extras_fold_bench", results=results), FLAGS.out, "extras_fold")
+  record = grid.run_record("extras_fold_bench", results=results)
+  path = grid.write_record(record, FLAGS.out, "extras_fold")
   print(table(results))
-  for r in results:
-    for name, us in r["kernels_us"].items():
-      print(f"  {r['T']},{r['d']},{r['E']},{r['K']} {r['variant']:<6} {us:8.1f} us  {name[:60]}")
+  grid.print_kernels(results, ("T", "d", "E", "K"))
   print("wrote", path)
 
 

@@ -106,7 +106,8 @@ def main(argv):
   for case in FLAGS.case or DEFAULT_CASES:
     t, d, k = (int(v) for v in case.split(","))
     results += run_case(t, d, k, FLAGS.repeats)
-  path = grid.write_record(grid.run_record("gather_sum_bench", results=results), FLAGS.out, "gather_sum")
+  record = grid.run_record("gather_sum_bench", results=results)
+  path = grid.write_record(record, FLAGS.out, "gather_sum")
   print(table(results))
   print("wrote", path)
 

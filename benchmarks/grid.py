@@ -147,6 +147,14 @@ def interpret_mode(enabled=True):
     yield
 
 
+def print_kernels(results, case_fields):
+  """Each result's traced kernels ("kernels_us": {name: device us per call}), one line each."""
+  for r in results:
+    for name, us in r["kernels_us"].items():
+      case = ",".join(str(r[f]) for f in case_fields)
+      print(f"  {case} {r['variant'][:24]:<24} {us:8.1f} us  {name[:70]}")
+
+
 def variants_table(results, case_fields, columns=()):
   """A markdown table of timed variants against the "xla" variant of the same case: one row per
   result, each case's rows fastest first. case_fields: the result fields naming a case (joined by

@@ -105,11 +105,10 @@ def main(argv, variants=None):
     t, e, k = (int(v) for v in case.split(","))
     results += run_case(t, e, k, FLAGS.mode, FLAGS.tile, FLAGS.repeats, variants,
                         FLAGS.kernel_trace)
-  path = grid.write_record(grid.run_record("rounding_select_bench", results=results), FLAGS.out, "rounding_select")
+  record = grid.run_record("rounding_select_bench", results=results)
+  path = grid.write_record(record, FLAGS.out, "rounding_select")
   print(table(results))
-  for r in results:
-    for name, us in r["kernels_us"].items():
-      print(f"  {r['T']},{r['E']},{r['K']} {r['variant'][:24]:<24} {us:8.1f} us  {name[:70]}")
+  grid.print_kernels(results, ("T", "E", "K"))
   print("wrote", path)
 
 

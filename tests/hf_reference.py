@@ -71,6 +71,14 @@ _V3_FIELDS = ("hidden_size", "n_routed_experts", "moe_intermediate_size", "num_e
 # DeepSeek-V3's router with groups, and with one group (GLM-4.5)
 _V3 = (("n_shared_experts", 1), ("n_group", 4), ("topk_group", 2), ("norm_topk_prob", True),
        ("routed_scaling_factor", 2.5))
+# DeepSeek-V2's group-limited router: one group of 4 kept, K = 2 from it (with K <= topk_group a
+# max-scored group limit never changes the top-K)
+_V2 = (("n_shared_experts", 2), ("topk_method", "group_limited_greedy"), ("n_group", 2),
+       ("topk_group", 1), ("routed_scaling_factor", 1.5))
+# DeepSeek-V3's under Kimi-Linear's field names
+_KIMI_FIELDS = ("hidden_size", "num_experts", "moe_intermediate_size", "num_experts_per_token")
+_KIMI = (("num_shared_experts", 1), ("num_expert_group", 4), ("topk_group", 2),
+         ("moe_renormalize", True), ("routed_scaling_factor", 2.5))
 _GLM = (("n_shared_experts", 1), ("n_group", 1), ("topk_group", 1), ("norm_topk_prob", True),
         ("routed_scaling_factor", 2.5))
 
@@ -119,24 +127,15 @@ CASES: dict[str, Case] = {
                   fields=("hidden_size", "num_experts", "intermediate_size",
                           "num_experts_per_tok")),
     "deepseek_v2": Case("deepseek_v2", "deepseek_v2", "DeepseekV2Moe", "gate", fields=_V3_FIELDS,
-                        # one group of 4 kept: K = 2 from it (with K <= topk_group a max-scored
-                        # group limit never changes the top-K)
-                        overrides=(("n_shared_experts", 2), ("topk_method", "group_limited_greedy"),
-                                   ("n_group", 2), ("topk_group", 1),
-                                   ("routed_scaling_factor", 1.5))),
+                        overrides=_V2),
     "deepseek_v3": Case("deepseek_v3", "deepseek_v3", "DeepseekV3MoE", "gate",
                         fields=_V3_FIELDS, overrides=_V3),
     "deepseek_v32": Case("deepseek_v32", "deepseek_v32", "DeepseekV32MoE", "gate",
                          fields=_V3_FIELDS, overrides=_V3),
     "sarvam_mla": Case("sarvam_mla", "deepseek_v3", "DeepseekV3MoE", "gate", fields=_V3_FIELDS,
                        overrides=_V3),
-    # DeepSeek-V3's under Kimi-Linear's field names
     "kimi_linear": Case("kimi_linear", "kimi_linear", "KimiLinearMoE", "gate",
-                        fields=("hidden_size", "num_experts", "moe_intermediate_size",
-                                "num_experts_per_token"),
-                        overrides=(("num_shared_experts", 1), ("num_expert_group", 4),
-                                   ("topk_group", 2), ("moe_renormalize", True),
-                                   ("routed_scaling_factor", 2.5))),
+                        fields=_KIMI_FIELDS, overrides=_KIMI),
     "glm4_moe": Case("glm4_moe", "glm4_moe", "Glm4MoeMoE", "gate", fields=_V3_FIELDS,
                      overrides=_GLM),
     "glm4_moe_lite": Case("glm4_moe_lite", "glm4_moe_lite", "Glm4MoeLiteMoE", "gate",
@@ -153,10 +152,7 @@ CASES: dict[str, Case] = {
                            fields=_V3_FIELDS, overrides=_GLM),
     # DeepSeek-V2's block (no norm_topk_prob)
     "deepseek_ocr2_text": Case("deepseek_ocr2_text", "deepseek_ocr2", "DeepseekOcr2TextMoe", "gate",
-                               fields=_V3_FIELDS,
-                               overrides=(("n_shared_experts", 2),
-                                          ("topk_method", "group_limited_greedy"), ("n_group", 2),
-                                          ("topk_group", 1), ("routed_scaling_factor", 1.5))),
+                               fields=_V3_FIELDS, overrides=_V2),
     "sarvam_moe": Case("sarvam_moe", "glm4_moe", "Glm4MoeMoE", "gate", fields=_V3_FIELDS,
                        overrides=_GLM),
     # GLM-4.5's router (one group, renormalised) with its own field names
@@ -171,11 +167,7 @@ CASES: dict[str, Case] = {
                     overrides=(("share_expert_dim", "n"), ("moe_router_scaling_factor", 2.5))),
     # Kimi-Linear's block and field names
     "bailing_hybrid": Case("bailing_hybrid", "bailing_hybrid", "BailingHybridMoE", "gate",
-                           fields=("hidden_size", "num_experts", "moe_intermediate_size",
-                                   "num_experts_per_token"),
-                           overrides=(("num_shared_experts", 1), ("num_expert_group", 4),
-                                      ("topk_group", 2), ("moe_renormalize", True),
-                                      ("routed_scaling_factor", 2.5))),
+                           fields=_KIMI_FIELDS, overrides=_KIMI),
     "solar_open": Case("solar_open", "solar_open", "SolarOpenMoE", "gate", fields=_V3_FIELDS,
                        overrides=_GLM),
     "dots1": Case("dots1", "dots1", "Dots1MoE", "gate", fields=_V3_FIELDS,

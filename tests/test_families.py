@@ -290,10 +290,8 @@ def _expected_kwargs(case):
       **dict.fromkeys(("deepseek_v3", "deepseek_v32", "sarvam_mla", "kimi_linear"), dict(
           routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5), num_shared_experts=1,
           shared_expert_dim=n, bias_update_rate=1e-3)),
-      **dict.fromkeys(("glm4_moe", "glm4_moe_lite", "sarvam_moe"), dict(
-          routing=v3(routed_scaling_factor=2.5), num_shared_experts=1, shared_expert_dim=n,
-          bias_update_rate=1e-3)),
-      **dict.fromkeys(("glm_moe_dsa", "glm4v_moe_text"), dict(
+      **dict.fromkeys(("glm4_moe", "glm4_moe_lite", "sarvam_moe", "glm_moe_dsa", "glm4v_moe_text",
+                       "solar_open"), dict(
           routing=v3(routed_scaling_factor=2.5), num_shared_experts=1, shared_expert_dim=n,
           bias_update_rate=1e-3)),
       "glm5_next_text": dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
@@ -311,8 +309,6 @@ def _expected_kwargs(case):
                       shared_expert_dim=n, bias_update_rate=1e-3),
       "bailing_hybrid": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
                              num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
-      "solar_open": dict(routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
-                         shared_expert_dim=n, bias_update_rate=1e-3),
       **dict.fromkeys(("dots1", "exaone_moe"), dict(
           routing=v3(renormalize=False, routed_scaling_factor=2.5), num_shared_experts=2,
           shared_expert_dim=n, bias_update_rate=1e-3)),
