@@ -4,7 +4,8 @@ Runs under an interpreter that has torch and transformers (and needs no JAX):
 
     python tests/hf_reference.py --out DIR [--size cpu|gpu] [--seed S] [CASE ...]
 
-writes DIR/<case>.npz for each case (default: all of `CASES`). `test_families.py` imports this
+writes DIR/<case>.npz for each case (default: all of `CASES`); at size "gpu" its floats are float32,
+compressed (the bfloat16 comparison needs no more, and the files are small enough to copy). `test_families.py` imports this
 module in-process where torch and transformers import, and runs it as a script otherwise.
 
 Each case builds its family's MoE block from transformers with a tiny random config, in float64 and
@@ -443,7 +444,11 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   for name in args.cases:
     arrays = run_case(name, args.seed, args.size)
-    np.savez(os.path.join(args.out, f"{name}.npz"), **arrays)
+    save = np.savez
+    if args.size == "gpu":  # compared in bfloat16: float32 holds enough, ~6 MB a file to copy
+      arrays = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in arrays.items()}
+      save = np.savez_compressed
+    save(os.path.join(args.out, f"{name}.npz"), **arrays)
     if args.keys:
       print(name, {k[6:]: v.shape for k, v in arrays.items() if k.startswith("param/")})
   return 0
