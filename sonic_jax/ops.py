@@ -171,8 +171,9 @@ def _check_capacity(capacity_factor):
 
 
 def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) -> int:
-  """Pairs an expert keeps at `capacity_factor`: ceil(c * P / E) for P routed pairs (P = T * K)."""
-  return max(1, math.ceil(capacity_factor * num_pairs / num_experts))
+  """Pairs an expert keeps at `capacity_factor`: ceil(c * P / E) for P routed pairs (P = T * K),
+  at most P (an expert never gets more: any c >= E keeps every pair)."""
+  return max(1, math.ceil(min(num_pairs, capacity_factor * num_pairs / num_experts)))
 
 
 def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
@@ -347,13 +348,13 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   x, w1, w2 = map(jnp.asarray, (x, w1, w2))
   b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
-  expert_ids = jnp.asarray(expert_ids).astype(jnp.int32)
+  e_count = w1.shape[0]
+  expert_ids = routing_lib.int32_ids(expert_ids, e_count, -1)
   if extra_tokens is not None:
-    extra_tokens = jnp.asarray(extra_tokens).astype(jnp.int32)
-    e_count = w1.shape[0]
+    extra_tokens = routing_lib.int32_ids(extra_tokens, x.shape[0], -1)
     # an entry is unused if its expert or its token is out of range
     extra_experts = jnp.where((extra_tokens >= 0) & (extra_tokens < x.shape[0]),
-                              jnp.asarray(extra_experts).astype(jnp.int32), e_count)
+                              routing_lib.int32_ids(extra_experts, e_count, e_count), e_count)
     extra_scores = jnp.asarray(extra_scores).astype(scores.dtype)
   y, aux, _ = _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
                        extra_tokens, extra_experts, extra_scores, scale_input, capacity_factor)
@@ -394,10 +395,12 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       rounding for training (`sonic_jax.routing.round_tokens`), which moves every expert's token
       count to a multiple of the backend's row tile so that its grouped GEMMs compute no padding
       rows. Needs a softmax router without groups or input scaling. The pairs it adds are in
-      `aux.extra_*`; dropped slot pairs get expert id -1 and score 0.
+      `aux.extra_*`; dropped slot pairs get expert id -1 and score 0. An expert with fewer than
+      half a tile of tokens keeps none under "nearest" (and under "down", fewer than a tile):
+      with few tokens (T * K / E well under the tile, as in small CPU runs) most pairs drop.
     capacity_factor: None (dropless) or c > 0: each expert keeps at most ceil(c * T * K / E)
-      pairs, the first in token order (Switch, MaxText); the rest are dropped, counted in
-      `aux.dropped_pairs` and marked -1 in `aux.expert_ids`.
+      pairs (at most T * K), the first in token order (Switch, MaxText); the rest are dropped,
+      counted in `aux.dropped_pairs` and marked -1 in `aux.expert_ids`.
     router_input: optional (T, d) input of the router in x's place (Gemma 4's router sees the
       block's input normalised on its own, the experts another normalisation of it).
     expert_scale: optional (E,) trained multiplier of each pair's weight by its expert, applied
@@ -436,7 +439,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   logits, ids = routing_lib.router_logits_and_ids(
       x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,
       selection_bias, config=config, router_bias=router_bias,
-      expert_ids=None if expert_ids is None else jnp.asarray(expert_ids))
+      expert_ids=None if expert_ids is None else routing_lib.int32_ids(
+          expert_ids, router_weight.shape[-1], -1))
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                             token_rounding, impl.row_tile, ids,
                                             empty_slots=expert_ids is not None,

@@ -10,11 +10,13 @@ fed by the score gradient dS that the expert op returns.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sonic_jax import precision
 from sonic_jax.config import Config, check_config
@@ -88,6 +90,14 @@ class Router:
     if self.topk_group > self.n_group:
       raise ValueError(f"Router.topk_group must be <= n_group = {self.n_group}, got "
                        f"{self.topk_group}")
+    for name in ("renormalize", "scale_input"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise TypeError(f"Router.{name} must be a bool, got {getattr(self, name)!r}")
+    for name in ("renorm_epsilon", "renorm_p", "routed_scaling_factor"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
+          value):
+        raise TypeError(f"Router.{name} must be a finite number, got {value!r}")
     if not self.renorm_p > 0 or not self.renorm_epsilon >= 0:
       raise ValueError(f"Router.renorm_p must be > 0 and renorm_epsilon >= 0, got "
                        f"{self.renorm_p}, {self.renorm_epsilon}")
@@ -281,6 +291,20 @@ def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
   return _top_k_ids(ranked, top_k)
 
 
+def int32_ids(ids, bound: int, fill: int) -> Array:
+  """Integer ids as int32, those outside [0, bound) set to `fill` first where the dtype is wider
+  than int32, so that an out-of-range int64 id cannot wrap onto a real one (host arrays are
+  checked before JAX narrows them)."""
+  if not isinstance(ids, jax.Array):
+    ids = np.asarray(ids)
+    if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:
+      ids = np.where((ids >= 0) & (ids < bound), ids, fill)
+    return jnp.asarray(ids.astype(np.int32))
+  if ids.dtype.itemsize >= 4 and ids.dtype != jnp.int32:
+    ids = jnp.where((ids >= 0) & (ids < bound), ids, fill)
+  return ids.astype(jnp.int32)
+
+
 def route(logits: Array, top_k: int, routing: str | Router,
           selection_bias: Array | None = None, expert_ids: Array | None = None, *,
           empty_slots: bool = False) -> RouterOutput:
@@ -303,6 +327,9 @@ def route(logits: Array, top_k: int, routing: str | Router,
   """
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
+  if selection_bias is not None and jnp.shape(selection_bias) != (logits.shape[-1],):
+    raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},), got "
+                     f"{jnp.shape(selection_bias)}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
@@ -317,7 +344,7 @@ def route(logits: Array, top_k: int, routing: str | Router,
     if expert_ids.shape != logits.shape[:-1] + (top_k,):
       raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
                        f"{expert_ids.shape}")
-    ids = expert_ids.astype(jnp.int32)
+    ids = int32_ids(expert_ids, logits.shape[-1], -1)
     if empty_slots:
       valid = (ids >= 0) & (ids < logits.shape[-1])
       ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
@@ -453,6 +480,8 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   """
   if mode not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
+  if isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
+    raise TypeError(f"token rounding tile must be an int, got {tile!r}")
   if tile < 1:
     raise ValueError(f"token rounding tile must be >= 1, got {tile}")
   if method not in ROUNDING_METHODS:
@@ -546,6 +575,9 @@ def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bia
   not None (an empty extra-pair list otherwise), then each pair's weight times `expert_scale`
   (E,) of its expert where given. Returns (the routing the experts see, the token-choice routing
   it started from)."""
+  if expert_scale is not None and jnp.shape(expert_scale) != (logits.shape[-1],):
+    raise ValueError(f"expert_scale must have shape (E,) = ({logits.shape[-1]},), got "
+                     f"{jnp.shape(expert_scale)}")
   routed = route(logits, top_k, routing, selection_bias, expert_ids, empty_slots=empty_slots)
   if token_rounding is None:
     empty = jnp.zeros((0,), jnp.int32)

@@ -262,6 +262,25 @@ def test_bad_layer_arguments():
     _layer(capacity_factor=float("inf"))
   assert _layer(capacity_factor=np.float32(1.25)).capacity_factor == np.float32(1.25)
   assert _layer(expert_parallel_axis="ep", token_axes="data").token_axes == ("data",)
+  for kwargs, match in ((dict(shared_expert_dim=0), "shared_expert_dim"),
+                        (dict(num_shared_experts=1, shared_expert_dim=-4), "shared_expert_dim"),
+                        (dict(bias_update_rate=-0.1), "bias_update_rate"),
+                        (dict(bias_update_rate="0.1"), "bias_update_rate"),
+                        (dict(load_balance_coef="a"), "load_balance_coef"),
+                        (dict(z_loss_coef=float("nan")), "z_loss_coef"),
+                        (dict(dtype="float33"), "dtype"), (dict(dtype=jnp.int32), "dtype"),
+                        (dict(param_dtype=jnp.int8), "param_dtype")):
+    with pytest.raises(ValueError, match=match):
+      _layer(**kwargs)
+  with pytest.raises(TypeError, match="token_axes"):
+    _layer(token_axes=5)
+  layer = _layer()
+  with pytest.raises(TypeError, match="x must be an array"):
+    layer([[1.0] * 32] * 4)
+  with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., d_model\)"):
+    layer(jnp.ones(()))
+  with pytest.raises(ValueError, match="d_model = 32"):
+    layer(jnp.ones((4, 16)))
 
 
 def test_expert_parallel_axis_needs_a_mesh_or_shard_map():

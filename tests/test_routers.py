@@ -263,6 +263,40 @@ def test_bad_router_fields_are_refused_by_name(kwargs, match):
     Router(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(renormalize="no"), "Router.renormalize must be a bool"),
+    (dict(scale_input=1), "Router.scale_input must be a bool"),
+    (dict(routed_scaling_factor="2"), "Router.routed_scaling_factor must be a finite number"),
+    (dict(renorm_epsilon=float("inf")), "Router.renorm_epsilon must be a finite number"),
+])
+def test_router_field_types_are_refused_by_name(kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    Router(**kwargs)
+
+
+def test_wide_out_of_range_ids_are_empty_slots_and_capacity_caps_at_the_pairs(rng):
+  """An int64 id outside [0, E) is an empty slot, not wrapped onto an expert by the narrowing to
+  int32 (host and JAX arrays alike); a capacity factor far above E keeps every pair rather than
+  overflowing the capacity."""
+  p, _ = make_problem(rng, T=8, d=16, n=8, E=4)
+  x, rw, w1, w2 = (jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2"))
+  wide = np.full((8, 2), 2**32 + 1, np.int64)
+  y, aux = sonic_jax.routed_experts(x, wide, np.ones((8, 2), np.float32), w1, w2, backend="xla")
+  assert not np.any(np.asarray(y)) and not np.any(np.asarray(aux.expert_counts))
+  y, aux = sonic_jax.routed_experts(x, np.zeros((8, 0), np.int64), np.zeros((8, 0), np.float32),
+                                    w1, w2, extra_tokens=np.array([1, 2**32 + 1]),
+                                    extra_experts=np.array([2**32 + 2, 3]),
+                                    extra_scores=np.ones(2, np.float32), backend="xla")
+  assert not np.any(np.asarray(aux.expert_counts))
+  _, aux = sonic_jax.moe(x, rw, w1, w2, top_k=2, expert_ids=wide, backend="xla")
+  assert np.all(np.asarray(aux.expert_ids) == -1)
+  want = sonic_jax.moe(x, rw, w1, w2, top_k=2, backend="xla")[0]
+  for factor in (1e9, 1e300):
+    y, aux = sonic_jax.moe(x, rw, w1, w2, top_k=2, capacity_factor=factor, backend="xla")
+    assert int(aux.dropped_pairs) == 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
 def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
   """No pair at all (S = 0, no extra pairs) gives zeros and zero gradients; `route` refuses a
   Router that cannot pick K experts from the kept groups."""
@@ -291,6 +325,14 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
     sonic_jax.moe(*a, top_k=3, routing=Router(n_group=4, topk_group=1), backend="xla")
   with pytest.raises(ValueError, match="router_bias must have shape"):
     sonic_jax.moe(*a, top_k=2, router_bias=jnp.zeros(7), backend="xla")
+  logits = a[0] @ a[1]
+  with pytest.raises(ValueError, match=r"expert_scale must have shape \(E,\)"):
+    sonic_jax.routing.route_tokens(logits, 2, "topk_softmax", None, None, 32,
+                                   expert_scale=jnp.ones(7))
+  with pytest.raises(ValueError, match=r"selection_bias must have shape \(E,\)"):
+    sonic_jax.routing.route_tokens(logits, 2, "topk_softmax", jnp.zeros(7), None, 32)
+  with pytest.raises(TypeError, match="tile must be an int"):
+    sonic_jax.routing.round_tokens(sonic_jax.route(logits, 2, "softmax_topk"), 2.5, "up")
   with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
     sonic_jax.moe(*a, top_k=2, capacity_factor=0.0, backend="xla")
   with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):

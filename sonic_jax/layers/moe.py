@@ -140,6 +140,28 @@ class MoE(nnx.Module):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
       if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
+    if shared_expert_dim is not None and (isinstance(shared_expert_dim, bool) or not isinstance(
+        shared_expert_dim, numbers.Integral) or shared_expert_dim < 1):
+      raise ValueError(f"shared_expert_dim must be None or an int >= 1, got {shared_expert_dim!r}")
+    for name, value in (("load_balance_coef", load_balance_coef), ("z_loss_coef", z_loss_coef),
+                        ("bias_update_rate", bias_update_rate)):
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+          0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+      if value is None and name == "dtype":
+        continue
+      try:
+        floating = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        raise ValueError(f"{name} must be a floating dtype{' or None' * (name == 'dtype')}, got "
+                         f"{value!r}")
+    if not (token_axes is None or isinstance(token_axes, str) or (
+        isinstance(token_axes, (tuple, list)) and all(isinstance(a, str) for a in token_axes))):
+      raise TypeError(f"token_axes must be None, an axis name or a tuple of them, got "
+                      f"{token_axes!r}")
     router = routing_lib.get_router(routing)
     router.check(num_experts, top_k)  # top_k's type and range too
     if gate_up_layout not in acts.GATE_UP_LAYOUTS:
@@ -213,7 +235,7 @@ class MoE(nnx.Module):
                                    if bias_update_rate > 0 else None)
     shared_in = shared_out = None
     if num_shared_experts:
-      s_dim = num_shared_experts * (shared_expert_dim or expert_dim)
+      s_dim = num_shared_experts * (expert_dim if shared_expert_dim is None else shared_expert_dim)
       shared_in = _param(rngs, normal(init_std), (d_model, act.width_multiplier() * s_dim),
                          param_dtype, (embed_axis, mlp_axis))
       shared_out = _param(rngs, normal(init_std), (s_dim, d_model), param_dtype,
@@ -231,6 +253,11 @@ class MoE(nnx.Module):
     expert_ids: optional (..., K) integer, x's leading dims: a fixed selection whose weights the
     router computes (DeepSeek-V4's hash-routed layers: `tid2eid[input_ids]`); not while token
     rounding trains."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"x must be an array, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[-1] != self.w1.shape[1]:
+      raise ValueError(f"x must have shape (..., d_model) with d_model = {self.w1.shape[1]}, got "
+                       f"{tuple(x.shape)}")
     dtype = self.dtype or x.dtype
     lead = x.shape[:-1]
     h = x.reshape(-1, x.shape[-1]).astype(dtype)
