@@ -166,6 +166,7 @@ the SiLU (refused: see above), dots3's vision-tower MoE (not mapped).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -190,6 +191,11 @@ GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
 _MISSING = object()
 
 
+class _PerLayerField(ValueError):
+  """What the config gives per decoder layer (a size, a routing, a clamp), asked for without a
+  layer."""
+
+
 def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer: int | None = None):
   """The first of `names` that the config has (not None); per-layer lists need `layer`."""
   for name in names:
@@ -198,7 +204,7 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
       continue
     if isinstance(value, (list, tuple)):
       if layer is None:
-        raise ValueError(f"config[{name!r}] is a per-layer list {value}: pass layer=")
+        raise _PerLayerField(f"config[{name!r}] is a per-layer list {value}: pass layer=")
       value = value[layer]
     return value
   if default is _MISSING:
@@ -220,8 +226,18 @@ def _shared(num: int, dim: int, gate: bool = False) -> dict:
   return dict(num_shared_experts=int(num), shared_expert_dim=int(dim), shared_expert_gate=gate)
 
 
+def _size(name: str, value: Any) -> int:
+  """A size field as an int: refused, naming it, where the config holds anything but a whole
+  number (a float such as 32.7 or a string would otherwise be truncated or parsed)."""
+  if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (
+      isinstance(value, float) and value.is_integer())):
+    raise ValueError(f"the config's {name} must be a whole number, got {value!r}")
+  return int(value)
+
+
 def _base(d, e, n, k, routing, activation="swiglu", **extra) -> dict:
-  kw = dict(d_model=int(d), num_experts=int(e), expert_dim=int(n), top_k=int(k),
+  kw = dict(d_model=_size("hidden size", d), num_experts=_size("expert count", e),
+            expert_dim=_size("expert width", n), top_k=_size("experts per token", k),
             activation=activation, routing=routing, gate_up_layout="concat", use_bias=False,
             use_router_bias=False, **_shared(0, 0))
   kw.update(extra)
@@ -239,7 +255,7 @@ def _softmax_family(n_field: str, renorm: str | bool, shared: str | None = None,
   def kwargs(c, layer):
     renormalize = renorm if isinstance(renorm, bool) else bool(c.get(renorm) or False)
     s = _get(c, shared, default=0) if shared else 0
-    return _base(c["hidden_size"], _get(c, *_E, layer=layer), _get(c, n_field),
+    return _base(_get(c, "hidden_size"), _get(c, *_E, layer=layer), _get(c, n_field),
                  _get(c, *_K, layer=layer), Router("softmax", renormalize=renormalize),
                  _glu(c), **_shared(1, s, shared_gate))
 
@@ -259,7 +275,7 @@ def _deepseek_v2(c, layer):
                   topk_group=int(c["topk_group"]) if groups else 1, group_score="max",
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   n = _get(c, "moe_intermediate_size")
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
                **_shared(c.get("n_shared_experts") or 0, n))
 
 
@@ -272,7 +288,7 @@ def _deepseek_v3(c, layer):
                   group_score="top2_sum",
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   n = _get(c, "moe_intermediate_size")
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
                selection_bias=True, **_shared(c.get("n_shared_experts") or 0, n))
 
 
@@ -303,7 +319,7 @@ def _afmoe(c, layer):
   router = Router("sigmoid", renorm_epsilon=1e-20,
                   routed_scaling_factor=float(c.get("route_scale") or 1.0))
   n = _get(c, "moe_intermediate_size")
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
                selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
 
 
@@ -323,14 +339,14 @@ def _step3p5(c, layer):
   clamps = {name: c.get(name) or [] for name in ("swiglu_limits", "swiglu_limits_shared")}
   clamped = sorted({i for v in clamps.values() for i, x in enumerate(v) if x})
   if layer is None and clamped:
-    raise ValueError(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
+    raise _PerLayerField(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
                      f"swiglu_limits_shared): pass layer=")
   if layer is not None and layer in clamped:
     raise ValueError(f"Step-3.7 layer {layer} clamps its SwiGLU after the SiLU (swiglu_limits, "
                      f"swiglu_limits_shared): no sonic_jax activation computes that")
   router = Router("sigmoid",
                   routed_scaling_factor=float(c.get("moe_router_scaling_factor") or 1.0))
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
                router, "swiglu", selection_bias=True,
                **_shared(1, _get(c, "share_expert_dim", "share_expert_dims")))
 
@@ -347,7 +363,7 @@ def _deepseek_v4_hashed(c, layer) -> bool:
     kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
   if layer is None:
     if len(set(kinds)) > 1:
-      raise ValueError(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types {kinds}): "
+      raise _PerLayerField(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types {kinds}): "
                        f"pass layer=")
     layer = 0
   if not 0 <= layer < len(kinds):
@@ -374,7 +390,7 @@ def _deepseek_v4(c, layer):
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   hashed = _deepseek_v4_hashed(c, layer)
   extra = dict(fixed_selection=True) if hashed else dict(selection_bias=True)
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K), router, act, **extra,
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, act, **extra,
                **_shared(1, n))
 
 
@@ -383,14 +399,14 @@ def _gemma4(c, layer):
   top-K, renormalised, times a trained per-expert scale; GELU-tanh GLU experts."""
   if not c.get("enable_moe_block"):
     raise ValueError("this Gemma 4 config has enable_moe_block=False: no MoE block")
-  return _base(c["hidden_size"], _get(c, "num_experts"), _get(c, "moe_intermediate_size"),
+  return _base(_get(c, "hidden_size"), _get(c, "num_experts"), _get(c, "moe_intermediate_size"),
                _get(c, "top_k_experts"), Router("softmax"), _glu(c, "hidden_activation"),
                router_norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)),
                use_expert_scale=True)
 
 
 def _minimax_m2(c, layer):
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
                Router("sigmoid"), _glu(c), selection_bias=True)
 
 
@@ -398,7 +414,7 @@ def _minimax_m3(c, layer):
   """MiniMax-M2's router times routed_scaling_factor; gpt-oss's clamped SwiGLU (concat gate/up)
   in the experts and the shared MLP alike."""
   router = Router("sigmoid", routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
                router, _swiglu_oai(c), selection_bias=True,
                **_shared(1, c.get("shared_intermediate_size") or 0))
 
@@ -411,7 +427,7 @@ def _aria(c, layer):
     raise ValueError(f"Aria hidden_act={c.get('hidden_act')!r}: its shared experts would differ "
                      f"from its SiLU routed ones; the layer gives both one activation")
   n = _get(c, "intermediate_size")
-  return _base(c["hidden_size"], _get(c, "moe_num_experts", *_E), n, _get(c, "moe_topk", *_K),
+  return _base(_get(c, "hidden_size"), _get(c, "moe_num_experts", *_E), n, _get(c, "moe_topk", *_K),
                Router("softmax"), "swiglu", **_shared(c.get("moe_num_shared_experts") or 0, n))
 
 
@@ -437,7 +453,7 @@ def _ernie(c, layer):
   if c.get("use_bias"):
     raise ValueError("ERNIE 4.5 use_bias=True: the layer's shared experts have no biases")
   n = _get(c, "moe_intermediate_size")
-  return _base(c["hidden_size"], _get(c, "moe_num_experts", *_E), n,
+  return _base(_get(c, "hidden_size"), _get(c, "moe_num_experts", *_E), n,
                _get(c, "moe_k", *_K), Router("softmax"), _glu(c), selection_bias=True,
                **_shared(c.get("moe_num_shared_experts") or 0, n))
 
@@ -446,13 +462,13 @@ def _lfm2(c, layer):
   router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob")), renorm_epsilon=1e-6,
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   # LFM2-MoE's experts apply silu whatever hidden_act says
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
                router, "swiglu", selection_bias=bool(c.get("use_expert_bias")))
 
 
 def _hunyuan(c, layer):
   n = _get(c, "intermediate_size")
-  return _base(c["hidden_size"], _get(c, "num_experts", *_E, layer=layer), n,
+  return _base(_get(c, "hidden_size"), _get(c, "num_experts", *_E, layer=layer), n,
                _get(c, "moe_topk", *_K, layer=layer), Router("softmax"), _glu(c),
                **_shared(1, n))
 
@@ -466,20 +482,20 @@ def _swiglu_oai(c):
 
 def _gpt_oss(c, layer):
   """Top-K of (logits + router bias), softmax over the K: the softmax over E renormalised."""
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
                Router("softmax"), _swiglu_oai(c), gate_up_layout="interleaved", use_bias=True,
                use_router_bias=True)
 
 
 def _llama4(c, layer):
   n = _get(c, "intermediate_size")
-  return _base(c["hidden_size"], _get(c, *_E), n, _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K),
                Router("sigmoid", renormalize=False, scale_input=True), _glu(c), **_shared(1, n))
 
 
 def _granite(c, layer):
   s = c.get("shared_intermediate_size") or 0
-  return _base(c["hidden_size"], _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "intermediate_size"), _get(c, *_K),
                Router("softmax"), _glu(c), **_shared(1, s))
 
 
@@ -685,6 +701,9 @@ WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qw
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
   """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
   config.json leaves it out); any other config as it is."""
+  if not isinstance(config, Mapping):
+    raise TypeError(f"config must be a dict (a transformers config's to_dict(), or a "
+                    f"checkpoint's config.json), got {type(config).__name__}")
   text_type = WRAPPERS.get(config.get("model_type"))
   if text_type is None or not isinstance(config.get("text_config"), Mapping):
     return config
@@ -765,6 +784,33 @@ def _layout(fam: Family, gate_up_layout: str | None) -> str:
   return layout
 
 
+def _param_shapes(config: Mapping[str, Any], layer: int | None) -> dict[str, tuple[int, ...]]:
+  """The shapes of the layer's parameters for this config (`PARAM_NAMES`); none where its sizes
+  differ by layer and no layer is given (the converters take such a block without one)."""
+  try:
+    kw = layer_kwargs(config, layer=layer)
+  except _PerLayerField:
+    if layer is not None:
+      raise
+    return {}
+  d, e, n = kw["d_model"], kw["num_experts"], kw["expert_dim"]
+  width = acts.get_activation(kw["activation"]).width_multiplier()
+  s_dim = kw["num_shared_experts"] * (kw["shared_expert_dim"] or n)
+  return {"router": (d, e), "w1": (e, d, width * n), "w2": (e, n, d), "b1": (e, width * n),
+          "b2": (e, d), "router_bias": (e,), "selection_bias": (e,),
+          "shared_in": (d, width * s_dim),
+          "shared_out": (s_dim, d), "shared_gate": (d, 1), "router_scale": (d,),
+          "expert_scale": (e,)}
+
+
+def _check_shapes(params: Mapping[str, Any], want: Mapping[str, tuple[int, ...]], source: str):
+  bad = {k: (tuple(v.shape), want[k]) for k, v in params.items()
+         if k in want and tuple(v.shape) != want[k]}
+  if bad:
+    raise ValueError(f"{source}: shapes that do not fit the config ((given, expected) per layer "
+                     f"parameter): {bad}")
+
+
 # shared_kind -> the names of a shared MLP's (2s, d) gate/up Linear and its (d, s) down Linear
 _FUSED_SHARED = {"fused": ("input_linear", "output_linear"),
                  "gate_up": ("gate_up_proj", "down_proj")}
@@ -831,6 +877,18 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
   if missing or extra:
     raise ValueError(f"{fam.model_type} block state dict: missing keys {missing}, unexpected "
                      f"keys {extra} (expected exactly {list(want)})")
+  want_shapes = _param_shapes(config, layer)
+  try:
+    out = _params_of_state(config, fam, sd, layout)
+  except (ValueError, IndexError, np.exceptions.AxisError) as e:
+    raise ValueError(f"{fam.model_type} block state dict: its shapes "
+                     f"{ {k: tuple(v.shape) for k, v in sd.items()} } do not fit the config "
+                     f"(the layer's: {want_shapes}): {e}") from None
+  _check_shapes(out, want_shapes, f"{fam.model_type} block state dict")
+  return out
+
+
+def _params_of_state(config, fam: Family, sd: Mapping[str, np.ndarray], layout: str) -> dict:
   out = {"router": _t(sd[fam.router])}
   p = fam.experts_prefix
   if fam.experts == "fused":
@@ -868,11 +926,13 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
 
 
 def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
-                        gate_up_layout: str | None = None) -> dict[str, Array]:
+                        gate_up_layout: str | None = None,
+                        layer: int | None = None) -> dict[str, Array]:
   """The block's state dict from the layer's parameter arrays (`layer_params`): the inverse of
   `layer_params_from_hf`, exact. Parts absent from `params` (selection_bias, say, when mapping
   gradients) are left out. Being a permutation of entries, it maps the layer's gradients to the
-  block's parameters' gradients too."""
+  block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer lists); a
+  ValueError names the parameters whose shapes do not fit the config."""
   config = _text_config(config)
   fam = family(config)
   layout = _layout(fam, gate_up_layout)
@@ -883,6 +943,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   for k in ("router", "w1", "w2"):
     if k not in prm:
       raise ValueError(f"params must hold {k!r}")
+  _check_shapes(prm, _param_shapes(config, layer), "params")
   sd = {fam.router: _t(prm["router"])}
   p = fam.experts_prefix
   if fam.experts == "fused":

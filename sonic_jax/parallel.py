@@ -74,6 +74,25 @@ def _check_router(router_weight, p, e_local, axis_name):
                      f"{hint}")
 
 
+def _check_expert_split(axis_name, p, **arrays):
+  """Refuses expert arrays that shard_map splits over other axes but not over `axis_name`: their
+  local expert count can still pass `_check_router` (E = P x E_local) while every device of the
+  axis holds the same experts. Needs shard_map's varying-axes types (check_vma, the default);
+  without them nothing is known and nothing is refused."""
+  if p == 1:
+    return
+  for name, a in arrays.items():
+    if a is None:
+      continue
+    aval = jax.typeof(a)  # jax 0.11 keeps the varying axes in manual_axis_type, earlier in vma
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    vma = frozenset(getattr(aval, "vma", ()) if vma is None else vma)
+    if vma and axis_name not in vma:
+      raise ValueError(f"{name} is split over {sorted(vma)} but not over axis_name="
+                       f"{axis_name!r}: its experts (first dimension) must be split over "
+                       f"{axis_name!r} in shard_map's in_specs")
+
+
 def _no_tokens(x, router_input, router_weight, router_bias, top_k, e_count):
   """The result when the axis holds no tokens (T_local = 0, on every device alike): zeros and an
   empty routing, as `sonic_jax.moe` gives for T = 0."""
@@ -118,6 +137,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   p = _axis_size(axis_name)
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local, axis_name)
+  _check_expert_split(axis_name, p, w1=w1, w2=w2, b1=b1, b2=b2)
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,
@@ -321,6 +341,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   p = _axis_size(axis_name)
   e_local = w1.shape[0]
   _check_router(router_weight, p, e_local, axis_name)
+  _check_expert_split(axis_name, p, w1=w1, w2=w2, b1=b1, b2=b2)
   router = routing_lib.get_router(routing)
   act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   num_local_experts=e_local, selection_bias=selection_bias, routing=router,

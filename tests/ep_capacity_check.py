@@ -187,6 +187,19 @@ def check_bad_arguments():
   expect(ValueError, "capacity_factor must be finite", moe_all_to_all,
          capacity_factor=float("inf"))
   expect(TypeError, "capacity_factor", moe_all_to_all, capacity_factor=True)
+  # Experts split over another axis of a (data, ep) mesh: each device's count fits E = P x E_local,
+  # but every "ep" device would hold the same experts.
+  mesh2 = jax.make_mesh((2, 2), ("data", "ep"), devices=jax.devices()[:4])
+  specs = (P(("data", "ep")), P(), P("data"), P("data"))
+  placed = [jax.device_put(a, jax.NamedSharding(mesh2, s)) for a, s in zip(args, specs)]
+  for call in (moe_all_gather, moe_all_to_all):
+    run = lambda *a, call=call: call(*a, axis_name="ep", top_k=K, backend="xla")[0]
+    try:
+      jax.jit(jax.shard_map(run, mesh=mesh2, in_specs=specs, out_specs=specs[0]))(*placed)
+    except ValueError as e:
+      assert "must be split over 'ep'" in str(e), e
+    else:
+      raise AssertionError("no error for experts split over 'data' only")
   print("bad arguments refused")
 
 

@@ -509,6 +509,21 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
           "talker_config": {"text_config": {}}}
   with pytest.raises(ValueError, match=r"config\['thinker_config'\]\['text_config'\] or"):
     hf.layer_kwargs(omni)
+  # Shapes that do not fit the config, named by layer parameter (a reshape or an axis that the
+  # conversion cannot make, with the state dict's shapes).
+  with pytest.raises(ValueError, match=r"'w2': \(\(4, 32, 8\), \(4, 16, 32\)\)"):
+    hf.layer_params_from_hf(config, {**state, "experts.down_proj": np.zeros((4, 8, 32))})
+  with pytest.raises(ValueError, match=r"its shapes .*'gate.weight': \(128,\)"):
+    hf.layer_params_from_hf(config, {**state, "gate.weight": np.zeros(128)})
+  with pytest.raises(ValueError, match=r"params: shapes .*'w1'"):
+    hf.hf_state_from_layer(config, {**hf.layer_params(hf.moe_layer(config)),
+                                    "w1": np.zeros((3, 5, 7))})
+  with pytest.raises(ValueError, match="hidden size must be a whole number, got 32.7"):
+    hf.layer_kwargs({**config, "hidden_size": 32.7})
+  with pytest.raises(ValueError, match="none of the fields \\('hidden_size',\\)"):
+    hf.layer_kwargs({k: v for k, v in config.items() if k != "hidden_size"})
+  with pytest.raises(TypeError, match="config must be a dict"):
+    hf.moe_layer("mixtral")
   layer = hf.moe_layer(config)
   with pytest.raises(ValueError, match="shape"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})

@@ -115,7 +115,9 @@ flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one dev
                      "batch over both")
 flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_gather"],
                   "see sonic_jax.layers.MoE")
-flags.DEFINE_float("capacity_factor", None, "all-to-all slot capacity (default: dropless)")
+flags.DEFINE_float("capacity_factor", None, "expert capacity factor (default: dropless): each "
+                   "expert keeps ceil(c*T*K/E) pairs on one device, the all-to-all's slots "
+                   "hold c times the balanced share under --expert_parallel")
 flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state by their model-width axis "
                   "too: expert tensors over data, the rest over (data, ep) (needs "
                   "--expert_parallel >= 1)")
@@ -177,9 +179,12 @@ def settings():
   overrides = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k) is not None}
   if FLAGS.token_rounding is not None:
     overrides["token_rounding"] = None if FLAGS.token_rounding == "none" else FLAGS.token_rounding
+  if FLAGS.capacity_factor is not None:
+    if not 0 < FLAGS.capacity_factor < math.inf:
+      raise app.UsageError(f"--capacity_factor must be > 0, got {FLAGS.capacity_factor}")
+    overrides["capacity_factor"] = FLAGS.capacity_factor
   if FLAGS.expert_parallel:
-    overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme,
-                     capacity_factor=FLAGS.capacity_factor)
+    overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme)
   s["model"] = dataclasses.replace(s["model"], **overrides)
   if s["model"].moe_impl != "sonic_jax" and FLAGS.expert_parallel > 1:
     raise app.UsageError(f"--moe_impl={s['model'].moe_impl} has no expert parallelism: "
@@ -375,6 +380,11 @@ def main(_):
   initialize_distributed()
   lead = jax.process_index() == 0  # the process that writes metrics, config and plots
   s = settings()
+  for k in ("steps", "batch_size", "seq_len"):
+    if s[k] < 1:
+      raise app.UsageError(f"--{k} must be >= 1, got {s[k]}")
+  if not 0 < s["lr"] < math.inf:
+    raise app.UsageError(f"--lr must be > 0, got {s['lr']}")
   if not 0 <= s["warmup"] < s["steps"]:
     raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
   for k, low in (("eval_every", 1), ("log_every", 1), ("checkpoint_every", 0)):
@@ -410,6 +420,9 @@ def main(_):
     if getattr(FLAGS, flag) and mesh is None:
       raise app.UsageError(f"--{flag} needs a mesh: --expert_parallel=P (1 for data parallelism "
                            "alone)")
+  if mesh is not None and cfg.num_experts % mesh.shape["ep"]:
+    raise app.UsageError(f"--num_experts ({cfg.num_experts}) must be a multiple of "
+                         f"--expert_parallel ({mesh.shape['ep']})")
   if mesh is not None and s["batch_size"] % mesh.size:
     raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
                          f"{mesh.size} devices")
@@ -523,10 +536,11 @@ def main(_):
       held = (f", held-out {row['heldout_loss']:.3f} ({row['heldout_nats_per_byte']:.3f} "
               f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
               if "heldout_loss" in row else "")
+      mfu = "" if math.isnan(row["mfu"]) else f"MFU {row['mfu']:.3f}, "  # no peak: no MFU
       say(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
           f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
           f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
-          f"{rate:.0f} tokens/s, MFU {row['mfu']:.3f}, MoE {row['moe_tflops']:.3f} TFLOP/s, "
+          f"{rate:.0f} tokens/s, {mfu}MoE {row['moe_tflops']:.3f} TFLOP/s, "
           f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
