@@ -340,7 +340,7 @@ def _step3p5(c, layer):
   clamped = sorted({i for v in clamps.values() for i, x in enumerate(v) if x})
   if layer is None and clamped:
     raise _PerLayerField(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
-                     f"swiglu_limits_shared): pass layer=")
+                         f"swiglu_limits_shared): pass layer=")
   if layer is not None and layer in clamped:
     raise ValueError(f"Step-3.7 layer {layer} clamps its SwiGLU after the SiLU (swiglu_limits, "
                      f"swiglu_limits_shared): no sonic_jax activation computes that")
@@ -363,8 +363,8 @@ def _deepseek_v4_hashed(c, layer) -> bool:
     kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
   if layer is None:
     if len(set(kinds)) > 1:
-      raise _PerLayerField(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types {kinds}): "
-                       f"pass layer=")
+      raise _PerLayerField(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types "
+                           f"{kinds}): pass layer=")
     layer = 0
   if not 0 <= layer < len(kinds):
     raise ValueError(f"layer={layer} is not a decoder layer of this DeepSeek-V4 config "
@@ -797,10 +797,9 @@ def _param_shapes(config: Mapping[str, Any], layer: int | None) -> dict[str, tup
   width = acts.get_activation(kw["activation"]).width_multiplier()
   s_dim = kw["num_shared_experts"] * (kw["shared_expert_dim"] or n)
   return {"router": (d, e), "w1": (e, d, width * n), "w2": (e, n, d), "b1": (e, width * n),
-          "b2": (e, d), "router_bias": (e,), "selection_bias": (e,),
-          "shared_in": (d, width * s_dim),
-          "shared_out": (s_dim, d), "shared_gate": (d, 1), "router_scale": (d,),
-          "expert_scale": (e,)}
+          "b2": (e, d), "router_bias": (e,), "selection_bias": (e,), "router_scale": (d,),
+          "expert_scale": (e,), "shared_in": (d, width * s_dim), "shared_out": (s_dim, d),
+          "shared_gate": (d, 1)}
 
 
 def _check_shapes(params: Mapping[str, Any], want: Mapping[str, tuple[int, ...]], source: str):
