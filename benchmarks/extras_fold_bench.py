@@ -39,7 +39,7 @@ def _define_flags():  # only when run as a script
 
 def problem(t, d, e, k, tile=TILE):
   """fold_extras' arguments for a "nearest" rounding of random logits: (rows, slot_row,
-  slot_weight, extra_index, extra_row, extra_weight), and the count of extra pairs in use."""
+  slot_weight, extra_token, extra_row, extra_weight), and the count of extra pairs in use."""
   from sonic_jax import routing
   from sonic_jax.layout import build_grouped_layout
   logits = jax.random.normal(jax.random.key(0), (t, e), jnp.float32)
@@ -48,7 +48,7 @@ def problem(t, d, e, k, tile=TILE):
   layout = build_grouped_layout(rounded.expert_ids, e, tile, rounded.extra_tokens,
                                 rounded.extra_experts, extras_by_expert=True)
   rows = jax.random.normal(jax.random.key(1), (layout.num_rows, d), jnp.bfloat16)
-  args = (rows, layout.pair_row[:, 0], rounded.scores[:, 0], layout.extra_index,
+  args = (rows, layout.pair_row[:, 0], rounded.scores[:, 0], layout.extra_token,
           layout.extra_row, rounded.extra_scores)
   return args, int(jnp.sum(layout.extra_valid()))
 
@@ -66,7 +66,7 @@ def run_case(t, d, e, k, repeats, tile=TILE, interpret=False, kernel_trace=False
     raise AssertionError(f"{t},{d},{e},{k}: the fold differs from the reference by {error:.2e}")
   times = timing.time_interleaved(calls, repeats=repeats)
   out = [{"T": t, "d": d, "E": e, "K": k, "variant": name, "us": times[name][0] * 1e6,
-          "extras_used": used, "extras": args[4].shape[0], "error": error if name != "xla"
+          "extras_used": used, "extras": args[3].shape[0], "error": error if name != "xla"
           else 0.0, "kernels_us": {}} for name in calls]
   if kernel_trace:
     for r in out:

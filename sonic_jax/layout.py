@@ -52,10 +52,6 @@ class GroupedLayout(NamedTuple):
   num_tiles: Array  # () int32: tiles in use, sum(group_sizes) // row_tile
   extra_row: Array  # (X,) int32: grouped row of each extra pair, R for unused entries
   extra_token: Array  # (X,) int32: token of each extra pair, T for unused entries
-  # (T, E) int8 (int16 past 127 entries per expert): for extra pairs grouped by expert (token
-  # rounding's), the place j of token t in expert e's part of the list (entry e * J + j), -1 where
-  # e did not add t; None otherwise. Lets a token find its extras without sorting the list.
-  extra_index: Array | None = None
 
   @property
   def num_rows(self) -> int:
@@ -100,22 +96,6 @@ def stable_sort_ids(flat: Array, bound: int) -> tuple[Array, Array]:
 
 
 LAYOUT_METHODS = ("auto", "sort", "block_ranks")
-
-
-def extra_index(extra_token: Array, extra_used: Array, num_tokens: int,
-                num_experts: int) -> Array:
-  """`GroupedLayout.extra_index` of an extra-pair list grouped by expert (X = E * J, entry x
-  expert x // J's), from its tokens and which entries are in use. A token appears at most once in
-  an expert's part (token rounding's lists hold increasing tokens)."""
-  num_extra = extra_token.shape[0]
-  per_expert = num_extra // num_experts
-  dtype = jnp.int8 if per_expert <= 127 else jnp.int16 if per_expert <= 32767 else jnp.int32
-  entry = jax.lax.iota(jnp.int32, num_extra)
-  ok = extra_used & (extra_token >= 0) & (extra_token < num_tokens)
-  # Unused entries aim past the rows, each at its own place: the indices stay unique.
-  token = jnp.where(ok, extra_token, num_tokens + entry)
-  return jnp.full((num_tokens, num_experts), -1, dtype).at[token, entry // per_expert].set(
-      (entry % per_expert).astype(dtype), mode="drop", unique_indices=True)
 
 
 def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0,
@@ -236,9 +216,8 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   expert id outside [0, E) marks an unused entry. A token may appear in any number of them. An
   expert's extra pairs follow its slot pairs, in list order.
   extras_by_expert: the extra pairs come grouped by expert as token rounding gives them: X = E * J
-  and entry x is expert x // J's or unused (an entry naming any other expert counts as unused),
-  no token twice in one expert's part; then the "block_ranks" method places them with no sort,
-  and the layout's `extra_index` lets the aggregation find each token's extras.
+  and entry x is expert x // J's or unused (an entry naming any other expert counts as unused);
+  then the "block_ranks" method places them with no sort.
   method: how pairs are grouped, the same layout either way. "sort": a stable sort of the expert
   ids. "block_ranks": a counting sort whose per-block counts and ranks come from a Pallas kernel
   (interpreted off the GPU; extra pairs only by expert, E <= 1024, S <= 32). "auto" (default):
@@ -316,6 +295,4 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
       num_tiles=num_tiles.astype(jnp.int32),
       extra_row=pair_row[num_slot_pairs:],
       extra_token=jnp.where(extra_used, extra_tokens, num_tokens).astype(jnp.int32),
-      extra_index=(extra_index(extra_tokens, extra_used, num_tokens, e_count)
-                   if extras_by_expert and num_extra else None),
   )
