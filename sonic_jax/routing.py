@@ -473,6 +473,11 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   kernel's reference), "auto" (default) the kernel on a GPU where it applies, else XLA. The same
   pairs either way.
 
+  routed must come from `route` with a router that `rounding_unsupported` accepts (softmax, no
+  groups, no input scaling; `moe` checks the router): the arrays do not say which router made
+  them, and with another's (sigmoid scores, say) the added pairs' weights would not be that
+  router's.
+
   logits (T, E), optional: the logits whose softmax `routed.probs` is. The added pairs' weights
   are then exp(logit - logsumexp(token's logits)) of their own logits: the same values, and a
   backward of one scatter of the X pairs beside a dense term with a (T,) factor, where gathering

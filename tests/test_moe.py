@@ -196,6 +196,16 @@ def test_vmap_over_a_leading_batch(rng):
     assert rel_err(gb[i], jax.grad(lambda x: jnp.sum(f(x) ** 2))(xs[i])) < 1e-5
 
 
+def test_forward_mode_differentiation_raises_clearly(rng):
+  """Reverse mode only (README): jvp meets the experts' custom_vjp and jax says so."""
+  p, _ = make_problem(rng, T=8)
+  w = [jnp.asarray(p[k], jnp.float32) for k in ("router_weight", "w1", "w2")]
+  x = jnp.asarray(p["x"], jnp.float32)
+  f = lambda x: sonic_jax.moe(x, *w, top_k=2, backend="xla")[0]
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jax.jvp(f, (x,), (x,))
+
+
 def _residuals(f, *args):
   from jax._src.ad_checkpoint import saved_residuals
   return [(aval, why) for aval, why in saved_residuals(f, *args) if "from the argument" not in why]
