@@ -254,7 +254,7 @@ def _softmax_family(n_field: str, renorm: str | bool, shared: str | None = None,
 
   def kwargs(c, layer):
     renormalize = renorm if isinstance(renorm, bool) else bool(c.get(renorm) or False)
-    s = _get(c, shared, default=0) if shared else 0
+    s = _get(c, shared) if shared else 0  # the block always has one: its width is required
     return _base(_get(c, "hidden_size"), _get(c, *_E, layer=layer), _get(c, n_field),
                  _get(c, *_K, layer=layer), Router("softmax", renormalize=renormalize),
                  _glu(c), **_shared(1, s, shared_gate))
@@ -271,8 +271,8 @@ def _deepseek_v2(c, layer):
     raise ValueError("DeepSeek-V2 mlp_bias=True: the layer's shared experts have no biases")
   groups = method == "group_limited_greedy"
   router = Router("softmax", renormalize=bool(c.get("norm_topk_prob") or False),
-                  n_group=int(c["n_group"]) if groups else 1,
-                  topk_group=int(c["topk_group"]) if groups else 1, group_score="max",
+                  n_group=int(_get(c, "n_group")) if groups else 1,
+                  topk_group=int(_get(c, "topk_group")) if groups else 1, group_score="max",
                   routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   n = _get(c, "moe_intermediate_size")
   return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
@@ -280,7 +280,9 @@ def _deepseek_v2(c, layer):
 
 
 def _deepseek_v3(c, layer):
-  """DeepSeek-V3's router (V3.2, GLM-4.5, GLM-4.7-Flash, dots.llm1, Kimi-K2, Sarvam share it)."""
+  """DeepSeek-V3's router (V3.2, GLM-4.5, GLM-4.7-Flash, dots.llm1, Kimi-K2, Sarvam share it).
+  Without a field: one group, not renormalised, factor 1, no shared expert (dots.llm1's defaults;
+  the other families' differ: `_families` passes them)."""
   n_group = int(c.get("n_group") or 1)
   router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
                   renorm_epsilon=1e-20, n_group=n_group,
@@ -312,6 +314,16 @@ def _renamed(kwargs, **names: str):
                            if c.get(own) is not None}}, layer)
 
   return renamed
+
+
+def _defaults(kwargs, **values):
+  """`kwargs` for a config whose absent fields take `values`: its transformers config class's
+  defaults (transformers 5.24), where they differ from what `kwargs` falls back to."""
+
+  def with_defaults(c, layer):
+    return kwargs({**values, **c}, layer)
+
+  return with_defaults
 
 
 def _afmoe(c, layer):
@@ -347,8 +359,7 @@ def _step3p5(c, layer):
   router = Router("sigmoid",
                   routed_scaling_factor=float(c.get("moe_router_scaling_factor") or 1.0))
   return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"), _get(c, *_K),
-               router, "swiglu", selection_bias=True,
-               **_shared(1, _get(c, "share_expert_dim", "share_expert_dims")))
+               router, "swiglu", selection_bias=True, **_shared(1, _get(c, "share_expert_dim")))
 
 
 _SCORINGS = {"sqrtsoftplus": "sqrt_softplus", "sigmoid": "sigmoid", "softmax": "softmax"}
@@ -439,7 +450,7 @@ def _dots3(c, layer):
 
 
 def _granite_hybrid(c, layer):
-  if not _get(c, *_E, default=0):
+  if _get(c, *_E, default=None) == 0:  # absent is not 0 (transformers: 8); _granite requires it
     raise ValueError("this GraniteMoeHybrid config has num_local_experts=0: no MoE block")
   return _granite(c, layer)
 
@@ -560,32 +571,44 @@ def _families():
   mlp = "model.layers.{layer}.mlp."
   qwen_shared = dict(shared="shared_expert.", shared_gate="shared_expert_gate.weight")
   v3 = dict(selection_bias="gate.e_score_correction_bias", shared="shared_experts.")
-  v3_shared_named = _renamed(_deepseek_v3, n_shared_experts="num_shared_experts")
+  # A field that a config leaves out means its transformers config class's default: `_defaults`
+  # gives a reader the family's where they differ from the reader's own fallback. Most
+  # DeepSeek-V3-router configs renormalise and have one shared expert.
+  one_shared = dict(norm_topk_prob=True, n_shared_experts=1)
+  v3_defaults = dict(one_shared, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+  v3_shared_named = _renamed(_defaults(_deepseek_v3, **one_shared, routed_scaling_factor=2.5),
+                             n_shared_experts="num_shared_experts")
+  kimi_linear_names = dict(n_group="num_expert_group", norm_topk_prob="moe_renormalize",
+                           n_shared_experts="num_shared_experts",
+                           num_experts_per_tok="num_experts_per_token")
   fams = [
       Family("mixtral", "MixtralSparseMoeBlock", mlp,
              _softmax_family("intermediate_size", True)),
       Family("minimax", "MiniMaxSparseMoeBlock", mlp,
              _softmax_family("intermediate_size", True)),
       Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", mlp,
-             _softmax_family("moe_intermediate_size", "norm_topk_prob",
-                             "shared_expert_intermediate_size", shared_gate=True),
-             **qwen_shared),
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob",
+                                       "shared_expert_intermediate_size", shared_gate=True),
+                       shared_expert_intermediate_size=5632), **qwen_shared),
       Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", mlp,
              _softmax_family("moe_intermediate_size", "norm_topk_prob")),
       Family("qwen3_next", "Qwen3NextSparseMoeBlock", mlp,
-             _softmax_family("moe_intermediate_size", "norm_topk_prob",
-                             "shared_expert_intermediate_size", shared_gate=True),
-             **qwen_shared),
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob",
+                                       "shared_expert_intermediate_size", shared_gate=True),
+                       norm_topk_prob=True, shared_expert_intermediate_size=512), **qwen_shared),
       Family("qwen3_5_moe_text", "Qwen3_5MoeSparseMoeBlock", mlp,
-             _softmax_family("moe_intermediate_size", True, "shared_expert_intermediate_size",
-                             shared_gate=True), **qwen_shared,
+             _defaults(_softmax_family("moe_intermediate_size", True,
+                                       "shared_expert_intermediate_size", shared_gate=True),
+                       shared_expert_intermediate_size=512), **qwen_shared,
              multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("qwen3_vl_moe_text", "Qwen3VLMoeTextSparseMoeBlock",
              "model.language_model.layers.{layer}.mlp.",
              _softmax_family("moe_intermediate_size", True)),
       Family("qwen3_omni_moe_text", "Qwen3OmniMoeThinkerTextSparseMoeBlock",
              "thinker.model.language_model.layers.{layer}.mlp.",
-             _softmax_family("moe_intermediate_size", "norm_topk_prob")),
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob"),
+                       norm_topk_prob=True)),
+      # (the talker's config class has no default shared_expert_intermediate_size: required)
       Family("qwen3_omni_moe_talker_text", "Qwen3OmniMoeTalkerTextSparseMoeBlock",
              "talker.model.layers.{layer}.mlp.",
              _softmax_family("moe_intermediate_size", "norm_topk_prob",
@@ -596,55 +619,66 @@ def _families():
              _softmax_family("intermediate_size", "norm_topk_prob")),
       Family("jamba", "JambaSparseMoeBlock", "model.layers.{layer}.feed_forward.",
              _softmax_family("intermediate_size", False), router="router.weight"),
-      Family("deepseek_v2", "DeepseekV2Moe", mlp, _deepseek_v2, shared="shared_experts."),
-      Family("deepseek_v3", "DeepseekV3MoE", mlp, _deepseek_v3, **v3,
+      Family("deepseek_v2", "DeepseekV2Moe", mlp, _defaults(_deepseek_v2, n_shared_experts=2),
+             shared="shared_experts."),
+      Family("deepseek_v3", "DeepseekV3MoE", mlp, _defaults(_deepseek_v3, **v3_defaults), **v3,
              multimodal_prefix="model.language_model.layers.{layer}.mlp."),
-      Family("deepseek_v32", "DeepseekV32MoE", mlp, _deepseek_v3, **v3),
-      Family("deepseek_v4", "DeepseekV4SparseMoeBlock", mlp, _deepseek_v4, **v3,
+      Family("deepseek_v32", "DeepseekV32MoE", mlp, _defaults(_deepseek_v3, **v3_defaults),
+             **v3),
+      Family("deepseek_v4", "DeepseekV4SparseMoeBlock", mlp,
+             _defaults(_deepseek_v4, routed_scaling_factor=1.5, swiglu_limit=10.0), **v3,
              lookup="gate.tid2eid"),
-      Family("glm4_moe", "Glm4MoeMoE", mlp, _deepseek_v3, **v3),
-      Family("glm4_moe_lite", "Glm4MoeLiteMoE", mlp, _deepseek_v3, **v3),
+      Family("glm4_moe", "Glm4MoeMoE", mlp, _defaults(_deepseek_v3, **one_shared), **v3),
+      Family("glm4_moe_lite", "Glm4MoeLiteMoE", mlp,
+             _defaults(_deepseek_v3, **one_shared, routed_scaling_factor=1.8), **v3),
       Family("glm5_next_text", "Glm5NextTextMoE", "model.language_model.layers.{layer}.mlp.",
-             _glm5_next, **v3),
-      Family("glm_moe_dsa", "GlmMoeDsaMoE", mlp, _deepseek_v3, **v3),
+             _defaults(_glm5_next, **one_shared, routed_scaling_factor=2.5, swiglu_limit=10.0),
+             **v3),
+      Family("glm_moe_dsa", "GlmMoeDsaMoE", mlp,
+             _defaults(_deepseek_v3, **one_shared, routed_scaling_factor=2.5), **v3),
       Family("glm4v_moe_text", "Glm4vMoeTextMoE", "model.language_model.layers.{layer}.mlp.",
-             _deepseek_v3, **v3),
+             _defaults(_deepseek_v3, **one_shared), **v3),
       Family("deepseek_ocr2_text", "DeepseekOcr2TextMoe",
-             "model.language_model.layers.{layer}.mlp.", _deepseek_v2, shared="shared_experts."),
-      # Kimi-K2's config.json names DeepSeek-V3's model "kimi_k2" (Kimi-K2.5's text_config too)
-      Family("kimi_k2", "DeepseekV3MoE", mlp, _deepseek_v3, **v3,
+             "model.language_model.layers.{layer}.mlp.",
+             _defaults(_deepseek_v2, n_shared_experts=2), shared="shared_experts."),
+      # Kimi-K2's config.json names DeepSeek-V3's model "kimi_k2" (Kimi-K2.5's text_config too,
+      # which transformers reads as a DeepseekV3Config: its defaults)
+      Family("kimi_k2", "DeepseekV3MoE", mlp, _defaults(_deepseek_v3, **v3_defaults), **v3,
              multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("dots1", "Dots1MoE", mlp, _deepseek_v3, **v3),
       Family("kimi_linear", "KimiLinearMoE", mlp,
-             _renamed(_deepseek_v3, n_group="num_expert_group", norm_topk_prob="moe_renormalize",
-                      n_shared_experts="num_shared_experts",
-                      num_experts_per_tok="num_experts_per_token"), **v3),
+             _renamed(_defaults(_deepseek_v3, **one_shared, routed_scaling_factor=2.446),
+                      **kimi_linear_names), **v3),
       Family("exaone_moe", "ExaoneMoeSparseMoEBlock", mlp, v3_shared_named, **v3),
       # transformers runs Sarvam on GLM-4.5's and DeepSeek-V3's models
       Family("sarvam_moe", "Glm4MoeMoE", mlp, v3_shared_named, **v3),
       Family("sarvam_mla", "DeepseekV3MoE", mlp, v3_shared_named, **v3),
-      Family("afmoe", "AfmoeSparseMoeBlock", mlp, _afmoe, router="router.gate.weight",
-             selection_bias="expert_bias", shared="shared_experts."),
-      Family("mimo_v2_flash", "MiMoV2FlashMoE", mlp, _mimo_v2_flash,
+      Family("afmoe", "AfmoeSparseMoeBlock", mlp, _defaults(_afmoe, num_shared_experts=2),
+             router="router.gate.weight", selection_bias="expert_bias", shared="shared_experts."),
+      Family("mimo_v2_flash", "MiMoV2FlashMoE", mlp,
+             _defaults(_mimo_v2_flash, norm_topk_prob=True),
              selection_bias="gate.e_score_correction_bias"),
-      # Step-3.7's text config (model_type "step3p5"), under its multimodal model's keys
+      # Step-3.7's text config (model_type "step3p5"), under its multimodal model's keys; its
+      # legacy name share_expert_dims sets share_expert_dim, as in transformers
       Family("step3p5", "Step3p7SparseMoeBlock", "model.language_model.layers.{layer}.mlp.",
-             _step3p5, selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
+             _defaults(_renamed(_step3p5, share_expert_dim="share_expert_dims"),
+                       share_expert_dim=1280),
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
       # Ling 3.0: Kimi-Linear's block and field names
       Family("bailing_hybrid", "BailingHybridMoE", mlp,
-             _renamed(_deepseek_v3, n_group="num_expert_group", norm_topk_prob="moe_renormalize",
-                      n_shared_experts="num_shared_experts",
-                      num_experts_per_tok="num_experts_per_token"), **v3),
-      Family("solar_open", "SolarOpenMoE", mlp, _deepseek_v3, **v3),
+             _renamed(_defaults(_deepseek_v3, **v3_defaults), **kimi_linear_names), **v3),
+      Family("solar_open", "SolarOpenMoE", mlp, _defaults(_deepseek_v3, **one_shared), **v3),
       Family("minimax_m2", "MiniMaxM2SparseMoeBlock", mlp, _minimax_m2,
              selection_bias="e_score_correction_bias"),
-      Family("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", mlp, _minimax_m3,
+      Family("minimax_m3_vl_text", "MiniMaxM3VLSparseMoeBlock", mlp,
+             _defaults(_minimax_m3, routed_scaling_factor=2.0, shared_intermediate_size=3072),
              selection_bias="gate.e_score_correction_bias", shared="shared_experts.",
              shared_kind="gate_up", multimodal_prefix="model.language_model.layers.{layer}.mlp."),
-      Family("aria_text", "AriaTextMoELayer", mlp, _aria, router="router.weight",
-             experts="fused_xw", shared="shared_experts.",
+      Family("aria_text", "AriaTextMoELayer", mlp, _defaults(_aria, moe_num_shared_experts=2),
+             router="router.weight", experts="fused_xw", shared="shared_experts.",
              multimodal_prefix="model.language_model.layers.{layer}.mlp."),
-      Family("dots3_note_text", "Dots3NoteTextMoE", mlp, _dots3, **v3,
+      Family("dots3_note_text", "Dots3NoteTextMoE", mlp,
+             _defaults(_dots3, **one_shared, shared_experts_intermediate_size=1536), **v3,
              multimodal_prefix="model.language_model.layers.{layer}.mlp."),
       Family("granitemoe_swa", "GraniteMoeSWAMoE + the decoder layer's GraniteMoeSWAMLP",
              "model.layers.{layer}.", _granite, router="block_sparse_moe.router.weight",
@@ -652,15 +686,18 @@ def _families():
              shared_kind="fused"),
       Family("granitemoehybrid",
              "GraniteMoeHybridMoE + the decoder layer's GraniteMoeHybridMLP",
-             "model.layers.{layer}.", _granite_hybrid, router="block_sparse_moe.router.weight",
+             "model.layers.{layer}.", _defaults(_granite_hybrid, shared_intermediate_size=1024),
+             router="block_sparse_moe.router.weight",
              experts_prefix="block_sparse_moe.experts.", shared="shared_mlp.",
              shared_kind="fused"),
       Family("openai_privacy_filter", "OpenAIPrivacyFilterMLP", mlp, _privacy_filter,
              router="router.weight", experts="gpt_oss", router_bias="router.bias"),
-      Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", mlp, _ernie,
+      Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", mlp,
+             _defaults(_ernie, moe_num_shared_experts=2),
              selection_bias="gate.moe_statics.e_score_correction_bias",
              selection_bias_shape="(1, E)", shared="shared_experts."),
-      Family("lfm2_moe", "Lfm2MoeSparseMoeBlock", "model.layers.{layer}.feed_forward.", _lfm2,
+      Family("lfm2_moe", "Lfm2MoeSparseMoeBlock", "model.layers.{layer}.feed_forward.",
+             _defaults(_lfm2, norm_topk_prob=True, use_expert_bias=True),
              selection_bias="expert_bias"),
       Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", mlp, _hunyuan, router="gate.wg.weight",
              shared="shared_mlp."),
@@ -679,7 +716,8 @@ def _families():
              router="router.layer.weight", experts="dbrx", experts_prefix="experts.mlp."),
       # The MoE part of the decoder layer: its router and experts, keys relative to the layer.
       Family("gemma4_text", "Gemma4TextRouter + Gemma4TextExperts of the decoder layer",
-             "model.layers.{layer}.", _gemma4, router="router.proj.weight",
+             "model.layers.{layer}.", _defaults(_gemma4, hidden_activation="gelu_pytorch_tanh"),
+             router="router.proj.weight",
              router_scale="router.scale", expert_scale="router.per_expert_scale",
              multimodal_prefix="model.language_model.layers.{layer}."),
   ]
@@ -737,6 +775,9 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
   use_expert_scale too; DeepSeek-V4's hash layers: fixed_selection). They describe the model's MoE
   layers (families that mix in dense layers, first_k_dense_replace and the like, say which).
+  A field the config leaves out means its transformers config class's default (transformers 5.24),
+  as transformers reads the config; most families require the routed experts' sizes (hidden size,
+  expert count and width, K): a ValueError names the missing one.
   """
   config = _text_config(config)
   fam = family(config)
