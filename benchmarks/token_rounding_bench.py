@@ -16,7 +16,8 @@ token-rounding benchmark does. Each of the four times every routing in alternati
 (`benchmarks.timing.time_interleaved`), so a speed-up to top-K compares samples taken side by
 side rather than runs timed one after the other. The default configurations are the grid's high-sparsity ones, the
 paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
---kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
+--sample_ms sets a sample's length (25 ms, as every table; 400 ms measures the GPU under
+sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
 call); --role_times times each GEMM role alone on each routing's layout (up-projection,
 down-projection, dH, dX, the two weight gradients) on random operands, which says where the
 training step's speed-up goes.
@@ -49,6 +50,9 @@ flags.DEFINE_string("backend", "auto", "sonic_jax backend")
 flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
 flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
 flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
+flags.DEFINE_float("sample_ms", 25.0, "back-to-back calls per sample, in ms (the tables' 25; "
+                   "several hundred time the GPU under sustained load, where top-K's step slows "
+                   "more than rounding's: docs/design.md, \"Token rounding\")")
 flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout and training-step kernels "
                   "from profiler traces")
 flags.DEFINE_bool("role_times", False, "each GEMM role alone on each routing's layout")
@@ -118,12 +122,16 @@ def run_config(cfg, impl):
   # Each measure times every routing in alternating rounds (`timing.time_interleaved`), so that
   # the ratios to top-K do not carry the drift between separately timed runs.
   seconds = {mode: {} for mode in modes}
+  sample_s = FLAGS.sample_ms / 1e3
+  max_inner = round(200 * max(sample_s / 0.025, 1))  # time_interleaved's cap, scaled with samples
   for measure in ("gemm", "route", "forward", "step"):
     calls = {}
     for mode in modes:
       fn, args = measured[mode][measure]
       calls[mode] = (timing.compile_fn(fn, *args)[0], args)
-    for mode, (t, _) in timing.time_interleaved(calls, repeats=FLAGS.repeats).items():
+    for mode, (t, _) in timing.time_interleaved(calls, repeats=FLAGS.repeats,
+                                                min_sample_s=sample_s,
+                                                max_inner=max_inner).items():
       seconds[mode][measure] = t
   for mode in modes:
     layout = measured[mode]["layout"]

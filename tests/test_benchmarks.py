@@ -109,7 +109,7 @@ def test_rounding_select_bench_checks_and_ranks_variants():
 
 def test_token_rounding_bench(tmp_path):
   name, res = _run(["benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2", "--backend=xla",
-                    "--repeats=2", "--modes=up", "--role_times"], tmp_path)
+                    "--repeats=2", "--modes=up", "--role_times", "--sample_ms=5"], tmp_path)
   assert name.endswith("_token_rounding.json") and res["backend"] == "xla"
   (cfg,) = res["configs"]
   plain, up = cfg["routings"]
