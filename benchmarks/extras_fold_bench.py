@@ -57,7 +57,7 @@ def run_case(t, d, e, k, repeats, tile=TILE, interpret=False, kernel_trace=False
   from sonic_jax.pallas import extras_sum
   args, used = problem(t, d, e, k, tile)
   fns = {"xla": extras_sum.reference,
-         "kernel": lambda *a: extras_sum.fold_extras(*a, num_experts=e, interpret=interpret)}
+         "kernel": lambda *a: extras_sum.fold_extras(*a, interpret=interpret)}
   calls = {name: (timing.compile_fn(fn, *args)[0], args) for name, fn in fns.items()}
   want = np.asarray(calls["xla"][0](*args)[0], np.float32)
   got = np.asarray(calls["kernel"][0](*args)[0], np.float32)

@@ -104,7 +104,7 @@ def slot_layout(pairs: GroupedLayout, num_devices: int, slot_rows: int) -> Group
                        pair_row=moved(pairs.pair_row), group_sizes=kept_counts,
                        expert_counts=kept_counts, tile_expert=row_expert,
                        num_tiles=jnp.sum(kept_counts), extra_row=moved(pairs.extra_row),
-                       extra_token=pairs.extra_token, extra_grid=pairs.extra_grid)
+                       extra_token=pairs.extra_token)
 
 
 def native_ragged_all_to_all() -> bool:

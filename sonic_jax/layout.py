@@ -52,10 +52,6 @@ class GroupedLayout(NamedTuple):
   num_tiles: Array  # () int32: tiles in use, sum(group_sizes) // row_tile
   extra_row: Array  # (X,) int32: grouped row of each extra pair, R for unused entries
   extra_token: Array  # (X,) int32: token of each extra pair, T for unused entries
-  # (E, J) bool where the extra pairs come grouped by expert (token rounding's lists, X = E * J:
-  # entry e * J + j is expert e's, its tokens increasing, unused entries last): which are in use.
-  # None for any other list. Lets a token find its extras by a search instead of a sort.
-  extra_grid: Array | None = None
 
   @property
   def num_rows(self) -> int:
@@ -220,9 +216,8 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   expert id outside [0, E) marks an unused entry. A token may appear in any number of them. An
   expert's extra pairs follow its slot pairs, in list order.
   extras_by_expert: the extra pairs come grouped by expert as token rounding gives them: X = E * J
-  and entry x is expert x // J's or unused (an entry naming any other expert counts as unused),
-  each expert's tokens increasing with its unused entries last; then the "block_ranks" method
-  places them with no sort, and the layout's `extra_grid` says so to the aggregation.
+  and entry x is expert x // J's or unused (an entry naming any other expert counts as unused);
+  then the "block_ranks" method places them with no sort.
   method: how pairs are grouped, the same layout either way. "sort": a stable sort of the expert
   ids. "block_ranks": a counting sort whose per-block counts and ranks come from a Pallas kernel
   (interpreted off the GPU; extra pairs only by expert, E <= 1024, S <= 32). "auto" (default):
@@ -300,5 +295,4 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
       num_tiles=num_tiles.astype(jnp.int32),
       extra_row=pair_row[num_slot_pairs:],
       extra_token=jnp.where(extra_used, extra_tokens, num_tokens).astype(jnp.int32),
-      extra_grid=(extra_used.reshape(e_count, -1) if extras_by_expert and num_extra else None),
   )

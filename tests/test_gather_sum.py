@@ -122,21 +122,13 @@ def test_backend_aggregation_equals_xla(rng, compiled, extras):
   ids = rng.integers(0, e, (t, k))
   ids[: t // 2, 0] = 0
   ids[ids == e - 1] = 1
-  # Grouped by expert, two entries each (token rounding's lists): token 7 in four experts' parts,
-  # an unused entry (T) and one naming another expert (unused too).
-  extra_tokens = np.sort(rng.choice(np.arange(8, t), (e, 2), replace=False), axis=1)
-  extra_tokens[:4, 0] = 7
-  extra_tokens[1, 1] = t
-  extra_experts = np.repeat(np.arange(e), 2).reshape(e, 2)
-  extra_experts[2, 1] = 3
-  extra = (jnp.asarray(extra_tokens.reshape(-1), jnp.int32),
-           jnp.asarray(extra_experts.reshape(-1), jnp.int32)) if extras else (None, None)
-  layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), e, 128, *extra,
-                                extras_by_expert=extras)
+  extra = (jnp.asarray(np.r_[rng.integers(0, t, 5), 7, 7, 7], jnp.int32),
+           jnp.asarray([0, 2, -1, 1, 0, 1, 2, 3], jnp.int32)) if extras else (None, None)
+  layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), e, 128, *extra)
   rows = jnp.asarray(rng.standard_normal((layout.num_rows, d)), jnp.bfloat16)
   rows = jnp.where(layout.row_valid()[:, None], rows, jnp.nan)  # padding rows: NaN
   scores = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
-  extra_scores = jnp.asarray(rng.uniform(0.1, 1.0, 2 * e), jnp.float32) if extras else None
+  extra_scores = jnp.asarray(rng.uniform(0.1, 1.0, 8), jnp.float32) if extras else None
   for w, xw in ((scores, extra_scores), (None, None)):
     with kernel_mode(compiled):
       got = jax.jit(lambda r, lay, w=w, xw=xw: mosaic_backend.gather_sum(
@@ -158,13 +150,12 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
   monkeypatch.setattr(mosaic_backend.gs, "gather_sum", lambda *a: calls.append(a) or "kernel")
   monkeypatch.setattr(mosaic_backend.xla_backend, "gather_sum", lambda *a: "xla")
   monkeypatch.setattr(mosaic_backend.extras_sum, "fold_extras",
-                      lambda rows, slot_row, slot_weight, *_, **__: (rows, slot_row, slot_weight))
+                      lambda rows, slot_row, slot_weight, *_: (rows, slot_row, slot_weight))
 
-  def choice(t, s, d, weighted=True, extras=False, by_expert=True, config=sonic_jax.Config()):
+  def choice(t, s, d, weighted=True, extras=False, config=sonic_jax.Config()):
     ids = jnp.asarray(np.arange(t * s).reshape(t, s) % 32, jnp.int32)
-    extra = ((jnp.zeros((32,), jnp.int32), jnp.arange(32, dtype=jnp.int32)) if extras
-             else (None, None))
-    layout = build_grouped_layout(ids, 32, 128, *extra, extras_by_expert=extras and by_expert)
+    extra = (jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32)) if extras else (None, None)
+    layout = build_grouped_layout(ids, 32, 128, *extra)
     rows = jax.ShapeDtypeStruct((layout.num_rows, d), jnp.bfloat16)
     w = jnp.ones((t, s), jnp.float32) if weighted else None
     return mosaic_backend.gather_sum(rows, layout, w, jnp.bfloat16, config=config)
@@ -176,8 +167,6 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
   assert choice(8, 16, 4096, extras=True) == "kernel"
   assert calls[-1][1].shape == (8, 16)
   assert choice(8, 15, 4096, extras=True) == "xla"
-  # A list not grouped by expert is not folded: XLA's segment sum adds it.
-  assert choice(8, 16, 4096, extras=True, by_expert=False) == "xla"
   assert choice(8, 0, 4096, extras=True) == "xla"  # extra pairs alone: no slot to fold into
   assert choice(8, 16, 4096, weighted=False, extras=True) == "xla"
   assert choice(8, 8, 2048, config=sonic_jax.Config(gather_sum_kernel_min_slots=8,
@@ -189,57 +178,45 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
 @pytest.mark.parametrize("compiled", MODES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("weighted", [True, False])
-@pytest.mark.parametrize("e", [8, 6])
-def test_fold_extras_matches_the_segment_sum(rng, compiled, dtype, weighted, e):
-  """`sonic_jax.pallas.extras_sum.fold_extras` against its segment-sum reference, on an extra-pair
-  list grouped by expert (E a power of two and not; each part's tokens increasing, unused entries
-  last): tokens with one and with several extra pairs (one token in every expert's part), with
-  and without a slot-0 row (routed nowhere: R, or past it), a pair whose row is past the buffer
-  (unused, also as a token's first extra) and padding rows that are NaN and must not be read;
-  every other row unchanged; and the gather over the folded slot 0 equals slot 0 plus the
-  segment sum."""
+def test_fold_extras_matches_the_segment_sum(rng, compiled, dtype, weighted):
+  """`sonic_jax.pallas.extras_sum.fold_extras` against its segment-sum reference: tokens with one
+  and with several extra pairs (listed in any order), with and without a slot-0 row (routed
+  nowhere: R, or past it), unused entries (tokens -1 and T, a row past the buffer) and padding
+  rows that are NaN and must not be read; every other row unchanged; and the gather over the
+  folded slot 0 equals slot 0 plus the segment sum."""
   from sonic_jax.pallas import extras_sum
   if compiled != (jax.default_backend() == "gpu"):
     pytest.skip("compiled on a GPU, interpreted elsewhere")
-  t, d, r, j = (37, 384, 100, 5) if not compiled else (3000, 4096, 9000, 500)
-  x = e * j
+  t, d, r, x = (37, 384, 100, 40) if not compiled else (3000, 4096, 9000, 4000)
   rows = rng.standard_normal((r, d)).astype(np.float32)
   rows[-3:] = np.nan
-  others = np.r_[:3, 4:t]
-  token = np.stack([np.sort(np.r_[3, rng.choice(others, j - 1, replace=False)])
-                    for _ in range(e)])  # increasing tokens per expert, token 3 in every part
-  at3 = np.argmax(token == 3, axis=1)
-  keep = rng.integers(j // 2, j + 1, e)  # each part's entries in use, then unused (token T)
-  keep = np.maximum(keep, at3 + 1)
-  keep[-1] = j  # a full part
-  token[np.arange(j)[None, :] >= keep[:, None]] = t
+  token = rng.integers(0, t, x)
+  token[: x // 8] = 3  # one token with many extras
   placed = rng.permutation(r - 3)  # every pair its own row
-  row, slot_row = placed[:x].reshape(e, j), placed[x:x + t].copy()
-  row[token == t] = r
+  row, slot_row = placed[:x], placed[x:x + t].copy()
   slot_row[rng.random(t) < 0.3] = r  # slot 0 routed nowhere
   slot_row[3], slot_row[4] = r + 5, r  # (also for the token with many extras)
-  row[0, at3[0]] = r + 7  # token 3's first extra has no row: unused, the next one leads
-  token, row = token.reshape(-1), row.reshape(-1)
+  unused = rng.random(x) < 0.3
+  token[unused] = np.where(rng.random(unused.sum()) < 0.5, -1, t)
+  row[unused] = r - 1
+  token[-1], row[-1] = 5, r + 7  # a row past the buffer: unused
   rows = jnp.asarray(rows, dtype)
   token, row = jnp.asarray(token, jnp.int32), jnp.asarray(row, jnp.int32)
   slot_row = jnp.asarray(slot_row, jnp.int32)
   w = jnp.asarray(rng.uniform(0.1, 1.0, x), jnp.float32) if weighted else None
   w0 = jnp.asarray(rng.uniform(0.1, 1.0, t), jnp.float32) if weighted else None
-  fold = jax.jit(functools.partial(extras_sum.fold_extras, num_experts=e,
-                                   interpret=not compiled))
+  fold = jax.jit(functools.partial(extras_sum.fold_extras, interpret=not compiled))
   got, got_row, got_w0 = fold(rows, slot_row, w0, token, row, w)
   want, want_row, want_w0 = extras_sum.reference(rows, slot_row, w0, token, row, w)
   np.testing.assert_array_equal(np.asarray(got_row), np.asarray(want_row))
   assert (got_w0 is None) == (not weighted)
   if weighted:
     np.testing.assert_array_equal(np.asarray(got_w0), np.asarray(want_w0))
-  pairs = [(int(a), int(b), c) for a, b, c in zip(np.asarray(token), np.asarray(row), range(x))
-           if a < t and b < r]
-  with_extras = sorted({a for a, _, _ in pairs})
+  with_extras = sorted({int(a) for a, b in zip(np.asarray(token), np.asarray(row))
+                        if 0 <= a < t and b < r})
   folded = np.asarray(want_row)[with_extras]
   assert np.all(folded < r) and len(set(folded)) == len(folded) > 1
   assert np.any(np.asarray(slot_row)[with_extras] >= r)  # folded into an extra row too
-  assert int(want_row[3]) == int(row[j + at3[1]])  # token 3: expert 1's pair leads
   tol = 1e-6 if dtype == jnp.float32 else 1e-2
   got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
   assert rel_err(got64[folded], want64[folded]) < tol
@@ -249,8 +226,9 @@ def test_fold_extras_matches_the_segment_sum(rng, compiled, dtype, weighted, e):
   # Slot 0 now gives the token's slot pair and extras, weighted; other tokens keep theirs.
   rows64 = np.asarray(rows, np.float64)
   expect = np.zeros((t, d))
-  for a, b, c in pairs:
-    expect[a] += (1.0 if w is None else float(w[c])) * rows64[b]
+  for a, b, c in zip(np.asarray(token), np.asarray(row), range(x)):
+    if 0 <= a < t and b < r:
+      expect[a] += (1.0 if w is None else float(w[c])) * rows64[b]
   for a in range(t):
     if 0 <= slot_row[a] < r:
       expect[a] += (1.0 if w0 is None else float(w0[a])) * rows64[slot_row[a]]
@@ -264,16 +242,10 @@ def test_fold_extras_matches_the_segment_sum(rng, compiled, dtype, weighted, e):
 def test_extras_kernel_refusals_and_lowering():
   from sonic_jax.pallas import extras_sum
   assert "d=100" in extras_sum.supports(jnp.zeros((4, 100)))
-  with pytest.raises(ValueError, match="E \\* J"):
-    extras_sum.fold_extras(jnp.zeros((8, 128)), jnp.zeros((4,), jnp.int32), None,
-                           jnp.zeros((7,), jnp.int32), jnp.zeros((7,), jnp.int32), None,
-                           num_experts=2)
   if jax.default_backend() != "gpu":  # the Triton kernel lowers for a GPU from this machine
-    for d, e, j, weighted in [(4096, 256, 64, True), (768, 96, 200, False), (7168, 8, 64, True)]:
-      shapes = [((150000, d), jnp.bfloat16), ((16384,), jnp.int32), ((16384,), jnp.float32),
-                ((e * j,), jnp.int32), ((e * j,), jnp.int32), ((e * j,), jnp.float32)]
-      args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
-      if not weighted:
-        args[2] = args[5] = None
-      fold = functools.partial(extras_sum.fold_extras, num_experts=e)
-      assert "xla.gpu.triton" in export_for_h100(fold, *args)
+    shapes = [((150000, 4096), jnp.bfloat16), ((16384,), jnp.int32), ((16384,), jnp.float32),
+              ((16384,), jnp.int32), ((16384,), jnp.int32), ((16384,), jnp.float32)]
+    module = export_for_h100(
+        extras_sum.fold_extras,
+        *(jax.ShapeDtypeStruct(s, dt) for s, dt in shapes))
+    assert "xla.gpu.triton" in module

@@ -172,17 +172,15 @@ def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, con
   gather fusion (the backward's unweighted dX sum fuses with the router's input gradient there).
   Token rounding's extra pairs, if any, are first folded into each token's slot 0
   (`sonic_jax.pallas.extras_sum`, reading only the pairs in use; compiled only: under interpret
-  mode, without slots, for lists not grouped by expert (`GroupedLayout.extra_grid`) and where it
-  does not apply, XLA's segment sum adds them), so the sum reads top-K's slots alone. Unweighted
-  (None), every slot counts 1."""
-  if (layout.num_extra and layout.extra_grid is not None and layout.pair_row.shape[1]
-      and extras_sum.AVAILABLE and not interpreting() and extras_sum.supports(rows) is None):
+  mode, without slots, and where it does not apply, XLA's segment sum adds them), so the sum reads
+  top-K's slots alone. Unweighted (None), every slot counts 1."""
+  if layout.num_extra and layout.pair_row.shape[1] and extras_sum.AVAILABLE and (
+      not interpreting() and extras_sum.supports(rows) is None):
     rows, slot_row, slot_weight = extras_sum.fold_extras(
         rows, layout.pair_row[:, 0], None if pair_weights is None else pair_weights[:, 0],
-        layout.extra_token, layout.extra_row, extra_weights, num_experts=layout.num_experts)
+        layout.extra_token, layout.extra_row, extra_weights)
     layout = layout._replace(pair_row=layout.pair_row.at[:, 0].set(slot_row),
-                             extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0],
-                             extra_grid=None)
+                             extra_row=layout.extra_row[:0], extra_token=layout.extra_token[:0])
     if pair_weights is not None:
       pair_weights = pair_weights.at[:, 0].set(slot_weight)
     extra_weights = None
