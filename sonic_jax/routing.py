@@ -295,14 +295,11 @@ def int32_ids(ids, bound: int, fill: int) -> Array:
   """Integer ids as int32, those outside [0, bound) set to `fill` first where the dtype is wider
   than int32, so that an out-of-range int64 id cannot wrap onto a real one (host arrays are
   checked before JAX narrows them)."""
-  if not isinstance(ids, jax.Array):
-    ids = np.asarray(ids)
-    if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:
-      ids = np.where((ids >= 0) & (ids < bound), ids, fill)
-    return jnp.asarray(ids.astype(np.int32))
-  if ids.dtype.itemsize >= 4 and ids.dtype != jnp.int32:
-    ids = jnp.where((ids >= 0) & (ids < bound), ids, fill)
-  return ids.astype(jnp.int32)
+  xp = jnp if isinstance(ids, jax.Array) else np
+  ids = xp.asarray(ids)
+  if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:
+    ids = xp.where((ids >= 0) & (ids < bound), ids, fill)
+  return jnp.asarray(ids).astype(jnp.int32)
 
 
 def route(logits: Array, top_k: int, routing: str | Router,

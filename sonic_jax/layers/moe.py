@@ -148,15 +148,15 @@ class MoE(nnx.Module):
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
           0 <= value < math.inf):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
-      if value is None and name == "dtype":
+    for name, value, none_ok in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
+      if value is None and none_ok:
         continue
       try:
         floating = jnp.issubdtype(jnp.dtype(value), jnp.floating)
       except TypeError:
         floating = False
       if not floating:
-        raise ValueError(f"{name} must be a floating dtype{' or None' * (name == 'dtype')}, got "
+        raise ValueError(f"{name} must be a floating dtype{' or None' if none_ok else ''}, got "
                          f"{value!r}")
     if not (token_axes is None or isinstance(token_axes, str) or (
         isinstance(token_axes, (tuple, list)) and all(isinstance(a, str) for a in token_axes))):
