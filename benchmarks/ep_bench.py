@@ -14,7 +14,8 @@ device: T_local tokens per device, E experts in all (E/P per device), K per toke
 with a correctness check of the dropless schemes against the single-device op at a small float32
 size (on GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot
 reach).
-Then, measured forward and forward+backward (median of repeated runs after warm-up):
+Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
+configuration's programs timed in alternating rounds, each sample --sample_ms of back-to-back calls):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
 - over P devices, P*T_local tokens: `moe_all_to_all` with the dense transport, dropless
@@ -24,7 +25,10 @@ Then, measured forward and forward+backward (median of repeated runs after warm-
   receives over the links / time): each exchange (balanced routing), the all-gather of x and the
   combine (the all-to-all of the partial outputs and their float32 sum);
 - (--profile) one traced training step of `moe_all_gather`, GPU 0's time split into
-  communication (NCCL kernels), computation and communication hidden under computation.
+  communication (NCCL kernels and copies between GPUs), computation and communication hidden under
+  computation.
+By default (--memcpy_p2p) it runs with XLA's --xla_gpu_use_memcpy_local_p2p=true, the setting
+docs/design.md recommends for expert parallelism within one host.
 Printed last: step time and TFLOP/s per device and as a multiple of the single GPU's, the
 communication share, the hidden share, and the layers extrapolated to 8 devices (one node: the
 measured bandwidths), 16 and 64 devices (2 and 8 nodes: the cross-node share at --inter_node_gbps
@@ -59,6 +63,9 @@ SCHEMES = {
     "all_gather": (moe_all_gather, {}),
 }
 
+# The XLA flag the layer's expert parallelism is measured with on one host (docs/design.md).
+MEMCPY_P2P = "--xla_gpu_use_memcpy_local_p2p=true"
+
 FLAGS = flags.FLAGS
 
 
@@ -67,20 +74,31 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_integer("devices", None, "expert-parallel degree P (default: all devices)")
   flags.DEFINE_string("backend", "auto", "sonic_jax backend")
   flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
+  flags.DEFINE_float("sample_ms", 25.0, "back-to-back calls per sample, in ms")
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
                      "(400 Gb/s InfiniBand NDR), for the extrapolation to several nodes")
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
                     "its first word (all_to_all: its three variants); default: all")
+  flags.DEFINE_bool("memcpy_p2p", True, f"run with XLA's {MEMCPY_P2P}: copies between the "
+                    "GPUs of this process (all-to-alls, collective permutes) by the copy engines "
+                    "instead of NCCL kernels, which leaves the SMs to the expert kernels")
   flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
                     "GPU 0's time into communication, computation and their overlap")
 
 
-def _time(fn, *args):
+def _time_all(calls):
+  """{name: median seconds per call} of {name: (fn, args)}, compiled first, then timed in
+  alternating rounds (`timing.time_interleaved`): a drift of the GPUs' clocks over the run spreads
+  over the single-device op and every scheme alike."""
   # On CPU devices, one call at a time: queued collective programs can starve XLA:CPU's small thread
   # pool (every participant of a rendezvous needs a thread) and deadlock.
   cpu = jax.devices()[0].platform == "cpu"
-  return timing.time_fn(fn, *args, repeats=FLAGS.repeats, max_inner=1 if cpu else 200)
+  compiled = {name: (timing.compile_fn(fn, *args)[0], args) for name, (fn, args) in calls.items()}
+  times = timing.time_interleaved(compiled, repeats=FLAGS.repeats,
+                                  min_sample_s=FLAGS.sample_ms / 1e3,
+                                  max_inner=1 if cpu else 200)
+  return {name: t for name, (t, _) in times.items()}
 
 
 def _fwdbwd(layer):
@@ -88,10 +106,6 @@ def _fwdbwd(layer):
     y, vjp = jax.vjp(layer, *a)
     return vjp(y)
   return step
-
-
-def _fwd_and_fwdbwd(layer, *args):
-  return _time(layer, *args), _time(_fwdbwd(layer), *args)
 
 
 def _inputs(p, t_local, d, n, e, dtype, seed=0):
@@ -184,8 +198,10 @@ def overlap_split(events, is_communication):
           "computation_ms": length(comp) / 1e6, "hidden_ms": hidden / 1e6}
 
 
-def _is_nccl(name):
-  return "nccl" in name.lower()
+def _is_communication(name):
+  """NCCL kernels, and copies between GPUs (the trace names them "MemcpyP2P")."""
+  name = name.lower()
+  return "nccl" in name or ("memcpy" in name and "p2p" in name)
 
 
 def profile_step(step, args):
@@ -196,7 +212,11 @@ def profile_step(step, args):
     jax.block_until_ready(step(*args))
     jax.profiler.stop_trace()
     events = timing.device_events(logdir, gpu=0)
-  return overlap_split(events, _is_nccl) if events else None
+  if not events:
+    return None
+  split = overlap_split(events, _is_communication)
+  split["copy_kinds"] = sorted({n for _, _, n in events if "memcpy" in n.lower()})
+  return split
 
 
 def run_config(cfg, devices, backend, runs, profile=False):
@@ -212,25 +232,30 @@ def run_config(cfg, devices, backend, runs, profile=False):
          "x_itemsize": itemsize}
   flops_per_device = grid.forward_flops((t_local, d, n, e, k))
 
-  one = devices[0]
   single = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=k, backend=backend)[0]
-  t_fwd, t_fb = _fwd_and_fwdbwd(single, *[jax.device_put(a, one) for a in (x[:t_local], rw, w1,
-                                                                           w2)])
-  res.update(single_fwd_ms=t_fwd * 1e3, single_fwdbwd_ms=t_fb * 1e3,
-             single_fwdbwd_tflops=3 * flops_per_device / t_fb / 1e12)
+  one = tuple(jax.device_put(a, devices[0]) for a in (x[:t_local], rw, w1, w2))
   placed = _placed(mesh, x, rw, w1, w2)
+  layers = {name: _sharded(scheme, mesh, k, backend) for name, scheme in runs.items()}
+  calls = {}
+  for name, (layer, args) in {"single": (single, one),
+                              **{n: (f, placed) for n, f in layers.items()}}.items():
+    calls[(name, "fwd")], calls[(name, "fwdbwd")] = (layer, args), (_fwdbwd(layer), args)
+  t = _time_all(calls)
+  res.update(single_fwd_ms=t[("single", "fwd")] * 1e3,
+             single_fwdbwd_ms=t[("single", "fwdbwd")] * 1e3,
+             single_fwdbwd_tflops=3 * flops_per_device / t[("single", "fwdbwd")] / 1e12)
   for name, scheme in runs.items():
     fn, kw = scheme
-    t_fwd, t_fb = _fwd_and_fwdbwd(_sharded(scheme, mesh, k, backend), *placed)
+    t_fb = t[(name, "fwdbwd")]
     _, dropped = jax.jit(_sharded(scheme, mesh, k, backend, with_aux=True))(*placed)
-    res[name] = {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "dropped_pairs": int(dropped),
+    res[name] = {"fwd_ms": t[(name, "fwd")] * 1e3, "fwdbwd_ms": t_fb * 1e3,
+                 "dropped_pairs": int(dropped),
                  "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12,
                  "layer": "all_gather" if fn is moe_all_gather else "all_to_all",
                  "transport": kw.get("transport"),
                  "capacity_factor": kw.get("capacity_factor")}
     if profile and fn is moe_all_gather:
-      res[name]["profile"] = profile_step(jax.jit(_fwdbwd(_sharded(scheme, mesh, k, backend))),
-                                          placed)
+      res[name]["profile"] = profile_step(jax.jit(_fwdbwd(layers[name])), placed)
 
   # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all) or receives
   # (all-gather) over the links: (P-1)/P of what it holds.
@@ -247,7 +272,8 @@ def run_config(cfg, devices, backend, runs, profile=False):
 
     fn = jax.shard_map(move, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"),
                        check_vma=False)
-    return _time(fn, put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
+    args = (put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
+    return _time_all({"": (fn, args)})[""]
 
   gbps = lambda b, t: b / t / 1e9 if p > 1 else None
   for name, (fn, kw) in runs.items():
@@ -267,8 +293,9 @@ def run_config(cfg, devices, backend, runs, profile=False):
                            in_specs=P("ep"), out_specs=P(), check_vma=False)
     combine = jax.shard_map(lambda v: _sum_partials(v, "ep"), mesh=mesh, in_specs=P(),
                             out_specs=P("ep"), check_vma=False)
-    t_gather = _time(gather, put(x, P("ep")))
-    t_combine = _time(combine, put(jnp.zeros((p * t_local, d), dtype), P()))
+    t = _time_all({"gather": (gather, (put(x, P("ep")),)),
+                   "combine": (combine, (put(jnp.zeros((p * t_local, d), dtype), P()),))})
+    t_gather, t_combine = t["gather"], t["combine"]
     for name in gathers:
       res[name].update(
           all_gather_ms=t_gather * 1e3,
@@ -351,6 +378,8 @@ def table(results, inter_node_gbps):
 
 
 def main(_):
+  if FLAGS.memcpy_p2p:  # read when the backend starts, at the first jax.devices() below
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {MEMCPY_P2P}".strip()
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
@@ -364,6 +393,9 @@ def main(_):
   out = grid.run_record("ep_bench", devices, backend=backend,
                         native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
                         inter_node_gbps_assumed=FLAGS.inter_node_gbps,
+                        xla_flags=os.environ.get("XLA_FLAGS", ""),
+                        timing=f"a configuration's programs in alternating rounds, "
+                               f"{FLAGS.sample_ms:g} ms samples, median of {FLAGS.repeats}",
                         check_max_rel_err=check_against_single_device(devices, backend, runs),
                         results=[])
   print("correctness vs one device (max rel err of output and gradients):",

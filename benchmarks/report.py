@@ -433,16 +433,24 @@ def benchmarks_md(found):
     runs = [latest[p] for p in sorted(latest, reverse=True)]
     labelled = [(f"P = {record(r).get('devices', 1)}", r) for r in runs]
     max_err = max(max(r["check_max_rel_err"].values()) for r in runs)
+    legend = runs_legend(labelled).split("\n")
+    for i, (_, r) in enumerate(labelled):  # how each run timed, and the XLA flags it ran with
+      rec = record(r)
+      legend[i] += (f". Timing: {rec['timing']}" if rec.get("timing") else
+                    ". Timing: each program alone, in turn")
+      legend[i] += (f"; XLA_FLAGS `{rec['xla_flags']}`" if rec.get("xla_flags") else "")
+    legend = "\n".join(legend)
     parts.append(f"## Expert parallelism\n\nThe most recent run on each number of devices:\n\n"
-                 f"{runs_legend(labelled)}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "
+                 f"{legend}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "
                  "configuration is the work of one device: "
                  "T_local tokens per device, E experts over the P devices. \"single\" is "
                  "`sonic_jax.moe` on one device with T_local tokens and all E experts; "
                  "\"× single\" is the sharded TF/s per device over it. \"collectives\" are the "
                  "exchanges (or the all-gather of x and the combine) alone at the layer's sizes; "
                  "\"comm share\" is four exchanges (or two all-gathers and combines) over the "
-                 "step; \"hidden\" is the share of a traced step's communication (NCCL kernels "
-                 "on GPU 0) that ran while another kernel did (traced for all_gather only). "
+                 "step; \"hidden\" is the share of a traced step's communication on GPU 0 (NCCL "
+                 "kernels and copies between GPUs) that ran while a kernel did (traced for "
+                 "all_gather only). "
                  "Before timing, every dropless scheme matched the single-device op at float32 "
                  f"(max relative error {max_err:.1e}). The extrapolation keeps the measured "
                  "compute and bandwidths, 8 GPUs a node, and "
