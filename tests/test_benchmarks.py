@@ -141,6 +141,27 @@ def test_ep_bench(tmp_path):
   assert r["all_gather"]["combine_ms"] > 0 and r["all_gather"]["profile"] is None  # no GPU trace
   from benchmarks.ep_bench import table
   assert "| 128,32,16,4,2 | 2 |" in table(res["results"], res["inter_node_gbps_assumed"])
+  assert "--xla_gpu_use_memcpy_local_p2p=true" in res["xla_flags"]  # --memcpy_p2p's default
+  assert "alternating rounds" in res["timing"]
+
+
+def test_ep_options_bench(tmp_path):
+  """Two option sets beside the single-device step, two sample lengths: timed, tabulated."""
+  name, res = _run(["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla",
+                    "--repeats=2", "--sample_ms=1,2", "--option_set=nccl:",
+                    "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true"], tmp_path,
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert name.startswith("cpux2_") and name.endswith("_ep_options.json")
+  assert res["option_sets"] == {"nccl": {}, "memcpy": {"xla_gpu_use_memcpy_local_p2p": True}}
+  (r,) = res["results"]
+  assert [t["sample_ms"] for t in r["timings"]] == [1, 2]
+  assert all(t[k] > 0 for t in r["timings"] for k in ("single", "nccl", "memcpy"))
+  assert r["profiles"] == {"nccl": None, "memcpy": None}  # no GPU trace
+  from benchmarks.ep_options_bench import parse_option_set, table
+  assert table(res["results"], ["nccl", "memcpy"]).count("| 128,32,16,4,2 | 2 |") == 2
+  assert parse_option_set("a:x=true,y=-3,z=s") == ("a", {"x": True, "y": -3, "z": "s"})
+  with pytest.raises(Exception, match="option=value"):
+    parse_option_set("a:x")
 
 
 def test_pretrain_bench(tmp_path):
