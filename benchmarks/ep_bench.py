@@ -15,7 +15,7 @@ with a correctness check of the dropless schemes against the single-device op at
 size (on GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot
 reach).
 Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
-configuration's programs timed in alternating rounds, each sample --sample_ms of back-to-back calls):
+configuration's programs timed in alternating rounds, a sample --sample_ms of back-to-back calls):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
 - over P devices, P*T_local tokens: `moe_all_to_all` with the dense transport, dropless
@@ -24,15 +24,15 @@ configuration's programs timed in alternating rounds, each sample --sample_ms of
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
   receives over the links / time): each exchange (balanced routing), the all-gather of x and the
   combine (the all-to-all of the partial outputs and their float32 sum);
-- (--profile) one traced training step of `moe_all_gather`, GPU 0's time split into
+- (--profile, on by default) one traced training step of `moe_all_gather`, GPU 0's time split into
   communication (NCCL kernels and copies between GPUs), computation and communication hidden under
   computation.
 By default (--memcpy_p2p) it runs with XLA's --xla_gpu_use_memcpy_local_p2p=true, the setting
 docs/design.md recommends for expert parallelism within one host.
-Printed last: step time and TFLOP/s per device and as a multiple of the single GPU's, the
-communication share, the hidden share, and the layers extrapolated to 8 devices (one node: the
-measured bandwidths), 16 and 64 devices (2 and 8 nodes: the cross-node share at --inter_node_gbps
-per GPU, an assumption, not a measurement).
+Printed after each configuration: step time and TFLOP/s per device and as a multiple of the
+single GPU's, the communication share, the hidden share, and the layers extrapolated to 8 devices
+(one node: the measured bandwidths), 16 and 64 devices (2 and 8 nodes: the cross-node share at
+--inter_node_gbps per GPU, an assumption, not a measurement).
 """
 
 from __future__ import annotations

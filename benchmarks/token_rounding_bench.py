@@ -14,8 +14,10 @@ and of its training step (forward and backward: the gradients of x, the router a
 weights for a random output gradient). TFLOP/s count the pairs actually computed, as SonicMoE's
 token-rounding benchmark does. Each of the four times every routing in alternating rounds
 (`benchmarks.timing.time_interleaved`), so a speed-up to top-K compares samples taken side by
-side rather than runs timed one after the other. The default configurations are the grid's high-sparsity ones, the
-paper's token-rounding shape (16384, 4096, 1024, 256, 8) and that shape at E = 128 and 512.
+side rather than runs timed one after the other. The default configurations: the paper's
+token-rounding shape (16384, 4096, 1024, 256, 8), that shape at E = 128 and 512, and four of the
+grid's with E/K = 16 ((32768, 4096, 256 and 512, 256, 16), (40960, 768, 256, 128, 8),
+(24576, 1536, 256, 128, 8)).
 --sample_ms sets a sample's length (25 ms, as every table; 400 ms measures the GPU under
 sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
 call); --role_times times each GEMM role alone on each routing's layout (up-projection,

@@ -407,9 +407,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       after the router's renormalisation and scaling (Gemma 4's per-expert scale).
     expert_ids: optional (T, K) integer: a fixed selection in place of the router's, whose weights
       the router still computes from the logits (DeepSeek-V4's hash-routed layers: a frozen table
-      of each token id's experts); an id outside [0, E) is an empty slot (id -1, weight 0, the
-      token's other weights renormalised without it). Not with token_rounding, a selection_bias
-      or groups, which only move a selection.
+      of each token id's experts); an id outside [0, E) is an empty slot (id -1, weight 0; where
+      the router renormalises, the token's other weights are renormalised without it). Not with
+      token_rounding, a selection_bias or groups, which only move a selection.
     backend: "auto", "xla" or "mosaic_gpu".
     config: a `sonic_jax.Config` (implementation choices and kernel tuning; None: the defaults).
       Static: under `jax.jit` pass it by closure or as a static argument.

@@ -87,8 +87,8 @@ def up_projection(x, w1, b1, layout: GroupedLayout, activation: acts.Activation,
   if b1 is not None:
     h = h + row_bias(b1, layout)
   h = h.astype(x.dtype)
-  # Like the kernel epilogue, A is computed from the float32 accumulator before H is rounded;
-  # here from the rounded H so that the backward's recomputation of A gives the same values.
+  # As in the kernel epilogue, A comes from the rounded H, so that the backward's recomputation
+  # of A gives the same values.
   a = acts.apply_activation(h, activation, gate_up_layout)
   return h, a.astype(x.dtype)
 
