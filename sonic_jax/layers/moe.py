@@ -1,4 +1,5 @@
-"""`MoE`: a Flax NNX module that holds the parameters and calls `sonic_jax.moe`."""
+"""`MoE`: a Flax NNX module that holds the parameters and calls `sonic_jax.moe` (or, under expert
+parallelism, `sonic_jax.parallel`'s ops)."""
 
 from __future__ import annotations
 
@@ -194,6 +195,12 @@ class MoE(nnx.Module):
       raise ValueError(routing_lib.rounding_unsupported(router))
     if token_rounding is not None and capacity_factor is not None:
       raise ValueError("token_rounding and capacity_factor exclude each other")
+    if fixed_selection:  # what `moe` refuses beside expert_ids, by this layer's argument names
+      for refused, what in ((token_rounding is not None, "token_rounding"),
+                            (bias_update_rate > 0, "a selection bias (bias_update_rate > 0)"),
+                            (router.n_group > 1, "group-limited routing (Router.n_group > 1)")):
+        if refused:
+          raise ValueError(f"fixed_selection=True (a given selection) takes no {what}")
     ops._check_capacity(capacity_factor)
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
