@@ -78,7 +78,7 @@ OPTIONS = {
         routing=sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=8, topk_group=4,
                                  group_score="top2_sum", routed_scaling_factor=2.5),
         selection_bias=jnp.linspace(-0.01, 0.01, cfg[3], dtype=jnp.float32)),
-    # gpt-oss's trainable router bias and clamped SwiGLU (the expert biases are an older option)
+    # gpt-oss's trainable router bias and clamped SwiGLU (expert biases are their own option)
     "gpt_oss_router_and_activation": lambda cfg: dict(
         router_bias=jnp.zeros((cfg[3],), jnp.bfloat16), activation="clamped_swiglu"),
     "geglu_tanh": lambda cfg: dict(activation="geglu_tanh"),

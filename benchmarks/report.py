@@ -312,18 +312,21 @@ def token_rounding_roles_table(run):
 METHOD = """\
 ## Method
 
-- **Timing.** Compilation is excluded (its time is in the JSON). Each figure is the median of
-  repeated runs after warm-up, by one of two methods (the layer table's run list names each run's;
-  the kernel, token-rounding and expert-parallel tables time each program alone, interleaved):
+- **Timing.** Compilation is excluded (the layer table's JSON records its time). Each figure is
+  the median of repeated runs after warm-up, by one of two methods (the layer table's run list
+  names each run's; the other tables use *interleaved*: the kernel table times each program alone,
+  the token-rounding table and the expert-parallel runs whose legend says so a configuration's
+  programs in alternating rounds):
   *do_bench* times as triton's `do_bench(warmup=5, rep=200)`, the method of SonicMoE's own
   benchmark: warm-up calls, then a 200 ms burst of calls each after an L2 flush, each call's
-  device span read from a profiler trace (host-timed where there is none), the median; the
-  forward, then the forward+backward (`timing.time_do_bench`). *interleaved* takes samples of
-  sustained back-to-back calls, each sample a batch ended by one device synchronisation, rotating
-  input sets, the forward and the forward+backward in alternating rounds (`timing.
-  time_interleaved`). The forward+backward step returns the layer's output with the gradients (an
-  unused output would let XLA drop the down-projection and aggregation from the step); backward =
-  (forward+backward) − forward.
+  device span read from a profiler trace, the median (where a trace has none: the burst's mean
+  call, host-timed); the forward, then the forward+backward (`timing.time_do_bench`; SonicMoE's
+  rows by triton's own `do_bench`). *interleaved* takes samples of sustained back-to-back calls,
+  each sample a batch ended by one device synchronisation, rotating input sets where a benchmark
+  makes several (`moe_bench --input_sets`), the forward and the forward+backward in alternating
+  rounds (`timing.time_interleaved`). The forward+backward step returns the layer's output with
+  the gradients (an unused output would let XLA drop the down-projection and aggregation from the
+  step); backward = (forward+backward) − forward.
 - **FLOPs.** The SonicMoE paper's counts for a GLU: forward 6·T·K·d·n, backward 12·T·K·d·n,
   forward+backward 18·T·K·d·n; the uniform upper bound and token rounding count the pairs they
   compute. The per-kernel rooflines are max(FLOPs / GEMM rate, bytes / copy rate) with the GEMM
@@ -342,25 +345,23 @@ METHOD = """\
 - **Re-running** (the baselines' wheels come from the ignored folders `.whl` and `.sonic`, which
   `bash benchmarks/wheels.sh tokamax|sonicmoe` fills on a machine with network access, for a GPU
   host without it):
-  sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes:
-  `bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the
-  upper bound as their run was timed: `--backends=mosaic_gpu --timing=interleaved --data=unit
-  --router_dtype=float32`,
-  with `.whl`); SonicMoE and sonic_jax on one GPU: `bash benchmarks/sonic_same_gpu.sh` (with
-  `.sonic`); the compiled tests and the kernel table as its runs were timed:
-  `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels' compiled tests and its
-  table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`; the pretraining
-  example with and without rounding: `python -m benchmarks.pretrain_bench --config=h100
-  --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
-  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest`; expert
-  parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
-  --thiek=8192,4096,512,128,8 --repeats=5`; the NVLink peer copies' compiled tests and table,
-  about 1.5 minutes on 2 or 4 GPUs: `bash benchmarks/nvlink_gpu.sh`; pretraining on 4 GPUs (with
-  `.whl` for tokamax), 2-4 minutes a run of the OLMoE preset (a machine's first run also builds
-  the corpus's BPE: give it a longer `--timeout`):
-  `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --run=NAME=FLAGS ...`.
-  The scripts write their results JSON to `$OUT` (default `bench_out`): copy it into
-  `benchmarks/results/`, then `python -m benchmarks.report`.
+  sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes: `bash
+  benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the upper
+  bound: their run's command in the table's run list, with `.whl`); SonicMoE and sonic_jax on one
+  GPU: `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table
+  as its runs were timed: `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels'
+  compiled tests and its table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`;
+  the pretraining example with and without rounding: `python -m benchmarks.pretrain_bench
+  --config=h100 --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
+  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest`; expert parallelism,
+  about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
+  --thiek=8192,4096,512,128,8 --repeats=5`; the NVLink peer copies' compiled tests and table, about
+  1.5 minutes on 2 or 4 GPUs: `bash benchmarks/nvlink_gpu.sh`; pretraining on 4 GPUs (with `.whl`
+  for tokamax), 2-4 minutes a run of the OLMoE preset (a machine's first run also builds the
+  corpus's BPE: give it a longer `--timeout`): `bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b
+  --run=NAME=FLAGS ...`. The scripts write their results JSON to `$OUT` (default `bench_out`;
+  `gpu_bench.sh` to `$OUT/bench`): copy it into `benchmarks/results/`, then `python -m
+  benchmarks.report`.
 - **Two versions of the code** are compared in one device call, alternating, since timings compare
   only within one machine and one call: `bash tools/ab_trees.sh prepare REF` on the CPU machine,
   then, with `.cache/ab_base` copied to the GPU machine, `bash tools/ab_trees.sh run --rounds=2
@@ -412,9 +413,10 @@ def benchmarks_md(found):
                  f"`{run['backend']}`, data {run.get('data', 'unit')}. \"padding rows\": rows of "
                  "the grouped GEMMs that hold no (token, expert) pair, as a fraction of the pairs; "
                  "\"expert GEMMs\": up-projection (with its row gather and activation) plus "
-                 "down-projection on the routing's layout; \"route+layout\": router, top-K or "
-                 "rounding, grouped layout; \"training step\": the layer's forward and backward "
-                 "(the gradients of x, the router and the expert weights).\n\n"
+                 "down-projection on the routing's layout; \"route+layout\": router GEMM, "
+                 "top-K (a separate kernel, for both routings) or rounding, grouped layout; "
+                 "\"training step\": the layer's forward and backward (the gradients of x, the "
+                 "router and the expert weights).\n\n"
                  + token_rounding_table(run) + "\n")
     if role_run is not None:
       source = "" if role_run is run else runs_legend([("roles", role_run)]) + "\n\n"

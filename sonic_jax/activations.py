@@ -1,11 +1,11 @@
 """Expert activations and their hand-written derivatives.
 
-Every backend evaluates activations through these functions, in float32: the forward epilogue
-(H -> A), and the backward epilogue that recomputes A from the stored pre-activation H and forms dH
-from dA (SonicMoE stores neither A nor Y). The derivatives are written out rather than taken with
-`jax.vjp` so that kernels can call the same elementwise code inside an epilogue; the Mosaic GPU
-kernels call them with `kernel=True`, the same functions written with what an epilogue lowers
-cheaply (a tanh for the sigmoid, a polynomial for erf, no IEEE division).
+Every backend evaluates activations through these functions, in float32 (float64 for float64): the
+forward epilogue (H -> A), and the backward epilogue that recomputes A from the stored
+pre-activation H and forms dH from dA (SonicMoE stores neither A nor Y). The derivatives are written
+out rather than taken with `jax.vjp` so that kernels can call the same elementwise code inside an
+epilogue; the Mosaic GPU kernels call them with `kernel=True`, the same functions written with what
+an epilogue lowers cheaply (a tanh for the sigmoid, a polynomial for erf, no IEEE division).
 
 GLU activations split H (2n wide) into a gate and an up half: A = act(gate) * up (gpt-oss's clamped
 form: `clamped_swiglu`). Where the halves
@@ -266,7 +266,7 @@ def compute_dtype(dtype):
 
 
 def apply_activation(h: Array, act: Activation, layout: str) -> Array:
-  """A = act(H) in float32 (H: (..., 2n) for GLU, (..., n) otherwise)."""
+  """A = act(H) in float32, float64 for float64 H (H: (..., 2n) for GLU, (..., n) otherwise)."""
   h = h.astype(compute_dtype(h.dtype))
   if act.is_glu:
     return act.glu(*split_gate_up(h, layout))
@@ -274,7 +274,8 @@ def apply_activation(h: Array, act: Activation, layout: str) -> Array:
 
 
 def activation_backward(h: Array, d_a: Array, act: Activation, layout: str) -> tuple[Array, Array]:
-  """Recomputes A from H and returns (A, dH) for the cotangent dA, all float32."""
+  """Recomputes A from H and returns (A, dH) for the cotangent dA, all float32 (float64 for
+  float64 H)."""
   h = h.astype(compute_dtype(h.dtype))
   d_a = d_a.astype(h.dtype)
   if act.is_glu:

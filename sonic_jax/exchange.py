@@ -4,7 +4,7 @@ Every device's send buffer has P slots of S rows, slot j for device j (which hol
 [j*E_local, (j+1)*E_local)): the device's pairs routed there, sorted by expert, then zero rows. A
 slot keeps at most S pairs (the slot capacity); the pairs beyond it are dropped and counted. The
 receive buffer has the same shape, slot i holding what device i sent. From the all-gathered
-per-expert counts C (P senders x E experts) every device computes the same `ExchangePlan`.
+per-expert counts C (P senders x E experts) every device computes its own `ExchangePlan`.
 
 Two transports move the same plan with the same result:
 - "dense": one `jax.lax.all_to_all` of the (P*S, d) buffer: every slot travels whole, padding

@@ -528,9 +528,10 @@ class Family:
   model_type: the config's model_type (a multimodal model's: its text config's). block: the
   transformers class of the block. prefix: where the block's keys sit in the whole model's state
   dict ("{layer}": the decoder layer's index), the model that transformers' AutoModelForCausalLM
-  builds (Llama 4's, Qwen3.5-MoE's and Gemma 4's text model; Qwen3-VL-MoE's and Qwen3-Omni-MoE's
-  multimodal model, the only one they have). multimodal_prefix: the same keys in the multimodal
-  model where a family has both (its released checkpoints), which `block_state_dict` tries too.
+  builds (for the families with a multimodal model, its text model; Qwen3-VL-MoE's and
+  Qwen3-Omni-MoE's multimodal model, the only one they have). multimodal_prefix: the same keys in
+  the multimodal model where a family has both (its released checkpoints), which
+  `block_state_dict` tries too.
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
   "gpt_oss" (fused_xw with biases, gate/up as natural_layout says: gpt-oss interleaved) or "dbrx"
@@ -769,7 +770,8 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   gate_up_layout: the layer's gate/up layout (default: the family's, "concat"; gpt-oss
     "interleaved"); pass the same to the weight converters. bias_update_rate: the rate of the
     selection bias for families that have one (the config does not say; DeepSeek-V3's paper uses
-    0.001). layer: the decoder layer's index, for configs with per-layer lists (Hunyuan).
+    0.001). layer: the decoder layer's index, for configs that differ by layer (per-layer
+    lists: Hunyuan's, DeepSeek-V4's layer types, Step-3.7's limits, a per-layer E or K).
   Returns d_model, num_experts, expert_dim, top_k, activation, routing (a `Router`),
   gate_up_layout, use_bias, use_router_bias, num_shared_experts, shared_expert_dim,
   shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
@@ -1029,8 +1031,8 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
 def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
                      layer: int) -> dict[str, Any]:
   """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
-  family's prefix ("model.layers.{layer}.mlp." and the like; or its multimodal model's, for a
-  Llama 4, Qwen3.5-MoE or Gemma 4 checkpoint), the prefix removed. The family's keys only
+  family's prefix ("model.layers.{layer}.mlp." and the like; or, for a family with a
+  `multimodal_prefix`, its multimodal model's), the prefix removed. The family's keys only
   (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table gate.tid2eid among them
   where the layer has one."""
   config = _text_config(config)

@@ -43,7 +43,8 @@ class GroupedLayout(NamedTuple):
   """
 
   row_token: Array  # (R,) int32: token whose x row feeds this grouped row (0 for padding)
-  row_pair: Array  # (R,) int32: flat pair index t*S+s of this row, -1 for padding
+  row_pair: Array  # (R,) int32: flat pair index t*S+s of this row (T*S+x for extra pair x), -1
+  # for padding
   row_expert: Array  # (R,) int32: expert of this row's tile (E for tiles past the used rows)
   pair_row: Array  # (T, S) int32: grouped row of each pair, R for pairs routed nowhere
   group_sizes: Array  # (E,) int32: rows per expert including padding (multiples of row_tile)
@@ -140,7 +141,7 @@ def _rows_by_sort(flat: Array, e_count: int, row_tile: int, rows: int):
   # its run begins (one unique scatter); an expert without pairs starts where the next one does.
   position = jnp.arange(num_pairs, dtype=jnp.int32)
   run_begins = jnp.ones((num_pairs,), bool)
-  if num_pairs > 1:  # (no zero-size concatenate, as above)
+  if num_pairs > 1:  # no zero-size slices (as with the concatenate in build_grouped_layout)
     run_begins = run_begins.at[1:].set(sorted_expert[1:] != sorted_expert[:-1])
   first = jnp.full((e_count + 1,), num_pairs, jnp.int32).at[  # positions inside a run: dropped
       jnp.where(run_begins, sorted_expert, e_count + 1)].set(position, mode="drop")

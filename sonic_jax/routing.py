@@ -1,9 +1,10 @@
 """Token-choice routers: logits, top-K scores and the auxiliary losses.
 
 A router maps logits (T, E) to `scores` (T, K) float32 and `expert_ids` (T, K) int32. Everything
-here is plain JAX (the top-K selection runs a Pallas kernel on GPUs: ids only, no gradient; for
-'softmax_topk' one kernel runs the router GEMM and the selection, `router_logits_and_ids`), so the
-router's backward (softmax or sigmoid backward, then the router GEMM's backward) is JAX autodiff
+here is plain JAX (on GPUs the top-K selection runs a Pallas kernel, ids only, no gradient; for a
+router whose selection ranks the logits one kernel runs the router GEMM and the selection,
+`router_logits_and_ids`; token rounding's selection is a Pallas kernel too), so the router's
+backward (softmax or sigmoid backward, then the router GEMM's backward) is JAX autodiff
 fed by the score gradient dS that the expert op returns.
 """
 
@@ -429,6 +430,8 @@ class RoundedRouting(NamedTuple):
   entries [e * J, (e + 1) * J) are expert e's, its added tokens in increasing order, then unused
   entries."""
 
+  # Weights as `round_tokens` gives them; `route_tokens` scales them further by the router's
+  # routed_scaling_factor and expert_scale where those apply.
   scores: Array  # (T, K) float32: kept pairs keep their token-choice score, dropped pairs 0
   expert_ids: Array  # (T, K) int32: -1 where the pair was dropped
   extra_tokens: Array  # (X,) int32: token of each added pair, T for unused entries

@@ -3,13 +3,14 @@
 # tree (another commit's files) and in the working tree, alternating, so that both see the same
 # GPU, clocks and load (timings compare only within one machine and one call).
 #
-#   bash tools/ab_trees.sh prepare REF     # here: REF's files into .cache/ab_base (git-ignored;
+#   bash tools/ab_trees.sh prepare REF     # here: REF's sonic_jax, benchmarks, tools, tests and
+#                                          # pyproject.toml into .cache/ab_base (git-ignored;
 #                                          # pass it to the device call's carry)
 #   bash tools/ab_trees.sh run [--rounds=N] -- CMD ARGS...
 #                                          # on the GPU machine: CMD in both trees, N rounds
 #
 # Each run executes CMD from its tree's root with PYTHONPATH there and AB_OUT set to
-# $OUT/<tree>/<round> (created), e.g.
+# $OUT/<tree>/<round> (created; $OUT defaults to ab_out), e.g.
 #   bash tools/ab_trees.sh run -- python -m benchmarks.token_rounding_bench --modes=nearest \
 #       --kernel_trace --thiek=40960,768,256,128,8 --out=\$AB_OUT
 # Round r runs base then new when r is odd, new then base when even. First the new tree runs once

@@ -37,7 +37,7 @@ flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
 flags.DEFINE_string("out", "bench_out", "output folder")
 flags.DEFINE_list("ptx_opcodes", [], "PTX opcode prefixes to count per kernel (e.g. tanh,div)")
 flags.DEFINE_list("keep_ptx", [], "kernels (names as printed, e.g. down) whose PTX is copied to "
-                  "--out (ptx_<config>_<kernel>.ptx), to read what the compiler made of them")
+                  "--out (ptx_<config>_<kernel>_<i>.ptx), to read what the compiler made of them")
 FLAGS = flags.FLAGS
 
 DEFAULT_CONFIGS = [(40960, 768, 256, 128, 8), (32768, 4096, 1024, 128, 8)]

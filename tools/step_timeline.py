@@ -9,7 +9,8 @@ On a GPU machine: `PYTHONPATH=$PWD python3 -m tools.step_timeline --out=$OUT`.
 
 Prints per configuration: the step's device span (earliest kernel start to latest kernel end), the
 sum of kernel times, the idle time, the largest gaps (with the kernels around them) and the kernels
-by total time; writes the whole timeline to `out/timeline_<config>.json`. Needs a GPU.
+by total time; writes the whole timeline to
+`out/timeline_[fwd_]<data>_data_<config>_<calls>.json`. Needs a GPU.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Peer copies between the GPUs of one host over NVLink, inside Mosaic GPU kernels: candidate
-transports for expert-parallel dispatch and combine (the layer does not use them yet; their rates
+transports for expert-parallel dispatch and combine (the layer does not use them; their rates
 against NCCL are BENCHMARKS.md's "NVLink peer copies").
 
 Called inside `jax.shard_map` over `axis` (every device of the host):
