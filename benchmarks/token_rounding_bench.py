@@ -6,23 +6,23 @@ r"""Token rounding against plain top-K: padding removed and grouped-GEMM kernel 
 On a GPU machine: `PYTHONPATH=$PWD python3 -m benchmarks.token_rounding_bench --out=$OUT` (about
 3 minutes on an H100); it writes $OUT/<device>_<date>_token_rounding.json for benchmarks/results/.
 
-For each configuration and routing (top-K, then each token-rounding mode): the (token, expert)
-pairs after routing, the padding rows of the tile-aligned layout, the time of the expert GEMMs
-alone (up-projection with its activation and down-projection on the routing's layout: the paper's
-"kernel execution time"), of the routing (router, top-K, rounding, layout), of the layer's forward
-and of its training step (forward and backward: the gradients of x, the router and the expert
-weights for a random output gradient). TFLOP/s count the pairs actually computed, as SonicMoE's
-token-rounding benchmark does. Each of the four times every routing in alternating rounds
-(`benchmarks.timing.time_interleaved`), so a speed-up to top-K compares samples taken side by
-side rather than runs timed one after the other. The default configurations: the paper's
-token-rounding shape (16384, 4096, 1024, 256, 8), that shape at E = 128 and 512, and four of the
-grid's with E/K = 16 ((32768, 4096, 256 and 512, 256, 16), (40960, 768, 256, 128, 8),
-(24576, 1536, 256, 128, 8)).
---sample_ms sets a sample's length (25 ms, as every table; 400 ms measures the GPU under
-sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels (device us per
-call); --role_times times each GEMM role alone on each routing's layout (up-projection,
-down-projection, dH, dX, the two weight gradients) on random operands, which says where the
-training step's speed-up goes.
+For each configuration and routing (top-K, then each token-rounding mode): the (token, expert) pairs
+after routing, the padding rows of the tile-aligned layout, the time of the expert GEMMs alone
+(up-projection with its activation and down-projection on the routing's layout: the paper's "kernel
+execution time"), of the routing as the layer runs it (router GEMM and top-K, one kernel where the
+layer fuses them; rounding; layout), of the layer's forward and of its training step (forward and
+backward: the gradients of x, the router and the expert weights for a random output gradient).
+TFLOP/s count the pairs actually computed, as SonicMoE's token-rounding benchmark does. Each of the
+four times every routing in alternating rounds (`benchmarks.timing.time_interleaved`), so a speed-up
+to top-K compares samples taken side by side rather than runs timed one after the other. The default
+configurations: the paper's token-rounding shape (16384, 4096, 1024, 256, 8), that shape at E = 128
+and 512, and four of the grid's with E/K = 16 ((32768, 4096, 256 and 512, 256, 16), (40960, 768,
+256, 128, 8), (24576, 1536, 256, 128, 8)).
+--sample_ms sets a sample's length (25 ms, as every interleaved table; 400 ms measures the GPU under
+sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels
+(device us per call); --role_times times each GEMM role alone on each routing's layout
+(up-projection, down-projection, dH, dX, the two weight gradients) on random operands, which says
+where the training step's speed-up goes.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ def run_config(cfg, impl):
   measured = {}  # mode -> {measure: (fn, args)}
   for mode in modes:
 
-    def route(x, rw, mode=mode):
-      routed = routing_lib.route(routing_lib.router_logits(x, rw), k, "softmax_topk")
+    def route(x, rw, mode=mode):  # as `sonic_jax.moe` routes and lays out its pairs
+      logits, ids = routing_lib.router_logits_and_ids(x, rw, k, "softmax_topk")
+      r, _ = routing_lib.route_tokens(logits, k, "softmax_topk", None, mode, impl.row_tile, ids)
       if mode is None:
-        return build_grouped_layout(routed.expert_ids, e, impl.row_tile)
-      r = routing_lib.round_tokens(routed, impl.row_tile, mode)
+        return build_grouped_layout(r.expert_ids, e, impl.row_tile)
       return build_grouped_layout(r.expert_ids, e, impl.row_tile, r.extra_tokens, r.extra_experts,
                                   extras_by_expert=True)
 
@@ -171,7 +171,7 @@ def main(_):
   impl = resolve_backend(FLAGS.backend)
   os.makedirs(FLAGS.out, exist_ok=True)
   results = grid.run_record("token_rounding_bench", backend=impl.name, data=FLAGS.data,
-                            configs=[])
+                            route="the layer's", configs=[])
   path = os.path.join(FLAGS.out, grid.results_name(results, "token_rounding"))
   for cfg in configs:
     results["configs"].append(run_config(cfg, impl))
