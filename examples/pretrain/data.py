@@ -1,13 +1,12 @@
 """Offline text: the Python standard library's own sources, as bytes.
 
-The corpus is the first `max_bytes` of the stdlib's .py files in sorted path order: the same on
+The corpus is the first `max_bytes` of the stdlib's .py files in a fixed order: the same on
 every machine with the same Python, no download (or those of another source tree). The last
 `heldout_fraction` of it is held out. tokenizer.py turns both splits into token ids.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sysconfig
 
@@ -15,8 +14,9 @@ import numpy as np
 
 
 def load_corpus(max_bytes: int, root: str | None = None) -> np.ndarray:
-  """The first `max_bytes` of the .py files under `root` (default: the standard library) in
-  sorted path order, test, site-packages and cache directories skipped."""
+  """The first `max_bytes` of the .py files under `root` (default: the standard library) in a
+  fixed order (a directory's files by name, then its subdirectories by name); test, tests,
+  site-packages, __pycache__ and idlelib directories skipped."""
   root = root or sysconfig.get_paths()["stdlib"]
   chunks, total = [], 0
   for dirpath, dirnames, filenames in os.walk(root):
@@ -50,7 +50,7 @@ def unigram_entropy(tokens: np.ndarray) -> float:
 def batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, step: int):
   """(inputs, targets) int32 (batch, seq_len): random windows, deterministic in (seed, step)."""
   rng = np.random.default_rng([seed, step])
-  starts = rng.integers(0, len(tokens) - seq_len - 1, size=batch_size)
+  starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)  # windows of seq_len + 1
   idx = starts[:, None] + np.arange(seq_len + 1)[None]
   window = tokens[idx].astype(np.int32)
   return window[:, :-1], window[:, 1:]
@@ -66,6 +66,3 @@ def heldout_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batch
     window = tokens[idx].astype(np.int32)
     yield window[:, :-1], window[:, 1:]
 
-
-def nats_to_bits(x: float) -> float:
-  return x / math.log(2)

@@ -7,7 +7,8 @@ Restores the model alone (not the optimizer) from the latest checkpoint in --wor
 rebuilt from the configuration saved inside that checkpoint, and continues the prompt token by
 token with the run's tokenizer (bytes, or the run's BPE from its saved tokenizer.json): top-K
 routing (`model.eval()`), no token rounding, on one device. Each new token runs the model over a
-fixed-length window (static shapes: one compilation), the prompt left-aligned in it.
+fixed-length window (static shapes: one compilation) of the latest tokens, at most the run's
+--seq_len: the positions the model was trained on.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ FLAGS = flags.FLAGS
 
 
 def load_model(workdir, step=None, backend=None, attention="auto"):
-  """(model, step, tokenizer): the model of a checkpoint, its parameters restored, the optimizer
-  left out, and the tokenizer it was trained with."""
+  """(model, step, tokenizer, context): the model of a checkpoint, its parameters restored, the
+  optimizer left out, the tokenizer it was trained with and its training sequence length."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"))
@@ -67,17 +68,17 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
   kind, path = config.get("tokenizer", "bytes"), config.get("tokenizer_path")
   if kind == "bpe" and not (path and os.path.exists(path)):  # the workdir was moved
     path = os.path.join(workdir, "tokenizer.json")
-  return model, step, tokenizer_lib.load(kind, path)
+  return model, step, tokenizer_lib.load(kind, path), int(config["seq_len"])
 
 
-def generate(model, tok, prompt: bytes, num_tokens: int, temperature: float, seed: int) -> bytes:
-  """The prompt's continuation, `num_tokens` tokens sampled one at a time, as bytes."""
-  ids = tok.encode(prompt)
-  if not len(ids):
+def generate(model, tok, prompt: bytes, num_tokens: int, temperature: float, seed: int,
+             context: int) -> bytes:
+  """The prompt's continuation, `num_tokens` tokens sampled one at a time, as bytes; the model
+  sees the latest `context` tokens at most."""
+  ids = [int(i) for i in tok.encode(prompt)]
+  if not ids:
     raise app.UsageError("--prompt must not be empty")
-  length = len(ids) + num_tokens
-  window = np.zeros((1, length), np.int32)
-  window[0, :len(ids)] = ids
+  length = min(len(ids) + num_tokens, context)
 
   @nnx.jit
   def next_token(model, window, position, key):
@@ -88,18 +89,21 @@ def generate(model, tok, prompt: bytes, num_tokens: int, temperature: float, see
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
   key = jax.random.key(seed)
-  window = jnp.asarray(window)
-  for position in range(len(ids), length):
+  out = list(ids)
+  for _ in range(num_tokens):
+    recent = out[-length:]  # left-aligned; the causal model ignores the zeros after it
+    window = np.zeros((1, length), np.int32)
+    window[0, :len(recent)] = recent
     key, sub = jax.random.split(key)
-    window = window.at[0, position].set(next_token(model, window, position, sub))
-  return tok.decode(np.asarray(window[0, len(ids):]))
+    out.append(int(next_token(model, jnp.asarray(window), len(recent), sub)))
+  return tok.decode(np.asarray(out[len(ids):], np.int32))
 
 
 def main(_):
   logging.set_verbosity(logging.WARNING)
-  model, step, tok = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend, FLAGS.attention)
+  model, step, tok, context = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend, FLAGS.attention)
   prompt = FLAGS.prompt.encode()
-  text = generate(model, tok, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed)
+  text = generate(model, tok, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed, context)
   print(f"[step {step}] " + (prompt + text).decode("utf-8", errors="replace"))
 
 

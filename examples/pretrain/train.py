@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -139,8 +140,10 @@ MODEL_FLAGS = ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim"
 # A multi-process run agrees on a stop request this often (and at log steps): each agreement
 # waits for the step to finish, and a cluster's grace period after SIGTERM is often 30 s.
 STOP_AGREEMENT_STEPS = 10
-# Dense bf16 peak per GPU (TFLOP/s), by the start of jax's device_kind.
-PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0}
+# Dense bf16 peak per GPU (TFLOP/s) by exact device kind: the PCIe and NVL cards (other "NVIDIA
+# H100 ..." kinds, "NVIDIA H200 NVL") run lower clocks: pass --peak_tflops for them.
+PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H200": 989.0,
+               "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-SXM4-80GB": 312.0}
 
 
 def say(*args, **kwargs):
@@ -314,7 +317,10 @@ def tensorboard(workdir, start):
   except ImportError:
     print("tensorboardX is not installed: no TensorBoard scalars (pip install tensorboardX)")
     return None
-  return SummaryWriter(os.path.join(workdir, "tb"), purge_step=start + 1 if start else None)
+  logdir = os.path.join(workdir, "tb")
+  if not start:  # a fresh run: an earlier run's events would draw beside its curves
+    shutil.rmtree(logdir, ignore_errors=True)
+  return SummaryWriter(logdir, purge_step=start + 1 if start else None)
 
 
 def peak_flops():
@@ -322,7 +328,7 @@ def peak_flops():
   if FLAGS.peak_tflops:
     return FLAGS.peak_tflops * 1e12
   kind = jax.devices()[0].device_kind
-  return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if kind.startswith(k)), None)
+  return PEAK_TFLOPS[kind] * 1e12 if kind in PEAK_TFLOPS else None
 
 
 def run_config(s):
@@ -333,6 +339,24 @@ def run_config(s):
              weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm,
              expert_parallel=FLAGS.expert_parallel, fsdp=FLAGS.fsdp, grad_accum=FLAGS.grad_accum)
   return out
+
+
+# Settings that shape the parameters, the optimizer state or the token ids: a run resumed with
+# another value would restore state that does not fit (or means something else).
+STATE_SETTINGS = {"tokenizer", "vocab_size"} | {f"model.{k}" for k in (
+    "vocab_size", "d_model", "num_layers", "num_heads", "num_experts", "expert_dim",
+    "activation", "num_shared_experts", "tie_embeddings", "bias_update_rate", "scan_layers",
+    "moe_impl")}
+
+
+def changed_settings(saved, config):
+  """["key: old -> new", ...] of the run configurations' differing entries (model fields as
+  model.<field>)."""
+  flat = lambda c: {**{k: v for k, v in c.items() if k != "model"},
+                    **{f"model.{k}": v for k, v in c.get("model", {}).items()}}
+  old, new = flat(saved), flat(json.loads(json.dumps(config)))  # tuples as the JSON's lists
+  return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+          if old.get(k) != new.get(k)]
 
 
 def tokenizer_path():
@@ -366,6 +390,9 @@ def tokenize(s):
         f"{len(train_bytes) / len(train):.2f} bytes per token")
     if jax.process_index() == 0:
       tok.save(tokenizer_path())
+  if not len(train):
+    raise app.UsageError(f"no corpus: {len(corpus)} bytes of .py source from {source} (check "
+                         f"--corpus_dir and --corpus_bytes)")
   h = data.unigram_entropy(train)
   h_byte = h * len(train) / len(train_bytes)
   kind = "BPE" if tok.kind == "bpe" else "byte"
@@ -393,6 +420,10 @@ def main(_):
   if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
+  d_model, heads = s["model"].d_model, s["model"].num_heads
+  if heads < 1 or d_model % heads or (d_model // heads) % 2:
+    raise app.UsageError(f"--d_model ({d_model}) must be --num_heads ({heads}) times an even head "
+                         "width (rotary embeddings rotate pairs of features)")
   try:  # before the tokenizer's work: a device that cannot run the attention asked for
     attention = attention_implementation(s["model"])
   except ValueError as e:
@@ -423,9 +454,10 @@ def main(_):
   if mesh is not None and cfg.num_experts % mesh.shape["ep"]:
     raise app.UsageError(f"--num_experts ({cfg.num_experts}) must be a multiple of "
                          f"--expert_parallel ({mesh.shape['ep']})")
-  if mesh is not None and s["batch_size"] % mesh.size:
+  if mesh is not None and s["batch_size"] % (mesh.size * FLAGS.grad_accum):
     raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
-                         f"{mesh.size} devices")
+                         f"{mesh.size} devices times --grad_accum ({FLAGS.grad_accum}): each "
+                         f"micro-batch splits over every device")
   devices = 1 if mesh is None else mesh.size  # the devices the step runs on
   put = jnp.asarray  # a host batch (the same on every process) -> the step's input array
   (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
@@ -441,9 +473,6 @@ def main(_):
 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   config = run_config(s)
-  if lead:
-    with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
-      json.dump(config, f, indent=1)
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"),
                                options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -451,12 +480,31 @@ def main(_):
   if jax.process_count() > 1:  # every process resumes where the first one does
     start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
   if start:
-    restored = ckpt.restore(start, args=ocp.args.Composite(
-        model=ocp.args.StandardRestore(nnx.state(model)),
-        optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
+    saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    changed = changed_settings(saved, config)
+    refused = [c for c in changed if c.split(":")[0] in STATE_SETTINGS]
+    if refused:
+      ckpt.close()
+      raise app.UsageError(
+          f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
+          f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
+    try:
+      restored = ckpt.restore(start, args=ocp.args.Composite(
+          model=ocp.args.StandardRestore(nnx.state(model)),
+          optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
+    except ValueError as e:  # parameters or optimizer state of another shape
+      ckpt.close()  # its threads would outlive the exit and complain
+      raise app.UsageError(
+          f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit this "
+          f"one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, or the "
+          f"run's own settings ({e})") from e
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
-    say(f"resumed from step {start}")
+    say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
+                                        if changed else ""))
+  if lead:  # after a resume's check: a refused run leaves the saved config as it was
+    with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
+      json.dump(config, f, indent=1)
 
   def save(step):
     ckpt.save(step, args=ocp.args.Composite(
@@ -544,7 +592,9 @@ def main(_):
           f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
+      t_save = time.perf_counter()
       save(done)
+      window_t0 += time.perf_counter() - t_save  # the rates count training, not checkpointing
     if stopping:
       say(f"{stop.signal or 'a stop request'}: "
           f"{'checkpoint at' if s['checkpoint_every'] else 'stopped after'} step {done}; exiting")
@@ -580,7 +630,7 @@ def plot(csv_path, png_path):
   import matplotlib.pyplot as plt
   with open(csv_path) as f:
     rows = list(csv.DictReader(f))
-  # Per byte, comparable across tokenizers (rows written without those columns are byte runs').
+  # Per byte, comparable across tokenizers.
   per_byte = lambda r, k, old: float(r.get(k) or r[old])
   steps = [int(r["step"]) for r in rows]
   held = [(int(r["step"]), per_byte(r, "heldout_nats_per_byte", "heldout_loss"))
