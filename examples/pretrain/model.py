@@ -66,8 +66,8 @@ def rope(x, base):
 
 def param(value, *names):
   """A parameter with logical axis names (sharding metadata, `nnx.get_partition_spec`), as
-  `sonic_jax.layers.MoE` names its own: "embed" for the model width; train.py maps them to mesh
-  axes."""
+  `sonic_jax.layers.MoE` names its own: "embed" for the model width; `sharding.shard_spec` maps
+  them to mesh axes."""
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
@@ -312,5 +312,6 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def moe_flops_per_token(cfg: ModelConfig) -> float:
-  """Forward + backward FLOPs of the MoE layers per token (the paper's count: 3 x 6 K d n)."""
+  """Forward + backward FLOPs of the routed experts per token (the paper's count: 3 x 6 K d n;
+  the router and shared experts not counted)."""
   return 3 * 2 * (1 + _width(cfg)) * cfg.top_k * cfg.d_model * cfg.expert_dim * cfg.num_layers

@@ -6,9 +6,11 @@ The model names its parts with `jax.named_scope` ("attention", "moe"; the train 
 step gives every kernel with the instruction it runs (its `hlo_op`); the compiled step's HLO text
 maps that instruction to its `op_name`, hence to a part. The traced step is compiled with
 `COMPILER_OPTIONS` (no CUDA graphs), so every kernel names its own instruction. Collectives (NCCL
-kernels, or XLA's collective instructions) are one part whatever scope issued them; "other
-layers" is everything else: embeddings, norms, the output projection and the loss, gradient
-accumulation and norms, the selection-bias update. `split` lists the costliest of those.
+kernels, or XLA's collective instructions) are one part whatever scope issued them; each block's two
+norms run inside its "attention" and "moe" scopes and count there (as does the attention's residual
+add). "other layers" is everything else: the MoE's residual add, the embedding, the final norm, the
+output projection and the loss, gradient accumulation and the gradient's norm, the selection-bias
+update. `split` lists the costliest of those.
 On a CPU the XLA thunks of one device run on several threads, so their sum exceeds the step's span
 with or without collectives beside them.
 """
