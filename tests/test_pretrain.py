@@ -61,7 +61,8 @@ def test_tiny_config_learns_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("flags,devices,message", [
     (["--d_model=132", "--num_heads=4"], 1, "an even head"),
-    (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], 4, "times --grad_accum (4)")])
+    (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], 4, "times --grad_accum (4)"),
+    (["--dtype=bf16"], 1, "flag --dtype=bf16: value should be one of")])
 def test_flags_refused_by_name(tmp_path, flags, devices, message):
   env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   proc = subprocess.run([sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}",

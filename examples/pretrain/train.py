@@ -105,8 +105,9 @@ flags.DEFINE_integer("profile_step", 0, "trace this step (0: none) and split its
                      "row that covers it times only the steps after it)")
 flags.DEFINE_bool("tensorboard", True, "TensorBoard scalars under workdir/tb (needs tensorboardX)")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches per evaluation")
-flags.DEFINE_string("backend", None, "sonic_jax backend: auto, xla, mosaic_gpu")
-flags.DEFINE_string("dtype", None, "compute dtype (float32 or bfloat16); parameters stay float32")
+flags.DEFINE_enum("backend", None, ["auto", "xla", "mosaic_gpu"], "sonic_jax backend")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                  "compute dtype; parameters stay float32")
 flags.DEFINE_float("bias_update_rate", None, "auxiliary-loss-free balancing rate (0: off)")
 flags.DEFINE_enum("token_rounding", None, ["none", "down", "up", "nearest"],
                   "tile-aware token rounding of the MoE routers while training (evaluation uses "
