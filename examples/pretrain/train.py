@@ -265,11 +265,15 @@ def evaluate(model, heldout, token_bytes, s, put):
   total loss by the bytes their target tokens spell."""
   model.eval()  # plain top-K routing (token rounding is for training)
   losses, nbytes = [], 0
-  for i, t in data.heldout_batches(heldout, s["batch_size"], s["seq_len"], FLAGS.eval_batches):
+  # In the training step's micro-batches (what fits in memory): the same windows, and the mean of
+  # equal-sized batches' means, as whole batches would give.
+  micro = s["batch_size"] // FLAGS.grad_accum
+  for i, t in data.heldout_batches(heldout, micro, s["seq_len"],
+                                   FLAGS.eval_batches * FLAGS.grad_accum):
     losses.append(float(eval_step(model, put(i), put(t))))
     nbytes += int(token_bytes[t].sum())
   model.train()
-  tokens = len(losses) * s["batch_size"] * s["seq_len"]
+  tokens = len(losses) * micro * s["seq_len"]
   return float(np.mean(losses)), float(np.mean(losses)) * tokens / nbytes
 
 
