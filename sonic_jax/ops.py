@@ -144,20 +144,27 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     if tuple(expert_ids.shape) != (x.shape[0], top_k):
       raise ValueError(f"expert_ids must have shape (T, top_k) = ({x.shape[0]}, {top_k}), got "
                        f"{tuple(expert_ids.shape)}")
-    # The options that only move a selection would be silently unused: refused.
-    if token_rounding is not None:
-      raise ValueError("expert_ids (a fixed selection) and token_rounding exclude each other")
-    if selection_bias is not None:
-      raise ValueError("expert_ids (a fixed selection) takes no selection_bias")
-    if routing_lib.get_router(routing).n_group > 1:
-      raise ValueError("expert_ids (a fixed selection) takes no group-limited routing "
-                       "(Router.n_group > 1)")
+    excluded = _fixed_selection_excludes(token_rounding, selection_bias is not None,
+                                         routing_lib.get_router(routing), "selection_bias")
+    if excluded:
+      raise ValueError(f"expert_ids (a fixed selection) takes no {excluded}")
   if router_input is not None:
     _check_array("router_input", router_input)
     if tuple(router_input.shape) != tuple(x.shape):
       raise ValueError(f"router_input must have x's shape {tuple(x.shape)}, got "
                        f"{tuple(router_input.shape)}")
   return act
+
+
+def _fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_name):
+  """The first of these options that a fixed selection (expert_ids) excludes, named for an error
+  message, or None: each only moves a selection, so it would go silently unused."""
+  for given, what in ((token_rounding is not None, "token_rounding (the two exclude each other)"),
+                      (has_selection_bias, bias_name),
+                      (router.n_group > 1, "group-limited routing (Router.n_group > 1)")):
+    if given:
+      return what
+  return None
 
 
 def _check_capacity(capacity_factor):

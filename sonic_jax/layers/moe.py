@@ -195,12 +195,10 @@ class MoE(nnx.Module):
       raise ValueError(routing_lib.rounding_unsupported(router))
     if token_rounding is not None and capacity_factor is not None:
       raise ValueError("token_rounding and capacity_factor exclude each other")
-    if fixed_selection:  # what `moe` refuses beside expert_ids, by this layer's argument names
-      for refused, what in ((token_rounding is not None, "token_rounding"),
-                            (bias_update_rate > 0, "a selection bias (bias_update_rate > 0)"),
-                            (router.n_group > 1, "group-limited routing (Router.n_group > 1)")):
-        if refused:
-          raise ValueError(f"fixed_selection=True (a given selection) takes no {what}")
+    excluded = fixed_selection and ops._fixed_selection_excludes(  # what `moe` would refuse
+        token_rounding, bias_update_rate > 0, router, "selection bias (bias_update_rate > 0)")
+    if excluded:
+      raise ValueError(f"fixed_selection=True (a given selection) takes no {excluded}")
     ops._check_capacity(capacity_factor)
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
