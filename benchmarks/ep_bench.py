@@ -87,14 +87,17 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
                     "GPU 0's time into communication, computation and their overlap")
 
 
-def _time_all(calls):
-  """{name: median seconds per call} of {name: (fn, args)}, compiled first, then timed in
+def _time_all(calls, compiled_out=None):
+  """{name: median seconds per call} of {name: (fn, args)}, compiled first (into `compiled_out`,
+  {name: compiled}, where given), then timed in
   alternating rounds (`timing.time_interleaved`): a drift of the GPUs' clocks over the run spreads
   over the single-device op and every scheme alike."""
   # On CPU devices, one call at a time: queued collective programs can starve XLA:CPU's small thread
   # pool (every participant of a rendezvous needs a thread) and deadlock.
   cpu = jax.devices()[0].platform == "cpu"
   compiled = {name: (timing.compile_fn(fn, *args)[0], args) for name, (fn, args) in calls.items()}
+  if compiled_out is not None:
+    compiled_out.update({name: c for name, (c, _) in compiled.items()})
   times = timing.time_interleaved(compiled, repeats=FLAGS.repeats,
                                   min_sample_s=FLAGS.sample_ms / 1e3,
                                   max_inner=1 if cpu else 200)
@@ -240,7 +243,8 @@ def run_config(cfg, devices, backend, runs, profile=False):
   for name, (layer, args) in {"single": (single, one),
                               **{n: (f, placed) for n, f in layers.items()}}.items():
     calls[(name, "fwd")], calls[(name, "fwdbwd")] = (layer, args), (_fwdbwd(layer), args)
-  t = _time_all(calls)
+  compiled = {}
+  t = _time_all(calls, compiled)
   res.update(single_fwd_ms=t[("single", "fwd")] * 1e3,
              single_fwdbwd_ms=t[("single", "fwdbwd")] * 1e3,
              single_fwdbwd_tflops=3 * flops_per_device / t[("single", "fwdbwd")] / 1e12)
@@ -255,7 +259,7 @@ def run_config(cfg, devices, backend, runs, profile=False):
                  "transport": kw.get("transport"),
                  "capacity_factor": kw.get("capacity_factor")}
     if profile and fn is moe_all_gather:
-      res[name]["profile"] = profile_step(jax.jit(_fwdbwd(layers[name])), placed)
+      res[name]["profile"] = profile_step(compiled[(name, "fwdbwd")], placed)
 
   # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all) or receives
   # (all-gather) over the links: (P-1)/P of what it holds.
