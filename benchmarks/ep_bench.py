@@ -207,18 +207,21 @@ def _is_communication(name):
   return "nccl" in name or ("memcpy" in name and "p2p" in name)
 
 
-def profile_step(step, args):
-  """`overlap_split` of one traced call of `step` on the first GPU; None off a GPU."""
+def profile_step(step, args, keep_events=False):
+  """`overlap_split` of one traced call of `step` on the first GPU; None off a GPU. keep_events:
+  with the trace's events as "events" [(start_ns, duration_ns, name, stream)]."""
   jax.block_until_ready(step(*args))
   with tempfile.TemporaryDirectory() as logdir:
     jax.profiler.start_trace(logdir)
     jax.block_until_ready(step(*args))
     jax.profiler.stop_trace()
-    events = timing.device_events(logdir, gpu=0)
+    events = timing.device_events(logdir, gpu=0, with_stream=True)
   if not events:
     return None
-  split = overlap_split(events, _is_communication)
-  split["copy_kinds"] = sorted({n for _, _, n in events if "memcpy" in n.lower()})
+  split = overlap_split([e[:3] for e in events], _is_communication)
+  if keep_events:
+    split["events"] = events
+  split["copy_kinds"] = sorted({n for _, _, n, _ in events if "memcpy" in n.lower()})
   return split
 
 

@@ -1,7 +1,8 @@
 r"""XLA compiler options for expert parallelism, compared in one process.
 
   python -m benchmarks.ep_options_bench [--thiek=T_local,d,n,E,K ...] [--scheme=all_gather]
-      [--option_set=NAME:option=value,... ...] [--sample_ms=25,200] [--repeats=7] [--out=dir]
+      [--option_set=NAME:option=value,... ...] [--sample_ms=25,200] [--repeats=7] [--hlo]
+      [--out=dir]
   XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.ep_options_bench \
       --thiek=128,32,16,4,2 --backend=xla                               # 2 CPU devices
 
@@ -45,6 +46,9 @@ def _define_flags():  # only when run as a script, as ep_bench does
   flags.DEFINE_integer("repeats", 7, "samples per program and sample length (median reported)")
   flags.DEFINE_string("backend", "auto", "sonic_jax backend")
   flags.DEFINE_string("out", "bench_out", "output folder")
+  flags.DEFINE_bool("hlo", False, "also write each option set's optimized HLO (its schedule: "
+                    "which kernels XLA put between a collective's start and done) and its traced "
+                    "step's GPU 0 events (start ns, duration ns, name, stream) to the out folder")
 
 def parse_option_set(text):
   """"NAME:a=1,b=true" -> ("NAME", {"a": 1, "b": True}); "NAME:" has no options."""
@@ -86,7 +90,15 @@ def run_config(cfg, devices, backend, scheme, option_sets, sample_ms):
                                 max_inner=1 if cpu else 200)
     res["timings"].append({"sample_ms": ms, **{name: v[0] * 1e3 for name, v in t.items()}})
   for name in option_sets:
-    res["profiles"][name] = ep_bench.profile_step(calls[name][0], placed)
+    prof = ep_bench.profile_step(calls[name][0], placed, keep_events=FLAGS.hlo)
+    if FLAGS.hlo:
+      stem = os.path.join(FLAGS.out, f"{'_'.join(map(str, cfg))}_{name}")
+      with open(stem + ".hlo.txt", "w") as f:
+        f.write(calls[name][0].as_text())
+      if prof:
+        with open(stem + ".events.json", "w") as f:
+          json.dump(prof.pop("events"), f)
+    res["profiles"][name] = prof
   return res
 
 

@@ -95,10 +95,10 @@ def temp_bytes(compiled):
     return None
 
 
-def device_events(logdir, gpu=None):
+def device_events(logdir, gpu=None, with_stream=False):
   """[(start_ns, duration_ns, name)] of the GPU stream events (kernels, memsets, memcpys) of the
   profiler trace in `logdir`, in start order: of GPU `gpu` (its index), or of every GPU (None);
-  [] without a trace or a GPU."""
+  [] without a trace or a GPU. with_stream: (start_ns, duration_ns, name, stream line's name)."""
   paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     return []
@@ -109,7 +109,8 @@ def device_events(logdir, gpu=None):
       continue
     for line in plane.lines:  # kernels live on the stream lines, not XLA's op/module summaries
       if "stream" in line.name.lower():
-        events.extend((ev.start_ns, ev.duration_ns, ev.name) for ev in line.events)
+        events.extend((ev.start_ns, ev.duration_ns, ev.name) + ((line.name,) if with_stream else ())
+                      for ev in line.events)
   return sorted(events)
 
 

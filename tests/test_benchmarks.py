@@ -146,9 +146,10 @@ def test_ep_bench(tmp_path):
 
 
 def test_ep_options_bench(tmp_path):
-  """Two option sets beside the single-device step, two sample lengths: timed, tabulated."""
+  """Two option sets beside the single-device step, two sample lengths: timed, tabulated; each
+  set's optimized HLO written."""
   name, res = _run(["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla",
-                    "--repeats=2", "--sample_ms=1,2", "--option_set=nccl:",
+                    "--repeats=2", "--sample_ms=1,2", "--hlo", "--option_set=nccl:",
                     "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true"], tmp_path,
                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert name.startswith("cpux2_") and name.endswith("_ep_options.json")
@@ -157,6 +158,8 @@ def test_ep_options_bench(tmp_path):
   assert [t["sample_ms"] for t in r["timings"]] == [1, 2]
   assert all(t[k] > 0 for t in r["timings"] for k in ("single", "nccl", "memcpy"))
   assert r["profiles"] == {"nccl": None, "memcpy": None}  # no GPU trace
+  for option_set in ("nccl", "memcpy"):
+    assert "all-to-all" in (tmp_path / f"128_32_16_4_2_{option_set}.hlo.txt").read_text()
   from benchmarks.ep_options_bench import parse_option_set, table
   assert table(res["results"], ["nccl", "memcpy"]).count("| 128,32,16,4,2 | 2 |") == 2
   assert parse_option_set("a:x=true,y=-3,z=s") == ("a", {"x": True, "y": -3, "z": "s"})
