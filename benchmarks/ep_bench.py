@@ -15,7 +15,8 @@ with a correctness check of the dropless schemes against the single-device op at
 size (on GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot
 reach).
 Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
-configuration's programs timed in alternating rounds, a sample --sample_ms of back-to-back calls):
+configuration's programs timed in alternating rounds, a sample --sample_ms (200) of back-to-back
+calls, the sustained rate a training loop sees):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
 - over P devices, P*T_local tokens: `moe_all_to_all` with the dense transport, dropless
@@ -74,7 +75,9 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_integer("devices", None, "expert-parallel degree P (default: all devices)")
   flags.DEFINE_string("backend", "auto", "sonic_jax backend")
   flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
-  flags.DEFINE_float("sample_ms", 25.0, "back-to-back calls per sample, in ms")
+  flags.DEFINE_float("sample_ms", 200.0, "back-to-back calls per sample, in ms: long enough that "
+                     "a multi-device step's fixed dispatch and sync latency per sample does not "
+                     "count as step time (docs/decisions.md)")
   flags.DEFINE_float("inter_node_gbps", 50.0, "assumed per-GPU cross-node bandwidth, GB/s "
                      "(400 Gb/s InfiniBand NDR), for the extrapolation to several nodes")
   flags.DEFINE_string("out", "bench_out", "output folder")

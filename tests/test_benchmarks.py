@@ -128,7 +128,8 @@ def test_ep_bench(tmp_path):
   """Two of the schemes (each scheme's own correctness: test_parallel.py): checked against one
   device, timed, tabulated."""
   name, res = _run(["benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",
-                    "--repeats=2", "--schemes=all_to_all ragged,all_gather"], tmp_path,
+                    "--repeats=2", "--sample_ms=5", "--schemes=all_to_all ragged,all_gather"],
+                   tmp_path,
                    env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert name.startswith("cpux2_") and name.endswith("_ep.json") and res["devices"] == 2
   assert set(res["check_max_rel_err"]) == {"all_to_all ragged", "all_gather"}
