@@ -62,13 +62,25 @@ def test_tiny_config_learns_and_resumes(tmp_path):
 @pytest.mark.parametrize("flags,devices,message", [
     (["--d_model=132", "--num_heads=4"], 1, "an even head"),
     (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], 4, "times --grad_accum (4)"),
-    (["--dtype=bf16"], 1, "flag --dtype=bf16: value should be one of")])
+    (["--dtype=bf16"], 1, "flag --dtype=bf16: value should be one of"),
+    (["--top_k=9"], 1, "the model: top_k must be in [1, E=8], got 9")])
 def test_flags_refused_by_name(tmp_path, flags, devices, message):
+  """Refused before the corpus is read and tokenized (which takes minutes for a BPE)."""
   env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   proc = subprocess.run([sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}",
                          "--steps=1", "--warmup=0", "--backend=xla", *flags],
                         capture_output=True, text=True, timeout=600, env=env)
   assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
+  assert "corpus" not in proc.stdout, proc.stdout
+
+
+def test_warmup_first_update_moves(tmp_path):
+  """The warm-up's first update runs at lr / (warmup + 1), not 0; the peak follows."""
+  _run(tmp_path, 2, "--warmup=1", "--log_every=1", "--eval_batches=1", "--plot=false",
+       "--tensorboard=false")
+  with open(tmp_path / "metrics.csv") as f:
+    lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+  assert lrs == pytest.approx([1.5e-3, 3e-3]), lrs  # the tiny preset's lr: 3e-3
 
 
 def test_sigterm_checkpoints_and_a_resume_repeats_no_row(tmp_path):

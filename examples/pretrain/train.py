@@ -74,7 +74,8 @@ flags.DEFINE_string("corpus_dir", None, "read the corpus from the .py files unde
 flags.DEFINE_string("data_cache", None, "where the trained BPE and the token arrays are cached "
                     "(default: workdir/data_cache); share it between runs")
 flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
-flags.DEFINE_integer("warmup", None, "linear warm-up steps, then cosine decay to 10%")
+flags.DEFINE_integer("warmup", None, "linear warm-up steps from lr / (warmup + 1) to lr, then "
+                     "cosine decay to 10%")
 flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay")
 flags.DEFINE_float("clip_norm", 1.0, "global gradient-norm clipping")
 flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations")
@@ -433,6 +434,23 @@ def main(_):
     attention = attention_implementation(s["model"])
   except ValueError as e:
     raise app.UsageError(str(e)) from e
+  try:  # the model's own checks, shapes only, before the tokenizer's work (minutes for a BPE)
+    nnx.eval_shape(lambda: TransformerLM(dataclasses.replace(s["model"], vocab_size=256),
+                                         rngs=nnx.Rngs(0)))
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(f"the model: {e}") from e
+  mesh = make_mesh()
+  for flag in ("fsdp", "distributed"):
+    if getattr(FLAGS, flag) and mesh is None:
+      raise app.UsageError(f"--{flag} needs a mesh: --expert_parallel=P (1 for data parallelism "
+                           "alone)")
+  if mesh is not None and s["model"].num_experts % mesh.shape["ep"]:
+    raise app.UsageError(f"--num_experts ({s['model'].num_experts}) must be a multiple of "
+                         f"--expert_parallel ({mesh.shape['ep']})")
+  if mesh is not None and s["batch_size"] % (mesh.size * FLAGS.grad_accum):
+    raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
+                         f"{mesh.size} devices times --grad_accum ({FLAGS.grad_accum}): each "
+                         f"micro-batch splits over every device")
   os.makedirs(FLAGS.workdir, exist_ok=True)
   tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s)
   s["model"] = cfg = dataclasses.replace(
@@ -442,8 +460,9 @@ def main(_):
     raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
                          f"{len(heldout)} held-out ones: raise --corpus_bytes")
   say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}")
-  schedule = optax.warmup_cosine_decay_schedule(0.0, s["lr"], s["warmup"], s["steps"],
-                                                end_value=0.1 * s["lr"])
+  # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
+  schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
+                                                s["steps"], end_value=0.1 * s["lr"])
   tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=FLAGS.weight_decay))
 
@@ -451,18 +470,6 @@ def main(_):
     model = TransformerLM(cfg, rngs=nnx.Rngs(FLAGS.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-  mesh = make_mesh()
-  for flag in ("fsdp", "distributed"):
-    if getattr(FLAGS, flag) and mesh is None:
-      raise app.UsageError(f"--{flag} needs a mesh: --expert_parallel=P (1 for data parallelism "
-                           "alone)")
-  if mesh is not None and cfg.num_experts % mesh.shape["ep"]:
-    raise app.UsageError(f"--num_experts ({cfg.num_experts}) must be a multiple of "
-                         f"--expert_parallel ({mesh.shape['ep']})")
-  if mesh is not None and s["batch_size"] % (mesh.size * FLAGS.grad_accum):
-    raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
-                         f"{mesh.size} devices times --grad_accum ({FLAGS.grad_accum}): each "
-                         f"micro-batch splits over every device")
   devices = 1 if mesh is None else mesh.size  # the devices the step runs on
   put = jnp.asarray  # a host batch (the same on every process) -> the step's input array
   (model, optimizer), total = create_sharded(create, mesh, FLAGS.fsdp)
