@@ -18,8 +18,8 @@ to top-K compares samples taken side by side rather than runs timed one after th
 configurations: the paper's token-rounding shape (16384, 4096, 1024, 256, 8), that shape at E = 128
 and 512, and four of the grid's with E/K = 16 ((32768, 4096, 256 and 512, 256, 16), (40960, 768,
 256, 128, 8), (24576, 1536, 256, 128, 8)).
---sample_ms sets a sample's length (25 ms, as every interleaved table; 400 ms measures the GPU under
-sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels
+--sample_ms sets a sample's length (25 ms, as every one-GPU interleaved table; 400 ms measures the
+GPU under sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels
 (device us per call); --role_times times each GEMM role alone on each routing's layout
 (up-projection, down-projection, dH, dX, the two weight gradients) on random operands, which says
 where the training step's speed-up goes.
