@@ -63,7 +63,8 @@ def test_tiny_config_learns_and_resumes(tmp_path):
     (["--d_model=132", "--num_heads=4"], 1, "an even head"),
     (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], 4, "times --grad_accum (4)"),
     (["--dtype=bf16"], 1, "flag --dtype=bf16: value should be one of"),
-    (["--top_k=9"], 1, "the model: top_k must be in [1, E=8], got 9")])
+    (["--top_k=9"], 1, "the model: top_k must be in [1, E=8], got 9"),
+    (["--memcpy_p2p", "--distributed"], 1, "not with --distributed")])
 def test_flags_refused_by_name(tmp_path, flags, devices, message):
   """Refused before the corpus is read and tokenized (which takes minutes for a BPE)."""
   env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")

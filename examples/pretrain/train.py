@@ -124,6 +124,9 @@ flags.DEFINE_float("capacity_factor", None, "expert capacity factor (default: dr
 flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state by their model-width axis "
                   "too: expert tensors over data, the rest over (data, ep) (needs "
                   "--expert_parallel >= 1)")
+flags.DEFINE_bool("memcpy_p2p", False, "move collectives between this process's GPUs with their "
+                  "copy engines (XLA's --xla_gpu_use_memcpy_local_p2p) instead of NCCL kernels; "
+                  "one process driving several GPUs only")
 flags.DEFINE_bool("distributed", False, "one process of a multi-process run (several hosts, or one "
                   "process per GPU): calls jax.distributed.initialize(), which finds the "
                   "coordinator, the process count and this process's index on SLURM, Open MPI and "
@@ -410,6 +413,13 @@ def tokenize(s):
 
 def main(_):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  if FLAGS.memcpy_p2p:
+    if FLAGS.distributed:
+      raise app.UsageError("--memcpy_p2p moves data between one process's GPUs: not with "
+                           "--distributed")
+    # XLA reads its flags when JAX starts a backend, which nothing has done yet.
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"),
+                                                     "--xla_gpu_use_memcpy_local_p2p=true")))
   initialize_distributed()
   lead = jax.process_index() == 0  # the process that writes metrics, config and plots
   s = settings()
