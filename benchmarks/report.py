@@ -413,14 +413,11 @@ def benchmarks_md(found):
                  f"`{run['backend']}`, data {run.get('data', 'unit')}. \"padding rows\": rows of "
                  "the grouped GEMMs that hold no (token, expert) pair, as a fraction of the pairs; "
                  "\"expert GEMMs\": up-projection (with its row gather and activation) plus "
-                 "down-projection on the routing's layout; \"route+layout\": "
-                 + ("the routing as the layer runs it (router GEMM and top-K, one kernel where "
-                    "the layer fuses them; rounding) and its grouped layout; "
-                    if record(run).get("route") == "the layer's" else
-                    "router GEMM, top-K (a separate kernel, for both routings) or rounding, "
-                    "grouped layout; ") +
-                 "\"training step\": the layer's forward and backward (the gradients of x, the "
-                 "router and the expert weights).\n\n"
+                 "down-projection on the routing's layout; \"route+layout\": the routing as "
+                 "the layer runs it (router GEMM and top-K, one kernel where the layer fuses "
+                 "them; rounding) and its grouped layout; \"training step\": the layer's "
+                 "forward and backward (the gradients of x, the router and the expert "
+                 "weights).\n\n"
                  + token_rounding_table(run) + "\n")
     if role_run is not None:
       source = "" if role_run is run else runs_legend([("roles", role_run)]) + "\n\n"

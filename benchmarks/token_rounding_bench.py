@@ -19,10 +19,10 @@ configurations: the paper's token-rounding shape (16384, 4096, 1024, 256, 8), th
 and 512, and four of the grid's with E/K = 16 ((32768, 4096, 256 and 512, 256, 16), (40960, 768,
 256, 128, 8), (24576, 1536, 256, 128, 8)).
 --sample_ms sets a sample's length (25 ms, as every one-GPU interleaved table; 400 ms measures the
-GPU under sustained load). --kernel_trace adds each routing's route+layout kernels and training-step kernels
-(device us per call); --role_times times each GEMM role alone on each routing's layout
-(up-projection, down-projection, dH, dX, the two weight gradients) on random operands, which says
-where the training step's speed-up goes.
+GPU under sustained load). --kernel_trace adds each routing's route+layout kernels and
+training-step kernels (device us per call); --role_times times each GEMM role alone on each
+routing's layout (up-projection, down-projection, dH, dX, the two weight gradients) on random
+operands, which says where the training step's speed-up goes.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(_):
   impl = resolve_backend(FLAGS.backend)
   os.makedirs(FLAGS.out, exist_ok=True)
   results = grid.run_record("token_rounding_bench", backend=impl.name, data=FLAGS.data,
-                            route="the layer's", configs=[])
+                            configs=[])
   path = os.path.join(FLAGS.out, grid.results_name(results, "token_rounding"))
   for cfg in configs:
     results["configs"].append(run_config(cfg, impl))
