@@ -228,8 +228,14 @@ def test_moe_layer_aggregation_kernel_against_oracle(rng, compiled, monkeypatch)
   _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat", config)
   assert calls
   calls.clear()
-  _check_layer(rng, compiled, "relu", False, jnp.bfloat16, "concat",
-               sonic_jax.Config(gather_sum_kernel=False))
+  # The choice is made as the layer is traced: the forward and backward traced (not run) suffice.
+  x, w1 = jnp.zeros((96, 256), jnp.bfloat16), jnp.zeros((4, 256, 256), jnp.bfloat16)
+  w2 = jnp.zeros((4, 256, 256), jnp.bfloat16)
+  layer = lambda x, w1, w2: jnp.sum(sonic_jax.moe(
+      x, jnp.zeros((256, 4)), w1, w2, top_k=2, activation="relu", backend="mosaic_gpu",
+      config=sonic_jax.Config(gather_sum_kernel=False))[0].astype(jnp.float32))
+  with kernel_mode(compiled, detect_races=False):
+    jax.eval_shape(jax.grad(layer, argnums=(0, 1, 2)), x, w1, w2)
   assert not calls
 
 

@@ -23,19 +23,19 @@ ENV = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
 
 def _run(workdir, steps, *extra):
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={workdir}", f"--steps={steps}",
-         "--eval_every=60", "--backend=xla", *extra]
+         "--eval_every=40", "--backend=xla", *extra]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 
 
 def test_tiny_config_learns_and_resumes(tmp_path):
-  _run(tmp_path, 60)
-  out = _run(tmp_path, 120)  # resumes from the step-60 checkpoint
-  assert "resumed from step 60 with changed settings: steps: 60 -> 120" in out
+  _run(tmp_path, 40)
+  out = _run(tmp_path, 80)  # resumes from the step-40 checkpoint
+  assert "resumed from step 40 with changed settings: steps: 40 -> 80" in out
   with open(tmp_path / "metrics.csv") as f:
     rows = list(csv.DictReader(f))
-  assert [int(r["step"]) for r in rows] == [60, 120]
+  assert [int(r["step"]) for r in rows] == [40, 80]
   last = rows[-1]
   unigram = float(last["unigram_entropy"])
   # Clearly below what a context-free (unigram) model achieves on the held-out bytes.
@@ -46,16 +46,16 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   assert (tmp_path / "loss.png").stat().st_size > 0
   # The run's configuration beside the checkpoints and inside each, as separate items.
   config = json.loads((tmp_path / "config.json").read_text())
-  assert config["model"]["num_experts"] == 8 and config["steps"] == 120
-  assert {"config", "model", "optimizer"} <= set(os.listdir(tmp_path / "ckpt" / "120"))
+  assert config["model"]["num_experts"] == 8 and config["steps"] == 80
+  assert {"config", "model", "optimizer"} <= set(os.listdir(tmp_path / "ckpt" / "80"))
   events = os.listdir(tmp_path / "tb")
   assert events and all(e.startswith("events.out.tfevents") for e in events)
   # Another model in the same workdir is refused before anything is written.
   proc = subprocess.run([sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}",
-                         "--steps=130", "--backend=xla", "--d_model=64"], capture_output=True,
+                         "--steps=90", "--backend=xla", "--d_model=64"], capture_output=True,
                         text=True, timeout=600, env=ENV)
   assert proc.returncode == 1, proc.stderr[-2000:]
-  assert "holds step 120 of another model or tokenizer (model.d_model: 128 -> 64)" in proc.stderr
+  assert "holds step 80 of another model or tokenizer (model.d_model: 128 -> 64)" in proc.stderr
   assert json.loads((tmp_path / "config.json").read_text()) == config
 
 
