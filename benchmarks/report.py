@@ -353,7 +353,8 @@ METHOD = """\
   compiled tests and its table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`;
   the pretraining example with and without rounding: `python -m benchmarks.pretrain_bench
   --config=h100 --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
-  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest`; expert parallelism,
+  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest "--run=nearest
+  again=--token_rounding=nearest" "--run=top-K again=--token_rounding=none"`; expert parallelism,
   about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
   --thiek=8192,4096,512,128,8 --repeats=5`; the NVLink peer copies' compiled tests and table, about
   1.5 minutes on 2 or 4 GPUs: `bash benchmarks/nvlink_gpu.sh`; pretraining on 4 GPUs (with `.whl`
