@@ -1,7 +1,7 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): `moe_all_to_all` with a
 capacity that drops pairs (both transports), against a float64 oracle of the layer without exactly
-the pairs that a NumPy model of the exchange drops; the all-to-all scheme on a (data, ep) = (2, 4)
-mesh, and inside `lax.scan` + `jax.checkpoint`, against one device."""
+the pairs that a NumPy model of the exchange drops; the all-to-all scheme inside `lax.scan` +
+`jax.checkpoint` on a (data, ep) = (2, 4) mesh, against one device."""
 
 import os
 
@@ -94,47 +94,17 @@ def check_capacity(transport, p=4, factor=0.75):
   assert max(errs) < 1e-10, errs
 
 
-def check_data_and_expert_parallel():
-  x, rw, w1, w2, b1, d_y = inputs(1)
-  args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
-
-  def loss_single(*a):
-    y, _ = sonic_jax.moe(*a[:4], b1=a[4], top_k=K, backend="xla")
-    return jnp.vdot(y, jnp.asarray(d_y)), y
-
-  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1, 2, 3, 4),
-                                                 has_aux=True))(*args)
-  mesh = jax.make_mesh((2, 4), ("data", "ep"))
-  tokens = P(("data", "ep"))
-  specs = (tokens, P(), P("ep"), P("ep"), P("ep"))
-
-  def local(x, rw, w1, w2, b1):
-    y, _ = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, backend="xla")
-    return y
-
-  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens, check_vma=False)
-
-  def loss(*a):
-    y = sharded(*a)
-    return jnp.vdot(y, jnp.asarray(d_y)), y
-
-  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
-  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
-  print("data x ep", ["%.1e" % e for e in errs])
-  assert max(errs) < 1e-10, errs
-
-
-def check_scan_checkpoint():
-  """Two layers in a `lax.scan` under `jax.checkpoint`, all-to-all inside: equals one device."""
-  x, rw, w1, w2, _, d_y = inputs(2)
+def check_scan_checkpoint_data_and_expert_parallel():
+  """Two layers in a `lax.scan` under `jax.checkpoint`, all-to-all inside, on a (data, ep) =
+  (2, 4) mesh, tokens over both axes: equals one device (one program for both features)."""
+  x, rw, w1, w2, b1, d_y = inputs(2)
   stack = lambda a: jnp.stack([a, 0.5 * a])  # two layers' weights, (L, ...)
-  args = [jnp.asarray(x)] + [stack(jnp.asarray(a)) for a in (rw, w1, w2)]
+  args = [jnp.asarray(x)] + [stack(jnp.asarray(a)) for a in (rw, w1, w2, b1)]
 
   def layers(layer):
-    def run(x, rws, w1s, w2s):
+    def run(x, rws, w1s, w2s, b1s):
       body = jax.checkpoint(lambda h, ws: (h + layer(h, *ws), None))
-      return jax.lax.scan(body, x, (rws, w1s, w2s))[0]
+      return jax.lax.scan(body, x, (rws, w1s, w2s, b1s))[0]
     return run
 
   def loss_of(run):
@@ -143,20 +113,22 @@ def check_scan_checkpoint():
       return jnp.vdot(y, jnp.asarray(d_y)), y
     return loss
 
-  single = layers(lambda h, rw, w1, w2: sonic_jax.moe(h, rw, w1, w2, top_k=K, backend="xla")[0])
-  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_of(single), argnums=(0, 1, 2, 3),
+  single = layers(lambda h, rw, w1, w2, b1: sonic_jax.moe(h, rw, w1, w2, b1=b1, top_k=K,
+                                                          backend="xla")[0])
+  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_of(single), argnums=(0, 1, 2, 3, 4),
                                                  has_aux=True))(*args)
-  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
-  specs = (P("ep"), P(), P(None, "ep"), P(None, "ep"))
+  mesh = jax.make_mesh((2, 4), ("data", "ep"))
+  tokens, experts = P(("data", "ep")), P(None, "ep")
+  specs = (tokens, P(), experts, experts, experts)
   sharded = jax.shard_map(
-      layers(lambda h, rw, w1, w2: moe_all_to_all(h, rw, w1, w2, axis_name="ep", top_k=K,
-                                                  backend="xla")[0]),
-      mesh=mesh, in_specs=specs, out_specs=P("ep"), check_vma=False)
+      layers(lambda h, rw, w1, w2, b1: moe_all_to_all(h, rw, w1, w2, b1=b1, axis_name="ep",
+                                                      top_k=K, backend="xla")[0]),
+      mesh=mesh, in_specs=specs, out_specs=tokens, check_vma=False)
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  (_, y), g = jax.jit(jax.value_and_grad(loss_of(sharded), argnums=(0, 1, 2, 3),
+  (_, y), g = jax.jit(jax.value_and_grad(loss_of(sharded), argnums=(0, 1, 2, 3, 4),
                                          has_aux=True))(*placed)
   errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
-  print("scan x checkpoint", ["%.1e" % e for e in errs])
+  print("scan x checkpoint, data x ep", ["%.1e" % e for e in errs])
   assert max(errs) < 1e-10, errs
 
 
@@ -207,6 +179,5 @@ if __name__ == "__main__":
   check_bad_arguments()
   check_capacity("dense")
   check_capacity("ragged")
-  check_data_and_expert_parallel()
-  check_scan_checkpoint()
+  check_scan_checkpoint_data_and_expert_parallel()
   print("OK")

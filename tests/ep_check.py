@@ -1,7 +1,7 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed
-routing; 8 alone with a family router, its own router input and a per-expert scale, and
-DeepSeek-V4's with a fixed selection); each command-line argument is one case."""
+routing; 8 alone with rounding up, or with a family router, its own router input and a per-expert
+scale, and DeepSeek-V4's with a fixed selection); each command-line argument is one case."""
 
 import functools
 import os
@@ -18,90 +18,124 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import sonic_jax  # noqa: E402
 from sonic_jax.parallel import moe_all_gather, moe_all_to_all  # noqa: E402
 
+T, d, n, E, K = 64, 32, 16, 8, 2
+SCHEMES = {"all_gather": moe_all_gather,
+           "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
+           "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}
+ROUTERS = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
+    "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
+                                    group_score="top2_sum", routed_scaling_factor=2.5),
+    "llama4": sonic_jax.Router("sigmoid", renormalize=False, scale_input=True),
+    # with a fixed selection (its hash-routed layers) besides
+    "deepseek_v4": sonic_jax.Router("sqrt_softplus", renorm_epsilon=1e-20,
+                                    routed_scaling_factor=1.5)}
+
 
 def rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check(scheme_name, routing, mode=None):
-  """One case: a scheme, "random" or "skew" routing, and a token rounding mode or a family
-  router below (or neither)."""
-  scheme = {"all_gather": moe_all_gather,
-            "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
-            "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}[scheme_name]
-  skew = routing == "skew"
-  routers = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
-      "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
-                                      group_score="top2_sum", routed_scaling_factor=2.5),
-      "llama4": sonic_jax.Router("sigmoid", renormalize=False, scale_input=True),
-      # with a fixed selection (its hash-routed layers) besides
-      "deepseek_v4": sonic_jax.Router("sqrt_softplus", renorm_epsilon=1e-20,
-                                      routed_scaling_factor=1.5)}
-  router = routers.get(mode, "softmax_topk")
-  rounding = None if mode in routers else mode
-  T, d, n, E, K = 64, 32, 16, 8, 2
+def options(mode):
+  """The op's keywords for a mode (a token rounding mode, a family router or None), and the names
+  of the differentiated inputs past (x, rw, w1, w2, b1)."""
+  router = ROUTERS.get(mode, "softmax_topk")
+  rounding = None if mode in ROUTERS else mode
+  names = ("router_input", "expert_scale") if mode in ROUTERS else ()
+  return dict(top_k=K, routing=router, token_rounding=rounding, backend="xla"), names
+
+
+def inputs(routing, mode):
+  """(args, extra, fixed, dy): the differentiated inputs, the router and selection biases, the
+  fixed selection (or None) and the output's cotangent."""
   rng = np.random.default_rng(0)
   x = rng.standard_normal((T, d))
   rw = rng.standard_normal((d, E)) / np.sqrt(d)
-  if skew:
+  if routing == "skew":
     x[:, 0] = 3.0
     rw[0, 0], rw[0, 5:] = 4.0, -4.0  # expert 0 takes most tokens, 5..7 none
   w1 = rng.standard_normal((E, d, 2 * n)) / np.sqrt(d)
   w2 = rng.standard_normal((E, n, d)) / np.sqrt(n)
   b1 = rng.standard_normal((E, 2 * n)) * 0.1
-  d_y = rng.standard_normal((T, d))
+  dy = jnp.asarray(rng.standard_normal((T, d)))
   args = [jnp.asarray(a, jnp.float64) for a in (x, rw, w1, w2, b1)]
-  dy = jnp.asarray(d_y, jnp.float64)
   # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3);
   # a router input of its own and a trained per-expert scale (Gemma 4), both differentiated
-  extra, names, specs, fixed = {}, (), (P("ep"), P(), P("ep"), P("ep"), P("ep")), None
-  if mode in routers:
+  extra, fixed = {}, None
+  if mode in ROUTERS:
     extra = dict(router_bias=jnp.asarray(rng.standard_normal(E) * 0.1),
                  selection_bias=jnp.asarray(rng.standard_normal(E) * 0.01))
     args += [jnp.asarray(x + rng.standard_normal((T, d))), jnp.asarray(rng.uniform(0.5, 2, E))]
-    names, specs = ("router_input", "expert_scale"), specs + (P("ep"), P())
   if mode == "deepseek_v4":
     fixed = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
     extra.pop("selection_bias")  # a fixed selection takes none
-  argnums = tuple(range(len(args)))
+  return args, extra, fixed, dy
 
-  def loss_single(x, rw, w1, w2, b1, *more):
-    y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=K, token_rounding=rounding,
-                           routing=router, backend="xla", expert_ids=fixed, **extra,
+
+# The programs are cached: the cases of a mode (each scheme's, random and skewed inputs alike)
+# share the single-device program, and those of a scheme, mode and shard count the sharded one.
+@functools.cache
+def reference(mode):
+  """The single-device op's loss and its gradients, with the output, compiled as the sharded runs
+  are: eagerly a fresh process compiles each op on its own."""
+  kw, names = options(mode)
+
+  def loss_single(args, extra, fixed, dy):
+    x, rw, w1, w2, b1, *more = args
+    y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, expert_ids=fixed, **kw, **extra,
                            **dict(zip(names, more)))
-    if rounding == "up":
+    if mode == "up":
       assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
 
-  # Compiled, as the sharded runs are: eagerly a fresh process compiles each op on its own.
-  (_, y_ref), g_ref = jax.jit(jax.value_and_grad(loss_single, argnums=argnums,
-                                                 has_aux=True))(*args)
+  return jax.jit(jax.value_and_grad(loss_single, has_aux=True))
+
+
+@functools.cache
+def sharded(scheme_name, mode, shards):
+  """The same through the scheme over `shards` devices, under shard_map's replication check."""
+  kw, names = options(mode)
+  scheme = SCHEMES[scheme_name]
+  mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
+  specs = (P("ep"), P(), P("ep"), P("ep"), P("ep")) + (P("ep"), P())[:len(names)]
+
+  def local(args, extra, fixed):
+    x, rw, w1, w2, b1, *more = args
+    mine = None if fixed is None else jax.lax.dynamic_slice_in_dim(
+        fixed, jax.lax.axis_index("ep") * x.shape[0], x.shape[0])
+    y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", expert_ids=mine, **kw, **extra,
+                    **dict(zip(names, more)))
+    # all-to-all: the aux of this device's tokens; all-gather: of the whole axis's
+    tokens = x.shape[0] * (shards if scheme_name == "all_gather" else 1)
+    assert aux.dropped_pairs is not None and aux.probs.shape == (tokens, E), aux.probs.shape
+    return y, aux.load_balance_loss + 0.1 * aux.z_loss
+
+  # The losses come out replicated (out_specs P()); the biases and the whole fixed selection
+  # come in replicated.
+  mapped = jax.shard_map(local, mesh=mesh, in_specs=(list(specs), P(), P()),
+                         out_specs=(P("ep"), P()))
+
+  def loss_ep(args, extra, fixed, dy):
+    y, lb = mapped(args, extra, fixed)
+    return jnp.vdot(y, dy) + lb, y
+
+  place = lambda args: [jax.device_put(a, jax.NamedSharding(mesh, s))
+                        for a, s in zip(args, specs)]
+  return jax.jit(jax.value_and_grad(loss_ep, has_aux=True)), place
+
+
+def check(scheme_name, routing, mode=None):
+  """One case: a scheme, "random" or "skew" routing, and a token rounding mode or a family
+  router (or neither)."""
+  args, extra, fixed, dy = inputs(routing, mode)
+  (_, y_ref), g_ref = reference(mode)(args, extra, fixed, dy)
   # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight; a family
-  # router's case all eight alone (the transport does not depend on it)
-  for shards in (8,) if mode in routers else (1, 2, 8) if skew else (2, 8):
-    mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
-
-    def local(x, rw, w1, w2, b1, *more):
-      mine = None if fixed is None else jax.lax.dynamic_slice_in_dim(
-          fixed, jax.lax.axis_index("ep") * x.shape[0], x.shape[0])
-      y, aux = scheme(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K, routing=router,
-                      token_rounding=rounding, backend="xla", expert_ids=mine, **extra,
-                      **dict(zip(names, more)))
-      # all-to-all: the aux of this device's tokens; all-gather: of the whole axis's
-      tokens = x.shape[0] * (shards if scheme_name == "all_gather" else 1)
-      assert aux.dropped_pairs is not None and aux.probs.shape == (tokens, E), aux.probs.shape
-      return y, aux.load_balance_loss + 0.1 * aux.z_loss
-
-    # shard_map's replication check on: the losses come out replicated (out_specs P()).
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()))
-
-    def loss_ep(*a):
-      y, lb = sharded(*a)
-      return jnp.vdot(y, dy) + lb, y
-
-    placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-    (_, y), g = jax.jit(jax.value_and_grad(loss_ep, argnums=argnums, has_aux=True))(*placed)
+  # router's case and rounding up all eight alone (the transport does not depend on the router;
+  # rounding over a pair of devices: the ragged transport's case with rounding to nearest)
+  for shards in ((8,) if mode in ROUTERS or mode == "up" else (1, 2, 8) if routing == "skew"
+                 else (2, 8)):
+    run, place = sharded(scheme_name, mode, shards)
+    (_, y), g = run(place(args), extra, fixed, dy)
     errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
     print(scheme_name, routing, mode, shards, ["%.1e" % e for e in errs])
     assert max(errs) < 1e-10, (scheme_name, routing, mode, shards, errs)
@@ -130,8 +164,7 @@ def check_no_tokens(scheme_name):
 
 
 if __name__ == "__main__":
-  # Each argument one case, "scheme:routing[:mode]": the cases of one process share its compiled
-  # programs (the single-device op's among them).
+  # Each argument one case, "scheme:routing[:mode]" or "scheme:empty".
   for case in sys.argv[1:]:
     if case.endswith(":empty"):
       check_no_tokens(case.split(":")[0])

@@ -1,5 +1,5 @@
 """Run in a fresh process with 4 CPU devices (see test_parallel.py): the Flax `MoE` layer with
-`expert_parallel_axis`, one scheme (the argument), against the same layer on one device:
+`expert_parallel_axis`, each scheme given as an argument, against the same layer on one device:
 
 - under a user's `jax.shard_map`: output and the gradients of every parameter (float64);
 - in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
@@ -11,8 +11,10 @@
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name.
 
-Float64 throughout: compare to rounding, not to fusion order."""
+Float64 throughout: compare to rounding, not to fusion order. The single-device references are
+computed once and shared by the schemes."""
 
+import functools
 import os
 import sys
 
@@ -30,6 +32,8 @@ from sonic_jax.layers import MoE  # noqa: E402
 T = 64
 KW = dict(d_model=16, num_experts=8, expert_dim=8, top_k=2, use_bias=True, num_shared_experts=1,
           backend="xla", init_std=0.3, dtype=jnp.float64, param_dtype=jnp.float64)
+X = np.random.default_rng(1).standard_normal((T, 16))
+D_Y = np.random.default_rng(2).standard_normal((T, 16))
 
 
 def rel(a, b):
@@ -37,32 +41,42 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_shard_map(scheme):
-  kw = dict(KW, token_rounding="up")
-  single = MoE(**kw, rngs=nnx.Rngs(0))
-  sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme,
-                rngs=nnx.Rngs(0))
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
-  d_y = jnp.asarray(np.random.default_rng(2).standard_normal((T, 16)))
+def expert_specs(state):
+  """Expert parameters (logical axis "expert" first) over the mesh axis, the rest replicated."""
+  return jax.tree.map(lambda p: P("ep") if p and p[0] == "expert" else P(),
+                      nnx.get_partition_spec(state), is_leaf=lambda v: isinstance(v, P))
 
-  def loss_of(graphdef, run):
-    def loss(state, x):
-      y, aux = run(graphdef, state, x)
-      return jnp.vdot(y, d_y) + aux, y
-    return loss
 
+def grad_errs(grads, grads_ref):
+  return {jax.tree_util.keystr(path): rel(g, g_ref) for (path, g), (_, g_ref) in
+          zip(jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(grads_ref))}
+
+
+def loss_of(graphdef, run):
+  def loss(state, x):
+    y, aux = run(graphdef, state, x)
+    return jnp.vdot(y, D_Y) + aux, y
+  return loss
+
+
+# The references compiled (jax.jit), like the sharded runs: a fresh process would otherwise
+# compile each of their ops on its own.
+@functools.cache
+def shard_map_reference():
+  single = MoE(**KW, token_rounding="up", rngs=nnx.Rngs(0))
   g1, s1 = nnx.split(single)
-  # The references compiled (jax.jit), like the sharded runs: a fresh process would otherwise
-  # compile each of their ops on its own.
-  (_, y_ref), grads_ref = jax.jit(jax.value_and_grad(
+  return jax.jit(jax.value_and_grad(
       loss_of(g1, lambda g, s, x: (lambda y, a: (y, a.loss))(*nnx.merge(g, s)(x))),
-      has_aux=True))(s1, x)
+      has_aux=True))(s1, jnp.asarray(X))
 
+
+def check_shard_map(scheme):
+  (_, y_ref), grads_ref = shard_map_reference()
+  sharded = MoE(**KW, token_rounding="up", expert_parallel_axis="ep",
+                expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
   mesh = jax.make_mesh((4,), ("ep",))
   g2, s2 = nnx.split(sharded)
-  # Expert parameters (logical axis "expert" first) over the mesh axis, the rest replicated.
-  specs = jax.tree.map(lambda p: P("ep") if p and p[0] == "expert" else P(),
-                       nnx.get_partition_spec(s2), is_leaf=lambda v: isinstance(v, P))
+  specs = expert_specs(s2)
 
   def local(state, x):
     y, aux = nnx.merge(g2, state)(x)
@@ -70,82 +84,94 @@ def check_shard_map(scheme):
 
   run = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("ep")), out_specs=(P("ep"), P()),
                       check_vma=False)
-  placed = jax.tree.map(lambda a, p: jax.device_put(a, jax.NamedSharding(mesh, p)), s2, specs)
-  x_placed = jax.device_put(x, jax.NamedSharding(mesh, P("ep")))
+  placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
+  x_placed = jax.device_put(X, NamedSharding(mesh, P("ep")))
   (_, y), grads = jax.jit(jax.value_and_grad(loss_of(g2, lambda g, s, x: run(s, x)),
                                              has_aux=True))(placed, x_placed)
-  errs = {"y": rel(y, y_ref)}
-  for (path, g), (_, g_ref) in zip(jax.tree.leaves_with_path(grads),
-                                   jax.tree.leaves_with_path(grads_ref)):
-    errs[jax.tree_util.keystr(path)] = rel(g, g_ref)
+  errs = {"y": rel(y, y_ref), **grad_errs(grads, grads_ref)}
   print("shard_map", scheme, {k: f"{v:.1e}" for k, v in errs.items()})
   assert len(errs) == 1 + 7 and max(errs.values()) < 1e-10, errs
 
 
+SET_MESH_KW = dict(KW, router_norm_eps=1e-6, use_expert_scale=True)  # Gemma 4's router: 2 inputs
+IDS = np.random.default_rng(3).integers(0, 8, (T, 2)).astype(np.int32)
+
+
+def set_mesh_loss(graphdef):
+  def loss(state, x):
+    y, aux = nnx.merge(graphdef, state)(x)
+    return jnp.vdot(y, D_Y) + aux.stats.z_loss, (y, aux.stats)
+  return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+@functools.cache
+def set_mesh_reference():
+  """One program: the value and gradients, each half's load-balance loss, the output with the
+  fixed selection IDS."""
+  g1, s1 = nnx.split(MoE(**SET_MESH_KW, rngs=nnx.Rngs(0)))
+
+  def reference(s, x, ids):
+    halves = [nnx.merge(g1, s)(x[i * T // 2:(i + 1) * T // 2])[1].stats.load_balance_loss
+              for i in range(2)]
+    return set_mesh_loss(g1)(s, x), halves, nnx.merge(g1, s)(x, expert_ids=ids)[0]
+
+  return jax.jit(reference)(s1, jnp.asarray(X), jnp.asarray(IDS))
+
+
 def check_set_mesh(scheme):
-  kw = dict(KW, router_norm_eps=1e-6, use_expert_scale=True)  # Gemma 4's router: two more inputs
+  ((_, (y_ref, st_ref)), (gs_ref, gx_ref)), halves, y_ids_ref = set_mesh_reference()
   extra = dict(capacity_factor=None) if scheme == "all_gather" else {}
-  single = MoE(**kw, rngs=nnx.Rngs(0))
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((T, 16)))
-  d_y = jnp.asarray(np.random.default_rng(2).standard_normal((T, 16)))
-
-  def loss_of(graphdef):
-    def loss(state, x):
-      y, aux = nnx.merge(graphdef, state)(x)
-      return jnp.vdot(y, d_y) + aux.stats.z_loss, (y, aux.stats)
-    return loss
-
-  g1, s1 = nnx.split(single)
-  (_, (y_ref, st_ref)), (gs_ref, gx_ref) = jax.jit(jax.value_and_grad(
-      loss_of(g1), argnums=(0, 1), has_aux=True))(s1, x)
-  half = jax.jit(lambda s, x: nnx.merge(g1, s)(x)[1].stats.load_balance_loss)
-  halves = [half(s1, x[i * T // 2:(i + 1) * T // 2]) for i in range(2)]
+  sharded = MoE(**SET_MESH_KW, expert_parallel_axis="ep", expert_parallel_scheme=scheme, **extra,
+                rngs=nnx.Rngs(0))
+  g2, s2 = nnx.split(sharded)
+  specs = expert_specs(s2)
   for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
+    explicit = types[0] == AxisType.Explicit
     mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
-    sharded = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, **extra,
-                  rngs=nnx.Rngs(0))
-    g2, s2 = nnx.split(sharded)
-    specs = jax.tree.map(lambda p: P("ep") if p and p[0] == "expert" else P(),
-                         nnx.get_partition_spec(s2), is_leaf=lambda v: isinstance(v, P))
+    tokens = NamedSharding(mesh, P(("data", "ep")))
+
+    def run(s, x, ids, x_data):
+      out = set_mesh_loss(g2)(s, x)
+      if not explicit:
+        return out, None, None
+      # A fixed selection (expert_ids), sharded as the tokens by the layer's own shard_map; and
+      # the layer inside a user's shard_map over "data" alone: both in the program of the
+      # gradients (one compilation).
+      y_ids = nnx.merge(g2, s)(x, expert_ids=ids)[0]
+      inner = jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0], in_specs=(P(), P("data")),
+                            out_specs=P("data"), axis_names={"data"}, check_vma=False)
+      return out, y_ids, inner(s, x_data)
+
     with jax.set_mesh(mesh):
       placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
-      x_placed = jax.device_put(x, NamedSharding(mesh, P(("data", "ep"))))
-      (_, (y, st)), (gs, gx) = jax.jit(jax.value_and_grad(loss_of(g2), argnums=(0, 1),
-                                                          has_aux=True))(placed, x_placed)
+      ((_, (y, st)), (gs, gx)), y_ids, y_inner = jax.jit(run)(
+          placed, jax.device_put(X, tokens), jax.device_put(IDS, tokens),
+          jax.device_put(X, NamedSharding(mesh, P("data"))))
     errs = {"y": rel(y, y_ref), "dx": rel(gx, gx_ref), "z_loss": rel(st.z_loss, st_ref.z_loss),
-            "load_balance": rel(st.load_balance_loss, np.mean(halves))}
-    for (path, g), (_, g_ref) in zip(jax.tree.leaves_with_path(gs),
-                                     jax.tree.leaves_with_path(gs_ref)):
-      errs[jax.tree_util.keystr(path)] = rel(g, g_ref)
+            "load_balance": rel(st.load_balance_loss, np.mean(halves)), **grad_errs(gs, gs_ref)}
     print("set_mesh", scheme, types[0], {k: f"{v:.1e}" for k, v in errs.items()})
     assert len(errs) == 4 + 9 and max(errs.values()) < 1e-10, errs
     np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
     np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
-    if types[0] == AxisType.Explicit:
-      # A fixed selection (expert_ids), sharded as the tokens by the layer's own shard_map.
-      ids = jnp.asarray(np.random.default_rng(3).integers(0, 8, (T, 2)), jnp.int32)
-      y_ids_ref = jax.jit(lambda s, x, ids: nnx.merge(g1, s)(x, expert_ids=ids)[0])(s1, x, ids)
-      with jax.set_mesh(mesh):
-        y_ids = jax.jit(lambda s, x, ids: nnx.merge(g2, s)(x, expert_ids=ids)[0])(
-            placed, x_placed, jax.device_put(ids, NamedSharding(mesh, P(("data", "ep")))))
+    if explicit:
       assert rel(y_ids, y_ids_ref) < 1e-10, rel(y_ids, y_ids_ref)
-    if types[0] == AxisType.Explicit:  # inside a user's shard_map over "data" alone
-      with jax.set_mesh(mesh):
-        inner = jax.jit(jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0],
-                                      in_specs=(P(), P("data")), out_specs=P("data"),
-                                      axis_names={"data"}, check_vma=False))
-        y_inner = inner(placed, jax.device_put(x, NamedSharding(mesh, P("data"))))
       assert rel(y_inner, y_ref) < 1e-10, rel(y_inner, y_ref)
 
 
+@functools.cache
+def eager_reference():
+  single = MoE(**KW, rngs=nnx.Rngs(0))
+  x = jnp.asarray(X.reshape(4, T // 4, 16))
+  # (sum y^2, y) and the gradients in one program
+  return nnx.jit(nnx.value_and_grad(lambda m: (lambda y: (jnp.sum(y ** 2), y))(m(x)[0]),
+                                    has_aux=True))(single)
+
+
 def check_eager(scheme):
-  kw = KW
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, T // 4, 16)))  # batch dimensions
-  single = MoE(**kw, rngs=nnx.Rngs(0))
-  y_ref, _ = nnx.jit(lambda m: m(x))(single)
-  g_ref = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2)))(single)
+  (_, y_ref), g_ref = eager_reference()
+  x = jnp.asarray(X.reshape(4, T // 4, 16))  # batch dimensions
   with jax.set_mesh(jax.make_mesh((4,), ("ep",))):
-    layer = MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
+    layer = MoE(**KW, expert_parallel_axis="ep", expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
     y, aux = layer(x)  # eager: called outside jax.jit
     g = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
     errs = [rel(y, y_ref)] + [rel(getattr(g, k)[...], getattr(g_ref, k)[...])
@@ -153,8 +179,9 @@ def check_eager(scheme):
     print("eager", scheme, ["%.1e" % e for e in errs])
     assert max(errs) < 1e-10, errs
     assert np.isfinite(float(aux.loss))
-    try:
-      MoE(16, 6, 8, 2, expert_parallel_axis="ep", backend="xla", rngs=nnx.Rngs(0))(x)
+    try:  # refused while tracing, before any compilation: abstractly
+      jax.eval_shape(lambda: MoE(16, 6, 8, 2, expert_parallel_axis="ep", backend="xla",
+                                 rngs=nnx.Rngs(0))(x))
     except ValueError as e:
       assert "num_experts=6" in str(e), e
     else:
@@ -162,6 +189,7 @@ def check_eager(scheme):
 
 
 if __name__ == "__main__":
-  for check in (check_shard_map, check_set_mesh, check_eager):
-    check(sys.argv[1])
+  for scheme in sys.argv[1:]:
+    for check in (check_shard_map, check_set_mesh, check_eager):
+      check(scheme)
   print("OK")

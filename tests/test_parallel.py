@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -21,30 +19,30 @@ def _run(script, *args):
 
 # Each scheme with skewed routing (experts 5..7 get no token), token rounding both ways, family
 # routers (groups and biases; Llama 4's input scaling) through both schemes; the transports do not
-# depend on the router's mode, so not every product is run. One process a scheme: its cases share
-# the compiled programs.
-@pytest.mark.parametrize("scheme,cases", [
-    ("all_to_all_dense", ["random", "skew", "random:up", "random:llama4", "random:deepseek_v4",
-                          "empty"]),
-    ("all_to_all_ragged", ["skew:nearest"]),
-    ("all_gather", ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
-                    "empty"])])
-def test_expert_parallel_matches_single_device(scheme, cases):
-  """2 and 8 shards (and 1 with skewed routing; 8 alone with a family router), float64: output
-  and the gradients of x, router, w1, w2, b1 (a case's third field: a token rounding mode, or a
-  family router with router and selection biases, a router input and a per-expert scale, whose
-  gradients are compared too; DeepSeek-V4's with a fixed selection), under shard_map's
-  replication check; "empty":
-  no tokens on any device."""
-  _run("ep_check.py", *(f"{scheme}:{case}" for case in cases))
+# depend on the router's mode, so not every product is run. One process for all: the schemes'
+# cases share the single-device programs, and a scheme's cases its sharded ones.
+CASES = {"all_to_all_dense": ["random", "skew", "random:up", "random:llama4", "random:deepseek_v4",
+                              "empty"],
+         "all_to_all_ragged": ["skew:nearest"],
+         "all_gather": ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
+                        "empty"]}
+
+
+def test_expert_parallel_matches_single_device():
+  """2 and 8 shards (1 too with skewed routing; 8 alone with a family router or rounding up),
+  float64: output and the gradients of x, router, w1, w2, b1 (a case's third field: a token
+  rounding mode, or a family router with router and selection biases, a router input and a
+  per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
+  under shard_map's replication check; "empty": no tokens on any device."""
+  _run("ep_check.py", *(f"{scheme}:{case}" for scheme, cases in CASES.items() for case in cases))
 
 
 def test_all_to_all_capacity_drops_and_data_parallel_mesh():
   _run("ep_capacity_check.py")
 
 
-@pytest.mark.parametrize("scheme", ["all_to_all", "all_gather"])
-def test_flax_layer_matches_single_device(scheme):
-  """Under a user's shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the
-  layer adding its own shard_map; eagerly under set_mesh with unplaced parameters."""
-  _run("ep_layer_check.py", scheme)
+def test_flax_layer_matches_single_device():
+  """Both schemes (one process: they share the single-device references): under a user's
+  shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the layer adding its
+  own shard_map; eagerly under set_mesh with unplaced parameters."""
+  _run("ep_layer_check.py", "all_to_all", "all_gather")
