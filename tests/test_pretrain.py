@@ -21,21 +21,42 @@ SAMPLE = os.path.join(ROOT, "examples", "pretrain", "sample.py")
 ENV = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
 
 
-def _run(workdir, steps, *extra):
-  cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={workdir}", f"--steps={steps}",
-         "--eval_every=40", "--backend=xla", *extra]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout
-
-
 def test_tiny_config_learns_and_resumes(tmp_path):
-  _run(tmp_path, 40)
-  out = _run(tmp_path, 80)  # resumes from the step-40 checkpoint
-  assert "resumed from step 40 with changed settings: steps: 40 -> 80" in out
+  """The tiny preset, 80 steps: SIGTERM at step 40's metrics line: the finished step is logged and
+  checkpointed and the process exits 0; the resumed run (a setting changed, reported) drops rows
+  past the checkpoint (here a row written after it, as after a crash), continues, one row per
+  logged step, and ends clearly below the unigram entropy."""
+  cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=80",
+         "--eval_every=40", "--backend=xla"]
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=ENV)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("step 40:"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.stdout.read()
+  assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  (stopped,) = [int(l.split()[-2].rstrip(";")) for l in out.splitlines() if "SIGTERM" in l]
+  assert 40 < stopped < 80 and os.path.isdir(tmp_path / "ckpt" / str(stopped)), out
   with open(tmp_path / "metrics.csv") as f:
     rows = list(csv.DictReader(f))
-  assert [int(r["step"]) for r in rows] == [40, 80]
+  assert [int(r["step"]) for r in rows] == [40, stopped]
+  # A row the crashed run wrote after its checkpoint, at a step the resumed run does not log (not
+  # a multiple of --eval_every): where SIGTERM lands depends on the machine's speed.
+  fake = stopped + 1 if (stopped + 1) % 40 else stopped + 2
+  with open(tmp_path / "metrics.csv", "a") as f:
+    f.write(f"{fake}" + ",1" * 13 + "\n")
+  # The same training program (its compilation cached), checkpoints at the end only.
+  proc = subprocess.run(cmd + ["--checkpoint_every=80"], capture_output=True, text=True,
+                        timeout=900, env=ENV)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert f"resumed from step {stopped} with changed settings: checkpoint_every: 40 -> 80" in out
+  with open(tmp_path / "metrics.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [int(r["step"]) for r in rows] == [40, stopped, 80]
   last = rows[-1]
   unigram = float(last["unigram_entropy"])
   # Clearly below what a context-free (unigram) model achieves on the held-out bytes.
@@ -59,72 +80,52 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   assert json.loads((tmp_path / "config.json").read_text()) == config
 
 
-@pytest.mark.parametrize("flags,devices,message", [
-    (["--d_model=132", "--num_heads=4"], 1, "an even head"),
-    (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], 4, "times --grad_accum (4)"),
-    (["--dtype=bf16"], 1, "flag --dtype=bf16: value should be one of"),
-    (["--top_k=9"], 1, "the model: top_k must be in [1, E=8], got 9"),
-    (["--memcpy_p2p", "--distributed"], 1, "not with --distributed")])
-def test_flags_refused_by_name(tmp_path, flags, devices, message):
-  """Refused before the corpus is read and tokenized (which takes minutes for a BPE)."""
-  env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  proc = subprocess.run([sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}",
-                         "--steps=1", "--warmup=0", "--backend=xla", *flags],
+# Runs train.py's main on each argv but the last as absl's app.run would (flags parsed, then main;
+# the refusal caught and reported), then app.run on the last: one process pays the imports once.
+_REFUSE = """
+import contextlib, io, json, os, sys
+from absl import app, flags
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, os.path.dirname(script))
+import train
+for argv in cases[:-1]:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    try:
+      flags.FLAGS.unparse_flags()
+      flags.FLAGS([script, *argv])
+      train.main(None)
+      refusal = None
+    except (flags.Error, app.UsageError) as e:
+      refusal = str(e)
+  print(json.dumps([refusal, out.getvalue()]), flush=True)
+flags.FLAGS.unparse_flags()
+app.run(train.main, argv=[script, *cases[-1]])
+"""
+
+
+def test_flags_refused_by_name(tmp_path):
+  """Refused before the workdir is made and the corpus is read and tokenized (which takes minutes
+  for a BPE); the process exits 1 with the reason on stderr."""
+  cases = [(["--d_model=132", "--num_heads=4"], "an even head"),
+           (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], "times --grad_accum (4)"),
+           (["--dtype=bf16"], "flag --dtype=bf16: value should be one of"),
+           (["--top_k=9"], "the model: top_k must be in [1, E=8], got 9"),
+           (["--memcpy_p2p", "--distributed"], "not with --distributed"),
+           (["--attention=cudnn"], "--attention=cudnn needs an NVIDIA GPU")]
+  common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--warmup=0",
+            "--backend=xla"]
+  env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4")  # a (data 2, ep 2) mesh
+  proc = subprocess.run([sys.executable, "-c", _REFUSE, SCRIPT,
+                         json.dumps([common + flags for flags, _ in cases])],
                         capture_output=True, text=True, timeout=600, env=env)
-  assert proc.returncode == 1 and message in proc.stderr, proc.stderr[-2000:]
-  assert "corpus" not in proc.stdout, proc.stdout
-
-
-def test_warmup_first_update_moves(tmp_path):
-  """The warm-up's first update runs at lr / (warmup + 1), not 0; the peak follows."""
-  _run(tmp_path, 2, "--warmup=1", "--log_every=1", "--eval_batches=1", "--plot=false",
-       "--tensorboard=false")
-  with open(tmp_path / "metrics.csv") as f:
-    lrs = [float(r["lr"]) for r in csv.DictReader(f)]
-  assert lrs == pytest.approx([1.5e-3, 3e-3]), lrs  # the tiny preset's lr: 3e-3
-
-
-def test_sigterm_checkpoints_and_a_resume_repeats_no_row(tmp_path):
-  """SIGTERM mid-run: the finished step is logged and checkpointed and the process exits 0; the
-  resumed run drops rows past the checkpoint (here a row written after it, as after a crash) and
-  continues, one row per logged step. The model's shape comes from flags; its blocks are stacked,
-  scanned and rematerialised; it trains with token rounding and evaluates with top-K routing."""
-  cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=2000",
-         "--log_every=5", "--eval_every=1000", "--checkpoint_every=1000", "--backend=xla",
-         "--num_layers=2", "--d_model=64", "--warmup=5", "--remat=dots", "--scan_layers",
-         "--token_rounding=nearest", "--plot=false", "--tensorboard=false"]
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=ENV)
-  lines = []
-  for line in proc.stdout:
-    lines.append(line)
-    if line.startswith("step 10:"):
-      proc.send_signal(signal.SIGTERM)
-      break
-  out = "".join(lines) + proc.stdout.read()
-  assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
-  assert "num_layers=2" in out and "d_model=64" in out and "scan_layers=True" in out
-  assert "token_rounding='nearest'" in out
-  (stopped,) = [int(l.split()[-2].rstrip(";")) for l in out.splitlines() if "SIGTERM" in l]
-  assert stopped >= 10 and os.path.isdir(tmp_path / "ckpt" / str(stopped))
-  with open(tmp_path / "metrics.csv") as f:
-    rows = list(csv.DictReader(f))
-  assert int(rows[-1]["step"]) == stopped
-  # A row the crashed run wrote after its checkpoint, at a step the resumed run does not log (not
-  # a multiple of --log_every): where SIGTERM lands depends on the machine's speed.
-  fake = stopped + 1 if (stopped + 1) % 5 else stopped + 2
-  with open(tmp_path / "metrics.csv", "a") as f:
-    f.write(f"{fake}" + ",1" * 13 + "\n")
-  cmd[4] = f"--steps={stopped + 10}"
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f"resumed from step {stopped}" in proc.stdout
-  with open(tmp_path / "metrics.csv") as f:
-    steps = [int(r["step"]) for r in csv.DictReader(f)]
-  assert steps == sorted(set(steps)) and fake not in steps and steps[-1] == stopped + 10
-  with open(tmp_path / "metrics.csv") as f:
-    last = list(csv.DictReader(f))[-1]
-  assert 0 < float(last["heldout_loss"]) < 6, last  # the last step evaluates (top-K routing)
+  assert proc.returncode == 1 and cases[-1][1] in proc.stderr, proc.stderr[-2000:]
+  reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+  assert len(reports) == len(cases) - 1, proc.stdout
+  for (flags, message), (refusal, out) in zip(cases, reports):
+    assert refusal is not None and message in refusal, (flags, refusal)
+    assert "corpus" not in out, out
+  assert "corpus" not in proc.stdout and not os.path.exists(tmp_path / "run")
 
 
 def _free_port():
@@ -141,13 +142,15 @@ def test_sharded_training_tracks_one_device(tmp_path):
   and the ragged_dot baseline MoE layer (same initialisation and math) data parallel with FSDP
   and a profiled step, each follow the one-device run: same data and init; the load-balance loss
   is per data shard and micro-batch, so close, not bitwise. The first process alone writes
-  metrics and prints."""
+  metrics and prints. The one-device run logs every step: the warm-up's learning rates."""
   losses, outs = {}, {}
   port = _free_port()
-  runs = (("one", 1, []),
+  # Checkpoints and TensorBoard scalars (test_tiny_config_learns_and_resumes) in the multi-process
+  # run alone.
+  runs = (("one", 1, ["--log_every=1", "--checkpoint_every=0", "--tensorboard=false"]),
           ("ep_fsdp", 2, ["--expert_parallel=2", "--fsdp", "--grad_accum=2"]),
           ("ragged_dot", 1, ["--moe_impl=ragged_dot", "--expert_parallel=1", "--fsdp",
-                             "--profile_step=4"]))
+                             "--profile_step=4", "--checkpoint_every=0", "--tensorboard=false"]))
   for name, processes, extra in runs:
     env = dict(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // processes}")
     cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path / name}", "--steps=6",
@@ -163,8 +166,16 @@ def test_sharded_training_tracks_one_device(tmp_path):
     for p, (_, err) in zip(procs, results):
       assert p.returncode == 0, err[-3000:]
     with open(tmp_path / name / "metrics.csv") as f:
-      (row,) = list(csv.DictReader(f))
-    losses[name] = (float(row["train_loss"]), float(row["heldout_loss"]))
+      rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == ([1, 2, 3, 4, 5, 6] if name == "one" else [6])
+    # The mean of the steps' losses, which the others' one row reports.
+    losses[name] = (sum(float(r["train_loss"]) for r in rows) / len(rows),
+                    float(rows[-1]["heldout_loss"]))
+    if name == "one":
+      # The warm-up's first update runs at lr / (warmup + 1), not 0; the peak (the tiny preset's
+      # 3e-3) follows, then the cosine decay towards 10% of it.
+      lrs = [float(r["lr"]) for r in rows]
+      assert lrs == pytest.approx([7.5e-4, 1.5e-3, 2.25e-3, 3e-3, 2.325e-3, 9.75e-4]), lrs
     outs[name] = results[0][0]
     if processes > 1:
       # The other process prints none of the run's lines (gloo, the CPU collectives between
@@ -202,6 +213,7 @@ def test_ragged_dot_baseline_layer_equals_the_sonic_jax_layer():
   base = RaggedDotMoE(d, e, n, k, rngs=nnx.Rngs(3), **common)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50, d)), jnp.float32)
 
+  @nnx.jit  # one program per layer: the layers' eager ops would compile one by one
   def run(layer):
     def loss(layer, x):
       y, aux = layer(x)
@@ -271,13 +283,18 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   """--tokenizer=bpe end to end: losses per token and per byte (the byte counts of the evaluated
   tokens), the tokenizer saved with the run, sample.py loading the model alone from the latest
   checkpoint, its config from inside it, and decoding with the tokenizer (the cache that a resume
-  loads: test_bpe_tokenizer_round_trips_deterministic_and_cached)."""
+  loads: test_bpe_tokenizer_round_trips_deterministic_and_cached). The model's blocks are stacked,
+  scanned and rematerialised; it trains with token rounding and evaluates (and samples) with
+  top-K routing."""
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=40",
          "--eval_every=40", "--warmup=5", "--backend=xla", "--tokenizer=bpe", "--vocab_size=512",
-         "--corpus_bytes=400000", "--plot=false", "--tensorboard=false"]
+         "--corpus_bytes=400000", "--plot=false", "--tensorboard=false", "--remat=dots",
+         "--scan_layers", "--token_rounding=nearest"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "BPE: 512 tokens, trained in" in proc.stdout
+  assert "remat='dots'" in proc.stdout and "scan_layers=True" in proc.stdout
+  assert "token_rounding='nearest'" in proc.stdout
   with open(tmp_path / "metrics.csv") as f:
     (row,) = list(csv.DictReader(f))
   loss, per_byte = float(row["heldout_loss"]), float(row["heldout_nats_per_byte"])
@@ -344,7 +361,7 @@ def test_olmoe_preset_matches_olmoe_counts():
   assert model.model_flops_per_token(cfg, S) == 6 * n_active + 12 * L * d * S
 
 
-def test_attention_selection(tmp_path):
+def test_attention_selection():
   """--attention: auto is XLA on a CPU and cuDNN on an NVIDIA GPU where jax's cuDNN attention
   takes the dtype and head dim; an explicit cudnn that cannot run is refused by name."""
   import types
@@ -370,12 +387,7 @@ def test_attention_selection(tmp_path):
   assert pick(gpu("9.0"), attention="xla") == "xla"
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     pick(gpu("9.0"), dtype="float32", attention="cudnn")
-  # The flag: refused before any work, naming itself.
-  proc = subprocess.run([sys.executable, SCRIPT, "--attention=cudnn",
-                         f"--workdir={tmp_path / 'run'}"], capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode != 0 and "--attention=cudnn needs an NVIDIA GPU" in proc.stderr
-  assert not os.path.exists(tmp_path / "run")
+  # The flag --attention=cudnn, refused before any work: test_flags_refused_by_name.
 
 
 def test_output_logits_gradients():
