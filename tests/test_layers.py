@@ -29,16 +29,21 @@ def test_layer_equals_functional_op_with_biases_and_shared_experts(rng, activati
   m.b1[...] = jnp.asarray(rng.standard_normal(m.b1.shape), jnp.float32)
   m.b2[...] = jnp.asarray(rng.standard_normal(m.b2.shape), jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
-  y, aux = m(x)
+
+  @nnx.jit  # one program: eagerly, each op compiles its own
+  def run(m, x):
+    y, aux = m(x)
+    flat = x.reshape(-1, 32)
+    want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2,
+                                activation=activation, b1=m.b1[...], b2=m.b2[...], backend="xla")
+    act = acts.get_activation(activation)
+    shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
+    return y, aux.loss, want + shared, 0.01 * stats.load_balance_loss + 1e-3 * stats.z_loss
+
+  y, loss, want, want_loss = run(m, x)
   assert y.shape == x.shape
-  flat = x.reshape(-1, 32)
-  want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2,
-                              activation=activation, b1=m.b1[...], b2=m.b2[...], backend="xla")
-  act = acts.get_activation(activation)
-  shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
-  assert rel_err(y.reshape(-1, 32), want + shared) < 1e-5
-  np.testing.assert_allclose(aux.loss, 0.01 * stats.load_balance_loss + 1e-3 * stats.z_loss,
-                             rtol=1e-6)
+  assert rel_err(y.reshape(-1, 32), want) < 1e-5
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
 
 
 def test_layer_family_options_equal_the_functional_op(rng):
@@ -50,26 +55,35 @@ def test_layer_family_options_equal_the_functional_op(rng):
              num_shared_experts=1, shared_expert_gate=True, balance_loss="sequence")
   m.router_bias[...] = jnp.asarray(rng.standard_normal(4), jnp.float32)
   x = jnp.asarray(rng.standard_normal((3, 10, 32)), jnp.float32)
-  y, aux = m(x)
   flat = x.reshape(-1, 32)
-  want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2, routing=router,
-                              activation="clamped_swiglu", router_bias=m.router_bias[...],
-                              backend="xla")
-  act = acts.get_activation("clamped_swiglu")
-  shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
-  shared = shared * jax.nn.sigmoid(flat @ m.shared_gate[...])
-  assert rel_err(y.reshape(-1, 32), want + shared) < 1e-5
-  seq = sonic_jax.sequence_balance_loss(stats.probs.reshape(3, 10, 4),
-                                        stats.choice_ids.reshape(3, 10, 2))
+
+  @nnx.jit  # one program: eagerly, each op compiles its own
+  def run(m, x):
+    y, aux = m(x)
+    want, stats = sonic_jax.moe(flat, m.router[...], m.w1[...], m.w2[...], top_k=2,
+                                routing=router, activation="clamped_swiglu",
+                                router_bias=m.router_bias[...], backend="xla")
+    act = acts.get_activation("clamped_swiglu")
+    shared = acts.apply_activation(flat @ m.shared_in[...], act, "concat") @ m.shared_out[...]
+    shared = shared * jax.nn.sigmoid(flat @ m.shared_gate[...])
+    seq = sonic_jax.sequence_balance_loss(stats.probs.reshape(3, 10, 4),
+                                          stats.choice_ids.reshape(3, 10, 2))
+    grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2) + m(x)[1].loss)(m)
+    norms = [jnp.linalg.norm(getattr(grads, name)[...])
+             for name in ("router_bias", "shared_gate", "router")]
+    return y, aux, want + shared, seq, 0.01 * seq + 1e-3 * stats.z_loss, norms
+
+  y, aux, want, seq, want_loss, norms = run(m, x)
+  assert rel_err(y.reshape(-1, 32), want) < 1e-5
   np.testing.assert_allclose(aux.stats.load_balance_loss, seq, rtol=1e-6)
-  np.testing.assert_allclose(aux.loss, 0.01 * seq + 1e-3 * stats.z_loss, rtol=1e-6)
-  grads = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2) + m(x)[1].loss)(m)
-  for name in ("router_bias", "shared_gate", "router"):
-    assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
+  np.testing.assert_allclose(aux.loss, want_loss, rtol=1e-6)
+  for name, norm in zip(("router_bias", "shared_gate", "router"), norms):
+    assert float(norm) > 0, name
   assert "router_bias" in nnx.state(m, nnx.Param)
   with pytest.raises(ValueError, match="balance_loss='sequence'"):
     m(flat)
-  assert float(m(jnp.zeros((0, 10, 32)))[1].stats.load_balance_loss) == 0.0  # no tokens
+  no_tokens = nnx.jit(lambda m: m(jnp.zeros((0, 10, 32)))[1].stats.load_balance_loss)(m)
+  assert float(no_tokens) == 0.0
   with pytest.raises(ValueError, match="balance_loss='sequence' is computed on one device"):
     _layer(balance_loss="sequence", expert_parallel_axis="ep")
 
@@ -124,9 +138,9 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
 def test_layer_capacity_on_one_device_drops_and_counts(rng):
   m = _layer(capacity_factor=0.5)
   x = jnp.asarray(rng.standard_normal((40, 32)), jnp.float32)
-  y, aux = m(x)
-  want, stats = sonic_jax.moe(x, m.router[...], m.w1[...], m.w2[...], top_k=2,
-                              capacity_factor=0.5, backend="xla")
+  # One program: eagerly, each op compiles its own.
+  (y, aux), (want, stats) = nnx.jit(lambda m, x: (m(x), sonic_jax.moe(
+      x, m.router[...], m.w1[...], m.w2[...], top_k=2, capacity_factor=0.5, backend="xla")))(m, x)
   assert rel_err(y, want) < 1e-6
   assert int(aux.stats.dropped_pairs) == int(stats.dropped_pairs) >= 40 * 2 // 2
   assert int(jnp.sum(aux.stats.expert_ids >= 0)) <= 4 * 10  # ceil(0.5 * 40 * 2 / 4) an expert
@@ -149,7 +163,7 @@ def test_bfloat16_layer_runs_every_gemm_on_bfloat16_operands(rng):
 
   step16 = grad_fn(graph16, jnp.bfloat16)
   assert gemm_operand_dtypes(jax.make_jaxpr(step16)(state16).jaxpr) == {jnp.dtype(jnp.bfloat16)}
-  g16, g32 = step16(state16), grad_fn(graph32, jnp.float32)(state32)
+  g16, g32 = jax.jit(step16)(state16), jax.jit(grad_fn(graph32, jnp.float32))(state32)
   for name in ("router", "w1", "w2", "shared_in", "shared_out"):
     assert rel_err(g16[name][...], g32[name][...]) < 2e-2, name
 
@@ -167,9 +181,9 @@ def test_sharding_metadata_on_every_parameter():
 def test_compute_dtype_and_param_dtype(rng):
   m = _layer(dtype=jnp.bfloat16, param_dtype=jnp.float32)
   x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
-  y, _ = m(x)
+  y, grads = nnx.jit(lambda m: (m(x)[0], nnx.grad(
+      lambda m: jnp.sum(m(x)[0].astype(jnp.float32) ** 2))(m)))(m)
   assert y.dtype == jnp.bfloat16 and m.w1[...].dtype == jnp.float32
-  grads = nnx.grad(lambda m: jnp.sum(m(x)[0].astype(jnp.float32) ** 2))(m)
   assert grads["w1"][...].dtype == jnp.float32
   assert np.isfinite(np.asarray(grads["w1"][...])).all()
 
@@ -179,7 +193,7 @@ def test_adamw_training_lowers_the_loss(rng):
   teacher = _layer(rngs=nnx.Rngs(1), init_std=0.3)
   student = _layer(rngs=nnx.Rngs(2), init_std=0.1, bias_update_rate=1e-3)
   x = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
-  target, _ = teacher(x)
+  target, _ = nnx.jit(lambda m, x: m(x))(teacher, x)
   opt = nnx.Optimizer(student, optax.adamw(3e-3), wrt=nnx.Param)
 
   @nnx.jit
@@ -211,15 +225,21 @@ def test_selection_bias_update_moves_towards_balance():
 def test_linen_bridge(rng):
   layer = nnx.bridge.to_linen(MoE, 32, 4, 16, 2, backend="xla", init_std=0.2)
   x = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
-  variables = layer.init(jax.random.key(0), x)
-  (y, aux) = layer.apply(variables, x)
+  variables = jax.jit(layer.init)(jax.random.key(0), x)
   from flax import linen as nn
   p = nn.unbox(variables)["params"]  # the bridge boxes parameters with their sharding names
   assert tuple(variables["params"]["w1"].metadata["out_sharding"]) == ("expert", "embed", "mlp")
-  want, _ = sonic_jax.moe(x.reshape(-1, 32), p["router"], p["w1"], p["w2"], top_k=2,
-                          backend="xla")
+
+  @jax.jit  # one program: eagerly, each op compiles its own
+  def run(variables):
+    y, _ = layer.apply(variables, x)
+    p = nn.unbox(variables)["params"]
+    want, _ = sonic_jax.moe(x.reshape(-1, 32), p["router"], p["w1"], p["w2"], top_k=2,
+                            backend="xla")
+    return y, want, jax.grad(lambda v: jnp.sum(layer.apply(v, x)[0] ** 2))(variables)
+
+  y, want, g = run(variables)
   assert rel_err(y.reshape(-1, 32), want) < 1e-6
-  g = jax.grad(lambda v: jnp.sum(layer.apply(v, x)[0] ** 2))(variables)
   assert float(jnp.linalg.norm(nn.unbox(g)["params"]["w1"])) > 0
 
 

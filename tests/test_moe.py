@@ -24,7 +24,6 @@ def run_moe(p, d_y, dtype, **kw):
   cast = {k: None if v is None else jnp.asarray(v, dtype) for k, v in p.items()}
   names = [k for k in ARG_NAMES if cast[k] is not None]
 
-  @jax.jit
   def f(*flat):
     a = dict(cast)
     a.update(zip(names, flat))
@@ -32,8 +31,9 @@ def run_moe(p, d_y, dtype, **kw):
                            **kw)
     return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), (y, aux)
 
-  (_, (y, aux)), grads = jax.value_and_grad(f, argnums=tuple(range(len(names))), has_aux=True)(
-      *[cast[k] for k in names])
+  # One program for the value and the gradients (a jitted f under an eager grad compiles several).
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(names))),
+                                                    has_aux=True))(*[cast[k] for k in names])
   return y, aux, dict(zip(names, grads)), cast
 
 

@@ -116,8 +116,13 @@ def test_capacity_keeps_each_experts_first_pairs_in_token_order(rng):
     a = {k: _f64(v) for k, v in p.items()}
     f = lambda x, rw, w1, w2: sonic_jax.moe(x, rw, w1, w2, top_k=2, routing="topk_softmax",
                                             capacity_factor=1.0, backend="xla")
-    (y, aux), vjp = jax.vjp(f, a["x"], a["router_weight"], a["w1"], a["w2"])
-    grads = vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux)))
+
+    @jax.jit  # one program: eagerly, each op of the op and its VJP compiles its own
+    def run(*args):
+      (y, aux), vjp = jax.vjp(f, *args)
+      return y, aux, vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux)))
+
+    y, aux, grads = run(a["x"], a["router_weight"], a["w1"], a["w2"])
     ids, weights = route_reference(np.asarray(p["x"]) @ p["router_weight"], 2)
     cap = int(np.ceil(1.0 * 48 * 2 / 4))
     kept, seen = ids.copy(), np.zeros(4, int)
@@ -137,11 +142,16 @@ def test_capacity_keeps_each_experts_first_pairs_in_token_order(rng):
     ref = lambda x, rw, w1, w2: moe_reference_weights(x, rw, w1, w2, None, None, None, ids,
                                                       masked, activation="swiglu",
                                                       gate_up_layout="concat")
-    y_ref, ref_vjp = jax.vjp(ref, a["x"], a["router_weight"], a["w1"], a["w2"])
-    g_ref = ref_vjp(_f64(d_y))
+    y_ref, g_ref = jax.jit(lambda *args: value_and_vjp(ref, args, _f64(d_y)))(
+        a["x"], a["router_weight"], a["w1"], a["w2"])
   assert rel_err(y, y_ref) < TOL
   for g, r in zip(grads, g_ref):
     assert rel_err(g, r) < TOL
+
+
+def value_and_vjp(f, args, ct):
+  y, vjp = jax.vjp(f, *args)
+  return y, vjp(ct)
 
 
 def _dense_reference(x, w1, w2, weights):
@@ -171,9 +181,14 @@ def test_routed_experts_takes_expert_choice_pairs_and_differentiates_scores(rng)
           extra_scores=scores.reshape(-1), backend="xla")
       return y, aux
 
-    (y, aux), vjp = jax.vjp(expert_choice, a["x"], a["router_weight"], a["w1"], a["w2"])
-    grads = vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux)))
-    probs = np.asarray(jax.nn.softmax(a["x"] @ a["router_weight"], axis=-1))
+    @jax.jit  # one program: eagerly, each op of the op and its VJP compiles its own
+    def run(*args):
+      (y, aux), vjp = jax.vjp(expert_choice, *args)
+      probs = jax.nn.softmax(args[0] @ args[1], axis=-1)
+      return y, aux, vjp((_f64(d_y), jax.tree.map(jnp.zeros_like, aux))), probs
+
+    y, aux, grads, probs = run(a["x"], a["router_weight"], a["w1"], a["w2"])
+    probs = np.asarray(probs)
     chosen = np.zeros((T, E), bool)
     for e in range(E):
       chosen[np.argsort(-probs[:, e], kind="stable")[:C], e] = True
@@ -181,8 +196,8 @@ def test_routed_experts_takes_expert_choice_pairs_and_differentiates_scores(rng)
     def ref(x, rw, w1, w2):
       return _dense_reference(x, w1, w2, jnp.where(chosen, jax.nn.softmax(x @ rw, -1), 0.0))
 
-    y_ref, ref_vjp = jax.vjp(ref, a["x"], a["router_weight"], a["w1"], a["w2"])
-    g_ref = ref_vjp(_f64(d_y))
+    y_ref, g_ref = jax.jit(lambda *args: value_and_vjp(ref, args, _f64(d_y)))(
+        a["x"], a["router_weight"], a["w1"], a["w2"])
   np.testing.assert_array_equal(np.asarray(aux.expert_counts), [C] * E)
   np.testing.assert_array_equal(np.asarray(aux.extra_experts), np.repeat(np.arange(E), C))
   assert rel_err(y, y_ref) < TOL
@@ -197,32 +212,33 @@ def test_routed_experts_slots_with_empty_and_repeated_experts(rng):
   p, d_y = make_problem(rng, T=T, d=d, n=n, E=E)
   with jax.enable_x64(True):
     a = {k: _f64(v) for k, v in p.items()}
-    ids = jnp.asarray(rng.integers(-1, E, (T, 3)), jnp.int32).at[:, 2].set(
-        jnp.asarray(rng.integers(0, E, T)))
-    ids = ids.at[:4, 1].set(ids[:4, 2])  # repeated experts
+    ids = rng.integers(-1, E, (T, 3)).astype(np.int32)
+    ids[:, 2] = rng.integers(0, E, T)
+    ids[:4, 1] = ids[:4, 2]  # repeated experts
+    ids = jnp.asarray(ids)
     scores = jnp.asarray(rng.uniform(0.1, 1.0, (T, 3)))
-    y, aux = jax.jit(lambda s: sonic_jax.routed_experts(a["x"], ids, s, a["w1"], a["w2"],
-                                                        backend="xla"))(scores)
-    dense = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], jnp.maximum(ids, 0)].add(
-        jnp.where(ids >= 0, scores, 0.0))
-    assert rel_err(y, _dense_reference(a["x"], a["w1"], a["w2"], dense)) < TOL
-    assert int(aux.expert_counts.sum()) == int(np.sum(np.asarray(ids) >= 0))
-    g = jax.grad(lambda s: jnp.vdot(sonic_jax.routed_experts(a["x"], ids, s, a["w1"], a["w2"],
-                                                             backend="xla")[0], _f64(d_y)))(scores)
-    g_ref = jax.grad(lambda s: jnp.vdot(_dense_reference(
-        a["x"], a["w1"], a["w2"], jnp.zeros((T, E)).at[jnp.arange(T)[:, None],
-                                                      jnp.maximum(ids, 0)].add(
-            jnp.where(ids >= 0, s, 0.0))), _f64(d_y)))(scores)
+    op = lambda x, s: sonic_jax.routed_experts(x, ids, s, a["w1"], a["w2"], backend="xla")
+    ref = lambda s: _dense_reference(a["x"], a["w1"], a["w2"], jnp.zeros((T, E)).at[
+        jnp.arange(T)[:, None], jnp.maximum(ids, 0)].add(jnp.where(ids >= 0, s, 0.0)))
+
+    @jax.jit  # one program: eagerly, each op would compile its own
+    def run(scores):
+      y, aux = op(a["x"], scores)
+      g, g_ref = (jax.grad(lambda s: jnp.vdot(f(s), _f64(d_y)))(scores)
+                  for f in (lambda s: op(a["x"], s)[0], ref))
+      batched = jax.vmap(lambda x: op(x, scores)[0])(jnp.stack([a["x"], 2 * a["x"]]))
+      # token choice = a router + routed_experts
+      y_moe, aux_moe = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], top_k=2,
+                                     backend="xla")
+      y_own, _ = sonic_jax.routed_experts(a["x"], aux_moe.expert_ids, aux_moe.scores, a["w1"],
+                                          a["w2"], backend="xla")
+      return y, aux.expert_counts, ref(scores), g, g_ref, batched, y_moe, y_own
+
+    y, counts, y_ref, g, g_ref, batched, y_moe, y_own = run(scores)
+    assert rel_err(y, y_ref) < TOL
+    assert int(counts.sum()) == int(np.sum(np.asarray(ids) >= 0))
     assert rel_err(g, g_ref) < TOL
-    batched = jax.vmap(lambda x: sonic_jax.routed_experts(x, ids, scores, a["w1"], a["w2"],
-                                                          backend="xla")[0])(
-        jnp.stack([a["x"], 2 * a["x"]]))
     assert rel_err(batched[0], y) < TOL
-    # token choice = a router + routed_experts
-    y_moe, aux_moe = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], top_k=2,
-                                   backend="xla")
-    y_own, _ = sonic_jax.routed_experts(a["x"], aux_moe.expert_ids, aux_moe.scores, a["w1"],
-                                        a["w2"], backend="xla")
     assert rel_err(y_own, y_moe) < TOL
 
 
@@ -231,23 +247,32 @@ def test_balance_losses_follow_their_formulas(rng):
   hf_load_balancing_loss: transformers' all-layers form (counts and probabilities summed over
   layers before they multiply; test_families.py checks it against transformers itself)."""
   B, S, E, K = 3, 10, 6, 2
-  probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((B, S, E))), -1)
-  ids = jax.lax.top_k(probs, K)[1]
+  logits = rng.standard_normal((B, S, E)).astype(np.float32)
+  layers = [jnp.asarray(rng.standard_normal((12, E))) for _ in range(3)]
+  mask = jnp.ones((3, 4)).at[:, -1].set(0)  # B * S = 12 tokens per layer
+
+  @jax.jit  # one program: eagerly, each op compiles its own
+  def run(logits, layers, mask):
+    probs = jax.nn.softmax(logits, -1)
+    ids = jax.lax.top_k(probs, K)[1]
+    return (probs, ids, sonic_jax.sequence_balance_loss(probs, ids),
+            sonic_jax.hf_load_balancing_loss(layers, K),
+            sonic_jax.hf_load_balancing_loss(layers, K, mask))
+
+  probs, ids, seq_loss, hf_loss, hf_masked_loss = run(logits, layers, mask)
   want = np.mean([np.sum(np.bincount(np.asarray(ids[b]).reshape(-1), minlength=E) * E / (K * S)
                          * np.asarray(probs[b]).mean(0)) for b in range(B)])
-  np.testing.assert_allclose(sonic_jax.sequence_balance_loss(probs, ids), want, rtol=1e-6)
-  layers = [jnp.asarray(rng.standard_normal((12, E))) for _ in range(3)]
+  np.testing.assert_allclose(seq_loss, want, rtol=1e-6)
   cat = np.concatenate([np.asarray(l) for l in layers])
   pr = np.exp(cat) / np.exp(cat).sum(-1, keepdims=True)
   top = np.argsort(-pr, -1)[:, :K]
   per_slot = np.stack([np.bincount(top[:, k], minlength=E) / len(cat) for k in range(K)])
   want = E * np.sum(per_slot * pr.mean(0)[None])
-  np.testing.assert_allclose(sonic_jax.hf_load_balancing_loss(layers, K), want, rtol=1e-6)
-  mask = jnp.ones((3, 4)).at[:, -1].set(0)  # B * S = 12 tokens per layer
+  np.testing.assert_allclose(hf_loss, want, rtol=1e-6)
   m = np.tile(np.asarray(mask).reshape(-1), 3)
   per_slot = np.stack([(np.eye(E)[top[:, k]] * m[:, None]).sum(0) / m.sum() for k in range(K)])
   want = E * np.sum(per_slot * ((pr * m[:, None]).sum(0) / m.sum())[None])
-  np.testing.assert_allclose(sonic_jax.hf_load_balancing_loss(layers, K, mask), want, rtol=1e-6)
+  np.testing.assert_allclose(hf_masked_loss, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -281,18 +306,27 @@ def test_wide_out_of_range_ids_are_empty_slots_and_capacity_caps_at_the_pairs(rn
   p, _ = make_problem(rng, T=8, d=16, n=8, E=4)
   x, rw, w1, w2 = (jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2"))
   wide = np.full((8, 2), 2**32 + 1, np.int64)
-  y, aux = sonic_jax.routed_experts(x, wide, np.ones((8, 2), np.float32), w1, w2, backend="xla")
-  assert not np.any(np.asarray(y)) and not np.any(np.asarray(aux.expert_counts))
-  y, aux = sonic_jax.routed_experts(x, np.zeros((8, 0), np.int64), np.zeros((8, 0), np.float32),
-                                    w1, w2, extra_tokens=np.array([1, 2**32 + 1]),
-                                    extra_experts=np.array([2**32 + 2, 3]),
-                                    extra_scores=np.ones(2, np.float32), backend="xla")
-  assert not np.any(np.asarray(aux.expert_counts))
-  _, aux = sonic_jax.moe(x, rw, w1, w2, top_k=2, expert_ids=wide, backend="xla")
-  assert np.all(np.asarray(aux.expert_ids) == -1)
-  want = sonic_jax.moe(x, rw, w1, w2, top_k=2, backend="xla")[0]
-  for factor in (1e9, 1e300):
-    y, aux = sonic_jax.moe(x, rw, w1, w2, top_k=2, capacity_factor=factor, backend="xla")
+
+  # One program (eagerly each op compiles its own); the host arrays are constants of the trace,
+  # so the op still sees NumPy int64 arrays.
+  @jax.jit
+  def run(x, rw, w1, w2):
+    y, aux = sonic_jax.routed_experts(x, wide, np.ones((8, 2), np.float32), w1, w2, backend="xla")
+    extra = sonic_jax.routed_experts(
+        x, np.zeros((8, 0), np.int64), np.zeros((8, 0), np.float32), w1, w2,
+        extra_tokens=np.array([1, 2**32 + 1]), extra_experts=np.array([2**32 + 2, 3]),
+        extra_scores=np.ones(2, np.float32), backend="xla")[1].expert_counts
+    fixed = sonic_jax.moe(x, rw, w1, w2, top_k=2, expert_ids=wide, backend="xla")[1].expert_ids
+    want = sonic_jax.moe(x, rw, w1, w2, top_k=2, backend="xla")[0]
+    capped = [sonic_jax.moe(x, rw, w1, w2, top_k=2, capacity_factor=factor, backend="xla")
+              for factor in (1e9, 1e300)]
+    return y, aux.expert_counts, extra, fixed, want, capped
+
+  y, counts, extra_counts, fixed_ids, want, capped = run(x, rw, w1, w2)
+  assert not np.any(np.asarray(y)) and not np.any(np.asarray(counts))
+  assert not np.any(np.asarray(extra_counts))
+  assert np.all(np.asarray(fixed_ids) == -1)
+  for y, aux in capped:
     assert int(aux.dropped_pairs) == 0
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-7)
 
@@ -305,11 +339,12 @@ def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
   f = lambda x: sonic_jax.routed_experts(x, jnp.zeros((6, 0), jnp.int32), jnp.zeros((6, 0)), w1,
                                          w2, backend="xla")[0]
   assert not np.any(np.asarray(jax.jit(f)(x)))
-  assert not np.any(np.asarray(jax.grad(lambda x: jnp.sum(f(x)))(x)))
+  assert not np.any(np.asarray(jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(x)))
   # an extra pair whose token is out of range is unused: no output, not counted
-  y, aux = sonic_jax.routed_experts(x, jnp.zeros((6, 0), jnp.int32), jnp.zeros((6, 0)), w1, w2,
-                                    extra_tokens=jnp.array([1, 6]), extra_experts=jnp.array([2, 3]),
-                                    extra_scores=jnp.ones(2), capacity_factor=1.0, backend="xla")
+  y, aux = jax.jit(lambda x: sonic_jax.routed_experts(
+      x, jnp.zeros((6, 0), jnp.int32), jnp.zeros((6, 0)), w1, w2, extra_tokens=jnp.array([1, 6]),
+      extra_experts=jnp.array([2, 3]), extra_scores=jnp.ones(2), capacity_factor=1.0,
+      backend="xla"))(x)
   np.testing.assert_array_equal(np.asarray(aux.expert_counts), [0, 0, 1, 0])
   np.testing.assert_array_equal(np.asarray(aux.extra_experts), [2, 4])
   with pytest.raises(ValueError, match="exceeds the experts"):
@@ -385,15 +420,16 @@ def test_fixed_selection_weighted_by_the_router(rng):
                                             np.maximum(ids, 0), weights, activation="swiglu",
                                             gate_up_layout="concat"), _f64(d_y))
 
-    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+    (value, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         a["x"], a["router_weight"])
-    want = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(a["x"], a["router_weight"])
+    ref_value, want = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(
+        a["x"], a["router_weight"])
     np.testing.assert_array_equal(aux.expert_ids, np.where(valid, ids, -1))
     assert not np.any(np.asarray(y)[7]) and np.all(np.isfinite(np.asarray(y)))
-    assert rel_err(jnp.vdot(y, _f64(d_y)), ref_loss(a["x"], a["router_weight"])) < TOL
+    assert rel_err(value, ref_value) < TOL
     for g, w in zip(grads, want):
       assert rel_err(g, w) < TOL
-    far = jnp.full((3, 8), -200.0).at[:, 0].set(0.0)  # softplus(-200) is 0 in float32
-    g = jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs[:, 0]))(
-        far.astype(jnp.float32))
+    far = np.full((3, 8), -200.0, np.float32)  # softplus(-200) is 0 in float32
+    far[:, 0] = 0.0
+    g = jax.jit(jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs[:, 0])))(far)
     assert np.all(np.isfinite(np.asarray(g)))

@@ -19,6 +19,10 @@ from test_moe import ARG_NAMES, run_moe
 
 MODES = list(routing_lib.TOKEN_ROUNDINGS)
 TILE = sonic_jax.backends.resolve_backend("xla").row_tile  # 32 on the CPU
+# Jitted: each eager op would compile a program of its own for every shape.
+route = jax.jit(routing_lib.route, static_argnums=(1, 2))
+round_tokens = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))
+moe = jax.jit(sonic_jax.moe, static_argnames=("top_k", "routing", "token_rounding", "backend"))
 
 
 def pair_masks(aux, t_count, e_count):
@@ -44,9 +48,8 @@ def test_token_rounding_invariants_and_selection(rng, mode, skew):
   T, E, K = 600, 8, (1 if skew else 2)
   p, _ = make_problem(rng, T=T, d=32, n=16, E=E, K=K, skew=skew)
   x, rw = (jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight"))
-  y, aux = jax.jit(lambda *a: sonic_jax.moe(*a, top_k=K, routing="topk_softmax",
-                                            token_rounding=mode, backend="xla"))(
-      x, rw, jnp.asarray(p["w1"], jnp.float32), jnp.asarray(p["w2"], jnp.float32))
+  y, aux = moe(x, rw, jnp.asarray(p["w1"], jnp.float32), jnp.asarray(p["w2"], jnp.float32),
+               top_k=K, routing="topk_softmax", token_rounding=mode, backend="xla")
   probs = np.asarray(jax.nn.softmax(aux.router_logits, axis=-1), np.float64)
   tc, kept_ref, added_ref = token_rounding_reference(probs, K, TILE, mode)
   kept, added = pair_masks(aux, T, E)
@@ -124,6 +127,7 @@ def test_token_rounding_router_gradient_finite_differences(rng):
     a = {k: jnp.asarray(v) for k, v in p.items() if v is not None}
     dy = jnp.asarray(d_y)
 
+    @jax.jit  # one program for the perturbed points, one for the VJP: no per-op compiles
     def f(x, rw):
       y, aux = sonic_jax.moe(x, rw, a["w1"], a["w2"], top_k=K, token_rounding="up",
                              backend="xla")
@@ -136,44 +140,49 @@ def test_token_rounding_router_gradient_finite_differences(rng):
 
 
 def test_token_rounding_static_shapes_under_jit(rng):
-  T, E, K = 256, 8, 2
-  f = jax.jit(lambda *a: sonic_jax.moe(*a, top_k=K, token_rounding="nearest", backend="xla"))
-  shapes = set()
+  # The program of test_token_rounding_invariants_and_selection[nearest-False]: compiled once.
+  T, E, K = 600, 8, 2
+  shapes, cache_sizes = set(), set()
   for _ in range(3):  # fresh routings, one compilation
     p, _ = make_problem(rng, T=T, d=32, n=16, E=E, K=K)
-    _, aux = f(*(jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")))
+    _, aux = moe(*(jnp.asarray(p[k], jnp.float32) for k in ("x", "router_weight", "w1", "w2")),
+                 top_k=K, routing="topk_softmax", token_rounding="nearest", backend="xla")
     shapes.add(aux.extra_tokens.shape)
-  assert f._cache_size() == 1
+    cache_sizes.add(moe._cache_size())
+  assert len(cache_sizes) == 1
   assert shapes == {(E * (TILE // 2),)}
 
 
 def test_token_rounding_bad_arguments():
-  x, rw = jnp.zeros((8, 16)), jnp.zeros((16, 4))
-  w1, w2 = jnp.zeros((4, 16, 16)), jnp.zeros((4, 8, 16))
+  # Traced only (the refusals need no values): no program is compiled.
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 16), (16, 4), (4, 16, 16), (4, 8, 16))]
   with pytest.raises(ValueError, match="token_rounding must be"):
-    sonic_jax.moe(x, rw, w1, w2, top_k=2, token_rounding="sideways", backend="xla")
+    jax.eval_shape(lambda *a: sonic_jax.moe(*a, top_k=2, token_rounding="sideways",
+                                            backend="xla"), *args)
   with pytest.raises(ValueError, match="softmax router"):
-    sonic_jax.moe(x, rw, w1, w2, top_k=2, routing="sigmoid_topk", token_rounding="up",
-                  backend="xla")
+    jax.eval_shape(lambda *a: sonic_jax.moe(*a, top_k=2, routing="sigmoid_topk",
+                                            token_rounding="up", backend="xla"), *args)
 
 
 def test_layer_rounds_in_training_and_uses_top_k_in_eval(rng):
   layer = MoE(32, 8, 16, 2, token_rounding="up", backend="xla",
                                init_std=0.2, rngs=nnx.Rngs(0))
   x = jnp.asarray(rng.standard_normal((4, 50, 32)), jnp.float32)
-  y_train, aux_train = layer(x)
+  # Under nnx.jit the mode is part of the layer's static graph: each mode is its own program.
+  call = nnx.jit(lambda layer, x: layer(x))
+  y_train, aux_train = call(layer, x)
   assert aux_train.stats.extra_tokens.shape[0] > 0
   assert np.all(np.asarray(aux_train.stats.expert_counts) % TILE == 0)
   layer.eval()
-  y_eval, aux_eval = layer(x)
+  y_eval, aux_eval = call(layer, x)
   assert aux_eval.stats.extra_tokens.shape == (0,)
-  y_plain, _ = sonic_jax.moe(x.reshape(-1, 32), layer.router[...], layer.w1[...], layer.w2[...],
-                             top_k=2, backend="xla")
+  y_plain, _ = jax.jit(lambda *a: sonic_jax.moe(*a, top_k=2, backend="xla"))(
+      x.reshape(-1, 32), layer.router[...], layer.w1[...], layer.w2[...])
   np.testing.assert_allclose(np.asarray(y_eval).reshape(-1, 32), np.asarray(y_plain), rtol=1e-6,
                              atol=1e-6)
   assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))
   layer.train()
-  assert layer(x)[1].stats.extra_tokens.shape[0] > 0
+  assert call(layer, x)[1].stats.extra_tokens.shape[0] > 0
 
 
 COMPILED = [pytest.param(False, id="interpret"),
@@ -200,9 +209,9 @@ def test_selection_kernel_equals_the_xla_selection(rng, compiled, mode, t, e, k,
   logits = rng.normal(size=(t, e)).astype(np.float32)
   if ties:
     logits = np.round(logits * 2) / 2
-  routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
-  want = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, tile, mode, "xla")
-  got = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, tile, mode, "kernel")
+  routed = route(jnp.asarray(logits), k, "softmax_topk")
+  want = round_tokens(routed, tile, mode, "xla")
+  got = round_tokens(routed, tile, mode, "kernel")
   for name, a, b in zip(want._fields, want, got):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
   if mode != "down" and e > 1 and k < e and t > 1:
@@ -216,10 +225,9 @@ def test_selection_kernel_compiled_at_long_rows(rng, t):
   if jax.default_backend() != "gpu":
     pytest.skip("compiled on a GPU")
   logits = rng.normal(size=(t, 128)).astype(np.float32)
-  routed = routing_lib.route(jnp.asarray(logits), 8, "softmax_topk")
-  want = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, 128, "nearest", "xla")
-  got = jax.jit(routing_lib.round_tokens, static_argnums=(1, 2, 3))(routed, 128, "nearest",
-                                                                    "kernel")
+  routed = route(jnp.asarray(logits), 8, "softmax_topk")
+  want = round_tokens(routed, 128, "nearest", "xla")
+  got = round_tokens(routed, 128, "nearest", "kernel")
   for name, a, b in zip(want._fields, want, got):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
@@ -231,17 +239,21 @@ def test_selection_kernel_over_several_chunks(rng, mode):
   from sonic_jax.pallas import rounding_select
   t, e, k, tile = 300, 8, 2, 32
   logits = np.round(rng.normal(size=(t, e)) * 2).astype(np.float32) / 2
-  routed = routing_lib.route(jnp.asarray(logits), k, "softmax_topk")
+  routed = route(jnp.asarray(logits), k, "softmax_topk")
   per_expert = routing_lib.extra_pairs_per_expert(mode, tile, t)
-  keys = lambda chunk: rounding_select.selection_keys(
-      routed.probs, routed.expert_ids, routed.scores, rounding_select.padded_tokens(t, chunk))
-  assert keys(64).shape == (e, 320) and keys(rounding_select.CHUNK).shape == (e, 512)
-  whole = rounding_select.select(keys(rounding_select.CHUNK), num_tokens=t, tile=tile, mode=mode,
-                                 added_per_expert=per_expert, interpret=True,
-                                 chunk=rounding_select.CHUNK)
-  chunked = rounding_select.select(keys(64), num_tokens=t, tile=tile, mode=mode,
-                                   added_per_expert=per_expert, interpret=True, chunk=64)
-  want = routing_lib.round_tokens(routed, tile, mode, "xla")
+
+  @jax.jit
+  def whole_and_chunked(routed):
+    keys = lambda chunk: rounding_select.selection_keys(
+        routed.probs, routed.expert_ids, routed.scores, rounding_select.padded_tokens(t, chunk))
+    assert keys(64).shape == (e, 320) and keys(rounding_select.CHUNK).shape == (e, 512)
+    select = lambda chunk: rounding_select.select(
+        keys(chunk), num_tokens=t, tile=tile, mode=mode, added_per_expert=per_expert,
+        interpret=True, chunk=chunk)
+    return select(rounding_select.CHUNK), select(64)
+
+  whole, chunked = whole_and_chunked(routed)
+  want = round_tokens(routed, tile, mode, "xla")
   for a, b in zip(whole, chunked):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   if per_expert:
@@ -255,9 +267,9 @@ def test_selection_kernel_default_pieces(rng):
   for t, mode in ((12288, "up"), (20480, "nearest")):  # 3 and 5 pieces
     assert rounding_select.row_chunk(t) == 4096 and rounding_select.padded_tokens(t) == t
     logits = np.round(rng.normal(size=(t, 2)) * 2).astype(np.float32) / 2
-    routed = routing_lib.route(jnp.asarray(logits), 1, "softmax_topk")
-    want = routing_lib.round_tokens(routed, 128, mode, "xla")
-    got = routing_lib.round_tokens(routed, 128, mode, "kernel")
+    routed = route(jnp.asarray(logits), 1, "softmax_topk")
+    want = round_tokens(routed, 128, mode, "xla")
+    got = round_tokens(routed, 128, mode, "kernel")
     for name, a, b in zip(want._fields, want, got):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{mode} {name}")
 
@@ -274,7 +286,7 @@ def test_selection_ranks_signed_zeros_and_subnormals_alike(a, b, second):
   # tokens 1 and 2 when their probabilities tie (-0.0 and 0.0), else the larger (1e-40 > 0).
   want = [3, second]
   for method in ("xla", "kernel"):
-    got = routing_lib.round_tokens(routed, 3, "up", method)
+    got = round_tokens(routed, 3, "up", method)
     added = np.asarray(got.extra_tokens)[np.asarray(got.extra_experts) == 1]
     assert sorted(added.tolist()) == sorted(want), (method, added)
 
