@@ -40,18 +40,23 @@ from sonic_jax import activations as acts
 from sonic_jax.mosaic_gpu import backend as mosaic_backend
 from sonic_jax.mosaic_gpu import tuning
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable; default: the grid)")
-flags.DEFINE_string("out", "tuned_configs.json", "path of the tuning table written")
-flags.DEFINE_string("base", None, "the table to start from and merge into (default: packaged)")
-flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
-flags.DEFINE_bool("merge", True, "also write the base table's entries that this run does not "
-                  "measure")
-flags.DEFINE_list("roles", None, "roles to tune (default: all of tuning.ROLES)")
-flags.DEFINE_list("fields", None, "search only these fields, starting from the base table's "
-                  "entry for the problem (default: every field of SEARCH, from the defaults)")
-flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the incumbent")
-flags.DEFINE_bool("interpret", False, "Mosaic GPU interpret mode (a CPU run)")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: the tests call main in their process
+  flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable; default: the "
+                            "grid)")
+  flags.DEFINE_string("out", "tuned_configs.json", "path of the tuning table written")
+  flags.DEFINE_string("base", None, "the table to start from and merge into (default: packaged)")
+  flags.DEFINE_integer("repeats", 5, "timed samples per candidate")
+  flags.DEFINE_bool("merge", True, "also write the base table's entries that this run does not "
+                    "measure")
+  flags.DEFINE_list("roles", None, "roles to tune (default: all of tuning.ROLES)")
+  flags.DEFINE_list("fields", None, "search only these fields, starting from the base table's "
+                    "entry for the problem (default: every field of SEARCH, from the defaults)")
+  flags.DEFINE_float("min_gain", 0.02, "relative speed-up a candidate needs to replace the "
+                     "incumbent")
+  flags.DEFINE_bool("interpret", False, "Mosaic GPU interpret mode (a CPU run)")
 
 _CLUSTER = ("cluster_m", (2,))  # 1: the default
 # Bands of column blocks over every row tile ("n", the default), or of row tiles across every
@@ -187,4 +192,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -37,14 +37,18 @@ from sonic_jax.mosaic_gpu import dx_projection as dx
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
-flags.DEFINE_string("out", "bench_out", "output folder")
-flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
-flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
-                  "gate/up layout of w1, H and dH in the up-projection and dH kernels")
-flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
-flags.DEFINE_bool("interpret", False, "Mosaic GPU interpret mode (a CPU run)")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: the tests call main in their process
+  flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+  flags.DEFINE_string("out", "bench_out", "output folder")
+  flags.DEFINE_integer("repeats", 10, "timed samples per kernel")
+  flags.DEFINE_enum("gate_up_layout", "concat", list(acts.GATE_UP_LAYOUTS),
+                    "gate/up layout of w1, H and dH in the up-projection and dH kernels")
+  flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES),
+                    "input scales (grid.random_problem)")
+  flags.DEFINE_bool("interpret", False, "Mosaic GPU interpret mode (a CPU run)")
 
 
 def _time(fn, *args):
@@ -161,4 +165,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -43,31 +43,35 @@ import sonic_jax
 from benchmarks import baselines, grid, report, timing
 from sonic_jax.mosaic_gpu.tuning import TuningTable
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable); overrides --grid")
-flags.DEFINE_enum("grid", "paper", ["paper", "tiny"], "configuration grid")
-flags.DEFINE_list("backends", ["auto"], "sonic_jax backends to measure (names that resolve to "
-                  "the same backend are measured once)")
-flags.DEFINE_list("baselines", ["tokamax", "upper_bound"], "baselines to measure (tokamax only "
-                  "where it is importable)")
-flags.DEFINE_enum("gate_up_layout", "concat", list(sonic_jax.GATE_UP_LAYOUTS),
-                  "where the gate and up columns sit in w1 (interleaved: SonicMoE's order)")
-flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
-                  "logits accumulate in float32 either way; SonicMoE keeps it in bfloat16)")
-flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_inputs "
-                  "and random_weights); the GPU's power draw, so its clocks, depend on them")
-flags.DEFINE_enum("timing", "do_bench", ["do_bench", "interleaved"], "timing method (see above)")
-flags.DEFINE_integer("repeats", 10, "--timing=interleaved: timed samples (median reported)")
-flags.DEFINE_integer("input_sets", 3, "--timing=interleaved: input sets rotated between calls")
-flags.DEFINE_integer("xla_max_pairs", 1 << 18, "skip the xla backend when T*K exceeds this (its "
-                     "grouped GEMMs are a scan: a correctness path, minutes per call on the grid)")
-flags.DEFINE_bool("kernel_trace", False, "per-kernel device times from a profiler trace")
-flags.DEFINE_string("tuning", None, "a tuning table JSON (benchmarks.autotune --out) for the "
-                    "mosaic_gpu kernels; default: the packaged table")
-flags.DEFINE_list("options", [], "model-family options (names of OPTIONS) measured as rows beside "
-                  "plain softmax top-K on the first backend; the run is written with kind "
-                  "'options' instead of 'layer' and without baselines")
-flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: the tests call main in their process
+  flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable); overrides --grid")
+  flags.DEFINE_enum("grid", "paper", ["paper", "tiny"], "configuration grid")
+  flags.DEFINE_list("backends", ["auto"], "sonic_jax backends to measure (names that resolve to "
+                    "the same backend are measured once)")
+  flags.DEFINE_list("baselines", ["tokamax", "upper_bound"], "baselines to measure (tokamax only "
+                    "where it is importable)")
+  flags.DEFINE_enum("gate_up_layout", "concat", list(sonic_jax.GATE_UP_LAYOUTS),
+                    "where the gate and up columns sit in w1 (interleaved: SonicMoE's order)")
+  flags.DEFINE_enum("router_dtype", "bfloat16", ["bfloat16", "float32"], "router weight dtype (the "
+                    "logits accumulate in float32 either way; SonicMoE keeps it in bfloat16)")
+  flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_inputs "
+                    "and random_weights); the GPU's power draw, so its clocks, depend on them")
+  flags.DEFINE_enum("timing", "do_bench", ["do_bench", "interleaved"], "timing method (see above)")
+  flags.DEFINE_integer("repeats", 10, "--timing=interleaved: timed samples (median reported)")
+  flags.DEFINE_integer("input_sets", 3, "--timing=interleaved: input sets rotated between calls")
+  flags.DEFINE_integer("xla_max_pairs", 1 << 18, "skip the xla backend when T*K exceeds this "
+                       "(its grouped GEMMs are a scan: a correctness path, minutes per call on the "
+                       "grid)")
+  flags.DEFINE_bool("kernel_trace", False, "per-kernel device times from a profiler trace")
+  flags.DEFINE_string("tuning", None, "a tuning table JSON (benchmarks.autotune --out) for the "
+                      "mosaic_gpu kernels; default: the packaged table")
+  flags.DEFINE_list("options", [], "model-family options (names of OPTIONS) measured as rows "
+                    "beside plain softmax top-K on the first backend; the run is written with "
+                    "kind 'options' instead of 'layer' and without baselines")
+  flags.DEFINE_string("out", "bench_out", "output folder")
 
 
 # Model-family options, each the moe keyword arguments for a configuration (T, d, n, E, K); the
@@ -218,4 +222,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -46,20 +46,24 @@ DEFAULT_CONFIGS = [(16384, 4096, 1024, 256, 8), (16384, 4096, 1024, 128, 8),
                    (32768, 4096, 512, 256, 16), (40960, 768, 256, 128, 8),
                    (24576, 1536, 256, 128, 8)]
 
-flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
-flags.DEFINE_enum("grid", "default", ["default", "tiny"], "configurations without --thiek")
-flags.DEFINE_string("backend", "auto", "sonic_jax backend")
-flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
-flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES), "input scales (grid.random_problem)")
-flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
-flags.DEFINE_float("sample_ms", 25.0, "back-to-back calls per sample, in ms (the tables' 25; "
-                   "several hundred time the GPU under sustained load, where top-K's step slows "
-                   "more than rounding's: docs/design.md, \"Token rounding\")")
-flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout and training-step kernels "
-                  "from profiler traces")
-flags.DEFINE_bool("role_times", False, "each GEMM role alone on each routing's layout")
-flags.DEFINE_string("out", "bench_out", "output folder")
 FLAGS = flags.FLAGS
+
+
+def _define_flags():  # only when run as a script: the tests call main in their process
+  flags.DEFINE_multi_string("thiek", None, "configuration T,d,n,E,K (repeatable)")
+  flags.DEFINE_enum("grid", "default", ["default", "tiny"], "configurations without --thiek")
+  flags.DEFINE_string("backend", "auto", "sonic_jax backend")
+  flags.DEFINE_list("modes", list(routing_lib.TOKEN_ROUNDINGS), "token-rounding modes to compare")
+  flags.DEFINE_enum("data", "sonicmoe", list(grid.DATA_SCALES),
+                    "input scales (grid.random_problem)")
+  flags.DEFINE_integer("repeats", 10, "timed samples per measurement (median reported)")
+  flags.DEFINE_float("sample_ms", 25.0, "back-to-back calls per sample, in ms (the tables' 25; "
+                     "several hundred time the GPU under sustained load, where top-K's step slows "
+                     "more than rounding's: docs/design.md, \"Token rounding\")")
+  flags.DEFINE_bool("kernel_trace", False, "each routing's route+layout and training-step kernels "
+                    "from profiler traces")
+  flags.DEFINE_bool("role_times", False, "each GEMM role alone on each routing's layout")
+  flags.DEFINE_string("out", "bench_out", "output folder")
 
 
 def _time(fn, *args):
@@ -188,4 +192,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -2,13 +2,16 @@
 (the xla backend, or the kernels in Mosaic GPU interpret mode), the report from small results
 files, and the helpers. Assertions are on structure and arithmetic, never on speed."""
 
+import functools
 import glob
+import importlib
 import json
 import os
 import re
 import subprocess
 import sys
 
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,16 +23,39 @@ sys.path.insert(0, ROOT)
 from benchmarks import grid, report, timing  # noqa: E402
 
 
+def _results(tmp_path):
+  """The one results file in tmp_path: (its name, its contents)."""
+  (path,) = glob.glob(str(tmp_path / "*.json"))
+  assert re.fullmatch(r"cpu(x2)?_\d{4}-\d{2}-\d{2}_[a-z_]+\.json", os.path.basename(path))
+  with open(path) as f:
+    return os.path.basename(path), json.load(f)
+
+
 def _run(args, tmp_path, env=None):
   """Runs `python -m <args>` from the repository root; returns the one results file it wrote."""
   proc = subprocess.run([sys.executable, "-m", *args, f"--out={tmp_path}"], cwd=ROOT,
                         capture_output=True, text=True, timeout=600,
                         env=dict(os.environ, **(env or {})))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  (path,) = glob.glob(str(tmp_path / "*.json"))
-  assert re.fullmatch(r"cpu(x2)?_\d{4}-\d{2}-\d{2}_[a-z_]+\.json", os.path.basename(path))
-  with open(path) as f:
-    return os.path.basename(path), json.load(f)
+  return _results(tmp_path)
+
+
+def _main(module, args, monkeypatch):
+  """Calls the script `module`'s main in this process as `python -m <module> <args>` would: its
+  absl flags defined for the call and removed after it (the scripts define flags of the same
+  names), sys.argv as the results file's command reads it. Scripts that need no other device
+  count or environment run this way: a fresh process would import and compile everything again."""
+  script = importlib.import_module(module)
+  argv = [script.__file__, *args]
+  before = set(flags.FLAGS)
+  script._define_flags()
+  try:
+    flags.FLAGS(argv)
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main(argv[:1])
+  finally:
+    for name in set(flags.FLAGS) - before:
+      delattr(flags.FLAGS, name)
 
 
 def _flops_match(tflops, flops, ms):
@@ -39,9 +65,10 @@ def _flops_match(tflops, flops, ms):
 @pytest.mark.parametrize("timing_flags", [["--timing=do_bench"],
                                           ["--timing=interleaved", "--repeats=2",
                                            "--input_sets=2"]], ids=["do_bench", "interleaved"])
-def test_moe_bench(tmp_path, timing_flags):
-  name, res = _run(["benchmarks.moe_bench", "--thiek=128,32,16,4,2", "--backends=xla,auto",
-                    *timing_flags], tmp_path)
+def test_moe_bench(tmp_path, monkeypatch, timing_flags):
+  _main("benchmarks.moe_bench", ["--thiek=128,32,16,4,2", "--backends=xla,auto", *timing_flags,
+                                 f"--out={tmp_path}"], monkeypatch)
+  name, res = _results(tmp_path)
   assert name.endswith("_layer.json") and res["environment"]["timing"] == timing_flags[0][9:]
   assert "--thiek=128,32,16,4,2" in res["environment"]["command"]
   (cfg,) = res["configs"]
@@ -60,9 +87,11 @@ def test_moe_bench(tmp_path, timing_flags):
   assert cfg["expert_counts"]["mean"] == 128 * 2 / 4 and cfg["padded_rows"] >= 0
 
 
-def test_kernel_bench_interpreted(tmp_path):
-  name, res = _run(["benchmarks.kernel_bench", "--interpret", "--thiek=128,256,128,2,1",
-                    "--repeats=1"], tmp_path, env={"PJRT_NPROC": "16"})
+def test_kernel_bench_interpreted(tmp_path, monkeypatch):
+  # The interpreter's threads: PJRT_NPROC, which conftest.py sets before JAX starts.
+  _main("benchmarks.kernel_bench", ["--interpret", "--thiek=128,256,128,2,1", "--repeats=1",
+                                    f"--out={tmp_path}"], monkeypatch)
+  name, res = _results(tmp_path)
   assert name.endswith("_kernels.json") and res["dense_bf16_tflops"] > 0 and res["copy_gbps"] > 0
   (cfg,) = res["configs"]
   assert list(cfg["kernels"]) == list(report.FWD_KERNELS) + list(report.BWD_KERNELS)
@@ -107,9 +136,11 @@ def test_rounding_select_bench_checks_and_ranks_variants():
   assert set(bench.default_variants(["16"], ["8192"])) == {"kernel", "warps=16", "chunk=8192"}
 
 
-def test_token_rounding_bench(tmp_path):
-  name, res = _run(["benchmarks.token_rounding_bench", "--thiek=512,32,16,8,2", "--backend=xla",
-                    "--repeats=2", "--modes=up", "--role_times", "--sample_ms=5"], tmp_path)
+def test_token_rounding_bench(tmp_path, monkeypatch):
+  _main("benchmarks.token_rounding_bench", [
+      "--thiek=512,32,16,8,2", "--backend=xla", "--repeats=2", "--modes=up", "--role_times",
+      "--sample_ms=5", f"--out={tmp_path}"], monkeypatch)
+  name, res = _results(tmp_path)
   assert name.endswith("_token_rounding.json") and res["backend"] == "xla"
   (cfg,) = res["configs"]
   plain, up = cfg["routings"]
@@ -124,13 +155,18 @@ def test_token_rounding_bench(tmp_path):
   assert len(roles) == 2 + 2 and roles[3].startswith("| 512,32,16,8,2 | token rounding (up) |")
 
 
-def test_ep_bench(tmp_path):
-  """Two of the schemes (each scheme's own correctness: test_parallel.py): checked against one
-  device, timed, tabulated."""
+def test_ep_bench_and_ep_options_bench(tmp_path):
+  """ep_bench, two of the schemes (each scheme's own correctness: test_parallel.py): checked
+  against one device, timed, tabulated. Then ep_options_bench, two option sets beside the
+  single-device step, two sample lengths: timed, tabulated; each set's optimized HLO written."""
+  from benchmarks import ep_bench, ep_options_bench
+  # ep_bench runs under the XLA flags below plus its --memcpy_p2p default's; ep_options_bench
+  # runs under the same (a GPU flag, idle on CPU devices): the persistent compilation cache keys
+  # on them, and its single-device and nccl steps are then ep_bench's programs, compiled once.
+  devices = "--xla_force_host_platform_device_count=2"
   name, res = _run(["benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",
                     "--repeats=2", "--sample_ms=5", "--schemes=all_to_all ragged,all_gather"],
-                   tmp_path,
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                   tmp_path / "ep", env={"XLA_FLAGS": devices})
   assert name.startswith("cpux2_") and name.endswith("_ep.json") and res["devices"] == 2
   assert set(res["check_max_rel_err"]) == {"all_to_all ragged", "all_gather"}
   assert max(res["check_max_rel_err"].values()) < 1e-5  # every scheme equals one device
@@ -140,19 +176,15 @@ def test_ep_bench(tmp_path):
     assert r[scheme]["fwdbwd_ms"] > 0 and r[scheme]["communication_ms"] > 0, scheme
   assert r["all_to_all ragged"]["dropped_pairs"] == 0
   assert r["all_gather"]["combine_ms"] > 0 and r["all_gather"]["profile"] is None  # no GPU trace
-  from benchmarks.ep_bench import table
-  assert "| 128,32,16,4,2 | 2 |" in table(res["results"], res["inter_node_gbps_assumed"])
-  assert "--xla_gpu_use_memcpy_local_p2p=true" in res["xla_flags"]  # --memcpy_p2p's default
+  assert "| 128,32,16,4,2 | 2 |" in ep_bench.table(res["results"], res["inter_node_gbps_assumed"])
+  assert res["xla_flags"] == f"{devices} {ep_bench.MEMCPY_P2P}"  # --memcpy_p2p's default
   assert "alternating rounds" in res["timing"]
 
-
-def test_ep_options_bench(tmp_path):
-  """Two option sets beside the single-device step, two sample lengths: timed, tabulated; each
-  set's optimized HLO written."""
+  out = tmp_path / "ep_options"
   name, res = _run(["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla",
                     "--repeats=2", "--sample_ms=1,2", "--hlo", "--option_set=nccl:",
-                    "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true"], tmp_path,
-                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                    "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true"], out,
+                   env={"XLA_FLAGS": res["xla_flags"]})
   assert name.startswith("cpux2_") and name.endswith("_ep_options.json")
   assert res["option_sets"] == {"nccl": {}, "memcpy": {"xla_gpu_use_memcpy_local_p2p": True}}
   (r,) = res["results"]
@@ -160,46 +192,53 @@ def test_ep_options_bench(tmp_path):
   assert all(t[k] > 0 for t in r["timings"] for k in ("single", "nccl", "memcpy"))
   assert r["profiles"] == {"nccl": None, "memcpy": None}  # no GPU trace
   for option_set in ("nccl", "memcpy"):
-    assert "all-to-all" in (tmp_path / f"128_32_16_4_2_{option_set}.hlo.txt").read_text()
-  from benchmarks.ep_options_bench import parse_option_set, table
-  assert table(res["results"], ["nccl", "memcpy"]).count("| 128,32,16,4,2 | 2 |") == 2
-  assert parse_option_set("a:x=true,y=-3,z=s") == ("a", {"x": True, "y": -3, "z": "s"})
+    assert "all-to-all" in (out / f"128_32_16_4_2_{option_set}.hlo.txt").read_text()
+  assert ep_options_bench.table(res["results"], ["nccl", "memcpy"]).count(
+      "| 128,32,16,4,2 | 2 |") == 2
+  assert ep_options_bench.parse_option_set("a:x=true,y=-3,z=s") == (
+      "a", {"x": True, "y": -3, "z": "s"})
   with pytest.raises(Exception, match="option=value"):
-    parse_option_set("a:x")
+    ep_options_bench.parse_option_set("a:x")
 
 
-def test_pretrain_bench(tmp_path):
-  """One run of the example (one device): its medians, profile split and table; a run that fails
-  is recorded."""
-  name, res = _run(["benchmarks.pretrain_bench", "--config=tiny", "--common=--backend=xla",
-                    "--steps=6", "--log_every=2", "--run=one=--warmup=2",
-                    "--run=broken=--top_k=99", "--baseline=one"], tmp_path)
+def test_pretrain_bench(tmp_path, monkeypatch):
+  """One run of the example (one device): its medians, profile split and table. --append adds a
+  run that fails, recorded with its error, to that file; a run name the file has is refused."""
+  from benchmarks import pretrain_bench as bench
+  # The devices are asked of a child process once: --append compares them with the file's.
+  monkeypatch.setattr(bench, "_devices", functools.cache(bench._devices))
+  _main("benchmarks.pretrain_bench", [
+      "--config=tiny", "--common=--backend=xla", "--steps=6", "--log_every=2",
+      "--run=one=--warmup=2", "--baseline=one", f"--out={tmp_path}"], monkeypatch)
+  name, res = _results(tmp_path)
   assert name.startswith("cpu_") and name.endswith("_pretrain.json"), name
-  ok, broken = res["runs"]
+  (ok,) = res["runs"]
   assert ok["tokens_per_s_per_device"] > 0 and ok["heldout_loss"] > 0 and ok["rows"] == 3
   assert ok["profile"]["parts_ms"]["moe"] > 0 and ok["profile"]["parts_ms"]["attention"] > 0
-  assert "error" in broken  # a failing run is recorded; the others still run
-  from benchmarks.pretrain_bench import summarize, table
-  text = table(res)
-  assert "| one |" in text and "| 1.00 |" in text and "failed" in text
+  assert "| one |" in bench.table(res) and "| 1.00 |" in bench.table(res)
   rows = [{"step": str(2 * i + 2), "tokens_per_s_per_device": v, "mfu": "0.1", "moe_tflops": "1",
            "heldout_loss": "" if i % 2 else str(5 - i)}
           for i, v in enumerate(("1", "nan", "4", "6"))]
-  summary = summarize(rows, 1)
+  summary = bench.summarize(rows, 1)
   assert summary["tokens_per_s_per_device"] == 5.0  # first row and nan left out
   assert summary["heldout_curve"] == [[2, 5.0], [6, 3.0]] and summary["steps"] == 8
 
   # --append continues the file: its runs, baseline and command stay, this command is added.
   later = tmp_path / "later"
-  _, more = _run(["benchmarks.pretrain_bench", "--config=tiny", "--run=broken again=--top_k=99",
-                  f"--append={tmp_path / name}"], later)
-  assert [r["name"] for r in more["runs"]] == ["one", "broken", "broken again"]
+  _main("benchmarks.pretrain_bench", ["--config=tiny", "--run=broken=--top_k=99",
+                                      f"--append={tmp_path / name}", f"--out={later}"],
+        monkeypatch)
+  _, more = _results(later)
+  assert [r["name"] for r in more["runs"]] == ["one", "broken"]
+  assert "error" in more["runs"][1]  # a failing run is recorded
+  text = bench.table(more)
+  assert "| one |" in text and "| 1.00 |" in text and "failed" in text
   assert more["baseline"] == "one" and more["command"] == res["command"]
   assert len(more["appended_commands"]) == 1 and "--append=" in more["appended_commands"][0]
-  clash = subprocess.run([sys.executable, "-m", "benchmarks.pretrain_bench", "--config=tiny",
-                          "--run=one=", f"--append={tmp_path / name}", f"--out={later}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert clash.returncode != 0 and "already has runs ['one']" in clash.stderr
+  with pytest.raises(app.UsageError, match=r"already has runs \['one'\]"):
+    _main("benchmarks.pretrain_bench", ["--config=tiny", "--run=one=",
+                                        f"--append={tmp_path / name}", f"--out={later}"],
+          monkeypatch)
 
 
 def test_pretrain_bench_rendering():
@@ -245,14 +284,11 @@ def test_ep_bench_overlap_split():
                    "hidden_ms": 2.0}
 
 
-def test_autotune_writes_a_table_that_loads(tmp_path):
+def test_autotune_writes_a_table_that_loads(tmp_path, monkeypatch):
   from sonic_jax.mosaic_gpu import tuning
   out = tmp_path / "table.json"
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.autotune", "--interpret", "--thiek=128,256,128,2,1",
-       "--roles=dx", "--fields=num_stages", "--repeats=1", f"--out={out}"], cwd=ROOT,
-      capture_output=True, text=True, timeout=600, env=dict(os.environ, PJRT_NPROC="16"))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  _main("benchmarks.autotune", ["--interpret", "--thiek=128,256,128,2,1", "--roles=dx",
+                                "--fields=num_stages", "--repeats=1", f"--out={out}"], monkeypatch)
   data = json.loads(out.read_text())
   assert {"device", "jax", "date", "entries"} <= set(data)
   table = tuning.TuningTable.load(str(out))
