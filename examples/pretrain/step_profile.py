@@ -4,7 +4,7 @@ the optimizer.
 The model names its parts with `jax.named_scope` ("attention", "moe"; the train step's
 "optimizer"), which XLA keeps in each instruction's `op_name` metadata. A profiler trace of one
 step gives every kernel with the instruction it runs (its `hlo_op`); the compiled step's HLO text
-maps that instruction to its `op_name`, hence to a part. The traced step is compiled with
+maps that instruction to its `op_name`, hence to a part. On a GPU the traced step is compiled with
 `COMPILER_OPTIONS` (no CUDA graphs), so every kernel names its own instruction. Collectives (NCCL
 kernels, or XLA's collective instructions) are one part whatever scope issued them; each block's two
 norms run inside its "attention" and "moe" scopes and count there (as does the attention's residual
@@ -29,9 +29,16 @@ _SCOPES = ("optimizer", "moe", "attention")  # first match wins: the optimizer's
 # weights is optimizer time
 _COLLECTIVE = re.compile(r"(all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
                          r"collective-permute|send|recv)\b")
-# The profiled step is compiled without CUDA graphs: a kernel launched from a command buffer is
-# traced with the buffer as its instruction, which names no scope.
+# The profiled step is compiled without CUDA graphs on a GPU: a kernel launched from a command
+# buffer is traced with the buffer as its instruction, which names no scope.
 COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def compiler_options(backend: str) -> dict[str, str]:
+  """The profiled step's compiler options on `backend`: `COMPILER_OPTIONS` on a GPU; none
+  elsewhere, where the option means nothing and the step is the training step's own program (a
+  compilation-cache hit rather than a second compile)."""
+  return COMPILER_OPTIONS if backend == "gpu" else {}
 TOP_OTHER = 12  # the costliest "other layers" kernels a split lists, to show what they are
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=.*?op_name="([^"]*)"')
 

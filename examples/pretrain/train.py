@@ -249,7 +249,7 @@ def profile(model, optimizer, inputs, targets):
   """One train step under the profiler: its device time split by `step_profile`, printed and
   written to workdir/profile_split.json. Returns the step's outputs."""
   step = train_step.lower(model, optimizer, inputs, targets, accum=FLAGS.grad_accum).compile(
-      compiler_options=step_profile.COMPILER_OPTIONS)
+      compiler_options=step_profile.compiler_options(jax.default_backend()))
   names = step_profile.op_names(step.as_text())
   logdir = os.path.join(FLAGS.workdir, "profile", f"process_{jax.process_index()}")
   jax.profiler.start_trace(logdir)
