@@ -285,9 +285,16 @@ def _has_role_times(run):
   return any(sum(1 for r in res["routings"] if r.get("role_ms")) >= 2 for res in run["configs"])
 
 
+def step_bound(base, r):
+  """The training-step speed-up over `base` (top-K) that `r`'s layout allows if its routing cost
+  nothing beyond top-K's: top-K's step less what the GEMM roles save on `r`'s layout."""
+  saved = sum(base["role_ms"][role] - r["role_ms"][role] for role in ROLES)
+  return base["step_ms"] / (base["step_ms"] - saved)
+
+
 def token_rounding_roles_table(run):
   """Each GEMM role's ms alone on each routing's layout, for the configurations that have them
-  ("" if none has)."""
+  ("" if none has), with the step speed-up those roles bound and the one measured."""
   lines = []
   for res in run["configs"]:
     routings = [r for r in res["routings"] if r.get("role_ms")]
@@ -301,12 +308,18 @@ def token_rounding_roles_table(run):
         if r is not base:
           cell += f" ({base['role_ms'][role] / r['role_ms'][role]:.2f}×)"
         cells.append(cell)
+      cells.append(f"{sum(r['role_ms'][role] for role in ROLES):.3f}")
+      bound = measured = "–"
+      if r is not base and "step_ms" in r and "step_ms" in base:
+        bound, measured = f"{step_bound(base, r):.3f}×", f"{r['step_speedup']:.3f}×"
+      cells += [bound, measured]
       lines.append(f"| {_cfg(res['config'])} | {r['routing']} | {r['rows']:,} | "
                    + " | ".join(cells) + " |")
   if not lines:
     return ""
   return "\n".join(["| config (T,d,n,E,K) | routing | grouped rows | up ms | down ms | dH ms | "
-                    "dX ms | weight gradients ms |", "|---|---|---|---|---|---|---|---|"] + lines)
+                    "dX ms | weight gradients ms | roles ms | step speed-up bound | step "
+                    "speed-up measured |", "|---|---|---|---|---|---|---|---|---|---|---|"] + lines)
 
 
 METHOD = """\
@@ -423,7 +436,11 @@ def benchmarks_md(found):
     if role_run is not None:
       source = "" if role_run is run else runs_legend([("roles", role_run)]) + "\n\n"
       parts.append("Each GEMM role alone on each routing's layout (`--role_times`; random "
-                   "operands, zero on padding rows), and top-K's time over rounding's:\n\n"
+                   "operands, zero on padding rows), and top-K's time over rounding's. \"step "
+                   "speed-up bound\": the training step's speed-up over top-K if rounding cost "
+                   "nothing but its layout, top-K's step over (top-K's step less the time the "
+                   "roles save); \"measured\": the same run's interleaved step "
+                   "speed-up:\n\n"
                    + source + token_rounding_roles_table(role_run) + "\n")
   if found["options"]:
     run = found["options"][-1]

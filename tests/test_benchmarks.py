@@ -377,8 +377,10 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   # A later run of fewer configurations gives the role times, not the table.
   roles = {role: 2.0 for role in report.ROLES}
   _write(results, "h100_2026-01-06_token_rounding_roles.json", rounding_run("2026-01-06", [
-      {"config": cfg, "routings": [routing(0.25, role_ms=roles),
-                                   routing(0.0, role_ms={**roles, "dx": 1.0})]}]))
+      {"config": cfg, "routings": [
+          routing(0.25, role_ms=roles, step_ms=10.0, step_tflops=1.0, step_speedup=1.0),
+          routing(0.0, role_ms={**roles, "dx": 1.0}, step_ms=9.5, step_tflops=1.0,
+                  step_speedup=10.0 / 9.5)]}]))
   nvlink_row = lambda group, variant, ms: {"rows": 8192, "d": 4096, "group": group,
                                             "variant": variant, "ms": ms, "gbps": 1.0}
   _write(results, "h100x2_2026-01-07_nvlink.json", {
@@ -407,6 +409,8 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   assert "| top-K | 50.0% |" in md and "| top-K | 25.0% |" not in md
   assert "- **roles**: NVIDIA H100 80GB HBM3, jax 0.11.2, 2026-01-06" in md
   assert "| 2.000 (1.00×) | 1.000 (2.00×) |" in md
+  # The roles save 1 ms of top-K's 10 ms step: at most 10 / 9 with rounding free.
+  assert "| 9.000 | 1.111× | 1.053× |" in md and "| 10.000 | – | – |" in md
   readme = report.readme_table(report.load(str(results))["layer"])
   # One row a configuration: fwd / bwd / fwd+bwd of sonic_jax, SonicMoE, the tokamax layer.
   assert "| 32768,4096,1024,64,4 | 440 / 550 / " in readme and " | 400 / 500 / " in readme
