@@ -31,13 +31,47 @@ def _results(tmp_path):
     return os.path.basename(path), json.load(f)
 
 
-def _run(args, tmp_path, env=None):
-  """Runs `python -m <args>` from the repository root; returns the one results file it wrote."""
-  proc = subprocess.run([sys.executable, "-m", *args, f"--out={tmp_path}"], cwd=ROOT,
+# Runs each [module, *args] of a JSON list as `python -m module args` would (its __main__ block,
+# absl's app.run), one after another in this one process: a script's absl flags are removed before
+# the next defines flags of the same names.
+_SCRIPTS = """
+import json, runpy, sys
+from absl import app, flags  # app's own flags stay
+for argv in json.loads(sys.argv[1]):
+  before = set(flags.FLAGS)
+  sys.argv = argv
+  try:
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+  except SystemExit as e:
+    if e.code:
+      raise
+  for name in set(flags.FLAGS) - before:
+    delattr(flags.FLAGS, name)
+"""
+
+
+def _run(runs, env=None):
+  """Runs the scripts `runs` ([module, *args] each) in one fresh process from the repository root,
+  as `python -m` runs each: one process pays the imports once."""
+  proc = subprocess.run([sys.executable, "-c", _SCRIPTS, json.dumps(runs)], cwd=ROOT,
                         capture_output=True, text=True, timeout=600,
                         env=dict(os.environ, **(env or {})))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return _results(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _unoptimized(monkeypatch):
+  """XLA compiles with most of its optimizations off, in this process and in those a test starts:
+  the harnesses run tiny shapes, where compiling is most of a test's time and the speed of the
+  compiled code is not checked."""
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  before = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+  # The option is not part of jit's in-memory cache key: drop the programs compiled under it, so
+  # that no later test in this process runs them (the persistent cache keys on it).
+  jax.clear_caches()
 
 
 def _main(module, args, monkeypatch):
@@ -160,13 +194,18 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
   against one device, timed, tabulated. Then ep_options_bench, two option sets beside the
   single-device step, two sample lengths: timed, tabulated; each set's optimized HLO written."""
   from benchmarks import ep_bench, ep_options_bench
-  # ep_bench runs under the XLA flags below plus its --memcpy_p2p default's; ep_options_bench
-  # runs under the same (a GPU flag, idle on CPU devices): the persistent compilation cache keys
-  # on them, and its single-device and nccl steps are then ep_bench's programs, compiled once.
+  # Both scripts in one process: ep_options_bench then runs under ep_bench's XLA flags (its
+  # --memcpy_p2p default adds a GPU flag, idle on CPU devices), which the persistent compilation
+  # cache keys on, so its single-device and nccl steps are ep_bench's programs, compiled once.
   devices = "--xla_force_host_platform_device_count=2"
-  name, res = _run(["benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla",
-                    "--repeats=2", "--sample_ms=5", "--schemes=all_to_all ragged,all_gather"],
-                   tmp_path / "ep", env={"XLA_FLAGS": devices})
+  out = tmp_path / "ep_options"
+  _run([["benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla", "--repeats=2",
+         "--sample_ms=5", "--schemes=all_to_all ragged,all_gather", f"--out={tmp_path / 'ep'}"],
+        ["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla", "--repeats=2",
+         "--sample_ms=1,2", "--hlo", "--option_set=nccl:",
+         "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true", f"--out={out}"]],
+       env={"XLA_FLAGS": devices})
+  name, res = _results(tmp_path / "ep")
   assert name.startswith("cpux2_") and name.endswith("_ep.json") and res["devices"] == 2
   assert set(res["check_max_rel_err"]) == {"all_to_all ragged", "all_gather"}
   assert max(res["check_max_rel_err"].values()) < 1e-5  # every scheme equals one device
@@ -180,11 +219,8 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
   assert res["xla_flags"] == f"{devices} {ep_bench.MEMCPY_P2P}"  # --memcpy_p2p's default
   assert "alternating rounds" in res["timing"]
 
-  out = tmp_path / "ep_options"
-  name, res = _run(["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla",
-                    "--repeats=2", "--sample_ms=1,2", "--hlo", "--option_set=nccl:",
-                    "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true"], out,
-                   env={"XLA_FLAGS": res["xla_flags"]})
+  name, res = _results(out)
+  assert res["xla_flags"] == f"{devices} {ep_bench.MEMCPY_P2P}"
   assert name.startswith("cpux2_") and name.endswith("_ep_options.json")
   assert res["option_sets"] == {"nccl": {}, "memcpy": {"xla_gpu_use_memcpy_local_p2p": True}}
   (r,) = res["results"]
@@ -207,6 +243,8 @@ def test_pretrain_bench(tmp_path, monkeypatch):
   from benchmarks import pretrain_bench as bench
   # The devices are asked of a child process once: --append compares them with the file's.
   monkeypatch.setattr(bench, "_devices", functools.cache(bench._devices))
+  # CHILD_ENV was made when the module was first imported, perhaps before _unoptimized ran.
+  monkeypatch.setitem(bench.CHILD_ENV, "JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   _main("benchmarks.pretrain_bench", [
       "--config=tiny", "--common=--backend=xla", "--steps=6", "--log_every=2",
       "--run=one=--warmup=2", "--baseline=one", f"--out={tmp_path}"], monkeypatch)
@@ -288,18 +326,19 @@ def test_autotune_writes_a_table_that_loads(tmp_path, monkeypatch):
   from sonic_jax.mosaic_gpu import tuning
   out = tmp_path / "table.json"
   _main("benchmarks.autotune", ["--interpret", "--thiek=128,256,128,2,1", "--roles=dx",
-                                "--fields=num_stages", "--repeats=1", f"--out={out}"], monkeypatch)
+                                "--fields=cluster_m", "--repeats=1", f"--out={out}"], monkeypatch)
   data = json.loads(out.read_text())
   assert {"device", "jax", "date", "entries"} <= set(data)
   table = tuning.TuningTable.load(str(out))
   (mine,) = [e for e in table.entries if (e.role, e.d, e.n, e.E) == ("dx", 256, 256, 2)]
-  assert dict(mine.fields).keys() <= {"num_stages"}
+  assert dict(mine.fields).keys() <= {"cluster_m"}
   # The packaged table's entries are kept beside the new one (--merge).
   assert len(table.entries) == len(tuning.packaged().entries) + 1
   assert table.fields("dx", d=256, n=256, num_experts=2, device_kind=mine.device) == dict(
       mine.fields)
   (trials,) = data["trials"]
-  assert [t["config"] for t in trials["trials"]] == [{}, {"num_stages": 3}, {"num_stages": 4}]
+  # One field of one candidate value: the search skips the others.
+  assert [t["config"] for t in trials["trials"]] == [{}, {"cluster_m": 2}]
   assert all(t["same_outputs"] for t in trials["trials"][1:])
 
 
@@ -468,10 +507,16 @@ def test_scripts_parse():
   assert proc.returncode == 0 and "--thiek" in proc.stdout, proc.stderr[-2000:]
   proc = subprocess.run(["bash", "benchmarks/wheels.sh"], cwd=ROOT, capture_output=True, text=True)
   assert proc.returncode == 2 and "usage" in proc.stderr
-  for module in ("tools.ptxas_report", "tools.step_timeline"):  # absl flags: one per process
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+  # Flags of the same names: each module's are removed before the next module defines its own.
+  probe = ("from absl import flags\n"
+           "for module in ('tools.ptxas_report', 'tools.step_timeline'):\n"
+           "  before = set(flags.FLAGS)\n"
+           "  __import__(module)\n"
+           "  for name in set(flags.FLAGS) - before:\n"
+           "    delattr(flags.FLAGS, name)\n")
+  proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_grid_problems_and_names():
@@ -583,10 +628,16 @@ def test_ncu_stalls_read_source_pages(tmp_path, capsys):
   assert "long_sb 55" in capsys.readouterr().out
 
 
-def test_extras_fold_bench_checks_the_fold_against_its_reference():
+def test_extras_fold_bench_checks_the_fold_against_its_reference(monkeypatch):
   """The fold bench checks the kernel (interpreted, a tiny rounding with extra pairs) against the
   segment-sum reference before timing both."""
   from benchmarks import extras_fold_bench as bench
+  from sonic_jax import layout, routing
+  # The bench's problem routes, rounds and lays out eagerly: each of the three, one program.
+  monkeypatch.setattr(routing, "route", jax.jit(routing.route, static_argnums=(1, 2)))
+  monkeypatch.setattr(routing, "round_tokens", jax.jit(routing.round_tokens, static_argnums=(1, 2)))
+  monkeypatch.setattr(layout, "build_grouped_layout", jax.jit(
+      layout.build_grouped_layout, static_argnums=(1, 2), static_argnames="extras_by_expert"))
   results = bench.run_case(64, 128, 4, 2, 1, tile=16, interpret=True)
   assert [r["variant"] for r in results] == ["xla", "kernel"]
   assert results[1]["extras_used"] > 0 and results[1]["error"] <= 1e-2
