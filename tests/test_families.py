@@ -12,9 +12,12 @@ agree to 1e-6 relative (several transformers routers compute in float32: about 1
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import functools
 import json
 import os
 import subprocess
+import tempfile
 import warnings
 
 from flax import nnx
@@ -33,6 +36,10 @@ CASES = list(hf_reference.CASES)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-6
 GPU_TOL = 2e-2
+# XLA:CPU compiles each family's program in about half the time with its backend optimizations
+# off (compiling is nearly all of this file's time); the float64 comparisons at TOL do not see the
+# difference (float32 transcendentals can move by ~1e-4 near zero: docs/decisions.md).
+CPU_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _torch_here() -> bool:
@@ -88,23 +95,43 @@ class References:
         pytest.fail(f"no transformers reference under CI: {self.why}")
       pytest.skip(f"no transformers reference: {self.why}")
     path = os.path.join(self.directory, size, f"{case}.npz")
-    if not os.path.exists(path):  # every case of this size in one run: torch starts once
-      cmd = [self.python, os.path.join(REPO, "tests", "hf_reference.py"), "--out",
-             os.path.dirname(path), "--size", size] + CASES
-      done = subprocess.run(cmd, capture_output=True, text=True,
-                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-      if done.returncode:
-        pytest.fail(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    if not os.path.exists(path):
+      self._compute(size, path)
     with np.load(path) as z:
       return {k: z[k] for k in z.files}
+
+  def _compute(self, size, path):
+    """Every case of this size in one run of the script: torch starts once. The xdist workers
+    share the directory (`references`): one runs the script while the other waits on the lock,
+    and the files appear whole (renamed into place) or not at all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.path.join(self.directory, f"{size}.lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if os.path.exists(path):  # the other worker's
+        return
+      out = tempfile.mkdtemp(dir=self.directory)
+      cmd = [self.python, os.path.join(REPO, "tests", "hf_reference.py"), "--out", out,
+             "--size", size] + CASES
+      # One torch thread: the blocks are tiny, and more threads spin (twice the CPU time).
+      env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+      done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                            env=dict(env, OMP_NUM_THREADS="1"))
+      if done.returncode:
+        pytest.fail(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+      for name in os.listdir(out):
+        os.replace(os.path.join(out, name), os.path.join(os.path.dirname(path), name))
+      os.rmdir(out)
 
 
 @pytest.fixture(scope="module")  # every test of this file shares one
 def references(tmp_path_factory):
   # SONIC_JAX_REFERENCE_DIR: reference files written by `hf_reference.py --out DIR/<size>` on
   # another machine (a GPU machine whose transformers lacks a family reads them from there).
-  return References(os.environ.get("SONIC_JAX_REFERENCE_DIR")
-                    or tmp_path_factory.mktemp("hf_reference"))
+  # Else the run's temporary directory, the one above the xdist workers' own: computed once.
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  return References(os.environ.get("SONIC_JAX_REFERENCE_DIR") or base / "hf_reference")
 
 
 def _config(r):
@@ -119,7 +146,21 @@ def _ref_grads(r):
   return {k[len("grad/"):]: r[k] for k in r if k.startswith("grad/")}
 
 
-def _value_and_grads(layer, x, cot, r, jit=True):
+@functools.cache
+def _value_and_grads_program(graph, on_cpu: bool):
+  """The jitted value and gradients of L = sum(y * cot) for a layer of `graph` (its structure and
+  configuration, not its values): the cases and features that share a configuration share it, and
+  trace it once for each shape."""
+
+  def loss(params, rest, x, cot, ids):
+    y, aux = nnx.merge(graph, params, rest)(x, expert_ids=ids)
+    return jnp.sum(y.astype(cot.dtype) * cot), (y, aux.stats.router_logits)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True),
+                 compiler_options=CPU_COMPILE if on_cpu else None)
+
+
+def _value_and_grads(layer, x, cot, r):
   """(y, router logits, dL/dx, the layer's parameter gradients as a dict), L = sum(y * cot);
   the reference r's fixed selection where it has one (a hash-routed layer's expert_ids).
 
@@ -127,13 +168,8 @@ def _value_and_grads(layer, x, cot, r, jit=True):
   alike compile one program (the run's compilation cache, conftest.py)."""
   graph, params, rest = nnx.split(layer, nnx.Param, ...)
   ids = r["expert_ids"].reshape(x.shape[:-1] + (-1,)) if "expert_ids" in r else None
-
-  def loss(params, rest, x, cot, ids):
-    y, aux = nnx.merge(graph, params, rest)(x, expert_ids=ids)
-    return jnp.sum(y.astype(cot.dtype) * cot), (y, aux.stats.router_logits)
-
-  f = jax.value_and_grad(loss, argnums=(0, 2), has_aux=True)
-  (_, (y, logits)), (g_params, g_x) = (jax.jit(f) if jit else f)(params, rest, x, cot, ids)
+  f = _value_and_grads_program(graph, jax.default_backend() == "cpu")
+  (_, (y, logits)), (g_params, g_x) = f(params, rest, x, cot, ids)
   return y, logits, g_x, hf.layer_params(g_params)
 
 
@@ -360,9 +396,10 @@ def test_hf_load_balancing_loss_equals_transformers(references):
   logits = r["router_logits"]
   layers = [logits, 0.5 * logits]
   k = int(r["top_k"])
+  both = jax.jit(lambda layers, mask: (hf_load_balancing_loss(layers, k),
+                                       hf_load_balancing_loss(layers, k, attention_mask=mask)))
   with jax.enable_x64(True):
-    plain = hf_load_balancing_loss(layers, k)
-    masked = hf_load_balancing_loss(layers, k, attention_mask=jnp.asarray(r["lb_mask"]))
+    plain, masked = both(layers, jnp.asarray(r["lb_mask"]))
   assert rel_err(plain, r["lb_loss"]) < TOL
   assert rel_err(masked, r["lb_loss_masked"]) < TOL
   assert not np.isclose(float(r["lb_loss"]), float(r["lb_loss_masked"]))
@@ -406,16 +443,24 @@ MINIMAL_CONFIGS = {
 }
 
 
+def _random_layer(config, seed=1, **kw):
+  """hf.moe_layer(config, **kw) with numpy's random values in all its variables, the selection
+  bias included: the converters' checks need values, not the layer's initializers (a compiled
+  program for each shape)."""
+  graph, state = nnx.split(nnx.eval_shape(lambda: hf.moe_layer(config, **kw)))
+  rng = np.random.default_rng(seed)
+  return nnx.merge(graph, jax.tree.map(
+      lambda a: jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype)), state))
+
+
 @pytest.mark.parametrize("model_type", sorted(MINIMAL_CONFIGS))
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 def test_layer_to_hf_to_layer_is_exact(model_type, layout):
   """No torch needed: a layer built from a hand-written config, its (random) parameters to the
   block's state dict and back, exactly; the state dict has exactly the family's keys."""
   config = dict(MINIMAL_CONFIGS[model_type], model_type=model_type)
-  layer = hf.moe_layer(config, gate_up_layout=layout, use_bias=model_type == "gpt_oss",
-                       rngs=nnx.Rngs(1), layer=1 if model_type == "hunyuan_v1_moe" else None)
-  if layer.selection_bias is not None:
-    layer.selection_bias[...] = jnp.arange(layer.selection_bias.shape[0], dtype=jnp.float32)
+  layer = _random_layer(config, gate_up_layout=layout, use_bias=model_type == "gpt_oss",
+                        layer=1 if model_type == "hunyuan_v1_moe" else None)
   params = hf.layer_params(layer)
   state = hf.hf_state_from_layer(config, params, gate_up_layout=layout)
   assert set(state) == set(hf.hf_keys(config))
@@ -465,12 +510,12 @@ def test_deepseek_v4_layers_of_both_kinds():
   with pytest.raises(ValueError, match="layer=2 is not a decoder layer"):
     hf.layer_kwargs(config, layer=2)
   with pytest.raises(ValueError, match="pass its selection as expert_ids"):
-    hf.moe_layer(config, layer=0)(np.zeros((3, 32), np.float32))
+    _random_layer(config, layer=0)(np.zeros((3, 32), np.float32))
   legacy = {k: v for k, v in config.items() if k != "mlp_layer_types"}
   legacy.update(num_hash_layers=1, num_hidden_layers=2)
   for layer in (0, 1):
     assert hf.layer_kwargs(legacy, layer=layer) == hf.layer_kwargs(config, layer=layer)
-    state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config, layer=layer)))
+    state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=layer)))
     assert ("gate.e_score_correction_bias" in state) == (layer == 1)
     assert set(state) == set(hf.hf_keys(config, layer=layer))
     table = {"gate.tid2eid": np.zeros((64, 2), np.int64)} if layer == 0 else {}
@@ -486,7 +531,7 @@ def test_kimi_k25_language_model_is_deepseek_v3():
   for name in ("deepseek_v3", "kimi_k2"):
     config = dict(model_type="kimi_k25", text_config=dict(v3, model_type=name))
     assert hf.layer_kwargs(config) == hf.layer_kwargs(v3)
-    state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+    state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
     assert set(state) == set(hf.hf_keys(v3))
     model = {f"model.language_model.layers.3.mlp.{k}": v for k, v in state.items()}
     block = hf.block_state_dict(model, config, 3)
@@ -495,7 +540,7 @@ def test_kimi_k25_language_model_is_deepseek_v3():
 
 def test_converters_refuse_a_state_dict_that_does_not_fit():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
-  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
   with pytest.raises(ValueError, match="missing keys.*gate.weight"):
     hf.layer_params_from_hf(config, {k: v for k, v in state.items() if k != "gate.weight"})
   with pytest.raises(ValueError, match="unexpected keys.*experts.bias"):
@@ -516,7 +561,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   with pytest.raises(ValueError, match=r"its shapes .*'gate.weight': \(128,\)"):
     hf.layer_params_from_hf(config, {**state, "gate.weight": np.zeros(128)})
   with pytest.raises(ValueError, match=r"params: shapes .*'w1'"):
-    hf.hf_state_from_layer(config, {**hf.layer_params(hf.moe_layer(config)),
+    hf.hf_state_from_layer(config, {**hf.layer_params(_random_layer(config)),
                                     "w1": np.zeros((3, 5, 7))})
   with pytest.raises(ValueError, match="hidden size must be a whole number, got 32.7"):
     hf.layer_kwargs({**config, "hidden_size": 32.7})
@@ -524,7 +569,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_kwargs({k: v for k, v in config.items() if k != "hidden_size"})
   with pytest.raises(TypeError, match="config must be a dict"):
     hf.moe_layer("mixtral")
-  layer = hf.moe_layer(config)
+  layer = _random_layer(config)
   with pytest.raises(ValueError, match="shape"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
   with pytest.raises(ValueError, match="no \\['b1'\\]"):
@@ -533,7 +578,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
 
 def test_block_state_dict_takes_one_layer_out_of_a_model():
   config = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe")
-  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
   model = {f"model.layers.{i}.mlp.{k}": v + i for i in range(2) for k, v in state.items()}
   model["model.layers.1.self_attn.q_proj.weight"] = np.zeros(3)
   block = hf.block_state_dict(model, config, 1)
@@ -541,7 +586,7 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
   assert all(np.array_equal(block[k], state[k] + 1) for k in state)
   # Gemma 4's keys are the decoder layer's, beside its dense MLP and norms: only the MoE's taken
   config = dict(MINIMAL_CONFIGS["gemma4"], model_type="gemma4")
-  state = hf.hf_state_from_layer(config, hf.layer_params(hf.moe_layer(config)))
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
   for prefix in ("model.layers.0.", "model.language_model.layers.0."):  # text, multimodal model
     model = {f"{prefix}{k}": v for k, v in state.items()}
     model[f"{prefix}mlp.gate_proj.weight"] = np.zeros(3)
