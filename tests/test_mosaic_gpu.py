@@ -41,6 +41,24 @@ def kernel_mode(compiled: bool, num_cores: int = 2, detect_races: bool = True):
 MODES = [pytest.param(False, id="interpret"), pytest.param(True, id="compiled", marks=pytest.mark.gpu)]
 
 
+def _cases_in_modes(names, cases, compiled_only=()):
+  """pytest params (*case, compiled) for `names` (a parametrize string): every case compiled on
+  the GPU, all but the indices in `compiled_only` also interpreted (those exercise nothing that
+  the interpreted cases and the tests named where the list is written do not). Ids as pytest gives
+  them for MODES stacked over the cases, so each case keeps its inputs (the rng is seeded by id)."""
+  def case_id(i, case):
+    return "-".join(str(v) if v is None or isinstance(v, (str, int, float)) else
+                    getattr(v, "__name__", None) if isinstance(v, type) else f"{name}{i}"
+                    for name, v in zip(names.split(","), case))
+  params = []
+  for i, case in enumerate(cases):
+    if i not in compiled_only:
+      params.append(pytest.param(*case, False, id=f"{case_id(i, case)}-interpret"))
+    params.append(pytest.param(*case, True, id=f"{case_id(i, case)}-compiled",
+                               marks=pytest.mark.gpu))
+  return params
+
+
 def _problem(rng, T, d, n, E, K, activation, skew=False):
   glu = acts.get_activation(activation).is_glu
   width = 2 * n if glu else n
@@ -77,10 +95,13 @@ UP_CASES = [
     (100, 128, 256, 4, 2, "swiglu", True, True, "interleaved"),
     (70, 64, 128, 3, 2, "reglu", False, False, "interleaved"),
 ]
+UP_NAMES = "T,d,n,E,K,activation,bias,skew,gate_up_layout"
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,bias,skew,gate_up_layout", UP_CASES)
+# Interpreted, all but swiglu (bias, concat): the layer's token-rounding test runs that up kernel
+# against the oracle, and the swiglu epilogue, bias and the GLU concat layout are each in another
+# case here.
+@pytest.mark.parametrize(f"{UP_NAMES},compiled", _cases_in_modes(UP_NAMES, UP_CASES, [2]))
 def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, bias, skew,
                                          gate_up_layout):
   from sonic_jax.mosaic_gpu import up_projection as up
@@ -97,8 +118,9 @@ def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   assert _rows_err(a, a_ref, layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("bias", [False, True])
+# Interpreted with a bias only: the layer's gather-sum test runs the kernel without one (d = 256)
+# against the oracle.
+@pytest.mark.parametrize("bias,compiled", _cases_in_modes("bias", [(False,), (True,)], [0]))
 def test_down_projection_matches_reference(rng, compiled, bias):
   from sonic_jax.mosaic_gpu import down_projection as down
   T, n, d, E = (90, 128, 256, 3) if not compiled else (4000, 512, 1024, 16)
@@ -189,8 +211,7 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
         spec(layout.num_rows, dtype=jnp.float32), spec(2, 128, 256))
 
 
-LAYER_CASES = [("swiglu", True, jnp.bfloat16, "concat"),
-               ("geglu", False, jnp.float16, "interleaved")]
+LAYER_CASES = [("geglu", False, jnp.float16, "interleaved")]
 
 
 def _with_modes(cases, compiled_only=()):
@@ -203,9 +224,11 @@ def _with_modes(cases, compiled_only=()):
 
 @pytest.mark.parametrize("compiled,activation,bias,dtype,gate_up_layout", _with_modes(
     LAYER_CASES,
-    # on the GPU also a non-GLU activation (interpreted in the kernels' own tests) and SonicMoE's
-    # own layout with biases (CI's interpreter time goes elsewhere)
-    compiled_only=[("relu", False, jnp.bfloat16, "concat"),
+    # on the GPU also swiglu with biases (interpreted: the token-rounding layer test, the same
+    # layer with extra and dropped pairs), a non-GLU activation (interpreted: the gather-sum layer
+    # test) and SonicMoE's own layout with biases (CI's interpreter time goes elsewhere)
+    compiled_only=[("swiglu", True, jnp.bfloat16, "concat"),
+                   ("relu", False, jnp.bfloat16, "concat"),
                    ("swiglu", True, jnp.bfloat16, "interleaved"),
                    ("clamped_swiglu", True, jnp.bfloat16, "interleaved"),
                    ("geglu_tanh", False, jnp.bfloat16, "concat")]))
@@ -330,29 +353,37 @@ def test_moe_layer_fallbacks_stay_correct(rng, compiled, activation, layout, dty
   assert rel_err(y, y_ref) < (2e-2 if dtype == jnp.bfloat16 else 1e-4)
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("mode", ["up", "nearest"])
-def test_moe_layer_token_rounding_against_oracle(rng, compiled, mode):
+# Interpreted, "nearest" only: its layout has both the extra pairs of "up" and dropped ones (the
+# backend sees no other difference; test_token_rounding.py checks each mode's routing), with
+# biases (the swiglu layer case of test_moe_layer_against_oracle, interpreted here).
+@pytest.mark.parametrize("mode,bias,compiled", [
+    pytest.param("up", False, True, id="up-compiled", marks=pytest.mark.gpu),
+    pytest.param("nearest", True, False, id="nearest-interpret"),
+    pytest.param("nearest", False, True, id="nearest-compiled", marks=pytest.mark.gpu)])
+def test_moe_layer_token_rounding_against_oracle(rng, compiled, mode, bias):
   """Token rounding on the mosaic_gpu backend (128-row tiles): output and gradients vs the oracle."""
   from oracle import reference_values_and_grads_masks, token_rounding_reference
-  T, d, n, E, K = (400, 64, 128, 4, 2) if not compiled else (3000, 256, 256, 16, 2)
-  p, d_y = make_problem(rng, T=T, d=d, n=n, E=E, K=K)
+  # Interpreted: 10 pairs added and 10 dropped over 4 tiles.
+  T, d, n, E, K = (256, 64, 128, 4, 2) if not compiled else (3000, 256, 256, 16, 2)
+  p, d_y = make_problem(rng, T=T, d=d, n=n, E=E, K=K, bias=bias)
   cast = {k: None if v is None else jnp.asarray(v, jnp.bfloat16) for k, v in p.items()}
   seen = {k: None if v is None else np.asarray(v.astype(jnp.float32), np.float64)
           for k, v in cast.items()}
-  names = ["x", "router_weight", "w1", "w2"]
+  names = [k for k in ("x", "router_weight", "w1", "w2", "b1", "b2") if cast[k] is not None]
 
   def loss(*flat):
-    y, aux = sonic_jax.moe(*flat, top_k=K, token_rounding=mode, backend="mosaic_gpu")
+    a = dict(zip(names, flat))
+    y, aux = sonic_jax.moe(a["x"], a["router_weight"], a["w1"], a["w2"], b1=a.get("b1"),
+                           b2=a.get("b2"), top_k=K, token_rounding=mode, backend="mosaic_gpu")
     return jnp.vdot(y.astype(jnp.float32), jnp.asarray(d_y, jnp.float32)), (y, aux)
 
   with kernel_mode(compiled, detect_races=False):  # a layer test, as the oracle test's note says
-    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        *[cast[k] for k in names])
+    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(
+        loss, argnums=tuple(range(len(names))), has_aux=True))(*[cast[k] for k in names])
   assert np.all(np.asarray(aux.expert_counts) % 128 == 0) and int(aux.padded_rows) == 0
   probs = np.asarray(jax.nn.softmax(aux.router_logits, axis=-1), np.float64)
   tc, kept, added = token_rounding_reference(probs, K, 128, mode)
-  assert added.any()
+  assert added.any() and (mode == "up" or (tc & ~kept).any())
   y_ref, g_ref = reference_values_and_grads_masks(seen, d_y, tc, kept, added,
                                                   activation="swiglu", gate_up_layout="concat")
   errs = {"y": rel_err(y, y_ref), **{k: rel_err(g, g_ref[k]) for k, g in zip(names, grads)}}
@@ -373,10 +404,16 @@ DH_CASES = [
     (90, 64, 256, 3, 2, "swiglu", True, 128, "interleaved"),
     (70, 64, 256, 2, 2, "geglu", False, 256, "interleaved"),
 ]
+DH_NAMES = "T,d,n,E,K,activation,skew,block_n,gate_up_layout"
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("T,d,n,E,K,activation,skew,block_n,gate_up_layout", DH_CASES)
+# Interpreted, all but swiglu (128, concat), which the layer's token-rounding test runs against
+# the oracle (swiglu's epilogue: two other cases), swiglu (256, concat), which
+# test_dh_wide_tile_h_loads_agree runs on the same problem against the reference, and geglu (256,
+# interleaved): geglu is the (80, ...) case, geglu_tanh (its tanh form) the 256-column interleaved
+# one, and the layer test runs geglu's interleaved dH against the oracle.
+@pytest.mark.parametrize(f"{DH_NAMES},compiled",
+                         _cases_in_modes(DH_NAMES, DH_CASES, [3, 7, 10]))
 def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activation, skew, block_n,
                                          gate_up_layout):
   """dH, A_s and dS (its partials summed) against the xla role, rows of the layout in use; dO's
@@ -411,7 +448,8 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
   """The 256-column tile's two ways of reading H in the epilogue (staged through SMEM, or loaded
   into registers) give the same dH, A_s and dS partials bit for bit (they differ only in where H
   and the outputs pass), with a skewed routing and an empty expert; the staged one also runs the
-  shallower ring it needs."""
+  shallower ring it needs. Interpreted, they also match the XLA reference (as the dH test
+  checks its cases)."""
   from sonic_jax.mosaic_gpu import dh_projection as dh
   T, d, n, E = (90, 64, 256, 3) if not compiled else (3600, 256, 512, 12)
   act = acts.get_activation(activation)
@@ -433,10 +471,17 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
     g, w = np.asarray(in_use(g), np.float32), np.asarray(in_use(w), np.float32)
     assert np.all(np.isfinite(w)) and np.abs(w).max() > 0
     np.testing.assert_array_equal(g, w)
+  if not compiled:
+    d_h_ref, a_s_ref, d_s_ref, _ = xla_backend.dh_projection(d_out, h, scores, w2, None, layout,
+                                                             act, "concat")
+    assert _rows_err(staged[0], d_h_ref, layout) < 1e-2
+    assert _rows_err(staged[1], a_s_ref, layout) < 1e-2
+    assert _rows_err(jnp.sum(staged[2], 0), d_s_ref, layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("width", [256, 512])
+# Interpreted at width 512 (two passes over the operand ring): the layer's gather-sum test runs the
+# kernel at width 256 (d = 256) against the oracle, and the walk test's dX case too.
+@pytest.mark.parametrize("width,compiled", _cases_in_modes("width", [(256,), (512,)], [0]))
 def test_dx_projection_matches_reference(rng, compiled, width):
   from sonic_jax.mosaic_gpu import dx_projection as dx
   T, d, E = (90, 256, 3) if not compiled else (4000, 1024, 16)
@@ -449,11 +494,15 @@ def test_dx_projection_matches_reference(rng, compiled, width):
   assert _rows_err(got, xla_backend.dx_projection(d_h, w1, layout), layout) < 1e-2
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("m,n,skew,cluster,block,transposed", [
+WG_NAMES = "m,n,skew,cluster,block,transposed"
+
+
+# Interpreted, all but the first (the default config at m = 128, n = 256):
+# test_weight_grad_stops_at_the_last_real_row runs that kernel against the reference.
+@pytest.mark.parametrize(f"{WG_NAMES},compiled", _cases_in_modes(WG_NAMES, [
     (128, 256, False, 1, (128, 256), False), (256, 512, True, 1, (128, 256), False),
     (256, 256, True, 2, (128, 256), False), (256, 256, True, 2, (128, 256), True),
-    (256, 256, True, 1, (256, 128), False), (128, 256, False, 1, (128, 256), True)])
+    (256, 256, True, 1, (256, 128), False), (128, 256, False, 1, (128, 256), True)], [0]))
 def test_weight_grad_matches_reference(rng, compiled, m, n, skew, cluster, block, transposed):
   """Varlen-K out[e] = lhs_rows_e^T rhs_e with the lhs rows gathered by token inside the kernel
   (as dw1 = x_rows^T dH runs); experts without rows get exact zeros. cluster=2: 2-CTA clusters
@@ -594,8 +643,8 @@ def test_walk_variants_equal_default(rng, compiled, role, variant):
       "dx": lambda c: dx.dx_projection(d_h, w1, layout, dx.DxProjectionConfig(c)),
   }[role]
   with kernel_mode(compiled, num_cores=4):
-    want = run(GroupedGemmConfig())
-    got = run(GroupedGemmConfig(**WALK_VARIANTS[variant]))
+    want = jax.jit(lambda: run(GroupedGemmConfig()))()
+    got = jax.jit(lambda: run(GroupedGemmConfig(**WALK_VARIANTS[variant])))()
   valid = np.asarray(layout.row_valid())
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     g, w = np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid]
@@ -698,8 +747,10 @@ def test_kernel_lowers_for_sm90(role):
   assert "mosaic_gpu" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("n", [256, 384])
+# Interpreted at n = 384 (128 x 128 blocks): at n = 256 (128 x 256 blocks) this is the kernel call
+# of test_weight_grad_matches_reference's (128, 256, ..., transposed) case (m = d = 128), and the
+# layer's gather-sum test runs it (2-CTA clusters) against the oracle.
+@pytest.mark.parametrize("n,compiled", _cases_in_modes("n", [(256,), (384,)], [0]))
 def test_dw2_gathering_d_out_matches_reference(rng, compiled, n):
   """The backend's dw2 with the dO rows gathered on the wgmma's M side (dO_rows^T A_s stored
   transposed): (E, n, d) = A_s^T dO_rows per expert, 128 x 256 (d, n) blocks where n allows,
