@@ -2,6 +2,7 @@
 (the xla backend, or the kernels in Mosaic GPU interpret mode), the report from small results
 files, and the helpers. Assertions are on structure and arithmetic, never on speed."""
 
+import contextlib
 import functools
 import glob
 import importlib
@@ -33,7 +34,7 @@ def _results(tmp_path):
 
 # Runs each [module, *args] of a JSON list as `python -m module args` would (its __main__ block,
 # absl's app.run), one after another in this one process: a script's absl flags are removed before
-# the next defines flags of the same names.
+# the next defines flags of the same names (`_own_flags`, in that process).
 _SCRIPTS = """
 import json, runpy, sys
 from absl import app, flags  # app's own flags stay
@@ -74,22 +75,30 @@ def _unoptimized(monkeypatch):
   jax.clear_caches()
 
 
-def _main(module, args, monkeypatch):
-  """Calls the script `module`'s main in this process as `python -m <module> <args>` would: its
-  absl flags defined for the call and removed after it (the scripts define flags of the same
-  names), sys.argv as the results file's command reads it. Scripts that need no other device
-  count or environment run this way: a fresh process would import and compile everything again."""
-  script = importlib.import_module(module)
-  argv = [script.__file__, *args]
+@contextlib.contextmanager
+def _own_flags():
+  """The absl flags defined inside the block are removed after it: the scripts and tools define
+  flags of the same names, and absl refuses a second definition."""
   before = set(flags.FLAGS)
-  script._define_flags()
   try:
-    flags.FLAGS(argv)
-    monkeypatch.setattr(sys, "argv", argv)
-    script.main(argv[:1])
+    yield
   finally:
     for name in set(flags.FLAGS) - before:
       delattr(flags.FLAGS, name)
+
+
+def _main(module, args, monkeypatch):
+  """Calls the script `module`'s main in this process as `python -m <module> <args>` would: its
+  absl flags defined for the call only (`_own_flags`), sys.argv as the results file's command
+  reads it. Scripts that need no other device count or environment run this way: a fresh process
+  would import and compile everything again."""
+  script = importlib.import_module(module)
+  argv = [script.__file__, *args]
+  with _own_flags():
+    script._define_flags()
+    flags.FLAGS(argv)
+    monkeypatch.setattr(sys, "argv", argv)
+    script.main(argv[:1])
 
 
 def _flops_match(tflops, flops, ms):
@@ -507,16 +516,10 @@ def test_scripts_parse():
   assert proc.returncode == 0 and "--thiek" in proc.stdout, proc.stderr[-2000:]
   proc = subprocess.run(["bash", "benchmarks/wheels.sh"], cwd=ROOT, capture_output=True, text=True)
   assert proc.returncode == 2 and "usage" in proc.stderr
-  # Flags of the same names: each module's are removed before the next module defines its own.
-  probe = ("from absl import flags\n"
-           "for module in ('tools.ptxas_report', 'tools.step_timeline'):\n"
-           "  before = set(flags.FLAGS)\n"
-           "  __import__(module)\n"
-           "  for name in set(flags.FLAGS) - before:\n"
-           "    delattr(flags.FLAGS, name)\n")
-  proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  # The tools define their flags as they are imported.
+  for module in ("tools.ptxas_report", "tools.step_timeline"):
+    with _own_flags():
+      importlib.import_module(module)
 
 
 def test_grid_problems_and_names():
