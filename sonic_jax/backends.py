@@ -78,7 +78,8 @@ def resolve_backend(name: str, config: Config | None = None) -> Backend:
       return _mosaic_gpu(config)
     dev = jax.devices()[0]
     raise ValueError(
-        "backend='mosaic_gpu' needs an sm90 (Hopper) GPU or Mosaic GPU interpret mode on CPU; "
+        "backend='mosaic_gpu' needs an sm90 (Hopper) GPU or, on a CPU, Mosaic GPU interpret mode "
+        "(call inside `with jax.experimental.pallas.mosaic_gpu.force_gpu_interpret_mode():`); "
         f"this device is {dev.device_kind} ({dev.platform}, compute capability "
         f"{getattr(dev, 'compute_capability', 'n/a')}). Use backend='auto' or 'xla'.")
   raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")

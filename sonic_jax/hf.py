@@ -975,6 +975,10 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   gradients) are left out. Being a permutation of entries, it maps the layer's gradients to the
   block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer lists); a
   ValueError names the parameters whose shapes do not fit the config."""
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a mapping of the layer's parameter names to arrays, got "
+                    f"{type(params).__name__} (for an MoE layer or an nnx.State: "
+                    f"hf_state_from_layer(config, layer_params(layer)))")
   config = _text_config(config)
   fam = family(config)
   layout = _layout(fam, gate_up_layout)

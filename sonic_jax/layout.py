@@ -15,15 +15,28 @@ synchronisation and no recompilation when the routing changes.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sonic_jax.config import Config, check_config
 from sonic_jax.pallas import layout_ranks, next_pow2
 
 Array = jax.Array
+
+
+def int32_ids(ids, bound: int, fill: int) -> Array:
+  """Integer ids as int32, those outside [0, bound) set to `fill` first where the dtype is wider
+  than int32, so that an out-of-range int64 id cannot wrap onto a real one (host arrays are
+  checked before JAX narrows them)."""
+  xp = jnp if isinstance(ids, jax.Array) else np
+  ids = xp.asarray(ids)
+  if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:
+    ids = xp.where((ids >= 0) & (ids < bound), ids, fill)
+  return jnp.asarray(ids).astype(jnp.int32)
 
 
 def _round_up(a, b):
@@ -207,6 +220,15 @@ def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: i
   return pair_row, row_pair, counts
 
 
+def _check_ids(name, ids, ndim, shape_doc):
+  if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+  if ids.ndim != ndim:
+    raise ValueError(f"{name} must be {shape_doc}, got shape {tuple(ids.shape)}")
+
+
 def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          extra_tokens: Array | None = None,
                          extra_experts: Array | None = None, *, extras_by_expert: bool = False,
@@ -227,24 +249,29 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   ten small XLA kernels), "sort" otherwise.
   """
   config = check_config(config)
-  if expert_ids.ndim != 2:
-    raise ValueError(f"expert_ids must be (T, S), got shape {expert_ids.shape}")
-  if row_tile < 1:
-    raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+  for name, value in (("num_experts", num_experts), ("row_tile", row_tile)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
   if (extra_tokens is None) != (extra_experts is None):
     raise ValueError("extra_tokens and extra_experts must be given together")
+  _check_ids("expert_ids", expert_ids, 2, "(T, S)")
   num_tokens, slots = expert_ids.shape
   if extra_tokens is None:
     extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
-  if extra_tokens.ndim != 1 or extra_tokens.shape != extra_experts.shape:
+  _check_ids("extra_tokens", extra_tokens, 1, "(X,)")
+  _check_ids("extra_experts", extra_experts, 1, "(X,)")
+  if extra_tokens.shape != extra_experts.shape:
     raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
                      f"{extra_tokens.shape} and {extra_experts.shape}")
+  # Out-of-range ids of a dtype wider than int32 must not wrap onto a real expert.
+  expert_ids = int32_ids(expert_ids, num_experts, -1)
+  extra_experts = int32_ids(extra_experts, num_experts, num_experts)
+  extra_tokens = int32_ids(extra_tokens, num_tokens, num_tokens)
   num_slot_pairs = num_tokens * slots
   num_extra = extra_tokens.shape[0]
   num_pairs = num_slot_pairs + num_extra
   e_count = num_experts
   rows = grouped_rows(num_pairs, e_count, row_tile)
-  expert_ids = expert_ids.astype(jnp.int32)
   extra_used = (extra_experts >= 0) & (extra_experts < e_count)
 
   if extras_by_expert and num_extra:

@@ -14,7 +14,7 @@ from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture
-from sonic_jax.layout import build_grouped_layout
+from sonic_jax.layout import build_grouped_layout, int32_ids
 
 Array = jax.Array
 
@@ -48,9 +48,13 @@ class MoEAux(NamedTuple):
   choice_ids: Array | None = None
 
 
+_FLOATS = tuple(jnp.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
 def _check_float(name, a):
-  if not jnp.issubdtype(a.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
+  if a.dtype not in _FLOATS:
+    raise TypeError(f"{name} must have a floating dtype of float16, bfloat16, float32 or "
+                    f"float64, got {a.dtype}")
 
 
 def _check_rank(name, a, rank, shape_doc):
@@ -126,6 +130,10 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
                      f"got {tuple(router_weight.shape)}")
   e_router = router_weight.shape[1]
+  if (num_local_experts is None and getattr(w1, "ndim", None) == 3
+      and w1.shape[0] != e_router):
+    raise ValueError(f"router_weight has E = {e_router} experts (its last dim), but w1 holds "
+                     f"{w1.shape[0]}: the router gives one logit per expert")
   act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout,
                        e_router if num_local_experts is None else num_local_experts)
   routing_lib.get_router(routing).check(e_router, top_k)  # top_k's type and range first
@@ -356,12 +364,12 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
   e_count = w1.shape[0]
-  expert_ids = routing_lib.int32_ids(expert_ids, e_count, -1)
+  expert_ids = int32_ids(expert_ids, e_count, -1)
   if extra_tokens is not None:
-    extra_tokens = routing_lib.int32_ids(extra_tokens, x.shape[0], -1)
+    extra_tokens = int32_ids(extra_tokens, x.shape[0], -1)
     # an entry is unused if its expert or its token is out of range
     extra_experts = jnp.where((extra_tokens >= 0) & (extra_tokens < x.shape[0]),
-                              routing_lib.int32_ids(extra_experts, e_count, e_count), e_count)
+                              int32_ids(extra_experts, e_count, e_count), e_count)
     extra_scores = jnp.asarray(extra_scores).astype(scores.dtype)
   y, aux, _ = _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
                        extra_tokens, extra_experts, extra_scores, scale_input, capacity_factor)
@@ -446,11 +454,10 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   logits, ids = routing_lib.router_logits_and_ids(
       x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,
       selection_bias, config=config, router_bias=router_bias,
-      expert_ids=None if expert_ids is None else routing_lib.int32_ids(
+      expert_ids=None if expert_ids is None else int32_ids(
           expert_ids, router_weight.shape[-1], -1))
   routed, choice = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                             token_rounding, impl.row_tile, ids,
-                                            empty_slots=expert_ids is not None,
                                             expert_scale=expert_scale)
   extra = routing_lib.extra_scores_or_none(routed)
   extras = (None, None, None) if extra is None else (routed.extra_tokens, routed.extra_experts,

@@ -74,6 +74,13 @@ def _check_router(router_weight, p, e_local, axis_name):
                      f"{hint}")
 
 
+def _varying_axes(a) -> frozenset:
+  """The manual axes over which shard_map types `a` as varying (empty without its check)."""
+  aval = jax.typeof(a)  # jax 0.11 keeps the varying axes in manual_axis_type, earlier in vma
+  vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return frozenset(getattr(aval, "vma", ()) if vma is None else vma)
+
+
 def _check_expert_split(axis_name, p, **arrays):
   """Refuses expert arrays that shard_map splits over other axes but not over `axis_name`: their
   local expert count can still pass `_check_router` (E = P x E_local) while every device of the
@@ -84,9 +91,7 @@ def _check_expert_split(axis_name, p, **arrays):
   for name, a in arrays.items():
     if a is None:
       continue
-    aval = jax.typeof(a)  # jax 0.11 keeps the varying axes in manual_axis_type, earlier in vma
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-    vma = frozenset(getattr(aval, "vma", ()) if vma is None else vma)
+    vma = _varying_axes(a)
     if vma and axis_name not in vma:
       raise ValueError(f"{name} is split over {sorted(vma)} but not over axis_name="
                        f"{axis_name!r}: its experts (first dimension) must be split over "
@@ -157,9 +162,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias,
                                              token_rounding, impl.row_tile,
                                              None if ids is None else gather(ids),
-                                             empty_slots=expert_ids is not None,
                                              expert_scale=expert_scale)
-  x_all = _gather_tokens(x, axis_name)  # (P*T_local, d)
+  x_all = _gather_tokens(_varying(x, axis_name), axis_name)  # (P*T_local, d)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
@@ -199,6 +203,15 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                                         axis_name),
                dropped_pairs=jnp.zeros((), jnp.int32), probs=routed.probs)
   return y, aux
+
+
+def _varying(x: Array, axis_name: str) -> Array:
+  """x typed as varying over the axis (shard_map's check): the gradient of an x replicated over it
+  (in_specs without the axis) comes back summed over the devices, each of which used it, by
+  `pcast`'s transpose; `_gather_tokens`' own backward returns a varying value."""
+  if axis_name in _varying_axes(x):
+    return x
+  return jax.lax.pcast(x, axis_name, to="varying")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -365,7 +378,6 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
         router_bias=router_bias, expert_ids=expert_ids)
     rounded, routed = routing_lib.route_tokens(logits, top_k, router, selection_bias, None,
                                                impl.row_tile, ids,
-                                               empty_slots=expert_ids is not None,
                                                expert_scale=expert_scale)
   else:
     logits, _ = routing_lib.router_logits_and_ids(r_in, router_weight, top_k, router,

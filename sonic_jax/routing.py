@@ -21,6 +21,7 @@ import numpy as np
 
 from sonic_jax import precision
 from sonic_jax.config import Config, check_config
+from sonic_jax.layout import int32_ids
 from sonic_jax.pallas import rounding_select, router_topk
 from sonic_jax.precision import dot_f32
 
@@ -292,20 +293,8 @@ def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
   return _top_k_ids(ranked, top_k)
 
 
-def int32_ids(ids, bound: int, fill: int) -> Array:
-  """Integer ids as int32, those outside [0, bound) set to `fill` first where the dtype is wider
-  than int32, so that an out-of-range int64 id cannot wrap onto a real one (host arrays are
-  checked before JAX narrows them)."""
-  xp = jnp if isinstance(ids, jax.Array) else np
-  ids = xp.asarray(ids)
-  if ids.dtype.itemsize >= 4 and ids.dtype != np.int32:
-    ids = xp.where((ids >= 0) & (ids < bound), ids, fill)
-  return jnp.asarray(ids).astype(jnp.int32)
-
-
 def route(logits: Array, top_k: int, routing: str | Router,
-          selection_bias: Array | None = None, expert_ids: Array | None = None, *,
-          empty_slots: bool = False) -> RouterOutput:
+          selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
   """Selects K experts per token and their weights, as `routing` (a `Router` or the name of one
   of `ROUTINGS`) says.
 
@@ -318,16 +307,18 @@ def route(logits: Array, top_k: int, routing: str | Router,
   probabilities), "topk_softmax_raw" (not renormalised), "sigmoid_topk" (sigmoid gates,
   renormalised), "sigmoid_topk_raw" (not renormalised).
 
-  expert_ids (T, K), optional: the selection, already made (the fused kernel's, or a fixed one
-  such as DeepSeek-V4's hash layers'); the weights come from these logits. empty_slots: the
-  given ids may lie outside [0, E) (a caller's fixed selection; the fused kernel's never do): such
-  a slot is empty, id -1 and weight 0, the token's other weights renormalised without it.
+  expert_ids (T, K) integer, optional: the selection, already made (the fused kernel's, or a fixed
+  one such as DeepSeek-V4's hash layers'); the weights come from these logits. A slot whose id lies
+  outside [0, E) is empty: id -1 and weight 0, the token's other weights renormalised without it.
   """
+  if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
+    raise TypeError(f"logits must be an array, got {type(logits).__name__}")
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
-  if selection_bias is not None and jnp.shape(selection_bias) != (logits.shape[-1],):
-    raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},), got "
-                     f"{jnp.shape(selection_bias)}")
+  if selection_bias is not None and (not hasattr(selection_bias, "shape")
+                                     or selection_bias.shape != (logits.shape[-1],)):
+    raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},) (an array), "
+                     f"got {getattr(selection_bias, 'shape', type(selection_bias).__name__)}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
@@ -339,13 +330,15 @@ def route(logits: Array, top_k: int, routing: str | Router,
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
   else:
+    if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+      raise TypeError(f"expert_ids must be an integer array, got "
+                      f"{getattr(expert_ids, 'dtype', type(expert_ids).__name__)}")
     if expert_ids.shape != logits.shape[:-1] + (top_k,):
       raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
                        f"{expert_ids.shape}")
     ids = int32_ids(expert_ids, logits.shape[-1], -1)
-    if empty_slots:
-      valid = (ids >= 0) & (ids < logits.shape[-1])
-      ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
+    valid = (ids >= 0) & (ids < logits.shape[-1])
+    ids = jnp.where(valid, ids, -1)  # no expert: an empty slot, weight 0
   picked = lambda v, fill: (jnp.take_along_axis(v, ids, axis=-1) if valid is None else jnp.where(
       valid, jnp.take_along_axis(v, jnp.maximum(ids, 0), axis=-1), fill))
   if router.softmax_of_selected:
@@ -483,6 +476,9 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   backward of one scatter of the X pairs beside a dense term with a (T,) factor, where gathering
   from `routed.probs` takes the softmax's backward through a dense (T, E) gradient.
   """
+  if not isinstance(routed, RouterOutput):
+    raise TypeError(f"routed must be the RouterOutput that `route` returns, got "
+                    f"{type(routed).__name__}")
   if mode not in TOKEN_ROUNDINGS:
     raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
   if isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
@@ -574,16 +570,16 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
 
 def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,
                  token_rounding: str | None, tile: int,
-                 expert_ids: Array | None = None, *, empty_slots: bool = False,
+                 expert_ids: Array | None = None, *,
                  expert_scale: Array | None = None) -> tuple[RoundedRouting, RouterOutput]:
-  """`route` (expert_ids, empty_slots: as there), then `round_tokens` when token_rounding is
+  """`route` (expert_ids: as there), then `round_tokens` when token_rounding is
   not None (an empty extra-pair list otherwise), then each pair's weight times `expert_scale`
   (E,) of its expert where given. Returns (the routing the experts see, the token-choice routing
   it started from)."""
   if expert_scale is not None and jnp.shape(expert_scale) != (logits.shape[-1],):
     raise ValueError(f"expert_scale must have shape (E,) = ({logits.shape[-1]},), got "
                      f"{jnp.shape(expert_scale)}")
-  routed = route(logits, top_k, routing, selection_bias, expert_ids, empty_slots=empty_slots)
+  routed = route(logits, top_k, routing, selection_bias, expert_ids)
   if token_rounding is None:
     empty = jnp.zeros((0,), jnp.int32)
     rounded = RoundedRouting(routed.scores, routed.expert_ids, empty, empty,

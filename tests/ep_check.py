@@ -163,11 +163,38 @@ def check_no_tokens(scheme_name):
   print(scheme_name, "no tokens")
 
 
+def check_replicated(scheme_name):
+  """x replicated over the axis (in_specs P()): each of 2 devices routes the same T tokens, the
+  output holds 2 copies of the single-device one, and the gradients of x (summed over the devices
+  that used it) and of the weights are twice the single device's."""
+  args, _, _, dy = inputs("random", None)
+  kw, _ = options(None)
+  scheme = SCHEMES[scheme_name]
+
+  def single(args):
+    x, rw, w1, w2, b1 = args
+    return sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw)[0]
+
+  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+  specs = [P(), P(), P("ep"), P("ep"), P("ep")]
+  mapped = jax.shard_map(lambda a: scheme(*a[:4], b1=a[4], axis_name="ep", **kw)[0], mesh=mesh,
+                         in_specs=(specs,), out_specs=P("ep"))
+  value_and_grad = lambda f, dy: jax.jit(jax.value_and_grad(lambda a: jnp.vdot(f(a), dy)))
+  _, g_ref = value_and_grad(single, dy)(args)
+  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  _, g = value_and_grad(mapped, jnp.concatenate([dy, dy]))(placed)
+  errs = [rel(a, 2 * b) for a, b in zip(g, g_ref)]
+  print(scheme_name, "replicated x", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+
+
 if __name__ == "__main__":
-  # Each argument one case, "scheme:routing[:mode]" or "scheme:empty".
+  # Each argument one case, "scheme:routing[:mode]", "scheme:empty" or "scheme:replicated".
   for case in sys.argv[1:]:
     if case.endswith(":empty"):
       check_no_tokens(case.split(":")[0])
+    elif case.endswith(":replicated"):
+      check_replicated(case.split(":")[0])
     else:
       check(*case.split(":"))
   print("OK")

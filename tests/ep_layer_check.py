@@ -5,8 +5,9 @@
 - in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
   its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among
   them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
-  data shards' losses, the output with a fixed selection (expert_ids); explicit and auto mesh
-  axes (float64);
+  data shards' losses, the output with a fixed selection (expert_ids), the output for a batch of
+  2 sequences over the 4 token shards (B not a multiple of them); explicit and auto mesh axes
+  (float64);
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name.
@@ -130,23 +131,24 @@ def check_set_mesh(scheme):
     mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
     tokens = NamedSharding(mesh, P(("data", "ep")))
 
-    def run(s, x, ids, x_data):
+    def run(s, x, ids, x_data, x_batch):
       out = set_mesh_loss(g2)(s, x)
       if not explicit:
-        return out, None, None
+        return out, None, None, None
       # A fixed selection (expert_ids), sharded as the tokens by the layer's own shard_map; and
       # the layer inside a user's shard_map over "data" alone: both in the program of the
       # gradients (one compilation).
       y_ids = nnx.merge(g2, s)(x, expert_ids=ids)[0]
       inner = jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0], in_specs=(P(), P("data")),
                             out_specs=P("data"), axis_names={"data"}, check_vma=False)
-      return out, y_ids, inner(s, x_data)
+      return out, y_ids, inner(s, x_data), nnx.merge(g2, s)(x_batch)[0]
 
     with jax.set_mesh(mesh):
       placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
-      ((_, (y, st)), (gs, gx)), y_ids, y_inner = jax.jit(run)(
+      ((_, (y, st)), (gs, gx)), y_ids, y_inner, y_batch = jax.jit(run)(
           placed, jax.device_put(X, tokens), jax.device_put(IDS, tokens),
-          jax.device_put(X, NamedSharding(mesh, P("data"))))
+          jax.device_put(X, NamedSharding(mesh, P("data"))),
+          jax.device_put(X.reshape(2, T // 2, 16), NamedSharding(mesh, P("data"))))
     errs = {"y": rel(y, y_ref), "dx": rel(gx, gx_ref), "z_loss": rel(st.z_loss, st_ref.z_loss),
             "load_balance": rel(st.load_balance_loss, np.mean(halves)), **grad_errs(gs, gs_ref)}
     print("set_mesh", scheme, types[0], {k: f"{v:.1e}" for k, v in errs.items()})
@@ -156,6 +158,7 @@ def check_set_mesh(scheme):
     if explicit:
       assert rel(y_ids, y_ids_ref) < 1e-10, rel(y_ids, y_ids_ref)
       assert rel(y_inner, y_ref) < 1e-10, rel(y_inner, y_ref)
+      assert rel(y_batch, y_ref.reshape(2, T // 2, 16)) < 1e-10
 
 
 @functools.cache

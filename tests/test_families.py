@@ -540,7 +540,10 @@ def test_kimi_k25_language_model_is_deepseek_v3():
 
 def test_converters_refuse_a_state_dict_that_does_not_fit():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
-  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
+  layer = _random_layer(config)
+  state = hf.hf_state_from_layer(config, hf.layer_params(layer))
+  with pytest.raises(TypeError, match=r"hf_state_from_layer\(config, layer_params\(layer\)\)"):
+    hf.hf_state_from_layer(config, layer)
   with pytest.raises(ValueError, match="missing keys.*gate.weight"):
     hf.layer_params_from_hf(config, {k: v for k, v in state.items() if k != "gate.weight"})
   with pytest.raises(ValueError, match="unexpected keys.*experts.bias"):

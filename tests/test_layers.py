@@ -220,6 +220,15 @@ def test_selection_bias_update_moves_towards_balance():
   plain = _layer()
   plain.update_selection_bias(jnp.array([10, 0, 5, 5]))  # no bias: a no-op
   assert plain.selection_bias is None
+  for counts in (jnp.ones((3, 4)), jnp.int32(3), [10, 0, 5, 5]):  # not the bias's shape (E,)
+    with pytest.raises(ValueError, match=r"expert_counts must be an array of .* shape \(4,\)"):
+      m.update_selection_bias(counts)
+  # Layers stacked by nnx.vmap: (L, E) counts, each layer against its own mean.
+  stack = nnx.split_rngs(splits=2)(nnx.vmap(lambda r: _layer(bias_update_rate=0.1, rngs=r)))
+  stacked = stack(nnx.Rngs(0))
+  stacked.update_selection_bias(jnp.array([[10, 0, 5, 5], [1, 1, 1, 5]]))
+  np.testing.assert_allclose(stacked.selection_bias[...],
+                             [[-0.1, 0.1, 0, 0], [0.1, 0.1, 0.1, -0.1]])
 
 
 def test_linen_bridge(rng):
@@ -299,6 +308,15 @@ def test_bad_layer_arguments():
       _layer(**kwargs)
   with pytest.raises(TypeError, match="token_axes"):
     _layer(token_axes=5)
+  with pytest.raises(TypeError, match="rngs must be a flax.nnx.Rngs"):
+    _layer(rngs=None)
+  for name in ("use_bias", "fixed_selection", "deterministic"):
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+      _layer(**{name: "no"})
+  for kwargs in (dict(init_std=float("nan")), dict(init_std="a"), dict(router_init_std=-1.0)):
+    with pytest.raises(ValueError, match="init_std must be a finite number >= 0"):
+      _layer(**kwargs)
+  assert not np.any(np.asarray(_layer(router_init_std=0.0).router[...]))  # 0 is a std, not unset
   layer = _layer()
   with pytest.raises(TypeError, match="x must be an array"):
     layer([[1.0] * 32] * 4)

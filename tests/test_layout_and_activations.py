@@ -57,6 +57,26 @@ def test_grouped_layout_invariants(rng, row_tile, kind, method):
   assert np.all((lay.row_token >= 0) & (lay.row_token < T))
 
 
+def test_layout_refuses_bad_arguments_and_never_wraps_wide_ids():
+  """Each refusal names its argument; an int64 id past int32's range is "no expert", not wrapped
+  onto a real one by the narrowing (a host array, checked before JAX narrows it)."""
+  ids = np.array([[1, 0]], np.int32)
+  for args, kwargs, exc, match in (
+      ((ids.astype(np.float32), 4, 2), {}, TypeError, "expert_ids must have an integer dtype"),
+      ((ids.tolist(), 4, 2), {}, TypeError, "expert_ids must be an array"),
+      ((ids[0], 4, 2), {}, ValueError, r"expert_ids must be \(T, S\)"),
+      ((ids, 0, 2), {}, ValueError, "num_experts must be an int >= 1"),
+      ((ids, 4.0, 2), {}, ValueError, "num_experts must be an int >= 1"),
+      ((ids, 4, 2.5), {}, ValueError, "row_tile must be an int >= 1"),
+      ((ids, 4, 2), dict(extra_tokens=np.zeros(2), extra_experts=np.zeros(2, np.int32)),
+       TypeError, "extra_tokens must have an integer dtype")):
+    with pytest.raises(exc, match=match):
+      jax.eval_shape(lambda: build_grouped_layout(*args, **kwargs))
+  wide = np.array([[2**32 + 1, 0]], np.int64)
+  counts = jax.jit(lambda: build_grouped_layout(wide, 4, 2).expert_counts)()
+  np.testing.assert_array_equal(counts, [1, 0, 0, 0])
+
+
 @pytest.mark.parametrize("num_pairs,e_count", [(1, 1), (5000, 8), (5000, 255), (70000, 256),
                                                 (1000, 65535), (1000, 2**21)])
 def test_stable_sort_ids_is_the_stable_argsort(rng, num_pairs, e_count):

@@ -25,10 +25,10 @@ def _run(script, *args):
 # depend on the router's mode, so not every product is run. One process for all: the schemes'
 # cases share the single-device programs, and a scheme's cases its sharded ones.
 CASES = {"all_to_all_dense": ["random", "skew", "random:up", "random:llama4", "random:deepseek_v4",
-                              "empty"],
+                              "empty", "replicated"],
          "all_to_all_ragged": ["skew:nearest"],
          "all_gather": ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
-                        "empty"]}
+                        "empty", "replicated"]}
 
 
 def test_expert_parallel_matches_single_device():
@@ -36,7 +36,8 @@ def test_expert_parallel_matches_single_device():
   float64: output and the gradients of x, router, w1, w2, b1 (a case's third field: a token
   rounding mode, or a family router with router and selection biases, a router input and a
   per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
-  under shard_map's replication check; "empty": no tokens on any device."""
+  under shard_map's replication check; "empty": no tokens on any device; "replicated": x
+  replicated over the axis rather than split."""
   _run("ep_check.py", *(f"{scheme}:{case}" for scheme, cases in CASES.items() for case in cases))
 
 

@@ -368,6 +368,12 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
     sonic_jax.routing.route_tokens(logits, 2, "topk_softmax", jnp.zeros(7), None, 32)
   with pytest.raises(TypeError, match="tile must be an int"):
     sonic_jax.routing.round_tokens(sonic_jax.route(logits, 2, "softmax_topk"), 2.5, "up")
+  with pytest.raises(TypeError, match="routed must be the RouterOutput"):
+    sonic_jax.routing.round_tokens(tuple(sonic_jax.route(logits, 2, "softmax_topk")), 32, "up")
+  with pytest.raises(TypeError, match="logits must be an array"):
+    sonic_jax.route(np.asarray(logits).tolist(), 2, "softmax_topk")
+  with pytest.raises(TypeError, match="expert_ids must be an integer array"):
+    sonic_jax.route(logits, 2, "softmax_topk", expert_ids=jnp.zeros((8, 2)))
   with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
     sonic_jax.moe(*a, top_k=2, capacity_factor=0.0, backend="xla")
   with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
@@ -393,9 +399,9 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
 def test_fixed_selection_weighted_by_the_router(rng):
   """expert_ids (DeepSeek-V4's hash layers: a frozen table of each token id's experts): those
   experts, weighted as the router weights them, whatever it would select; an id outside [0, E)
-  an empty slot (the token's other weights renormalised without it); output and x's and the
-  router's gradients against the oracle (float64). sqrt(softplus) scores keep a finite gradient
-  where softplus underflows."""
+  an empty slot (the token's other weights renormalised without it), in `moe` and in `route`;
+  output and x's and the router's gradients against the oracle (float64). sqrt(softplus) scores keep
+  a finite gradient where softplus underflows."""
   p, d_y = make_problem(rng, T=40, d=16, n=8, E=8)
   ids = np.stack([rng.permutation(8)[:2] for _ in range(40)]).astype(np.int32)
   ids[3, 1], ids[5, 0], ids[7] = -1, 8, [-1, 9]  # empty slots; token 7 has no expert
@@ -429,6 +435,12 @@ def test_fixed_selection_weighted_by_the_router(rng):
     assert rel_err(value, ref_value) < TOL
     for g, w in zip(grads, want):
       assert rel_err(g, w) < TOL
+    # `route` itself, given the ids: the same empty slots, weight 0, every weight finite
+    routed = jax.jit(lambda l: sonic_jax.route(l, 2, router, expert_ids=jnp.asarray(ids)))(
+        a["x"] @ a["router_weight"])
+    np.testing.assert_array_equal(routed.expert_ids, np.where(valid, ids, -1))
+    scores = np.asarray(routed.scores)
+    assert not np.any(scores[~valid]) and np.all(np.isfinite(scores))
     far = np.full((3, 8), -200.0, np.float32)  # softplus(-200) is 0 in float32
     far[:, 0] = 0.0
     g = jax.jit(jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs[:, 0])))(far)

@@ -33,6 +33,20 @@ def _constrain(x, spec, mesh):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def _unflatten(y, lead, x):
+  """The layer's output y (T, d) as x's leading dims `lead`. On an explicit mesh a reshape splits a
+  token dimension sharded over n devices only where the first leading dim is a nonzero multiple of
+  n; otherwise y comes back in x's own sharding, as the layer on one device would return it."""
+  shape = (*lead, y.shape[-1])
+  spec = jax.typeof(y).sharding.spec
+  if len(lead) > 1 and len(spec) and spec[0] is not None:
+    mesh = jax.sharding.get_abstract_mesh()
+    n = math.prod(mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
+    if lead[0] == 0 or lead[0] % n:
+      return jax.lax.reshape(y, shape, out_sharding=jax.typeof(x).sharding.spec)
+  return y.reshape(shape)
+
+
 class SelectionBias(nnx.Variable):
   """Per-expert selection bias of auxiliary-loss-free balancing: not an `nnx.Param`, so optimizers
   (`nnx.Optimizer(..., wrt=nnx.Param)`) leave it alone; `MoE.update_selection_bias` moves it."""
@@ -133,6 +147,23 @@ class MoE(nnx.Module):
                expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
     # Everything a call would refuse is refused here, eval-mode-only paths included.
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
+    for name, value in (("use_bias", use_bias), ("use_router_bias", use_router_bias),
+                        ("use_expert_scale", use_expert_scale),
+                        ("fixed_selection", fixed_selection),
+                        ("shared_expert_gate", shared_expert_gate),
+                        ("deterministic", deterministic)):
+      if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    for name, value, none_ok in (("init_std", init_std, False),
+                                 ("router_init_std", router_init_std, True)):
+      if value is None and none_ok:
+        continue
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+          0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0{' or None' if none_ok else ''}, "
+                         f"got {value!r}")
     act = acts.get_activation(activation)
     for name, value, least in (("d_model", d_model, 1), ("expert_dim", expert_dim, 1),
                                ("num_experts", num_experts, 1),
@@ -217,7 +248,8 @@ class MoE(nnx.Module):
     self.token_axes = None if token_axes is None else tuple(token_axes)
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
-    self.router = _param(rngs, normal(router_init_std or init_std), (d_model, num_experts),
+    router_std = init_std if router_init_std is None else router_init_std
+    self.router = _param(rngs, normal(router_std), (d_model, num_experts),
                          param_dtype, (embed_axis, None))
     self.w1 = _param(rngs, normal(init_std), (num_experts, d_model, width), param_dtype,
                      (expert_axis, embed_axis, mlp_axis))
@@ -294,7 +326,9 @@ class MoE(nnx.Module):
     if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
       y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
     else:
-      y, stats = self._routed_shard_map(h, experts)
+      # h as the routed experts' shard_map takes it (sharded over token_axes): the shared experts
+      # then run on the same shards, and their output adds to y's without a reshard.
+      h, y, stats = self._routed_shard_map(h, experts)
     if self.shared_in is not None:
       # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute
       u = dot_f32(h, cast(self.shared_in))
@@ -311,7 +345,7 @@ class MoE(nnx.Module):
             stats.probs.reshape(*lead, e_count), stats.choice_ids.reshape(*lead, self.top_k))
       stats = stats._replace(load_balance_loss=sequence_loss)
     loss = self.load_balance_coef * stats.load_balance_loss + self.z_loss_coef * stats.z_loss
-    return y.reshape(*lead, y.shape[-1]), MoELayerAux(loss, stats)
+    return _unflatten(y, lead, x), MoELayerAux(loss, stats)
 
   def _normalised_router_input(self, r):
     """Gemma 4's router input: r RMS-normalised, times the trained scale and d ** -0.5, in
@@ -341,10 +375,10 @@ class MoE(nnx.Module):
 
   def _routed_shard_map(self, h, experts):
     """`_routed` under a `jax.shard_map` of its own, over the mesh set with `jax.set_mesh`: tokens
-    sharded over `token_axes`, expert weights over the expert axis, the rest replicated. The aux
-    comes back with per-token fields sharded like the tokens, counts and the z-loss over all tokens,
-    the balance loss averaged over the data shards' and no extra-pair lists (they index
-    device-local tokens)."""
+    sharded over `token_axes`, expert weights over the expert axis, the rest replicated. Returns
+    (h placed so, y, aux): the aux with per-token fields sharded like the tokens, counts and the
+    z-loss over all tokens, the balance loss averaged over the data shards' and no extra-pair
+    lists (they index device-local tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = self.expert_parallel_axis
     if mesh.empty or axis not in mesh.axis_names:
@@ -397,18 +431,25 @@ class MoE(nnx.Module):
     mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
                                    out_specs=(tokens, stats_specs), check_vma=False))
     # parameters as stored may be unplaced: put each where it goes
-    return mapped(_constrain(h, tokens, mesh),
-                  *(None if v is None else _constrain(v, spec, mesh)
-                    for v, spec in zip(experts, specs)))
+    h = _constrain(h, tokens, mesh)
+    return (h, *mapped(h, *(None if v is None else _constrain(v, spec, mesh)
+                            for v, spec in zip(experts, specs))))
 
   def update_selection_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
 
     Call it after the optimizer step with the step's `aux.stats.expert_counts` (summed over layers'
-    micro-batches or devices as you see fit). A no-op when bias_update_rate is 0.
+    micro-batches or devices as you see fit): shape (E,), or (L, E) on layers stacked by
+    `nnx.vmap` / `nnx.scan` (each layer's row against its own mean). A no-op when bias_update_rate
+    is 0.
     """
     if self.selection_bias is None:
       return
+    bias = self.selection_bias[...]
+    if not hasattr(expert_counts, "shape") or tuple(expert_counts.shape) != tuple(bias.shape):
+      raise ValueError(f"expert_counts must be an array of the selection bias's shape "
+                       f"{tuple(bias.shape)}, got "
+                       f"{getattr(expert_counts, 'shape', type(expert_counts).__name__)}")
     counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
-    step = self.bias_update_rate * jnp.sign(jnp.mean(counts) - counts)
-    self.selection_bias[...] = self.selection_bias[...] + step
+    step = self.bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    self.selection_bias[...] = bias + step
