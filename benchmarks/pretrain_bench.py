@@ -8,12 +8,16 @@ step split into MoE, attention, other layers, collectives and optimizer
       --baseline="tokamax ragged_dot" --run="ep4=--expert_parallel=4 --remat=none" \
       --run="ep2 fsdp=--expert_parallel=2 --fsdp" \
       --run="tokamax ragged_dot=--moe_impl=tokamax_ragged_dot --expert_parallel=1 --fsdp \
-             --bias_update_rate=0" [--common="--corpus_dir=DIR"] [--out=DIR]
+             --bias_update_rate=0" --common="--warmup=10 [--corpus_dir=DIR]" [--out=DIR]
   python -m benchmarks.pretrain_bench --config=olmoe_1b_7b --steps=300 --log_every=10 \
       --run="ep4 curve=--expert_parallel=4 --eval_every=25 --profile_step=0" \
       --append=DIR/<earlier results file>
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m benchmarks.pretrain_bench \
-      --config=tiny --common="--backend=xla" --steps=8 --log_every=2 --run="ep2=--expert_parallel=2"
+      --config=tiny --common="--backend=xla --warmup=2" --steps=8 --log_every=2 \
+      --run="ep2=--expert_parallel=2"
+
+A run's --steps must exceed its warm-up (the preset's --warmup, 50 for olmoe_1b_7b, unless
+--common or the run sets one).
 
 Each --run is NAME=FLAGS of `examples/pretrain/train.py`, run as its own process (a fresh
 workdir, no checkpoints, TensorBoard or plot, one evaluation at the end, one data cache for all
@@ -22,7 +26,8 @@ runs, a later --data_cache in --common wins) with --common and the shared --conf
 its profiled step to its last step). A run's figures are the medians over its metrics
 rows after the first `--skip_rows` (the example's rows time whole windows of steps after the
 first, compiling, step; the row that covers the profiled step times the steps after it). A run
-that fails is recorded with its error, and the others still run. --append adds the runs to an
+that fails is recorded with its error, and the others still run (the exit status is 1 when every
+run failed). --append adds the runs to an
 earlier results file of the same devices, preset and versions (another call on the same machine
 kind), which keeps its name and record; a --baseline given then re-bases every run.
 This process never touches a device: the runs get the whole of each. Writes
@@ -280,6 +285,8 @@ def main(_):
   print(table(out))
   print(curve_table(out))
   print(f"wrote {path}")
+  if all("error" in r for r in out["runs"][-len(runs):]):
+    sys.exit("every run failed (their errors are in the table)")
 
 
 if __name__ == "__main__":

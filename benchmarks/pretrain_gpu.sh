@@ -5,7 +5,7 @@
 # every run (a --common among the arguments would replace the corpus flags). The BPE and token
 # arrays are cached in .cache/bpe and the results kept in .cache/bench, which a later call on the
 # same (still warm) machine reuses and appends to:
-#   bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --steps=30 \
+#   COMMON=--warmup=10 bash benchmarks/pretrain_gpu.sh --config=olmoe_1b_7b --steps=30 \
 #       --baseline="tokamax ragged_dot" --run="ep4=--expert_parallel=4 --remat=none" \
 #       --run="tokamax ragged_dot=--moe_impl=tokamax_ragged_dot --expert_parallel=1 --fsdp \
 #              --bias_update_rate=0"

@@ -248,7 +248,8 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
 
 def test_pretrain_bench(tmp_path, monkeypatch):
   """One run of the example (one device): its medians, profile split and table. --append adds a
-  run that fails, recorded with its error, to that file; a run name the file has is refused."""
+  run that fails, recorded with its error, to that file (every run of that call failed: exit
+  status 1); a run name the file has is refused."""
   from benchmarks import pretrain_bench as bench
   # The devices are asked of a child process once: --append compares them with the file's.
   monkeypatch.setattr(bench, "_devices", functools.cache(bench._devices))
@@ -272,9 +273,10 @@ def test_pretrain_bench(tmp_path, monkeypatch):
 
   # --append continues the file: its runs, baseline and command stay, this command is added.
   later = tmp_path / "later"
-  _main("benchmarks.pretrain_bench", ["--config=tiny", "--run=broken=--top_k=99",
-                                      f"--append={tmp_path / name}", f"--out={later}"],
-        monkeypatch)
+  with pytest.raises(SystemExit, match="every run failed"):  # this call's one run: exit status 1
+    _main("benchmarks.pretrain_bench", ["--config=tiny", "--run=broken=--top_k=99",
+                                        f"--append={tmp_path / name}", f"--out={later}"],
+          monkeypatch)
   _, more = _results(later)
   assert [r["name"] for r in more["runs"]] == ["one", "broken"]
   assert "error" in more["runs"][1]  # a failing run is recorded

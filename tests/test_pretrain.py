@@ -112,6 +112,7 @@ def test_flags_refused_by_name(tmp_path):
            (["--dtype=bf16"], "flag --dtype=bf16: value should be one of"),
            (["--top_k=9"], "the model: top_k must be in [1, E=8], got 9"),
            (["--memcpy_p2p", "--distributed"], "not with --distributed"),
+           (["--backend=mosaic_gpu"], "--backend=mosaic_gpu needs an sm90 (Hopper) GPU"),
            (["--attention=cudnn"], "--attention=cudnn needs an NVIDIA GPU")]
   common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--warmup=0",
             "--backend=xla"]

@@ -48,6 +48,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sonic_jax.backends import resolve_backend
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import step_profile  # noqa: E402
@@ -444,6 +446,14 @@ def main(_):
     attention = attention_implementation(s["model"])
   except ValueError as e:
     raise app.UsageError(str(e)) from e
+  if s["model"].backend == "mosaic_gpu":  # likewise the kernels
+    try:
+      resolve_backend("mosaic_gpu")
+    except ValueError as e:
+      device = jax.devices()[0]
+      raise app.UsageError(f"--backend=mosaic_gpu needs an sm90 (Hopper) GPU, this device is "
+                           f"{device.device_kind} ({device.platform}): use --backend=auto or "
+                           f"xla") from e
   try:  # the model's own checks, shapes only, before the tokenizer's work (minutes for a BPE)
     nnx.eval_shape(lambda: TransformerLM(dataclasses.replace(s["model"], vocab_size=256),
                                          rngs=nnx.Rngs(0)))
@@ -524,6 +534,9 @@ def main(_):
     nnx.update(optimizer, restored["optimizer"])
     say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
                                         if changed else ""))
+    if start >= s["steps"]:
+      say(f"nothing to train: the run is at step {start} and --steps={s['steps']} (raise --steps "
+          f"to continue it)")
   if lead:  # after a resume's check: a refused run leaves the saved config as it was
     with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
       json.dump(config, f, indent=1)
