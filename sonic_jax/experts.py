@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax.backends import Backend
 from sonic_jax.layout import GroupedLayout
+from sonic_jax.varying import like_primal
 
 Array = jax.Array
 
@@ -69,9 +70,10 @@ def _backward(activation, gate_up_layout, backend, residuals, d_y):
   dx_rows = backend.dx_projection(d_h, w1, layout)
   d_x = backend.gather_sum(dx_rows, layout, None, x.dtype)
   d_scores, d_extra = _pair_values(d_s_rows, layout)
-  cast = lambda g, p: None if p is None else g.astype(p.dtype)
-  d_extra = None if extra_scores is None else d_extra.astype(extra_scores.dtype)
-  return (d_x, d_scores.astype(scores.dtype), d_extra, None,
+  # Each cotangent in its primal's dtype and shard_map type (`varying.like_primal`: a weight
+  # replicated over a data axis gets its gradient summed over it).
+  cast = lambda g, p: None if p is None else like_primal(g.astype(p.dtype), p)
+  return (cast(d_x, x), cast(d_scores, scores), cast(d_extra, extra_scores), None,
           cast(dw1, w1), cast(dw2, w2), cast(db1, b1), cast(db2, b2))
 
 

@@ -46,6 +46,7 @@ from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.ops import MoEAux, _check_capacity, _scaled_inputs, _validate
+from sonic_jax.varying import like_primal, varying_axes
 
 Array = jax.Array
 
@@ -74,13 +75,6 @@ def _check_router(router_weight, p, e_local, axis_name):
                      f"{hint}")
 
 
-def _varying_axes(a) -> frozenset:
-  """The manual axes over which shard_map types `a` as varying (empty without its check)."""
-  aval = jax.typeof(a)  # jax 0.11 keeps the varying axes in manual_axis_type, earlier in vma
-  vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return frozenset(getattr(aval, "vma", ()) if vma is None else vma)
-
-
 def _check_expert_split(axis_name, p, **arrays):
   """Refuses expert arrays that shard_map splits over other axes but not over `axis_name`: their
   local expert count can still pass `_check_router` (E = P x E_local) while every device of the
@@ -88,11 +82,12 @@ def _check_expert_split(axis_name, p, **arrays):
   without them nothing is known and nothing is refused."""
   if p == 1:
     return
+  names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
   for name, a in arrays.items():
     if a is None:
       continue
-    vma = _varying_axes(a)
-    if vma and axis_name not in vma:
+    vma = varying_axes(a)
+    if vma and not names <= vma:
       raise ValueError(f"{name} is split over {sorted(vma)} but not over axis_name="
                        f"{axis_name!r}: its experts (first dimension) must be split over "
                        f"{axis_name!r} in shard_map's in_specs")
@@ -163,7 +158,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                                              token_rounding, impl.row_tile,
                                              None if ids is None else gather(ids),
                                              expert_scale=expert_scale)
-  x_all = _gather_tokens(_varying(x, axis_name), axis_name)  # (P*T_local, d)
+  x_all = _gather_tokens(x, axis_name)  # (P*T_local, d)
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
@@ -205,15 +200,6 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   return y, aux
 
 
-def _varying(x: Array, axis_name: str) -> Array:
-  """x typed as varying over the axis (shard_map's check): the gradient of an x replicated over it
-  (in_specs without the axis) comes back summed over the devices, each of which used it, by
-  `pcast`'s transpose; `_gather_tokens`' own backward returns a varying value."""
-  if axis_name in _varying_axes(x):
-    return x
-  return jax.lax.pcast(x, axis_name, to="varying")
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _gather_tokens(x: Array, axis_name: str) -> Array:
   """all_gather(x) over the axis, (P*T_local, d). Its transpose sums the devices' cotangents in
@@ -223,11 +209,12 @@ def _gather_tokens(x: Array, axis_name: str) -> Array:
 
 
 def _gather_tokens_fwd(x, axis_name):
-  return _gather_tokens(x, axis_name), None
+  return _gather_tokens(x, axis_name), x[:0]  # an empty slice: x's shard_map type
 
 
-def _gather_tokens_bwd(axis_name, _, g):
-  return (_sum_partials(g, axis_name),)
+def _gather_tokens_bwd(axis_name, like_x, g):
+  # An x replicated over the axis gets the devices' cotangents summed (`like_primal`).
+  return (like_primal(_sum_partials(g, axis_name), like_x),)
 
 
 _gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
@@ -255,11 +242,12 @@ def _rows_of_pairs(x: Array, layout: GroupedLayout) -> Array:
 
 
 def _rows_of_pairs_fwd(x, layout):
-  return _rows_of_pairs(x, layout), layout
+  return _rows_of_pairs(x, layout), (layout, x[:0])  # an empty slice: x's shard_map type
 
 
-def _rows_of_pairs_bwd(layout, g):
-  return _sum_pairs(g, layout), None
+def _rows_of_pairs_bwd(residuals, g):
+  layout, like_x = residuals
+  return like_primal(_sum_pairs(g, layout), like_x), None
 
 
 @jax.custom_vjp
@@ -269,11 +257,12 @@ def _sum_pairs(rows: Array, layout: GroupedLayout) -> Array:
 
 
 def _sum_pairs_fwd(rows, layout):
-  return _sum_pairs(rows, layout), layout
+  return _sum_pairs(rows, layout), (layout, rows[:0])
 
 
-def _sum_pairs_bwd(layout, g):
-  return _rows_of_pairs(g, layout), None
+def _sum_pairs_bwd(residuals, g):
+  layout, like_rows = residuals
+  return like_primal(_rows_of_pairs(g, layout), like_rows), None
 
 
 _rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from sonic_jax import activations as acts
 from sonic_jax.layout import GroupedLayout
+from sonic_jax.varying import varying_axes
 
 Array = jax.Array
 _acc = acts.compute_dtype  # float32 accumulation (float64 for float64 inputs)
@@ -61,8 +62,7 @@ def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout)
   acc = _acc(lhs_rows.dtype)
   init = jnp.zeros((layout.num_experts, lhs_rows.shape[1], rhs_rows.shape[1]), acc)
   # Under shard_map the carry must vary over the manual axes that the tiles' products vary over.
-  varying = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying
-                                       for a in (lhs_rows, rhs_rows, expert)))))
+  varying = tuple(sorted(set().union(*map(varying_axes, (lhs_rows, rhs_rows, expert)))))
   if varying:
     init = jax.lax.pcast(init, varying, to="varying")
 

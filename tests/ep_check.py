@@ -163,10 +163,14 @@ def check_no_tokens(scheme_name):
   print(scheme_name, "no tokens")
 
 
-def check_replicated(scheme_name):
-  """x replicated over the axis (in_specs P()): each of 2 devices routes the same T tokens, the
-  output holds 2 copies of the single-device one, and the gradients of x (summed over the devices
-  that used it) and of the weights are twice the single device's."""
+def check_placement(scheme_name, placement):
+  """x placed otherwise than split over one "ep" axis, under shard_map's type check, against the
+  single device (no aux losses: they are per data shard or per copy): "replicated", x replicated
+  over 2 devices, each routing the same T tokens, so the output holds 2 copies of the single
+  device's and every gradient is twice its (x's summed over the devices that used it);
+  "data_axis", a (data 2, ep 4) mesh with the tokens split over both axes and the expert weights
+  over "ep" alone, their gradients summed over "data"; "tuple_axis", that mesh with the experts
+  split over both axes too, axis_name=("data", "ep")."""
   args, _, _, dy = inputs("random", None)
   kw, _ = options(None)
   scheme = SCHEMES[scheme_name]
@@ -175,26 +179,34 @@ def check_replicated(scheme_name):
     x, rw, w1, w2, b1 = args
     return sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw)[0]
 
-  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
-  specs = [P(), P(), P("ep"), P("ep"), P("ep")]
-  mapped = jax.shard_map(lambda a: scheme(*a[:4], b1=a[4], axis_name="ep", **kw)[0], mesh=mesh,
-                         in_specs=(specs,), out_specs=P("ep"))
+  axis, both = "ep", P(("data", "ep"))
+  if placement == "replicated":
+    mesh, x_spec, w_spec, copies = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2]), P(), \
+        P("ep"), 2
+  else:
+    mesh, x_spec, w_spec, copies = jax.make_mesh((2, 4), ("data", "ep")), both, P("ep"), 1
+    if placement == "tuple_axis":  # the experts over both axes, named as one
+      axis, w_spec = ("data", "ep"), both
+  specs = [x_spec, P(), w_spec, w_spec, w_spec]
+  mapped = jax.shard_map(lambda a: scheme(*a[:4], b1=a[4], axis_name=axis, **kw)[0], mesh=mesh,
+                         in_specs=(specs,), out_specs=both if copies == 1 else P("ep"))
   value_and_grad = lambda f, dy: jax.jit(jax.value_and_grad(lambda a: jnp.vdot(f(a), dy)))
   _, g_ref = value_and_grad(single, dy)(args)
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  _, g = value_and_grad(mapped, jnp.concatenate([dy, dy]))(placed)
-  errs = [rel(a, 2 * b) for a, b in zip(g, g_ref)]
-  print(scheme_name, "replicated x", ["%.1e" % e for e in errs])
+  _, g = value_and_grad(mapped, jnp.concatenate([dy] * copies))(placed)
+  errs = [rel(a, copies * b) for a, b in zip(g, g_ref)]
+  print(scheme_name, placement, ["%.1e" % e for e in errs])
   assert max(errs) < 1e-10, errs
 
 
 if __name__ == "__main__":
-  # Each argument one case, "scheme:routing[:mode]", "scheme:empty" or "scheme:replicated".
+  # Each argument one case: "scheme:routing[:mode]", "scheme:empty", or "scheme:replicated",
+  # "scheme:data_axis" or "scheme:tuple_axis" (`check_placement`).
   for case in sys.argv[1:]:
     if case.endswith(":empty"):
       check_no_tokens(case.split(":")[0])
-    elif case.endswith(":replicated"):
-      check_replicated(case.split(":")[0])
+    elif case.endswith((":replicated", ":data_axis", ":tuple_axis")):
+      check_placement(*case.split(":"))
     else:
       check(*case.split(":"))
   print("OK")

@@ -6,8 +6,10 @@
   its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among
   them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
   data shards' losses, the output with a fixed selection (expert_ids), the output for a batch of
-  2 sequences over the 4 token shards (B not a multiple of them); explicit and auto mesh axes
-  (float64);
+  2 sequences over the 4 token shards (B not a multiple of them), and inside a user's shard_map
+  over "data" (the layer adding its own over "ep") output (and the all-gather scheme's parameter
+  gradients), refused by name under that shard_map's type check, and for x sharded over its
+  sequence dim; explicit and auto mesh axes (float64), token axes of mixed types refused;
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name.
@@ -131,24 +133,45 @@ def check_set_mesh(scheme):
     mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
     tokens = NamedSharding(mesh, P(("data", "ep")))
 
-    def run(s, x, ids, x_data, x_batch):
+    def run(s, x, ids, x_data, x_batch, x_seq):
       out = set_mesh_loss(g2)(s, x)
       if not explicit:
-        return out, None, None, None
+        return out, None, None, None, None
       # A fixed selection (expert_ids), sharded as the tokens by the layer's own shard_map; and
-      # the layer inside a user's shard_map over "data" alone: both in the program of the
-      # gradients (one compilation).
+      # the layer inside a user's shard_map over "data" alone (without its type check, as the
+      # layer asks), value and gradients: all in the program of the gradients (one compilation).
       y_ids = nnx.merge(g2, s)(x, expert_ids=ids)[0]
-      inner = jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0], in_specs=(P(), P("data")),
-                            out_specs=P("data"), axis_names={"data"}, check_vma=False)
-      return out, y_ids, inner(s, x_data), nnx.merge(g2, s)(x_batch)[0]
+
+      def in_data_shard_map(s, x):
+        def local(s, x):
+          y, aux = nnx.merge(g2, s)(x)
+          return y, jax.lax.pmean(aux.stats.z_loss, "data")  # equal shards: the whole's
+        y, z_loss = jax.shard_map(local, in_specs=(P(), P("data")),
+                                  out_specs=(P("data"), P()), axis_names={"data"},
+                                  check_vma=False)(s, x)
+        return jnp.vdot(y, D_Y) + z_loss, y
+
+      # (The all-to-all scheme's gradient there crashes XLA:CPU, jax 0.11.2: its value only.)
+      inner = (jax.value_and_grad(in_data_shard_map, has_aux=True)(s, x_data)
+               if scheme == "all_gather" else ((None, in_data_shard_map(s, x_data)[1]), None))
+      return out, y_ids, inner, nnx.merge(g2, s)(x_batch)[0], nnx.merge(g2, s)(x_seq)[0]
 
     with jax.set_mesh(mesh):
+      if explicit:  # refused, abstractly: inside a type-checked shard_map over "data"
+        try:
+          jax.eval_shape(jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0],
+                                       in_specs=(P(), P("data")), out_specs=P("data"),
+                                       axis_names={"data"}), s2, X)
+        except ValueError as e:
+          assert "check_vma=True" in str(e), e
+        else:
+          raise AssertionError("the layer's own shard_map inside a checked one was not refused")
       placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
-      ((_, (y, st)), (gs, gx)), y_ids, y_inner, y_batch = jax.jit(run)(
+      ((_, (y, st)), (gs, gx)), y_ids, y_inner, y_batch, y_seq = jax.jit(run)(
           placed, jax.device_put(X, tokens), jax.device_put(IDS, tokens),
           jax.device_put(X, NamedSharding(mesh, P("data"))),
-          jax.device_put(X.reshape(2, T // 2, 16), NamedSharding(mesh, P("data"))))
+          jax.device_put(X.reshape(2, T // 2, 16), NamedSharding(mesh, P("data"))),
+          jax.device_put(X.reshape(4, T // 4, 16), NamedSharding(mesh, P(None, "ep"))))
     errs = {"y": rel(y, y_ref), "dx": rel(gx, gx_ref), "z_loss": rel(st.z_loss, st_ref.z_loss),
             "load_balance": rel(st.load_balance_loss, np.mean(halves)), **grad_errs(gs, gs_ref)}
     print("set_mesh", scheme, types[0], {k: f"{v:.1e}" for k, v in errs.items()})
@@ -157,8 +180,24 @@ def check_set_mesh(scheme):
     np.testing.assert_array_equal(st.expert_ids, st_ref.expert_ids)
     if explicit:
       assert rel(y_ids, y_ids_ref) < 1e-10, rel(y_ids, y_ids_ref)
-      assert rel(y_inner, y_ref) < 1e-10, rel(y_inner, y_ref)
+      (_, y_inner), g_inner = y_inner
+      errs = {"y": rel(y_inner, y_ref), **(grad_errs(g_inner, gs_ref) if g_inner else {})}
+      assert max(errs.values()) < 1e-10, errs
       assert rel(y_batch, y_ref.reshape(2, T // 2, 16)) < 1e-10
+      assert rel(y_seq, y_ref.reshape(4, T // 4, 16)) < 1e-10
+
+
+def check_mixed_axis_types():
+  """Token axes of two axis types (Explicit data, Auto ep) are refused by name, abstractly."""
+  layer = MoE(**KW, expert_parallel_axis="ep", rngs=nnx.Rngs(0))
+  mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=(AxisType.Explicit, AxisType.Auto))
+  with jax.set_mesh(mesh):
+    try:
+      jax.eval_shape(lambda: layer(jnp.asarray(X)))
+    except ValueError as e:
+      assert "mix mesh axis types" in str(e), e
+    else:
+      raise AssertionError("token axes of mixed types were not refused")
 
 
 @functools.cache
@@ -195,4 +234,5 @@ if __name__ == "__main__":
   for scheme in sys.argv[1:]:
     for check in (check_shard_map, check_set_mesh, check_eager):
       check(scheme)
+  check_mixed_axis_types()
   print("OK")

@@ -308,6 +308,11 @@ def test_bad_layer_arguments():
       _layer(**kwargs)
   with pytest.raises(TypeError, match="token_axes"):
     _layer(token_axes=5)
+  with pytest.raises(TypeError, match="expert_parallel_axis must be None or one mesh axis"):
+    _layer(expert_parallel_axis=("data", "ep"))
+  for token_axes in ((), ("ep", "ep")):
+    with pytest.raises(ValueError, match="token_axes must name one or more distinct"):
+      _layer(expert_parallel_axis="ep", token_axes=token_axes)
   with pytest.raises(TypeError, match="rngs must be a flax.nnx.Rngs"):
     _layer(rngs=None)
   for name in ("use_bias", "fixed_selection", "deterministic"):

@@ -19,6 +19,7 @@ from sonic_jax.config import Config, check_config
 from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 from sonic_jax.precision import dot_f32
+from sonic_jax.varying import varying_axes
 
 Array = jax.Array
 P = jax.sharding.PartitionSpec
@@ -31,6 +32,16 @@ def _constrain(x, spec, mesh):
   if all(mesh.axis_types[mesh.axis_names.index(a)] == explicit for a in names):
     return jax.sharding.reshard(x, spec)
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _flatten(x):
+  """x (..., d) as tokens (T, d). On an explicit mesh a reshape merges the leading dims only
+  where no dim but the first is sharded; otherwise (the sequence sharded, say) the tokens come
+  replicated, and the layer's shard_map then splits them over its token axes."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  if x.ndim > 2 and any(p is not None for p in spec[1:]):
+    return jax.lax.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]), out_sharding=P())
+  return x.reshape(-1, x.shape[-1])
 
 
 def _unflatten(y, lead, x):
@@ -107,7 +118,8 @@ class MoE(nnx.Module):
       layer then wraps its routed experts in a shard_map of its own over `token_axes` (explicit or
       auto mesh axes), and its aux carries per-token fields sharded like the tokens, counts and the
       z-loss over all tokens, and the balance loss averaged over the data shards' (as in
-      data-parallel training; no extra-pair lists).
+      data-parallel training; no extra-pair lists). Token rounding rounds each data shard's
+      tokens on its own (all of the expert axis's together), as data-parallel replicas would.
     token_axes: the mesh axes that shard the tokens in that second case (default: all axes of the
       mesh but those a surrounding shard_map made manual; they must include the expert axis).
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
@@ -190,6 +202,9 @@ class MoE(nnx.Module):
       if not floating:
         raise ValueError(f"{name} must be a floating dtype{' or None' if none_ok else ''}, got "
                          f"{value!r}")
+    if expert_parallel_axis is not None and not isinstance(expert_parallel_axis, str):
+      raise TypeError(f"expert_parallel_axis must be None or one mesh axis name (a str), got "
+                      f"{expert_parallel_axis!r}")
     if not (token_axes is None or isinstance(token_axes, str) or (
         isinstance(token_axes, (tuple, list)) and all(isinstance(a, str) for a in token_axes))):
       raise TypeError(f"token_axes must be None, an axis name or a tuple of them, got "
@@ -245,6 +260,8 @@ class MoE(nnx.Module):
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     if isinstance(token_axes, str):  # one axis name, not its letters
       token_axes = (token_axes,)
+    if token_axes is not None and (not token_axes or len(set(token_axes)) != len(token_axes)):
+      raise ValueError(f"token_axes must name one or more distinct mesh axes, got {token_axes!r}")
     self.token_axes = None if token_axes is None else tuple(token_axes)
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
@@ -297,7 +314,7 @@ class MoE(nnx.Module):
                        f"{tuple(x.shape)}")
     dtype = self.dtype or x.dtype
     lead = x.shape[:-1]
-    h = x.reshape(-1, x.shape[-1]).astype(dtype)
+    h = _flatten(x).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
     if self.balance_loss == "sequence" and x.ndim != 3:
       raise ValueError(f"balance_loss='sequence' takes x of shape (B, S, d), got {x.shape}")
@@ -381,6 +398,15 @@ class MoE(nnx.Module):
     lists (they index device-local tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = self.expert_parallel_axis
+    outer = varying_axes(h)
+    if outer:
+      # The shard_map below runs without shard_map's type check: inside a checked one the
+      # parameters' gradients would not be summed over the outer axes.
+      raise ValueError(
+          f"expert_parallel_axis={axis!r}: the layer adds its own shard_map over that axis, but "
+          f"it is inside a jax.shard_map over {sorted(outer)} with check_vma=True, through which "
+          f"its gradients would be wrong: give that shard_map check_vma=False, or map it over "
+          f"{axis!r} too (the layer then runs the parallel op directly)")
     if mesh.empty or axis not in mesh.axis_names:
       raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
                        f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
@@ -391,6 +417,11 @@ class MoE(nnx.Module):
     if axis not in token_axes or any(a not in mesh.axis_names for a in token_axes):
       raise ValueError(f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} "
                        f"and include the expert axis {axis!r}")
+    types = {mesh.axis_types[mesh.axis_names.index(a)] for a in token_axes}
+    if len(types) > 1:
+      raise ValueError(f"token_axes={token_axes} mix mesh axis types {sorted(map(str, types))}: "
+                       f"the layer shards the tokens over them together, so make them all "
+                       f"Explicit or all Auto (jax.make_mesh's axis_types)")
     e_count = experts[1].shape[0]
     if e_count % mesh.shape[axis]:
       raise ValueError(f"num_experts={e_count} does not split over the {mesh.shape[axis]} devices "
