@@ -2,7 +2,7 @@ r"""Autotuning: measures kernel configurations of the `mosaic_gpu` backend, writ
 
   python -m benchmarks.autotune --out=table.json [--thiek=T,d,n,E,K ...] [--roles=up,dh]
       [--fields=num_stages] [--nomerge]
-  python -m benchmarks.autotune --interpret --thiek=256,256,128,4,2 --roles=dx \
+  PJRT_NPROC=16 python -m benchmarks.autotune --interpret --thiek=256,256,128,4,2 --roles=dx \
       --fields=num_stages --repeats=1 --out=/tmp/table.json          # a CPU run (interpret mode)
 
 On a GPU machine: `PYTHONPATH=$PWD python3 -m benchmarks.autotune --out=$OUT/tuned_configs.json`.

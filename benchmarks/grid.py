@@ -12,6 +12,7 @@ import shlex
 import re
 import sys
 
+from absl import app
 import jax
 import jax.numpy as jnp
 
@@ -41,7 +42,18 @@ def config_name(cfg):
 
 def parse_configs(thiek, default):
   """Configurations from --thiek strings "T,d,n,E,K" (repeatable), or `default` without any."""
-  return [tuple(int(v) for v in s.split(",")) for s in thiek] if thiek else list(default)
+  if not thiek:
+    return list(default)
+  configs = []
+  for s in thiek:
+    try:
+      cfg = tuple(int(v) for v in s.split(","))
+    except ValueError:
+      cfg = ()
+    if len(cfg) != 5 or min(cfg) < 1:
+      raise app.UsageError(f"--thiek={s!r}: expected five positive integers T,d,n,E,K")
+    configs.append(cfg)
+  return configs
 
 
 def forward_flops(cfg, glu=True):

@@ -1,7 +1,8 @@
 r"""Per-kernel timings of the layer's Mosaic GPU kernels against rooflines measured on the GPU.
 
   python -m benchmarks.kernel_bench [--thiek=T,d,n,E,K ...] [--out=dir]
-  python -m benchmarks.kernel_bench --interpret --thiek=256,256,128,4,2 --repeats=1   # on a CPU
+  PJRT_NPROC=16 python -m benchmarks.kernel_bench --interpret --thiek=256,256,128,4,2 \
+      --repeats=1                          # on a CPU (interpret mode: see sonic_jax.interpret)
 
 On a GPU machine `bash benchmarks/gpu_check.sh` runs it on the paper's 12 configurations after the
 compiled tests, writing $OUT/<device>_<date>_kernels.json (copy it into benchmarks/results/ for

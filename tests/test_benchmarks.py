@@ -525,6 +525,10 @@ def test_scripts_parse():
 
 
 def test_grid_problems_and_names():
+  assert grid.parse_configs(["256,64,32,8,2"], []) == [(256, 64, 32, 8, 2)]
+  for bad in ("256,64,32", "256,64,32,8,x", "256,64,0,8,2"):
+    with pytest.raises(app.UsageError, match="expected five positive integers"):
+      grid.parse_configs([bad], [])
   cfg = (256, 128, 64, 8, 2)
   std = lambda v: float(np.std(np.asarray(v, np.float32)))
   unit, sonic = grid.random_problem(cfg, data="unit"), grid.random_problem(cfg)

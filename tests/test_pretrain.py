@@ -284,7 +284,8 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   """--tokenizer=bpe end to end: losses per token and per byte (the byte counts of the evaluated
   tokens), the tokenizer saved with the run, sample.py loading the model alone from the latest
   checkpoint, its config from inside it, and decoding with the tokenizer (the cache that a resume
-  loads: test_bpe_tokenizer_round_trips_deterministic_and_cached). The model's blocks are stacked,
+  loads: test_bpe_tokenizer_round_trips_deterministic_and_cached); a step without a checkpoint is
+  refused naming those there are. The model's blocks are stacked,
   scanned and rematerialised; it trains with token rounding and evaluates (and samples) with
   top-K routing."""
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=40",
@@ -310,6 +311,10 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
                         timeout=600, env=ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.startswith("[step 40] import ") and len(proc.stdout) > 150, proc.stdout
+  proc = subprocess.run([sys.executable, SAMPLE, f"--workdir={tmp_path}", "--step=7"],
+                        capture_output=True, text=True, timeout=600, env=ENV)
+  assert proc.returncode == 1 and "no checkpoint of step 7" in proc.stderr, proc.stderr[-2000:]
+  assert "holds steps [40]" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_shard_spec_rules():

@@ -23,17 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sonic_jax.backends import resolve_backend
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import ATTENTIONS, ModelConfig, TransformerLM  # noqa: E402
+from model import (ATTENTIONS, ModelConfig, TransformerLM,  # noqa: E402
+                   attention_implementation)
 import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "the training run's --workdir")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("prompt", "def ", "text to continue (UTF-8 bytes)")
 flags.DEFINE_integer("tokens", 200, "tokens to generate (bytes with --tokenizer=bytes runs)")
-flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0: greedy")
+flags.DEFINE_float("temperature", 0.8, "sampling temperature (>= 0); 0: greedy", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "sampling seed")
-flags.DEFINE_string("backend", None, "sonic_jax backend (default: the training run's)")
+flags.DEFINE_enum("backend", None, ["auto", "xla", "mosaic_gpu"],
+                  "sonic_jax backend (default: the training run's)")
 flags.DEFINE_enum("attention", "auto", list(ATTENTIONS), "attention implementation (all compute "
                   "the same function: auto takes cuDNN where it runs)")
 FLAGS = flags.FLAGS
@@ -45,9 +49,13 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"))
-  step = ckpt.latest_step() if step is None else step
   if step is None:
-    raise app.UsageError(f"no checkpoint in {workdir}/ckpt")
+    step = ckpt.latest_step()
+    if step is None:
+      raise app.UsageError(f"no checkpoint in {workdir}/ckpt")
+  elif step not in ckpt.all_steps():
+    raise app.UsageError(f"no checkpoint of step {step} in {workdir}/ckpt (it holds steps "
+                         f"{sorted(ckpt.all_steps())})")
   config = ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   model_cfg = {k: v for k, v in config["model"].items() if k in fields}
@@ -57,6 +65,11 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
   if backend is not None:
     model_cfg["backend"] = backend
   cfg = ModelConfig(**model_cfg)
+  try:  # a device that cannot run the attention or the kernels asked for: one line, not a trace
+    attention_implementation(cfg)
+    resolve_backend(cfg.backend)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
   graph, state = nnx.split(abstract)
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -620,10 +620,14 @@ def main(_):
               f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
               if "heldout_loss" in row else "")
       mfu = "" if math.isnan(row["mfu"]) else f"MFU {row['mfu']:.3f}, "  # no peak: no MFU
+      # A window of the compiling step alone has no rate: it is left out rather than shown as nan.
+      speed = "" if math.isnan(rate) else (f"{rate:.0f} tokens/s, {mfu}MoE "
+                                           f"{row['moe_tflops']:.3f} TFLOP/s, ")
+      dropped = (f"dropped pairs {row['dropped_pairs']:.0f}, " if s["model"].capacity_factor
+                 is not None else "")
       say(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
           f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
-          f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, "
-          f"{rate:.0f} tokens/s, {mfu}MoE {row['moe_tflops']:.3f} TFLOP/s, "
+          f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, {speed}{dropped}"
           f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
