@@ -96,7 +96,7 @@ for argv in cases[:-1]:
       flags.FLAGS([script, *argv])
       train.main(None)
       refusal = None
-    except (flags.Error, app.UsageError) as e:
+    except (flags.Error, SystemExit) as e:  # train.main exits with a refusal's reason
       refusal = str(e)
   print(json.dumps([refusal, out.getvalue()]), flush=True)
 flags.FLAGS.unparse_flags()

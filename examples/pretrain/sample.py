@@ -114,9 +114,13 @@ def generate(model, tok, prompt: bytes, num_tokens: int, temperature: float, see
 
 def main(_):
   logging.set_verbosity(logging.WARNING)
-  model, step, tok, context = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend, FLAGS.attention)
   prompt = FLAGS.prompt.encode()
-  text = generate(model, tok, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed, context)
+  try:  # a refusal exits 1 with its reason alone (absl would print this module's docstring first)
+    model, step, tok, context = load_model(FLAGS.workdir, FLAGS.step, FLAGS.backend,
+                                           FLAGS.attention)
+    text = generate(model, tok, prompt, FLAGS.tokens, FLAGS.temperature, FLAGS.seed, context)
+  except app.UsageError as e:
+    sys.exit(f"sample.py: {e}")
   print(f"[step {step}] " + (prompt + text).decode("utf-8", errors="replace"))
 
 

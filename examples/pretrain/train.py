@@ -1,14 +1,18 @@
 r"""Pretrain an MoE language model with sonic_jax on the Python standard library's sources.
 
-  python examples/pretrain/train.py --config=tiny            # CPU, a few minutes
+  python examples/pretrain/train.py --config=tiny --workdir=/tmp/tiny   # CPU, a few minutes
   python examples/pretrain/train.py --config=h100 --workdir=/tmp/run   # one H100
-  python examples/pretrain/train.py --config=tiny --tokenizer=bpe --vocab_size=4096   # BPE tokens
+  python examples/pretrain/train.py --config=tiny --tokenizer=bpe --vocab_size=4096 \
+      --workdir=/tmp/bpe                                               # BPE tokens
   python examples/pretrain/train.py --config=olmoe_1b_7b --expert_parallel=4 --workdir=/tmp/olmoe
-  python examples/pretrain/train.py --config=tiny --num_layers=4 --d_model=256   # any shape
+  python examples/pretrain/train.py --config=tiny --num_layers=4 --d_model=256 \
+      --workdir=/tmp/shape                                             # any shape
   python examples/pretrain/sample.py --workdir=/tmp/run --prompt="def "    # text from a checkpoint
   python examples/pretrain/train.py --help
   XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-      python examples/pretrain/train.py --expert_parallel=2   # (data 2, ep 2) mesh
+      python examples/pretrain/train.py --expert_parallel=2 --workdir=/tmp/ep   # (data 2, ep 2)
+
+A workdir holds one run: the same command again resumes it, another model there is refused.
 
 Byte tokens or a byte-level BPE trained on the training split (--tokenizer; tokenizer.py), a
 decoder-only transformer (rotary attention, RMSNorm, tied or untied embeddings) whose feed-forward
@@ -414,6 +418,15 @@ def tokenize(s):
 
 
 def main(_):
+  """absl's entry point. A refused setting exits 1 with its reason alone (absl would print this
+  module's docstring before it)."""
+  try:
+    run()
+  except app.UsageError as e:
+    sys.exit(f"train.py: {e}")
+
+
+def run():
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   if FLAGS.memcpy_p2p:
     if FLAGS.distributed:
