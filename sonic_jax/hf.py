@@ -977,7 +977,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   ValueError names the parameters whose shapes do not fit the config."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a mapping of the layer's parameter names to arrays, got "
-                    f"{type(params).__name__} (for an MoE layer or an nnx.State: "
+                    f"{type(params).__name__} (for an MoE layer: "
                     f"hf_state_from_layer(config, layer_params(layer)))")
   config = _text_config(config)
   fam = family(config)

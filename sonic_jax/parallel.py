@@ -76,10 +76,10 @@ def _check_router(router_weight, p, e_local, axis_name):
 
 
 def _check_expert_split(axis_name, p, **arrays):
-  """Refuses expert arrays that shard_map splits over other axes but not over `axis_name`: their
-  local expert count can still pass `_check_router` (E = P x E_local) while every device of the
-  axis holds the same experts. Needs shard_map's varying-axes types (check_vma, the default);
-  without them nothing is known and nothing is refused."""
+  """Refuses expert arrays that shard_map splits over other axes but not over `axis_name` (every
+  axis of it, for a tuple): their local expert count can still pass `_check_router` (E = P x
+  E_local) while every device of the axis holds the same experts. Needs shard_map's varying-axes
+  types (check_vma, the default); without them nothing is known and nothing is refused."""
   if p == 1:
     return
   names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sonic_jax.varying import like_primal
+
 Array = jax.Array
 
 _16BIT = (jnp.bfloat16, jnp.float16)
@@ -45,11 +47,13 @@ def _dot_16bit_bwd(residuals, g):
 
 def dot_16bit_grads(a: Array, b: Array, g: Array) -> tuple[Array, Array]:
   """(d_a, d_b) of a @ b (16-bit a, b; float32 result) for the result's cotangent g: both GEMMs
-  on g cast to a's dtype, with float32 accumulation."""
+  on g cast to a's dtype, with float32 accumulation; each in its operand's shard_map type."""
   g = g.astype(a.dtype)
   d_a = jax.lax.dot_general(g, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   d_b = jax.lax.dot_general(a, g, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-  return d_a.astype(a.dtype), d_b.astype(b.dtype)
+  # In the operands' shard_map types: a router weight replicated over a data axis gets its
+  # gradient summed over it (`varying.like_primal`).
+  return like_primal(d_a.astype(a.dtype), a), like_primal(d_b.astype(b.dtype), b)
 
 
 _dot_16bit.defvjp(_dot_16bit_fwd, _dot_16bit_bwd)

@@ -154,7 +154,10 @@ def check_set_mesh(scheme):
       # (The all-to-all scheme's gradient there crashes XLA:CPU, jax 0.11.2: its value only.)
       inner = (jax.value_and_grad(in_data_shard_map, has_aux=True)(s, x_data)
                if scheme == "all_gather" else ((None, in_data_shard_map(s, x_data)[1]), None))
-      return out, y_ids, inner, nnx.merge(g2, s)(x_batch)[0], nnx.merge(g2, s)(x_seq)[0]
+      # x, the router's input and the fixed selection sharded over the sequence dim
+      ids_seq = jax.sharding.reshard(ids.reshape(4, T // 4, 2), P(None, "ep"))
+      return out, y_ids, inner, nnx.merge(g2, s)(x_batch)[0], (
+          nnx.merge(g2, s)(x_seq)[0], nnx.merge(g2, s)(x_seq, x_seq, ids_seq)[0])
 
     with jax.set_mesh(mesh):
       if explicit:  # refused, abstractly: inside a type-checked shard_map over "data"
@@ -184,7 +187,8 @@ def check_set_mesh(scheme):
       errs = {"y": rel(y_inner, y_ref), **(grad_errs(g_inner, gs_ref) if g_inner else {})}
       assert max(errs.values()) < 1e-10, errs
       assert rel(y_batch, y_ref.reshape(2, T // 2, 16)) < 1e-10
-      assert rel(y_seq, y_ref.reshape(4, T // 4, 16)) < 1e-10
+      assert rel(y_seq[0], y_ref.reshape(4, T // 4, 16)) < 1e-10
+      assert rel(y_seq[1], y_ids_ref.reshape(4, T // 4, 16)) < 1e-10
 
 
 def check_mixed_axis_types():

@@ -75,6 +75,10 @@ def test_layout_refuses_bad_arguments_and_never_wraps_wide_ids():
   wide = np.array([[2**32 + 1, 0]], np.int64)
   counts = jax.jit(lambda: build_grouped_layout(wide, 4, 2).expert_counts)()
   np.testing.assert_array_equal(counts, [1, 0, 0, 0])
+  extra = jax.jit(lambda: build_grouped_layout(
+      np.array([[1, 0], [2, 3]]), 4, 2, extra_tokens=np.array([1, 0], np.int64),
+      extra_experts=np.array([2**32 + 2, 3], np.int64)).expert_counts)()
+  np.testing.assert_array_equal(extra, [1, 1, 1, 2])  # the wide extra expert: an unused entry
 
 
 @pytest.mark.parametrize("num_pairs,e_count", [(1, 1), (5000, 8), (5000, 255), (70000, 256),

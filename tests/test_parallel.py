@@ -25,7 +25,7 @@ def _run(script, *args):
 # depend on the router's mode, so not every product is run. One process for all: the schemes'
 # cases share the single-device programs, and a scheme's cases its sharded ones.
 CASES = {"all_to_all_dense": ["random", "skew", "random:up", "random:llama4", "random:deepseek_v4",
-                              "empty", "replicated", "data_axis"],
+                              "empty", "replicated", "data_axis", "data_axis_bf16"],
          "all_to_all_ragged": ["skew:nearest"],
          "all_gather": ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
                         "empty", "replicated", "data_axis", "tuple_axis"]}
@@ -38,7 +38,8 @@ def test_expert_parallel_matches_single_device():
   per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
   under shard_map's replication check; "empty": no tokens on any device; "replicated": x
   replicated over the axis rather than split; "data_axis": a (data, ep) mesh, the expert weights
-  replicated over data; "tuple_axis": the experts over both, axis_name=("data", "ep")."""
+  replicated over data (in bfloat16 too); "tuple_axis": the experts over both,
+  axis_name=("data", "ep")."""
   _run("ep_check.py", *(f"{scheme}:{case}" for scheme, cases in CASES.items() for case in cases))
 
 

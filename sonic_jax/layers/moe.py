@@ -35,12 +35,15 @@ def _constrain(x, spec, mesh):
 
 
 def _flatten(x):
-  """x (..., d) as tokens (T, d). On an explicit mesh a reshape merges the leading dims only
-  where no dim but the first is sharded; otherwise (the sequence sharded, say) the tokens come
-  replicated, and the layer's shard_map then splits them over its token axes."""
-  spec = tuple(jax.typeof(x).sharding.spec)
-  if x.ndim > 2 and any(p is not None for p in spec[1:]):
-    return jax.lax.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]), out_sharding=P())
+  """x (..., c) as rows (T, c), tokens in order. On an explicit mesh a plain reshape merges the
+  leading dims only where none but the first is sharded; otherwise (the sequence sharded, say)
+  the merged dim is sharded over the leading dims' axes in order, and the last dim keeps its."""
+  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  if x.ndim > 2 and any(p is not None for p in spec[1:x.ndim - 1]):
+    axes = [a for p in spec[:x.ndim - 1] if p is not None
+            for a in (p if isinstance(p, tuple) else (p,))]
+    return jax.lax.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]),
+                           out_sharding=P(tuple(axes), spec[x.ndim - 1]))
   return x.reshape(-1, x.shape[-1])
 
 
@@ -321,7 +324,7 @@ class MoE(nnx.Module):
     if router_x is not None and tuple(router_x.shape) != tuple(x.shape):
       raise ValueError(f"router_x must have x's shape {tuple(x.shape)}, got "
                        f"{tuple(router_x.shape)}")
-    r = None if router_x is None else router_x.reshape(h.shape)
+    r = None if router_x is None else _flatten(router_x)
     if self.router_scale is not None:
       r = self._normalised_router_input(h if r is None else r)
     elif r is not None:
@@ -336,7 +339,7 @@ class MoE(nnx.Module):
       if tuple(expert_ids.shape) != tuple(lead) + (self.top_k,):
         raise ValueError(f"expert_ids must have shape {tuple(lead) + (self.top_k,)} (x's leading "
                          f"dims, top_k), got {tuple(expert_ids.shape)}")
-      expert_ids = expert_ids.reshape(-1, self.top_k)
+      expert_ids = _flatten(expert_ids)
     experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2),
                router_bias, sel_bias, r, expert_scale, expert_ids)
     axis = self.expert_parallel_axis
@@ -398,6 +401,10 @@ class MoE(nnx.Module):
     lists (they index device-local tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = self.expert_parallel_axis
+    if mesh.empty or axis not in mesh.axis_names:
+      raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
+                       f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
+                       f"(current mesh axes: {tuple(mesh.axis_names)})")
     outer = varying_axes(h)
     if outer:
       # The shard_map below runs without shard_map's type check: inside a checked one the
@@ -407,10 +414,6 @@ class MoE(nnx.Module):
           f"it is inside a jax.shard_map over {sorted(outer)} with check_vma=True, through which "
           f"its gradients would be wrong: give that shard_map check_vma=False, or map it over "
           f"{axis!r} too (the layer then runs the parallel op directly)")
-    if mesh.empty or axis not in mesh.axis_names:
-      raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
-                       f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
-                       f"(current mesh axes: {tuple(mesh.axis_names)})")
     # By default every axis not already manual (inside a user's shard_map over some of them).
     token_axes = tuple(self.token_axes or (a for a in mesh.axis_names
                                            if a not in mesh.manual_axes))
@@ -477,10 +480,11 @@ class MoE(nnx.Module):
     if self.selection_bias is None:
       return
     bias = self.selection_bias[...]
-    if not hasattr(expert_counts, "shape") or tuple(expert_counts.shape) != tuple(bias.shape):
-      raise ValueError(f"expert_counts must be an array of the selection bias's shape "
-                       f"{tuple(bias.shape)}, got "
-                       f"{getattr(expert_counts, 'shape', type(expert_counts).__name__)}")
+    if not hasattr(expert_counts, "shape"):
+      raise TypeError(f"expert_counts must be an array, got {type(expert_counts).__name__}")
+    if tuple(expert_counts.shape) != tuple(bias.shape):
+      raise ValueError(f"expert_counts must have the selection bias's shape {tuple(bias.shape)}, "
+                       f"got {tuple(expert_counts.shape)}")
     counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
     step = self.bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
     self.selection_bias[...] = bias + step
