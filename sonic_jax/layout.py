@@ -220,11 +220,16 @@ def _rows_by_block_ranks(expert_ids: Array, e_count: int, row_tile: int, rows: i
   return pair_row, row_pair, counts
 
 
-def _check_ids(name, ids, ndim, shape_doc):
+def check_integer_array(name: str, ids) -> None:
+  """A TypeError naming `name` unless ids is an array of an integer dtype."""
   if not hasattr(ids, "shape") or not hasattr(ids, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+
+
+def _check_ids(name, ids, ndim, shape_doc):
+  check_integer_array(name, ids)
   if ids.ndim != ndim:
     raise ValueError(f"{name} must be {shape_doc}, got shape {tuple(ids.shape)}")
 

@@ -14,7 +14,7 @@ from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture
-from sonic_jax.layout import build_grouped_layout, int32_ids
+from sonic_jax.layout import build_grouped_layout, check_integer_array, int32_ids
 
 Array = jax.Array
 
@@ -145,10 +145,7 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
     if tuple(b.shape) != (e_router,):
       raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
   if expert_ids is not None:
-    if not hasattr(expert_ids, "shape") or not hasattr(expert_ids, "dtype"):
-      raise TypeError(f"expert_ids must be an array, got {type(expert_ids).__name__}")
-    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-      raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+    check_integer_array("expert_ids", expert_ids)
     if tuple(expert_ids.shape) != (x.shape[0], top_k):
       raise ValueError(f"expert_ids must have shape (T, top_k) = ({x.shape[0]}, {top_k}), got "
                        f"{tuple(expert_ids.shape)}")
@@ -300,8 +297,7 @@ def _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, ex
   if expert_ids.shape != scores.shape or expert_ids.shape[0] != t_count:
     raise ValueError(f"expert_ids and scores must both have shape (T, S) with T = {t_count}, got "
                      f"{tuple(expert_ids.shape)} and {tuple(scores.shape)}")
-  if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-    raise TypeError(f"expert_ids must have an integer dtype, got {expert_ids.dtype}")
+  check_integer_array("expert_ids", expert_ids)
   _check_float("scores", scores)
   extras = (extra_tokens, extra_experts, extra_scores)
   if any(e is None for e in extras) and not all(e is None for e in extras):
@@ -313,8 +309,7 @@ def _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, ex
       raise ValueError(f"extra_tokens, extra_experts and extra_scores must all be (X,), got "
                        f"{name} with shape {getattr(a, 'shape', None)}")
   for name, a in (("extra_tokens", extra_tokens), ("extra_experts", extra_experts)):
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-      raise TypeError(f"{name} must have an integer dtype, got {a.dtype}")
+    check_integer_array(name, a)
   _check_float("extra_scores", extra_scores)
 
 

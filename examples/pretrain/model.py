@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax.activations import get_activation
+from sonic_jax.backends import resolve_backend
 from sonic_jax.layers import MoE
 
 from ragged_moe import RaggedDotMoE
@@ -130,6 +131,21 @@ def attention_implementation(cfg: ModelConfig, device=None) -> str:
   if cfg.attention == "cudnn":
     raise ValueError(f"--attention=cudnn needs {reason}; use --attention=auto or xla")
   return "xla"
+
+
+def check_device(cfg: ModelConfig) -> str:
+  """The attention implementation for cfg on this device (`attention_implementation`), after
+  checking that the device runs what cfg asks for: a ValueError naming the flag otherwise."""
+  attention = attention_implementation(cfg)
+  if cfg.backend == "mosaic_gpu":
+    try:
+      resolve_backend("mosaic_gpu")
+    except ValueError as e:
+      device = jax.devices()[0]
+      raise ValueError(f"--backend=mosaic_gpu needs an sm90 (Hopper) GPU, this device is "
+                       f"{device.device_kind} ({device.platform}): use --backend=auto or "
+                       f"xla") from e
+  return attention
 
 
 class Attention(nnx.Module):

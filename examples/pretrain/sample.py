@@ -23,11 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sonic_jax.backends import resolve_backend
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model import (ATTENTIONS, ModelConfig, TransformerLM,  # noqa: E402
-                   attention_implementation)
+from model import ATTENTIONS, ModelConfig, TransformerLM, check_device  # noqa: E402
 import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "the training run's --workdir")
@@ -66,8 +63,7 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
     model_cfg["backend"] = backend
   cfg = ModelConfig(**model_cfg)
   try:  # a device that cannot run the attention or the kernels asked for: one line, not a trace
-    attention_implementation(cfg)
-    resolve_backend(cfg.backend)
+    check_device(cfg)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))

@@ -52,13 +52,11 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sonic_jax.backends import resolve_backend
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import step_profile  # noqa: E402
 from model import (ATTENTIONS, MOE_IMPLS, REMATS, TransformerLM,  # noqa: E402
-                   attention_implementation, model_flops_per_token, moe_flops_per_token)
+                   check_device, model_flops_per_token, moe_flops_per_token)
 from presets import CONFIGS  # noqa: E402
 from sharding import bytes_per_device, create_sharded  # noqa: E402
 import tokenizer as tokenizer_lib  # noqa: E402
@@ -455,18 +453,10 @@ def run():
   if heads < 1 or d_model % heads or (d_model // heads) % 2:
     raise app.UsageError(f"--d_model ({d_model}) must be --num_heads ({heads}) times an even head "
                          "width (rotary embeddings rotate pairs of features)")
-  try:  # before the tokenizer's work: a device that cannot run the attention asked for
-    attention = attention_implementation(s["model"])
+  try:  # before the tokenizer's work: a device that cannot run the attention or kernels asked for
+    attention = check_device(s["model"])
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  if s["model"].backend == "mosaic_gpu":  # likewise the kernels
-    try:
-      resolve_backend("mosaic_gpu")
-    except ValueError as e:
-      device = jax.devices()[0]
-      raise app.UsageError(f"--backend=mosaic_gpu needs an sm90 (Hopper) GPU, this device is "
-                           f"{device.device_kind} ({device.platform}): use --backend=auto or "
-                           f"xla") from e
   try:  # the model's own checks, shapes only, before the tokenizer's work (minutes for a BPE)
     nnx.eval_shape(lambda: TransformerLM(dataclasses.replace(s["model"], vocab_size=256),
                                          rngs=nnx.Rngs(0)))

@@ -25,9 +25,14 @@ Array = jax.Array
 P = jax.sharding.PartitionSpec
 
 
+def _axes(*parts) -> list[str]:
+  """The mesh axes that PartitionSpec entries name, in order (each None, an axis or a tuple)."""
+  return [a for part in parts if part for a in (part if isinstance(part, tuple) else (part,))]
+
+
 def _constrain(x, spec, mesh):
   """Puts x in `spec` before a shard_map: `reshard` on explicit axes, a constraint on auto ones."""
-  names = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+  names = _axes(*spec)
   explicit = jax.sharding.AxisType.Explicit
   if all(mesh.axis_types[mesh.axis_names.index(a)] == explicit for a in names):
     return jax.sharding.reshard(x, spec)
@@ -40,10 +45,8 @@ def _flatten(x):
   the merged dim is sharded over the leading dims' axes in order, and the last dim keeps its."""
   spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
   if x.ndim > 2 and any(p is not None for p in spec[1:x.ndim - 1]):
-    axes = [a for p in spec[:x.ndim - 1] if p is not None
-            for a in (p if isinstance(p, tuple) else (p,))]
     return jax.lax.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]),
-                           out_sharding=P(tuple(axes), spec[x.ndim - 1]))
+                           out_sharding=P(tuple(_axes(*spec[:x.ndim - 1])), spec[x.ndim - 1]))
   return x.reshape(-1, x.shape[-1])
 
 
@@ -55,7 +58,7 @@ def _unflatten(y, lead, x):
   spec = jax.typeof(y).sharding.spec
   if len(lead) > 1 and len(spec) and spec[0] is not None:
     mesh = jax.sharding.get_abstract_mesh()
-    n = math.prod(mesh.shape[a] for a in (spec[0] if isinstance(spec[0], tuple) else (spec[0],)))
+    n = math.prod(mesh.shape[a] for a in _axes(spec[0]))
     if lead[0] == 0 or lead[0] % n:
       return jax.lax.reshape(y, shape, out_sharding=jax.typeof(x).sharding.spec)
   return y.reshape(shape)
@@ -171,14 +174,6 @@ class MoE(nnx.Module):
                         ("deterministic", deterministic)):
       if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
-    for name, value, none_ok in (("init_std", init_std, False),
-                                 ("router_init_std", router_init_std, True)):
-      if value is None and none_ok:
-        continue
-      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-          0 <= value < math.inf):
-        raise ValueError(f"{name} must be a finite number >= 0{' or None' if none_ok else ''}, "
-                         f"got {value!r}")
     act = acts.get_activation(activation)
     for name, value, least in (("d_model", d_model, 1), ("expert_dim", expert_dim, 1),
                                ("num_experts", num_experts, 1),
@@ -190,8 +185,10 @@ class MoE(nnx.Module):
     if shared_expert_dim is not None and (isinstance(shared_expert_dim, bool) or not isinstance(
         shared_expert_dim, numbers.Integral) or shared_expert_dim < 1):
       raise ValueError(f"shared_expert_dim must be None or an int >= 1, got {shared_expert_dim!r}")
+    stds = (("init_std", init_std),) + (
+        () if router_init_std is None else (("router_init_std", router_init_std),))
     for name, value in (("load_balance_coef", load_balance_coef), ("z_loss_coef", z_loss_coef),
-                        ("bias_update_rate", bias_update_rate)):
+                        ("bias_update_rate", bias_update_rate), *stds):
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
           0 <= value < math.inf):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
