@@ -46,6 +46,26 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _xla_effort(request):
+  """Off a GPU, the programs a test compiles in this process have most XLA optimizations off:
+  the tests run tiny shapes, where compiling is most of the time (a third less for the in-process
+  test files; docs/testing.md). A test marked `xla_optimized` (float32 results that XLA's
+  unoptimized code moves past their tolerance) compiles optimized, with jit's in-memory caches
+  cleared first, since the option is not part of their key (the persistent cache's it is)."""
+  import jax
+  if jax.default_backend() == "gpu":
+    yield
+    return
+  optimized = request.node.get_closest_marker("xla_optimized") is not None
+  before = jax.config.read("jax_disable_most_optimizations")
+  if optimized:
+    jax.clear_caches()
+  jax.config.update("jax_disable_most_optimizations", not optimized)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture
 def rng(request):
   # Fresh inputs per test case, reproducible from the test's name.

@@ -62,17 +62,10 @@ def _run(runs, env=None):
 
 @pytest.fixture(autouse=True)
 def _unoptimized(monkeypatch):
-  """XLA compiles with most of its optimizations off, in this process and in those a test starts:
-  the harnesses run tiny shapes, where compiling is most of a test's time and the speed of the
-  compiled code is not checked."""
+  """The processes a test starts compile with most XLA optimizations off, as this one does
+  (tests/conftest.py): the harnesses run tiny shapes, where compiling is most of a test's time
+  and the speed of the compiled code is not checked."""
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-  before = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
-  # The option is not part of jit's in-memory cache key: drop the programs compiled under it, so
-  # that no later test in this process runs them (the persistent cache keys on it).
-  jax.clear_caches()
 
 
 @contextlib.contextmanager

@@ -108,6 +108,7 @@ def test_activation_backward_matches_autodiff(rng, name, layout):
   np.testing.assert_allclose(d_h, vjp(d_a)[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.xla_optimized  # unoptimized XLA:CPU moves float32 sigmoids near 0 by up to 1e-4
 @pytest.mark.parametrize("name", sorted(acts.ACTIVATIONS))
 def test_kernel_activations_match_the_reference(name):
   """The kernels' forms of every activation, derivative and GLU backward (`kernel=True`: tanh for
