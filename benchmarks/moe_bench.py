@@ -109,9 +109,12 @@ def _measure(name, fwd, fwd_sets, fb_sets, flops):
                                       repeats=FLAGS.repeats)
       (t_fwd, s_fwd), (t_fb, s_fb) = times["fwd"], times["fwdbwd"]
       samples = s_fwd, s_fb
-    t_bwd = max(t_fb - t_fwd, 1e-9)
-    row.update(fwd_ms=t_fwd * 1e3, fwdbwd_ms=t_fb * 1e3, bwd_ms=t_bwd * 1e3,
-               fwd_tflops=flops / t_fwd / 1e12, bwd_tflops=2 * flops / t_bwd / 1e12,
+    # A forward+backward no longer than the forward (a CPU's clock, or noise) leaves the backward
+    # no measurable time: None, not a rate from a near-zero difference.
+    t_bwd = t_fb - t_fwd if t_fb > t_fwd else None
+    row.update(fwd_ms=t_fwd * 1e3, fwdbwd_ms=t_fb * 1e3,
+               bwd_ms=None if t_bwd is None else t_bwd * 1e3, fwd_tflops=flops / t_fwd / 1e12,
+               bwd_tflops=None if t_bwd is None else 2 * flops / t_bwd / 1e12,
                fwdbwd_tflops=3 * flops / t_fb / 1e12,
                fwd_samples_ms=[v * 1e3 for v in samples[0]],
                fwdbwd_samples_ms=[v * 1e3 for v in samples[1]],

@@ -178,7 +178,7 @@ def layer_table(runs, with_published=True, hidden=HIDDEN):
         lines.append(f"| {_cfg(cfg)} | {label} | {row['error'][:80]} |" + " |" * 7 + f" {where} |")
         continue
       ratio = lambda k: (f"{row[k] / ref[k]:.2f}" if name.startswith("sonic_jax") and ref.get(k)
-                         else "")
+                         and row.get(k) else "")
       res = row.get("residual_bytes")
       lines.append(
           f"| {_cfg(cfg)} | {label} | {_tf(row['fwd_tflops'])} | {_tf(row.get('bwd_tflops'))} | "
@@ -522,6 +522,8 @@ def main(argv=None):
   parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
   parser.add_argument("--readme", action="store_true", help="print the README's table instead")
   args = parser.parse_args(argv)
+  if not os.path.isdir(args.results):
+    parser.error(f"--results={args.results} is not a folder")
   found = load(args.results)
   if args.readme:
     print(readme_table(found["layer"]))

@@ -388,7 +388,9 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   cfg = [32768, 4096, 1024, 64, 4]
   _write(results, "h100_2026-01-01_layer_baselines.json", _layer_run(
       "2026-01-01 10:00 UTC", [_row("sonic_jax[mosaic_gpu]", 100.0, 100.0),
-                               _row("sonic_jax[xla]", 1.0, 1.0), _row("tokamax_layer", 50.0, 25.0)],
+                               _row("sonic_jax[xla]", 1.0, 1.0), _row("tokamax_layer", 50.0, 25.0),
+                               # no measurable backward (moe_bench on a CPU's clock): None
+                               _row("uniform_upper_bound", 2.0, None)],
       timing_method="interleaved"))
   _write(results, "h100_2026-01-02_layer_sonicmoe.json", _layer_run(
       "2026-01-02", [_row("sonicmoe", 400.0, 500.0)], sonicmoe="0.1.2.post1", torch="2.11"))
@@ -443,6 +445,9 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   # The more recent run's sonic_jax row replaces the older one's; the legend names each run.
   assert "| 32768,4096,1024,64,4 | sonic_jax[mosaic_gpu] | 440 | 550 |" in layer
   assert "| 1.10 | 1.10 | c |" in layer  # 440 / 400 and 550 / 500, from run c
+  assert "| uniform upper bound | 2 | – |" in layer
+  with pytest.raises(SystemExit):  # a folder that is not there, named
+    report.main(["--results", str(tmp_path / "missing"), "--out", str(out)])
   assert "| tokamax layer | 50 | 25 |" in layer and "sonic_jax[xla]" not in layer
   assert "| SonicMoE (paper) | 552 | 554 |" in layer
   assert "- **a**: NVIDIA H100 80GB HBM3, jax 0.11.2, 2026-01-01" in layer
