@@ -113,6 +113,8 @@ def test_flags_refused_by_name(tmp_path):
            (["--top_k=9"], "the model: top_k must be in [1, E=8], got 9"),
            (["--memcpy_p2p", "--distributed"], "not with --distributed"),
            (["--backend=mosaic_gpu"], "--backend=mosaic_gpu needs an sm90 (Hopper) GPU"),
+           (["--log_every=0"], "--log_every must be >= 1, got 0"),
+           (["--profile_step=2"], "--profile_step (2) must be in [0, --steps = 1]"),
            (["--attention=cudnn"], "--attention=cudnn needs an NVIDIA GPU")]
   common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--warmup=0",
             "--backend=xla"]
@@ -183,7 +185,8 @@ def test_sharded_training_tracks_one_device(tmp_path):
       # processes, reports its connections from its own threads).
       assert not any(s in results[1][0] for s in ("corpus", "mesh {", "step 6:")), results[1][0]
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep_fsdp"]
-  assert "mesh {'data': 4, 'ep': 1}" in outs["ragged_dot"]
+  assert "mesh {'data': 4, 'ep': 1}: parameters over data (FSDP), batch" in outs["ragged_dot"]
+  assert not os.path.exists(tmp_path / "one" / "ckpt")  # --checkpoint_every=0 makes none
   for name in ("ep_fsdp", "ragged_dot"):
     for a, b in zip(losses["one"], losses[name]):
       assert abs(a - b) < 0.02, (name, losses)
@@ -315,6 +318,14 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
                         capture_output=True, text=True, timeout=600, env=ENV)
   assert proc.returncode == 1 and "no checkpoint of step 7" in proc.stderr, proc.stderr[-2000:]
   assert "holds steps [40]" in proc.stderr, proc.stderr[-2000:]
+  # Resumed with another corpus (the BPE's ids would change meaning): refused before a tokenizer
+  # is trained, the run's own left as it was.
+  saved = (tmp_path / "tokenizer.json").read_bytes()
+  proc = subprocess.run([*cmd, "--corpus_bytes=300000", "--steps=50"], capture_output=True,
+                        text=True, timeout=600, env=ENV)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "(corpus_bytes: 400000 -> 300000)" in proc.stderr and "BPE" not in proc.stdout
+  assert (tmp_path / "tokenizer.json").read_bytes() == saved
 
 
 def test_shard_spec_rules():

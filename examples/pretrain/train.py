@@ -185,7 +185,7 @@ def settings():
   elif "vocab_size" not in s:
     raise app.UsageError("--tokenizer=bpe needs --vocab_size (its target vocabulary)")
   s["corpus_dir"] = FLAGS.corpus_dir
-  s["log_every"] = FLAGS.log_every or s["eval_every"]
+  s["log_every"] = s["eval_every"] if FLAGS.log_every is None else FLAGS.log_every
   s["checkpoint_every"] = (s["eval_every"] if FLAGS.checkpoint_every is None
                            else FLAGS.checkpoint_every)
   overrides = {k: getattr(FLAGS, k) for k in MODEL_FLAGS if getattr(FLAGS, k) is not None}
@@ -362,6 +362,18 @@ STATE_SETTINGS = {"tokenizer", "vocab_size"} | {f"model.{k}" for k in (
     "moe_impl")}
 
 
+def refused_changes(saved, config, s, vocab_known=True):
+  """(the changed settings, those of them a resume refuses): the state settings, and for a BPE
+  run the corpus too (its tokenizer is trained on the corpus, so another one changes what the ids
+  mean). Before the tokenizer is built (vocab_known False) the model's padded vocabulary is not
+  compared: it is the tokenizer's."""
+  state = STATE_SETTINGS | ({"corpus_bytes", "corpus_dir"} if s["tokenizer"] == "bpe" else set())
+  if not vocab_known:
+    state = state - {"model.vocab_size"}
+  changed = changed_settings(saved, config)
+  return changed, [c for c in changed if c.split(":")[0] in state]
+
+
 def changed_settings(saved, config):
   """["key: old -> new", ...] of the run configurations' differing entries (model fields as
   model.<field>)."""
@@ -401,8 +413,6 @@ def tokenize(s):
              f"a larger --corpus_dir gives more)" if tok.vocab_size < s["vocab_size"] else "")
     say(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
         f"{len(train_bytes) / len(train):.2f} bytes per token")
-    if jax.process_index() == 0:
-      tok.save(tokenizer_path())
   if not len(train):
     raise app.UsageError(f"no corpus: {len(corpus)} bytes of .py source from {source} (check "
                          f"--corpus_dir and --corpus_bytes)")
@@ -446,6 +456,9 @@ def run():
   for k, low in (("eval_every", 1), ("log_every", 1), ("checkpoint_every", 0)):
     if s[k] < low:
       raise app.UsageError(f"--{k} must be >= {low}, got {s[k]}")
+  if not 0 <= FLAGS.profile_step <= s["steps"]:
+    raise app.UsageError(f"--profile_step ({FLAGS.profile_step}) must be in [0, --steps = "
+                         f"{s['steps']}] (0: no profile)")
   if FLAGS.grad_accum < 1 or s["batch_size"] % FLAGS.grad_accum:
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
@@ -475,13 +488,45 @@ def run():
                          f"{mesh.size} devices times --grad_accum ({FLAGS.grad_accum}): each "
                          f"micro-batch splits over every device")
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s)
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  # --checkpoint_every=0 writes no checkpoint, so it makes no ckpt/ (a run there still resumes).
+  ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
+                               item_names=("model", "optimizer", "config"),
+                               options=ocp.CheckpointManagerOptions(
+                                   max_to_keep=2, create=bool(s["checkpoint_every"])))
+  start = ckpt.latest_step() or 0
+  if jax.process_count() > 1:  # every process resumes where the first one does
+    start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
+  saved = None
+
+  def refuse(reason):
+    ckpt.close()  # its threads would outlive the exit and complain
+    raise app.UsageError(reason)
+
+  def refuse_resume(refused):
+    refuse(f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
+           f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
+
+  if start:  # refused before the tokenizer's work, which would write into this workdir
+    saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    _, refused = refused_changes(saved, run_config(s), s, vocab_known=False)
+    if refused:
+      refuse_resume(refused)
+  try:
+    tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s)
+  except app.UsageError as e:
+    refuse(str(e))
   s["model"] = cfg = dataclasses.replace(
       s["model"], vocab_size=tokenizer_lib.padded_vocab(tok.vocab_size))
   s["tokenizer_vocab"] = tok.vocab_size
+  config = run_config(s)
+  if start:
+    changed, refused = refused_changes(saved, config, s)
+    if refused:
+      refuse_resume(refused)
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
-    raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
-                         f"{len(heldout)} held-out ones: raise --corpus_bytes")
+    refuse(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's {len(heldout)} "
+           f"held-out ones: raise --corpus_bytes")
   say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}")
   # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
   schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
@@ -504,35 +549,19 @@ def run():
     # Each process places the rows its devices hold, from the batch every process draws alike.
     put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])
     jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
-    say(f"mesh {dict(mesh.shape)}: experts over ep, batch over (data, ep)")
+    placed = ["experts over ep"] if mesh.shape["ep"] > 1 else []
+    placed += ["parameters over data (FSDP)"] if FLAGS.fsdp else []
+    say(f"mesh {dict(mesh.shape)}: {', '.join(placed + ['batch over (data, ep)'])}")
 
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  config = run_config(s)
-  ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
-                               item_names=("model", "optimizer", "config"),
-                               options=ocp.CheckpointManagerOptions(max_to_keep=2))
-  start = ckpt.latest_step() or 0
-  if jax.process_count() > 1:  # every process resumes where the first one does
-    start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
   if start:
-    saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-    changed = changed_settings(saved, config)
-    refused = [c for c in changed if c.split(":")[0] in STATE_SETTINGS]
-    if refused:
-      ckpt.close()
-      raise app.UsageError(
-          f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
-          f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
     try:
       restored = ckpt.restore(start, args=ocp.args.Composite(
           model=ocp.args.StandardRestore(nnx.state(model)),
           optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
     except ValueError as e:  # parameters or optimizer state of another shape
-      ckpt.close()  # its threads would outlive the exit and complain
-      raise app.UsageError(
-          f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit this "
-          f"one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, or the "
-          f"run's own settings ({e})") from e
+      refuse(f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit "
+             f"this one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, "
+             f"or the run's own settings ({e})")
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
     say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
@@ -540,9 +569,13 @@ def run():
     if start >= s["steps"]:
       say(f"nothing to train: the run is at step {start} and --steps={s['steps']} (raise --steps "
           f"to continue it)")
-  if lead:  # after a resume's check: a refused run leaves the saved config as it was
+    if 0 < FLAGS.profile_step <= start:
+      say(f"--profile_step={FLAGS.profile_step} is at or before the resumed step: no profile")
+  if lead:  # after a resume's check: a refused run leaves the saved config and tokenizer alone
     with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
       json.dump(config, f, indent=1)
+    if tok.kind == "bpe":
+      tok.save(tokenizer_path())
 
   def save(step):
     ckpt.save(step, args=ocp.args.Composite(
