@@ -15,7 +15,8 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
 - `load_into_layer(layer, params)` sets an `MoE` layer's variables, `layer_params(layer)` reads
   them (from a layer, or from an `nnx.State` of gradients), and `moe_layer(config, state_dict)`
   builds and loads a layer in one call; `block_state_dict` takes one layer's block out of a whole
-  model's state dict.
+  model's state dict. The parameter dicts (`LayerParams`) carry their gate/up layout: loading
+  refuses another layout than the layer's, and `hf_state_from_layer` reads it.
 
 A multimodal config holds its language model's as text_config (Llama 4's "llama4", Qwen3.5-MoE's
 "qwen3_5_moe", Gemma 4's "gemma4", Qwen3-VL-MoE's "qwen3_vl_moe", the Qwen3-Omni-MoE thinker's
@@ -191,7 +192,7 @@ GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
 _MISSING = object()
 
 
-class _PerLayerField(ValueError):
+class PerLayerFieldError(ValueError):
   """What the config gives per decoder layer (a size, a routing, a clamp), asked for without a
   layer."""
 
@@ -204,7 +205,11 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
       continue
     if isinstance(value, (list, tuple)):
       if layer is None:
-        raise _PerLayerField(f"config[{name!r}] is a per-layer list {value}: pass layer=")
+        raise PerLayerFieldError(f"config[{name!r}] is a per-layer list {value}: pass layer=")
+      if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not (
+          0 <= layer < len(value)):
+        raise ValueError(f"layer must be a decoder layer's index in [0, {len(value)}) "
+                         f"(config[{name!r}] has {len(value)} entries), got {layer!r}")
       value = value[layer]
     return value
   if default is _MISSING:
@@ -351,8 +356,8 @@ def _step3p5(c, layer):
   clamps = {name: c.get(name) or [] for name in ("swiglu_limits", "swiglu_limits_shared")}
   clamped = sorted({i for v in clamps.values() for i, x in enumerate(v) if x})
   if layer is None and clamped:
-    raise _PerLayerField(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
-                         f"swiglu_limits_shared): pass layer=")
+    raise PerLayerFieldError(f"Step-3.7 clamps the SwiGLU of layers {clamped} (swiglu_limits, "
+                             f"swiglu_limits_shared): pass layer=")
   if layer is not None and layer in clamped:
     raise ValueError(f"Step-3.7 layer {layer} clamps its SwiGLU after the SiLU (swiglu_limits, "
                      f"swiglu_limits_shared): no sonic_jax activation computes that")
@@ -374,8 +379,8 @@ def _deepseek_v4_hashed(c, layer) -> bool:
     kinds = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
   if layer is None:
     if len(set(kinds)) > 1:
-      raise _PerLayerField(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types "
-                           f"{kinds}): pass layer=")
+      raise PerLayerFieldError(f"DeepSeek-V4's layers are routed two ways (mlp_layer_types "
+                               f"{kinds}): pass layer=")
     layer = 0
   if not 0 <= layer < len(kinds):
     raise ValueError(f"layer={layer} is not a decoder layer of this DeepSeek-V4 config "
@@ -750,8 +755,9 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def family(config: Mapping[str, Any] | str) -> Family:
-  """The `Family` of a config dict (or of a model_type)."""
-  model_type = config if isinstance(config, str) else _text_config(config).get("model_type")
+  """The `Family` of a config dict (or of a model_type, a multimodal model's included)."""
+  model_type = (WRAPPERS.get(config, config) if isinstance(config, str)
+                else _text_config(config).get("model_type"))
   if model_type not in FAMILIES:
     inner = [] if isinstance(config, str) else [
         f"config[{k!r}]['text_config']" for k, v in config.items()
@@ -783,6 +789,7 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   """
   config = _text_config(config)
   fam = family(config)
+  _check_layer(config, layer)
   kw = fam.kwargs(config, layer)
   if kw.pop("selection_bias", False):
     if not bias_update_rate > 0:
@@ -794,6 +801,16 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
                        f"{gate_up_layout!r}")
     kw["gate_up_layout"] = gate_up_layout
   return kw
+
+
+def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
+  if layer is None:
+    return
+  count = config.get("num_hidden_layers")
+  if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0 or (
+      isinstance(count, numbers.Integral) and layer >= count):
+    within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
+    raise ValueError(f"layer must be a decoder layer's index{within}, got {layer!r}")
 
 
 # --- gate/up columns in NumPy (as `sonic_jax.activations`, without JAX) -------------------------
@@ -832,7 +849,7 @@ def _param_shapes(config: Mapping[str, Any], layer: int | None) -> dict[str, tup
   differ by layer and no layer is given (the converters take such a block without one)."""
   try:
     kw = layer_kwargs(config, layer=layer)
-  except _PerLayerField:
+  except PerLayerFieldError:
     if layer is not None:
       raise
     return {}
@@ -893,27 +910,60 @@ def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str
   return keys
 
 
+# Weights are floating point, at least 16 bits: 8-bit ones are quantized (with scales to apply).
+_WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _as_array(key: str, value: Any) -> np.ndarray:
+  """state_dict[key] as a NumPy array of a weight dtype, or a TypeError naming the key."""
+  try:
+    a = np.asarray(value)
+  except (TypeError, ValueError, RuntimeError) as e:
+    raise TypeError(f"state_dict[{key!r}] ({type(value).__name__}) is not a NumPy array ({e}); "
+                    f"a torch tensor: tensor.float().numpy()") from None
+  if a.dtype.name not in _WEIGHT_DTYPES:
+    hint = ("8-bit weights are quantized: dequantize them first (their *_scale_inv)"
+            if a.dtype.itemsize == 1 else
+            "bfloat16 saved by NumPy loads as raw bytes: a.view(ml_dtypes.bfloat16)"
+            if a.dtype.kind == "V" else "weights are floating point")
+    raise TypeError(f"state_dict[{key!r}] has dtype {a.dtype}, not one of {_WEIGHT_DTYPES}: "
+                    f"{hint}")
+  return a
+
+
+class LayerParams(dict):
+  """The layer's parameter arrays by name (`PARAM_NAMES`), and `gate_up_layout`: the order of
+  the gate and up columns in w1, b1 and shared_in (None where not known)."""
+
+  def __init__(self, arrays=(), gate_up_layout: str | None = None):
+    super().__init__(arrays)
+    self.gate_up_layout = gate_up_layout
+
+
 def _has_lists(config):
   return any(isinstance(config.get(k), (list, tuple)) for k in ("num_experts", "moe_topk"))
 
 
 def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
                          gate_up_layout: str | None = None,
-                         layer: int | None = None) -> dict[str, Array]:
+                         layer: int | None = None) -> LayerParams:
   """The layer's parameter arrays (names as `MoE`'s attributes: router, w1, w2, b1, b2,
   router_bias, selection_bias, shared_in, shared_out, shared_gate, router_scale, expert_scale;
   only those the family has)
   from the block's state dict (keys relative to the block; values NumPy arrays or anything
   `np.asarray` takes). Exact: only transposes, reshapes and column reorders; dtypes kept.
 
-  gate_up_layout: the target layer's layout (default the family's). layer: as `hf_keys`. Raises a
-  ValueError naming the keys that are missing or not understood (a shared-expert bias, say).
+  gate_up_layout: the target layer's layout (default the family's; the result's
+  `gate_up_layout`, which `load_into_layer` checks against the layer's). layer: as `hf_keys`.
+  Raises a ValueError naming the keys that are missing or not understood (a shared-expert bias,
+  say), a TypeError naming one that is not a float16, bfloat16, float32 or float64 array
+  (quantized 8-bit weights, say; a torch tensor: `tensor.float().numpy()`).
   """
   config = _text_config(config)
   fam = family(config)
   layout = _layout(fam, gate_up_layout)
   want = hf_keys(config, layer=layer)
-  sd = {k: np.asarray(v) for k, v in state_dict.items() if k != fam.lookup}
+  sd = {k: _as_array(k, v) for k, v in state_dict.items() if k != fam.lookup}
   missing = [k for k in want if k not in sd]
   extra = [k for k in sd if k not in want]
   if missing or extra:
@@ -927,7 +977,7 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
                      f"{ {k: tuple(v.shape) for k, v in sd.items()} } do not fit the config "
                      f"(the layer's: {want_shapes}): {e}") from None
   _check_shapes(out, want_shapes, f"{fam.model_type} block state dict")
-  return out
+  return LayerParams(out, layout)
 
 
 def _params_of_state(config, fam: Family, sd: Mapping[str, np.ndarray], layout: str) -> dict:
@@ -971,7 +1021,8 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
                         gate_up_layout: str | None = None,
                         layer: int | None = None) -> dict[str, Array]:
   """The block's state dict from the layer's parameter arrays (`layer_params`): the inverse of
-  `layer_params_from_hf`, exact. Parts absent from `params` (selection_bias, say, when mapping
+  `layer_params_from_hf`, exact. gate_up_layout: the arrays' layout; by default the one `params`
+  carry (`layer_params` of a layer), else the family's. Parts absent from `params` (selection_bias, say, when mapping
   gradients) are left out. Being a permutation of entries, it maps the layer's gradients to the
   block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer lists); a
   ValueError names the parameters whose shapes do not fit the config."""
@@ -981,7 +1032,11 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
                     f"hf_state_from_layer(config, layer_params(layer)))")
   config = _text_config(config)
   fam = family(config)
-  layout = _layout(fam, gate_up_layout)
+  known = getattr(params, "gate_up_layout", None)
+  if gate_up_layout is not None and known is not None and gate_up_layout != known:
+    raise ValueError(f"gate_up_layout={gate_up_layout!r}, but params hold the "
+                     f"{known!r} layout (layer_params reads it from the layer)")
+  layout = _layout(fam, gate_up_layout if gate_up_layout is not None else known)
   prm = {k: np.asarray(v) for k, v in params.items() if v is not None}
   unknown = [k for k in prm if k not in PARAM_NAMES]
   if unknown:
@@ -1038,19 +1093,30 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   family's prefix ("model.layers.{layer}.mlp." and the like; or, for a family with a
   `multimodal_prefix`, its multimodal model's), the prefix removed. The family's keys only
   (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table gate.tid2eid among them
-  where the layer has one."""
+  where the layer has one. A ValueError names keys under the block's modules that the converters
+  do not read (experts stored one by one, quantization scales)."""
   config = _text_config(config)
   fam = family(config)
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   prefixes = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
+  # The block's modules (experts., gate., shared_expert., ...): a key under one of them that the
+  # converters do not read (a checkpoint's per-expert or quantized layout) is refused, not dropped.
+  modules = tuple({k.split(".")[0] + "." for k in want})
   for prefix in prefixes:
-    out = {k[len(prefix):]: v for k, v in state_dict.items()
-           if k.startswith(prefix) and k[len(prefix):] in want}
+    mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    out = {k: v for k, v in mine.items() if k in want}
     if out:
+      unread = sorted(k for k in mine if k not in want and k.startswith(modules))
+      if unread:
+        raise ValueError(
+            f"{fam.model_type} block under {prefix!r}: keys the converters do not read "
+            f"{unread[:6]}{' ...' if len(unread) > 6 else ''} (they read {sorted(out)}): "
+            f"experts stored one by one or quantized (a Hub checkpoint's layout) are fused and "
+            f"dequantized by loading the model with transformers, then taking its state_dict()")
       return out
   raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, prefixes))} in "
-                   f"the state dict")
+                   f"the state dict (a dense decoder layer has none)")
 
 
 # --- the nnx layer -------------------------------------------------------------------------------
@@ -1061,10 +1127,15 @@ def _variable(tree, name):
   return getattr(tree, name, None)
 
 
-def layer_params(layer) -> dict[str, Array]:
+def layer_params(layer, gate_up_layout: str | None = None) -> LayerParams:
   """The parameter arrays of an `MoE` layer, or of an `nnx.State` with its names (gradients from
-  `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out."""
-  out = {}
+  `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out. Their gate/up layout is
+  the layer's; a State does not say it: pass its layer's (`layer.gate_up_layout`), or
+  `hf_state_from_layer` takes the family's."""
+  own = getattr(layer, "gate_up_layout", None)
+  if gate_up_layout is not None and own is not None and gate_up_layout != own:
+    raise ValueError(f"gate_up_layout={gate_up_layout!r}, but the layer's is {own!r}")
+  out = LayerParams(gate_up_layout=own if own is not None else gate_up_layout)
   for name in PARAM_NAMES:
     v = _variable(layer, name)
     if v is None:
@@ -1076,15 +1147,23 @@ def layer_params(layer) -> dict[str, Array]:
 
 def load_into_layer(layer, params: Mapping[str, Any]) -> None:
   """Sets the layer's variables to `params` (from `layer_params_from_hf`), each cast to the
-  variable's dtype (the selection bias stays float32). Raises a ValueError for a name the layer
-  lacks, a shape that differs, or a part of the layer that `params` does not set."""
-  import jax.numpy as jnp
+  variable's dtype (the selection bias stays float32) and placed as the variable is (a sharded
+  layer stays sharded). Raises a ValueError for a name the layer lacks, a shape that differs, a
+  part of the layer that `params` does not set, or params of another gate/up layout than a GLU
+  layer's."""
+  import jax
   present = {n for n in PARAM_NAMES if _variable(layer, n) is not None}
   unknown = sorted(set(params) - present)
   unset = sorted(present - set(params))
   if unknown or unset:
     raise ValueError(f"params and the layer differ: the layer has no {unknown}; params do not "
                      f"set {unset}")
+  known = getattr(params, "gate_up_layout", None)
+  if (known is not None and acts.get_activation(layer.activation).is_glu
+      and known != layer.gate_up_layout):
+    raise ValueError(f"params hold w1 in the {known!r} gate/up layout, the layer takes "
+                     f"{layer.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
+                     f"{layer.gate_up_layout!r})")
   for name, value in params.items():
     var = _variable(layer, name)
     old = var[...]
@@ -1092,7 +1171,9 @@ def load_into_layer(layer, params: Mapping[str, Any]) -> None:
     if tuple(value.shape) != tuple(old.shape):
       raise ValueError(f"{name}: the layer's shape is {tuple(old.shape)}, params give "
                        f"{tuple(value.shape)}")
-    var[...] = jnp.asarray(value, dtype=old.dtype)
+    # Placed as the old value is: an assignment into a variable sharded on an explicit mesh
+    # would run a program on one device.
+    var.set_value(jax.device_put(value.astype(old.dtype), old.sharding))
 
 
 def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = None, *,
@@ -1100,7 +1181,9 @@ def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = 
               layer: int | None = None, rngs=None, **overrides):
   """A `sonic_jax.layers.MoE` for the family's block (`layer_kwargs`), with the block's weights
   loaded when `state_dict` is given. overrides: further `MoE` arguments (param_dtype, dtype,
-  backend, load_balance_coef, ...). rngs: default `nnx.Rngs(0)` (the initial values are
+  backend, load_balance_coef, ...): the auxiliary losses' coefficients are the layer's defaults,
+  not the config's (router_aux_loss_coef and the like, whose loss formulas differ by family), so
+  a fine-tuning run passes its own. rngs: default `nnx.Rngs(0)` (the initial values are
   overwritten when a state dict is given)."""
   from flax import nnx
   from sonic_jax.layers import MoE

@@ -172,6 +172,19 @@ def _fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_n
   return None
 
 
+def _check_experts_whole(**arrays):
+  """`moe` runs every expert on this device: expert weights split over an Explicit mesh axis (in
+  their type) are refused by name, where JAX would fail inside the experts' loop."""
+  for name, a in arrays.items():
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ()) if a is not None else ()
+    if len(spec) and spec[0] is not None:
+      raise ValueError(
+          f"{name} is split over its experts on the mesh axis {spec[0]!r}: sonic_jax.moe runs "
+          f"every expert on each device; split experts need expert parallelism "
+          f"(moe_all_gather or moe_all_to_all inside a shard_map, or the layer's "
+          f"expert_parallel_axis), or replicate the weights")
+
+
 def _check_capacity(capacity_factor):
   if capacity_factor is None:
     return
@@ -441,6 +454,7 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   _check_capacity(capacity_factor)
   if token_rounding is not None and capacity_factor is not None:
     raise ValueError("token_rounding and capacity_factor exclude each other")
+  _check_experts_whole(w1=w1, w2=w2, b1=b1, b2=b2)
   x, router_weight, w1, w2 = map(jnp.asarray, (x, router_weight, w1, w2))
   b1, b2, router_bias = (None if b is None else jnp.asarray(b) for b in (b1, b2, router_bias))
   config = check_config(config)

@@ -204,6 +204,26 @@ def check_mixed_axis_types():
       raise AssertionError("token axes of mixed types were not refused")
 
 
+def check_split_experts_without_parallelism():
+  """Expert weights split over an Explicit axis: `sonic_jax.hf.load_into_layer` keeps them so,
+  and the layer without an expert_parallel_axis refuses them by name, abstractly."""
+  from sonic_jax import hf  # pylint: disable=import-outside-toplevel
+  layer = MoE(**KW, rngs=nnx.Rngs(0))
+  params = hf.layer_params(layer)
+  mesh = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Explicit,))
+  nnx.update(layer, jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, P(
+      "ep") if v.ndim == 3 else P())), nnx.state(layer)))
+  hf.load_into_layer(layer, params)
+  assert layer.w1[...].sharding.spec == P("ep"), layer.w1[...].sharding
+  assert np.array_equal(np.asarray(layer.w2[...]), params["w2"])
+  try:
+    jax.eval_shape(lambda: layer(jnp.asarray(X)))
+  except ValueError as e:
+    assert "w1 is split over its experts on the mesh axis 'ep'" in str(e), e
+  else:
+    raise AssertionError("experts split without expert parallelism were not refused")
+
+
 @functools.cache
 def eager_reference():
   single = MoE(**KW, rngs=nnx.Rngs(0))
@@ -239,4 +259,5 @@ if __name__ == "__main__":
     for check in (check_shard_map, check_set_mesh, check_eager):
       check(scheme)
   check_mixed_axis_types()
+  check_split_experts_without_parallelism()
   print("OK")

@@ -23,6 +23,7 @@ import warnings
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -550,6 +551,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_params_from_hf(config, {**state, "experts.bias": np.zeros(4)})
   with pytest.raises(ValueError, match="not a supported MoE family"):
     hf.layer_kwargs({"model_type": "phimoe"})
+  assert hf.family("llama4").model_type == "llama4_text"  # a multimodal model's model_type
   with pytest.raises(ValueError, match="enable_moe_block=False"):  # a dense Gemma 4
     hf.layer_kwargs({"model_type": "gemma4", "text_config": {
         **MINIMAL_CONFIGS["gemma4"]["text_config"], "enable_moe_block": False}})
@@ -577,6 +579,48 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
   with pytest.raises(ValueError, match="no \\['b1'\\]"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "b1": np.zeros((4, 32))})
+  # Arrays that are not weights, by key: quantized, integer, NumPy's raw bytes of a bfloat16, and
+  # a torch bfloat16 tensor (which NumPy cannot take).
+  down = state["experts.down_proj"]
+  for bad, message in ((down.astype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn.*dequantize"),
+                       (down.astype(np.int32), "int32"),
+                       (down.astype(ml_dtypes.bfloat16).view("V2"), "raw bytes")):
+    with pytest.raises(TypeError, match=r"state_dict\['experts.down_proj'\] has dtype .*" + message):
+      hf.layer_params_from_hf(config, {**state, "experts.down_proj": bad})
+
+  class TorchBFloat16:
+    def __array__(self, *args, **kwargs):
+      raise TypeError("Got unsupported ScalarType BFloat16")
+
+  with pytest.raises(TypeError, match=r"\['gate.weight'\] \(TorchBFloat16\).*float\(\).numpy"):
+    hf.layer_params_from_hf(config, {**state, "gate.weight": TorchBFloat16()})
+  # Decoder layer indexes: negative, not an int, past the config's layers or a per-layer list.
+  for bad in (-1, "1", 4):
+    with pytest.raises(ValueError, match=r"layer must be a decoder layer's index"):
+      hf.layer_kwargs({**config, "num_hidden_layers": 4}, layer=bad)
+  hunyuan = dict(MINIMAL_CONFIGS["hunyuan_v1_moe"], model_type="hunyuan_v1_moe")
+  with pytest.raises(ValueError, match=r"in \[0, 2\) \(config\['num_experts'\] has 2"):
+    hf.layer_kwargs(hunyuan, layer=2)
+
+
+def test_params_carry_their_gate_up_layout():
+  """A layer's parameters carry its gate/up layout: mapped back without naming it they give the
+  block's state exactly, and loading params of the other layout is refused."""
+  config = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe")
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
+  layer = hf.moe_layer(config, state, gate_up_layout="interleaved")
+  params = hf.layer_params(layer)
+  assert params.gate_up_layout == "interleaved"
+  back = hf.hf_state_from_layer(config, params)
+  assert set(back) == set(state) and all(np.array_equal(back[k], state[k]) for k in state)
+  with pytest.raises(ValueError, match="gate_up_layout='concat', but params hold"):
+    hf.hf_state_from_layer(config, params, gate_up_layout="concat")
+  with pytest.raises(ValueError, match="params hold w1 in the 'concat' gate/up layout"):
+    hf.load_into_layer(layer, hf.layer_params_from_hf(config, state))
+  # A State of gradients does not say its layout: given, it is carried.
+  grads = nnx.state(layer, nnx.Param)
+  assert hf.layer_params(grads, gate_up_layout="interleaved").gate_up_layout == "interleaved"
+  assert hf.layer_params(grads).gate_up_layout is None
 
 
 def test_block_state_dict_takes_one_layer_out_of_a_model():
@@ -597,6 +641,11 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
     assert set(hf.block_state_dict(model, config, 0)) == set(state) == {
         "router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
         "experts.down_proj"}
+  # Keys under the block's modules that the converters do not read: refused, not dropped.
+  model = {f"model.layers.0.{k}": v for k, v in state.items()}
+  for extra in ("experts.0.w1.weight", "experts.down_proj_scale_inv"):
+    with pytest.raises(ValueError, match=rf"do not read \['{extra}'\].*with transformers"):
+      hf.block_state_dict({**model, f"model.layers.0.{extra}": np.zeros(3)}, config, 0)
   with pytest.raises(ValueError, match="'model.layers.1.' or 'model.language_model.layers.1.'"):
     hf.block_state_dict(model, config, 1)
 
