@@ -745,6 +745,8 @@ WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qw
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
   """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
   config.json leaves it out); any other config as it is."""
+  if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
+    config = config.to_dict()  # a transformers config object
   if not isinstance(config, Mapping):
     raise TypeError(f"config must be a dict (a transformers config's to_dict(), or a "
                     f"checkpoint's config.json), got {type(config).__name__}")
@@ -783,6 +785,8 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   shared_expert_gate and, with a selection bias, bias_update_rate (Gemma 4: router_norm_eps and
   use_expert_scale too; DeepSeek-V4's hash layers: fixed_selection). They describe the model's MoE
   layers (families that mix in dense layers, first_k_dense_replace and the like, say which).
+  A dense decoder layer (first_k_dense_replace, mlp_only_layers, moe_layers and the like, as
+  transformers' decoder layers read them) is refused by index.
   A field the config leaves out means its transformers config class's default (transformers 5.24),
   as transformers reads the config; most families require the routed experts' sizes (hidden size,
   expert count and width, K): a ValueError names the missing one.
@@ -790,6 +794,10 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   config = _text_config(config)
   fam = family(config)
   _check_layer(config, layer)
+  dense = _dense_layer(config, layer)
+  if dense:
+    raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
+                     f"({dense}): it has no MoE block")
   kw = fam.kwargs(config, layer)
   if kw.pop("selection_bias", False):
     if not bias_update_rate > 0:
@@ -811,6 +819,35 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
       isinstance(count, numbers.Integral) and layer >= count):
     within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
     raise ValueError(f"layer must be a decoder layer's index{within}, got {layer!r}")
+
+
+def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
+  """Why decoder layer `layer` is a dense MLP, by the fields with which transformers' decoder
+  layers choose (as its modeling code reads them), or None."""
+  if layer is None:
+    return None
+  get = lambda name: c.get(name) if isinstance(c.get(name), (int, list, tuple)) else None
+  if get("first_k_dense_replace") is not None and layer < c["first_k_dense_replace"]:
+    return f"first_k_dense_replace={c['first_k_dense_replace']}"
+  if get("num_dense_layers") is not None and layer < c["num_dense_layers"]:
+    return f"num_dense_layers={c['num_dense_layers']}"
+  if get("mlp_only_layers") is not None and layer in c["mlp_only_layers"]:
+    return f"in mlp_only_layers {list(c['mlp_only_layers'])}"
+  step = get("decoder_sparse_step")
+  if step and (layer + 1) % step:
+    return f"decoder_sparse_step={step}"
+  if get("moe_layers") is not None and layer not in c["moe_layers"]:
+    return f"not in moe_layers {list(c['moe_layers'])}"
+  kinds = get("mlp_layer_types")
+  if kinds is not None and layer < len(kinds) and kinds[layer] == "dense":
+    return "mlp_layer_types says dense"
+  if all(get(k) is not None for k in ("moe_layer_interval", "moe_layer_start_index",
+                                       "moe_layer_end_index")):
+    if not ((layer + 1) % c["moe_layer_interval"] == 0
+            and c["moe_layer_start_index"] <= layer <= c["moe_layer_end_index"]):
+      return (f"moe_layer_interval={c['moe_layer_interval']}, moe_layer_start_index="
+              f"{c['moe_layer_start_index']}, moe_layer_end_index={c['moe_layer_end_index']}")
+  return None
 
 
 # --- gate/up columns in NumPy (as `sonic_jax.activations`, without JAX) -------------------------

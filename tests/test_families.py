@@ -601,6 +601,22 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   hunyuan = dict(MINIMAL_CONFIGS["hunyuan_v1_moe"], model_type="hunyuan_v1_moe")
   with pytest.raises(ValueError, match=r"in \[0, 2\) \(config\['num_experts'\] has 2"):
     hf.layer_kwargs(hunyuan, layer=2)
+  # Dense decoder layers, as transformers' decoder layers choose them.
+  qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", mlp_only_layers=[0],
+              decoder_sparse_step=2)
+  v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3", first_k_dense_replace=1)
+  for c, layer, why in ((qwen, 0, "in mlp_only_layers"), (qwen, 2, "decoder_sparse_step=2"),
+                        (v3, 0, "first_k_dense_replace=1")):
+    with pytest.raises(ValueError, match=f"decoder layer {layer} .* is a dense one \\({why}"):
+      hf.layer_kwargs(c, layer=layer)
+  assert hf.layer_kwargs(qwen, layer=1) == hf.layer_kwargs(qwen)
+  assert hf.layer_kwargs(v3, layer=1) == hf.layer_kwargs(v3)
+
+  class TransformersConfig:  # a config object: read through its to_dict()
+    def to_dict(self):
+      return v3
+
+  assert hf.layer_kwargs(TransformersConfig()) == hf.layer_kwargs(v3)
 
 
 def test_params_carry_their_gate_up_layout():
