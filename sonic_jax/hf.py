@@ -5,8 +5,9 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
 
 - `layer_kwargs(config)`: the `sonic_jax.layers.MoE` arguments (d_model, num_experts, expert_dim,
   top_k, activation, routing, gate_up_layout, biases, shared experts, selection bias) from the
-  family's config, given as a dict (`config.to_dict()` or a checkpoint's config.json), read with
-  the family's own field names;
+  family's config, given as a dict (`config.to_dict()` or a checkpoint's config.json; a
+  transformers config object is read through its to_dict()), read with the family's own field
+  names;
 - `layer_params_from_hf(config, state_dict)`: the block's state dict (NumPy arrays, keys exactly as
   the block's `state_dict()` in transformers 5.x: relative to the block, e.g. "gate.weight",
   "experts.gate_up_proj") to the layer's parameter arrays, and `hf_state_from_layer` back. Both
