@@ -171,6 +171,7 @@ import dataclasses
 import numbers
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
 from sonic_jax import activations as acts
@@ -743,14 +744,19 @@ WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qw
             "aria": "aria_text", "dots3_note": "dots3_note_text"}
 
 
-def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-  """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
-  config.json leaves it out); any other config as it is."""
+def _as_mapping(config) -> Mapping[str, Any]:
   if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
     config = config.to_dict()  # a transformers config object
   if not isinstance(config, Mapping):
     raise TypeError(f"config must be a dict (a transformers config's to_dict(), or a "
                     f"checkpoint's config.json), got {type(config).__name__}")
+  return config
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+  """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
+  config.json leaves it out); any other config as it is."""
+  config = _as_mapping(config)
   text_type = WRAPPERS.get(config.get("model_type"))
   if text_type is None or not isinstance(config.get("text_config"), Mapping):
     return config
@@ -759,6 +765,8 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def family(config: Mapping[str, Any] | str) -> Family:
   """The `Family` of a config dict (or of a model_type, a multimodal model's included)."""
+  if not isinstance(config, str):
+    config = _as_mapping(config)
   model_type = (WRAPPERS.get(config, config) if isinstance(config, str)
                 else _text_config(config).get("model_type"))
   if model_type not in FAMILIES:
@@ -816,6 +824,8 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   if layer is None:
     return
   count = config.get("num_hidden_layers")
+  if isinstance(count, numbers.Integral):  # multi-token-prediction layers follow the decoder's
+    count += config.get("num_nextn_predict_layers") or 0
   if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0 or (
       isinstance(count, numbers.Integral) and layer >= count):
     within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
@@ -823,11 +833,17 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
 
 
 def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
-  """Why decoder layer `layer` is a dense MLP, by the fields with which transformers' decoder
-  layers choose (as its modeling code reads them), or None."""
+  """Why decoder layer `layer` is a dense MLP, by the fields the config gives with which
+  transformers' decoder layers choose (as its modeling code reads them), or None."""
   if layer is None:
     return None
   get = lambda name: c.get(name) if isinstance(c.get(name), (int, list, tuple)) else None
+  kinds = get("mlp_layer_types")  # where a config has it, transformers reads it alone
+  if kinds is not None:
+    return "mlp_layer_types says dense" if layer < len(kinds) and kinds[layer] == "dense" else None
+  period, offset = get("expert_layer_period"), get("expert_layer_offset")  # Jamba's
+  if period and offset is not None and layer % period != offset:
+    return f"expert_layer_period={period}, expert_layer_offset={offset}"
   if get("first_k_dense_replace") is not None and layer < c["first_k_dense_replace"]:
     return f"first_k_dense_replace={c['first_k_dense_replace']}"
   if get("num_dense_layers") is not None and layer < c["num_dense_layers"]:
@@ -839,13 +855,15 @@ def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
     return f"decoder_sparse_step={step}"
   if get("moe_layers") is not None and layer not in c["moe_layers"]:
     return f"not in moe_layers {list(c['moe_layers'])}"
-  kinds = get("mlp_layer_types")
-  if kinds is not None and layer < len(kinds) and kinds[layer] == "dense":
-    return "mlp_layer_types says dense"
+  step = get("interleave_moe_layer_step")  # Llama 4's, where moe_layers is not given
+  if get("moe_layers") is None and step and (layer + 1) % step:
+    return f"interleave_moe_layer_step={step}"
   if all(get(k) is not None for k in ("moe_layer_interval", "moe_layer_start_index",
                                        "moe_layer_end_index")):
+    end = c["moe_layer_end_index"]  # -1: the last layer
+    end = (c.get("num_hidden_layers") or layer + 1) - 1 if end == -1 else end
     if not ((layer + 1) % c["moe_layer_interval"] == 0
-            and c["moe_layer_start_index"] <= layer <= c["moe_layer_end_index"]):
+            and c["moe_layer_start_index"] <= layer <= end):
       return (f"moe_layer_interval={c['moe_layer_interval']}, moe_layer_start_index="
               f"{c['moe_layer_start_index']}, moe_layer_end_index={c['moe_layer_end_index']}")
   return None
@@ -958,7 +976,7 @@ def _as_array(key: str, value: Any) -> np.ndarray:
     a = np.asarray(value)
   except (TypeError, ValueError, RuntimeError) as e:
     raise TypeError(f"state_dict[{key!r}] ({type(value).__name__}) is not a NumPy array ({e}); "
-                    f"a torch tensor: tensor.float().numpy()") from None
+                    f"a torch tensor: tensor.detach().float().cpu().numpy()") from None
   if a.dtype.name not in _WEIGHT_DTYPES:
     hint = ("8-bit weights are quantized: dequantize them first (their *_scale_inv)"
             if a.dtype.itemsize == 1 else
@@ -971,11 +989,25 @@ def _as_array(key: str, value: Any) -> np.ndarray:
 
 class LayerParams(dict):
   """The layer's parameter arrays by name (`PARAM_NAMES`), and `gate_up_layout`: the order of
-  the gate and up columns in w1, b1 and shared_in (None where not known)."""
+  the gate and up columns in w1, b1 and shared_in (None where not known). A pytree whose
+  `jax.tree.map` and copies keep the layout; a plain dict made of it (`{**params}`) loses it."""
 
   def __init__(self, arrays=(), gate_up_layout: str | None = None):
     super().__init__(arrays)
     self.gate_up_layout = gate_up_layout
+
+  def copy(self) -> LayerParams:
+    return LayerParams(self, self.gate_up_layout)
+
+  def __or__(self, other) -> LayerParams:
+    return LayerParams({**self, **other}, self.gate_up_layout)
+
+
+jax.tree_util.register_pytree_with_keys(
+    LayerParams,
+    lambda p: ([(jax.tree_util.DictKey(k), p[k]) for k in sorted(p)], (tuple(sorted(p)),
+                                                                        p.gate_up_layout)),
+    lambda aux, children: LayerParams(zip(aux[0], children), aux[1]))
 
 
 def _has_lists(config):
@@ -995,7 +1027,7 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
   `gate_up_layout`, which `load_into_layer` checks against the layer's). layer: as `hf_keys`.
   Raises a ValueError naming the keys that are missing or not understood (a shared-expert bias,
   say), a TypeError naming one that is not a float16, bfloat16, float32 or float64 array
-  (quantized 8-bit weights, say; a torch tensor: `tensor.float().numpy()`).
+  (quantized 8-bit weights, say; a torch tensor: `tensor.detach().float().cpu().numpy()`).
   """
   config = _text_config(config)
   fam = family(config)

@@ -176,8 +176,11 @@ def _check_experts_whole(**arrays):
   """`moe` runs every expert on this device: expert weights split over an Explicit mesh axis (in
   their type) are refused by name, where JAX would fail inside the experts' loop."""
   for name, a in arrays.items():
-    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ()) if a is not None else ()
-    if len(spec) and spec[0] is not None:
+    sharding = getattr(jax.typeof(a), "sharding", None) if a is not None else None
+    spec = getattr(sharding, "spec", ())
+    axes = () if not len(spec) or spec[0] is None else (
+        spec[0] if isinstance(spec[0], tuple) else (spec[0],))
+    if math.prod(sharding.mesh.shape[ax] for ax in axes) > 1:  # size-1 axes split nothing
       raise ValueError(
           f"{name} is split over its experts on the mesh axis {spec[0]!r}: sonic_jax.moe runs "
           f"every expert on each device; split experts need expert parallelism "

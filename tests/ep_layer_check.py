@@ -222,6 +222,11 @@ def check_split_experts_without_parallelism():
     assert "w1 is split over its experts on the mesh axis 'ep'" in str(e), e
   else:
     raise AssertionError("experts split without expert parallelism were not refused")
+  # An axis of size 1 splits nothing: taken.
+  one = jax.make_mesh((1, 4), ("ep", "data"), axis_types=(AxisType.Explicit,) * 2)
+  nnx.update(layer, jax.tree.map(lambda v: jax.device_put(v, NamedSharding(one, P(
+      "ep") if v.ndim == 3 else P())), nnx.state(layer)))
+  jax.eval_shape(lambda: layer(jnp.asarray(X)))
 
 
 @functools.cache

@@ -592,7 +592,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     def __array__(self, *args, **kwargs):
       raise TypeError("Got unsupported ScalarType BFloat16")
 
-  with pytest.raises(TypeError, match=r"\['gate.weight'\] \(TorchBFloat16\).*float\(\).numpy"):
+  with pytest.raises(TypeError, match=r"\['gate.weight'\] \(TorchBFloat16\).*float\(\).cpu\(\).numpy"):
     hf.layer_params_from_hf(config, {**state, "gate.weight": TorchBFloat16()})
   # Decoder layer indexes: negative, not an int, past the config's layers or a per-layer list.
   for bad in (-1, "1", 4):
@@ -605,18 +605,34 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", mlp_only_layers=[0],
               decoder_sparse_step=2)
   v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3", first_k_dense_replace=1)
+  llama4 = dict(MINIMAL_CONFIGS["llama4"]["text_config"], interleave_moe_layer_step=2,
+                num_hidden_layers=4)  # MoE layers 1 and 3, as transformers derives moe_layers
+  ernie = dict(MINIMAL_CONFIGS["ernie4_5_moe"], model_type="ernie4_5_moe", num_hidden_layers=4,
+               moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1)
   for c, layer, why in ((qwen, 0, "in mlp_only_layers"), (qwen, 2, "decoder_sparse_step=2"),
-                        (v3, 0, "first_k_dense_replace=1")):
+                        (v3, 0, "first_k_dense_replace=1"), (llama4, 2, "interleave_moe"),
+                        (ernie, 0, "moe_layer_interval=1, moe_layer_start_index=1")):
     with pytest.raises(ValueError, match=f"decoder layer {layer} .* is a dense one \\({why}"):
       hf.layer_kwargs(c, layer=layer)
   assert hf.layer_kwargs(qwen, layer=1) == hf.layer_kwargs(qwen)
   assert hf.layer_kwargs(v3, layer=1) == hf.layer_kwargs(v3)
+  assert hf.layer_kwargs(llama4, layer=3) == hf.layer_kwargs(llama4)
+  assert hf.layer_kwargs(ernie, layer=3) == hf.layer_kwargs(ernie)  # -1: up to the last layer
+  # mlp_layer_types decides alone where given (EXAONE-MoE and others keep first_k_dense_replace
+  # beside it); a multi-token-prediction layer follows the decoder's.
+  typed = dict(v3, mlp_layer_types=["sparse", "dense"], num_hidden_layers=2,
+               num_nextn_predict_layers=1)
+  assert hf.layer_kwargs(typed, layer=0) == hf.layer_kwargs(typed)
+  with pytest.raises(ValueError, match="mlp_layer_types says dense"):
+    hf.layer_kwargs(typed, layer=1)
+  assert hf.layer_kwargs(dict(v3, num_hidden_layers=2, num_nextn_predict_layers=1), layer=2)
 
   class TransformersConfig:  # a config object: read through its to_dict()
     def to_dict(self):
       return v3
 
   assert hf.layer_kwargs(TransformersConfig()) == hf.layer_kwargs(v3)
+  assert hf.family(TransformersConfig()).model_type == "deepseek_v3"
 
 
 def test_params_carry_their_gate_up_layout():
@@ -633,6 +649,10 @@ def test_params_carry_their_gate_up_layout():
     hf.hf_state_from_layer(config, params, gate_up_layout="concat")
   with pytest.raises(ValueError, match="params hold w1 in the 'concat' gate/up layout"):
     hf.load_into_layer(layer, hf.layer_params_from_hf(config, state))
+  # The layout survives jax.tree.map (a pytree), copies and merges.
+  for kept in (jax.tree.map(lambda a: a * 2, params), params.copy(), params | {"w2": 0}):
+    assert kept.gate_up_layout == "interleaved"
+  np.testing.assert_array_equal(jax.tree.map(lambda a: a * 2, params)["w1"], 2 * params["w1"])
   # A State of gradients does not say its layout: given, it is carried.
   grads = nnx.state(layer, nnx.Param)
   assert hf.layer_params(grads, gate_up_layout="interleaved").gate_up_layout == "interleaved"
