@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -364,12 +365,13 @@ STATE_SETTINGS = {"tokenizer", "vocab_size"} | {f"model.{k}" for k in (
 
 def refused_changes(saved, config, s, vocab_known=True):
   """(the changed settings, those of them a resume refuses): the state settings, and for a BPE
-  run the corpus too (its tokenizer is trained on the corpus, so another one changes what the ids
-  mean). Before the tokenizer is built (vocab_known False) the model's padded vocabulary is not
-  compared: it is the tokenizer's."""
-  state = STATE_SETTINGS | ({"corpus_bytes", "corpus_dir"} if s["tokenizer"] == "bpe" else set())
+  run the corpus's digest and the vocabulary reached too (its tokenizer is trained on the corpus,
+  so other text changes what the ids mean). Before the tokenizer is built (vocab_known False) the
+  vocabularies are not compared: they are the tokenizer's."""
+  bpe = {"corpus_digest", "tokenizer_vocab"} if s["tokenizer"] == "bpe" else set()
+  state = STATE_SETTINGS | bpe
   if not vocab_known:
-    state = state - {"model.vocab_size"}
+    state = state - {"model.vocab_size", "tokenizer_vocab"}
   changed = changed_settings(saved, config)
   return changed, [c for c in changed if c.split(":")[0] in state]
 
@@ -389,10 +391,10 @@ def tokenizer_path():
   return os.path.abspath(os.path.join(FLAGS.workdir, "tokenizer.json"))
 
 
-def tokenize(s):
+def tokenize(s, corpus):
   """(tokenizer, train ids, held-out ids, unigram entropy per token and per byte) of the run's
-  corpus; a BPE is trained, and the splits tokenized, once per corpus and vocabulary (cached)."""
-  corpus = data.load_corpus(s["corpus_bytes"], s["corpus_dir"])
+  corpus (uint8 bytes); a BPE is trained, and the splits tokenized, once per corpus and
+  vocabulary (cached)."""
   train_bytes, heldout_bytes = data.split(corpus, 0.05)
   source = FLAGS.corpus_dir or "the standard library"
   cache = FLAGS.data_cache or os.path.join(FLAGS.workdir, "data_cache")
@@ -494,28 +496,36 @@ def run():
                                item_names=("model", "optimizer", "config"),
                                options=ocp.CheckpointManagerOptions(
                                    max_to_keep=2, create=bool(s["checkpoint_every"])))
+  try:  # closed however the run ends: its threads would outlive the exit and complain
+    _train(s, ckpt, ocp, mesh, attention, lead)
+  finally:
+    ckpt.close()
+
+
+def _train(s, ckpt, ocp, mesh, attention, lead):
+  """The run after its flag checks: resume (or refuse to), tokenize, train, checkpoint."""
   start = ckpt.latest_step() or 0
   if jax.process_count() > 1:  # every process resumes where the first one does
     start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
   saved = None
 
   def refuse(reason):
-    ckpt.close()  # its threads would outlive the exit and complain
     raise app.UsageError(reason)
 
   def refuse_resume(refused):
     refuse(f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
            f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
 
+  corpus = data.load_corpus(s["corpus_bytes"], s["corpus_dir"])
+  # What a BPE is trained on, wherever it was read from (the standard library differs between
+  # Python versions): a resume on other text is refused.
+  s["corpus_digest"] = hashlib.sha256(corpus.tobytes()).hexdigest()[:16]
   if start:  # refused before the tokenizer's work, which would write into this workdir
     saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
     _, refused = refused_changes(saved, run_config(s), s, vocab_known=False)
     if refused:
       refuse_resume(refused)
-  try:
-    tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s)
-  except app.UsageError as e:
-    refuse(str(e))
+  tok, train, heldout, h_unigram, h_unigram_per_byte = tokenize(s, corpus)
   s["model"] = cfg = dataclasses.replace(
       s["model"], vocab_size=tokenizer_lib.padded_vocab(tok.vocab_size))
   s["tokenizer_vocab"] = tok.vocab_size
