@@ -49,10 +49,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _xla_effort(request):
   """Off a GPU, the programs a test compiles in this process have most XLA optimizations off:
-  the tests run tiny shapes, where compiling is most of the time (a third less for the in-process
-  test files; docs/testing.md). A test marked `xla_optimized` (float32 results that XLA's
-  unoptimized code moves past their tolerance) compiles optimized, with jit's in-memory caches
-  cleared first, since the option is not part of their key (the persistent cache's it is)."""
+  the tests run tiny shapes, where compiling is most of the time (a quarter less for the suite;
+  docs/testing.md). A test marked `xla_optimized` (float32 results that XLA's unoptimized code
+  moves past their tolerance) compiles optimized, with jit's in-memory caches cleared before and
+  after it, since the option is not part of their key (the persistent cache's it is): no test
+  runs a program compiled under the other setting."""
   import jax
   if jax.default_backend() == "gpu":
     yield
@@ -64,6 +65,8 @@ def _xla_effort(request):
   jax.config.update("jax_disable_most_optimizations", not optimized)
   yield
   jax.config.update("jax_disable_most_optimizations", before)
+  if optimized:
+    jax.clear_caches()
 
 
 @pytest.fixture
