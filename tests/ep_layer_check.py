@@ -50,6 +50,22 @@ def expert_specs(state):
                       nnx.get_partition_spec(state), is_leaf=lambda v: isinstance(v, P))
 
 
+def refused(fn, message, what):
+  """fn() raises a ValueError saying `message` (traced abstractly: nothing compiles)."""
+  try:
+    fn()
+  except ValueError as e:
+    assert message in str(e), e
+  else:
+    raise AssertionError(f"{what} were not refused")
+
+
+def placed_experts(state, mesh):
+  """state with its expert parameters split over the mesh's "ep" axis, the rest replicated."""
+  return jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), state,
+                      expert_specs(state))
+
+
 def grad_errs(grads, grads_ref):
   return {jax.tree_util.keystr(path): rel(g, g_ref) for (path, g), (_, g_ref) in
           zip(jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(grads_ref))}
@@ -87,7 +103,7 @@ def check_shard_map(scheme):
 
   run = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("ep")), out_specs=(P("ep"), P()),
                       check_vma=False)
-  placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
+  placed = placed_experts(s2, mesh)
   x_placed = jax.device_put(X, NamedSharding(mesh, P("ep")))
   (_, y), grads = jax.jit(jax.value_and_grad(loss_of(g2, lambda g, s, x: run(s, x)),
                                              has_aux=True))(placed, x_placed)
@@ -127,7 +143,6 @@ def check_set_mesh(scheme):
   sharded = MoE(**SET_MESH_KW, expert_parallel_axis="ep", expert_parallel_scheme=scheme, **extra,
                 rngs=nnx.Rngs(0))
   g2, s2 = nnx.split(sharded)
-  specs = expert_specs(s2)
   for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
     explicit = types[0] == AxisType.Explicit
     mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=types)
@@ -169,7 +184,7 @@ def check_set_mesh(scheme):
           assert "check_vma=True" in str(e), e
         else:
           raise AssertionError("the layer's own shard_map inside a checked one was not refused")
-      placed = jax.tree.map(lambda a, p: jax.device_put(a, NamedSharding(mesh, p)), s2, specs)
+      placed = placed_experts(s2, mesh)
       ((_, (y, st)), (gs, gx)), y_ids, y_inner, y_batch, y_seq = jax.jit(run)(
           placed, jax.device_put(X, tokens), jax.device_put(IDS, tokens),
           jax.device_put(X, NamedSharding(mesh, P("data"))),
@@ -196,12 +211,8 @@ def check_mixed_axis_types():
   layer = MoE(**KW, expert_parallel_axis="ep", rngs=nnx.Rngs(0))
   mesh = jax.make_mesh((2, 2), ("data", "ep"), axis_types=(AxisType.Explicit, AxisType.Auto))
   with jax.set_mesh(mesh):
-    try:
-      jax.eval_shape(lambda: layer(jnp.asarray(X)))
-    except ValueError as e:
-      assert "mix mesh axis types" in str(e), e
-    else:
-      raise AssertionError("token axes of mixed types were not refused")
+    refused(lambda: jax.eval_shape(lambda: layer(jnp.asarray(X))), "mix mesh axis types",
+            "token axes of mixed types")
 
 
 def check_split_experts_without_parallelism():
@@ -210,22 +221,20 @@ def check_split_experts_without_parallelism():
   from sonic_jax import hf  # pylint: disable=import-outside-toplevel
   layer = MoE(**KW, rngs=nnx.Rngs(0))
   params = hf.layer_params(layer)
+  # The expert weights (w1, w2) split over "ep", the rest replicated.
+  weights_over = lambda mesh: jax.tree.map(lambda v: jax.device_put(v, NamedSharding(
+      mesh, P("ep") if v.ndim == 3 else P())), nnx.state(layer))
   mesh = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Explicit,))
-  nnx.update(layer, jax.tree.map(lambda v: jax.device_put(v, NamedSharding(mesh, P(
-      "ep") if v.ndim == 3 else P())), nnx.state(layer)))
+  nnx.update(layer, weights_over(mesh))
   hf.load_into_layer(layer, params)
   assert layer.w1[...].sharding.spec == P("ep"), layer.w1[...].sharding
   assert np.array_equal(np.asarray(layer.w2[...]), params["w2"])
-  try:
-    jax.eval_shape(lambda: layer(jnp.asarray(X)))
-  except ValueError as e:
-    assert "w1 is split over its experts on the mesh axis 'ep'" in str(e), e
-  else:
-    raise AssertionError("experts split without expert parallelism were not refused")
+  refused(lambda: jax.eval_shape(lambda: layer(jnp.asarray(X))),
+          "w1 is split over its experts on the mesh axis 'ep'",
+          "experts split without expert parallelism")
   # An axis of size 1 splits nothing: taken.
   one = jax.make_mesh((1, 4), ("ep", "data"), axis_types=(AxisType.Explicit,) * 2)
-  nnx.update(layer, jax.tree.map(lambda v: jax.device_put(v, NamedSharding(one, P(
-      "ep") if v.ndim == 3 else P())), nnx.state(layer)))
+  nnx.update(layer, weights_over(one))
   jax.eval_shape(lambda: layer(jnp.asarray(X)))
 
 
@@ -250,13 +259,9 @@ def check_eager(scheme):
     print("eager", scheme, ["%.1e" % e for e in errs])
     assert max(errs) < 1e-10, errs
     assert np.isfinite(float(aux.loss))
-    try:  # refused while tracing, before any compilation: abstractly
-      jax.eval_shape(lambda: MoE(16, 6, 8, 2, expert_parallel_axis="ep", backend="xla",
-                                 rngs=nnx.Rngs(0))(x))
-    except ValueError as e:
-      assert "num_experts=6" in str(e), e
-    else:
-      raise AssertionError("6 experts over 4 devices were not refused")
+    refused(lambda: jax.eval_shape(lambda: MoE(16, 6, 8, 2, expert_parallel_axis="ep",
+                                               backend="xla", rngs=nnx.Rngs(0))(x)),
+            "num_experts=6", "6 experts over 4 devices")
 
 
 if __name__ == "__main__":

@@ -509,12 +509,10 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
     start = int(multihost_utils.broadcast_one_to_all(np.int32(start)))
   saved = None
 
-  def refuse(reason):
-    raise app.UsageError(reason)
-
   def refuse_resume(refused):
-    refuse(f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
-           f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
+    raise app.UsageError(
+        f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
+        f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
 
   corpus = data.load_corpus(s["corpus_bytes"], s["corpus_dir"])
   # What a BPE is trained on, wherever it was read from (the standard library differs between
@@ -535,8 +533,8 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
     if refused:
       refuse_resume(refused)
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
-    refuse(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's {len(heldout)} "
-           f"held-out ones: raise --corpus_bytes")
+    raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
+                         f"{len(heldout)} held-out ones: raise --corpus_bytes")
   say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}")
   # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
   schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
@@ -569,9 +567,10 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           model=ocp.args.StandardRestore(nnx.state(model)),
           optimizer=ocp.args.StandardRestore(nnx.state(optimizer))))
     except ValueError as e:  # parameters or optimizer state of another shape
-      refuse(f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit "
-             f"this one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, "
-             f"or the run's own settings ({e})")
+      raise app.UsageError(
+          f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit this "
+          f"one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, or the "
+          f"run's own settings ({e})") from e
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
     say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
