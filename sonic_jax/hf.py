@@ -553,6 +553,9 @@ class Family:
   lookup: key of a table the caller reads, not a parameter (DeepSeek-V4's hash layers'
   gate.tid2eid: expert_ids = tid2eid[input_ids]); the converters pass over it.
   kwargs: config dict, layer index -> the layer's keyword arguments.
+  dense_layers: the config class's defaults of the fields that make decoder layers dense
+  (`_dense_layer`), where they do (DeepSeek-V3's first_k_dense_replace = 3): a config saved by
+  transformers leaves out the fields equal to its class's defaults.
   """
 
   model_type: str
@@ -573,6 +576,24 @@ class Family:
   expert_scale: str | None = None
   lookup: str | None = None
   multimodal_prefix: str | None = None
+  dense_layers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# The decoder layers' dense-layer fields as transformers 5.24's config classes default them (or
+# derive mlp_layer_types without them), by model_type; the other families' defaults make no
+# layer dense.
+_DENSE_DEFAULTS = {
+    **{t: dict(first_k_dense_replace=1) for t in (
+        "dots3_note_text", "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text",
+        "kimi_linear", "mimo_v2_flash", "sarvam_mla", "sarvam_moe")},
+    **{t: dict(first_k_dense_replace=3) for t in (
+        "deepseek_v3", "kimi_k2", "deepseek_v32", "glm5_next_text", "glm_moe_dsa", "step3p5")},
+    "bailing_hybrid": dict(first_k_dense_replace=2),
+    "afmoe": dict(num_dense_layers=1),
+    "lfm2_moe": dict(num_dense_layers=2),
+    "jamba": dict(expert_layer_period=2, expert_layer_offset=1),
+    "ernie4_5_moe": dict(moe_layer_interval=1, moe_layer_start_index=1, moe_layer_end_index=27),
+}
 
 
 def _families():
@@ -729,7 +750,8 @@ def _families():
              router_scale="router.scale", expert_scale="router.per_expert_scale",
              multimodal_prefix="model.language_model.layers.{layer}."),
   ]
-  return {f.model_type: f for f in fams}
+  return {f.model_type: dataclasses.replace(f, dense_layers=_DENSE_DEFAULTS.get(f.model_type, {}))
+          for f in fams}
 
 
 FAMILIES: dict[str, Family] = _families()
@@ -803,7 +825,7 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   config = _text_config(config)
   fam = family(config)
   _check_layer(config, layer)
-  dense = _dense_layer(config, layer)
+  dense = _dense_layer({**fam.dense_layers, **config}, layer)
   if dense:
     raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
                      f"({dense}): it has no MoE block")

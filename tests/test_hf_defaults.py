@@ -116,3 +116,24 @@ def test_a_shared_width_without_a_default_is_required():
   del minimal["shared_expert_intermediate_size"]
   with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
     hf.layer_kwargs(minimal)
+
+
+def _is_dense(config, layer):
+  """Whether `layer_kwargs` refuses decoder layer `layer` as a dense one."""
+  try:
+    hf.layer_kwargs(config, layer=layer)
+  except ValueError as e:
+    if "is a dense one" in str(e):
+      return True
+    raise
+  return False
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_absent_dense_layer_fields_read_as_transformers_defaults(model_type):
+  """A config without the fields that make decoder layers dense (first_k_dense_replace and the
+  like, which a config saved by transformers leaves out at their defaults) has the dense layers
+  of its config class's defaults."""
+  full, minimal = _configs(model_type)
+  layers = range(full.get("num_hidden_layers") or 8)
+  assert [_is_dense(minimal, i) for i in layers] == [_is_dense(full, i) for i in layers]
