@@ -172,20 +172,47 @@ def _fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_n
   return None
 
 
-def _check_experts_whole(**arrays):
-  """`moe` runs every expert on this device: expert weights split over an Explicit mesh axis (in
-  their type) are refused by name, where JAX would fail inside the experts' loop."""
+def _split_axes(a, dim: int) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that split dim `dim` of a in its type: Explicit axes (Auto axes and
+  those a surrounding shard_map made manual are not in types); () for None or a replicated a."""
+  sharding = None if a is None else getattr(jax.typeof(a), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ()))
+  if dim >= len(spec) or spec[dim] is None:
+    return ()
+  axes = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+  return tuple(ax for ax in axes if sharding.mesh.shape[ax] > 1)
+
+
+_SPLIT_REFUSALS = {
+    "experts": ("sonic_jax.moe runs every expert on each device; split experts need expert "
+                "parallelism (moe_all_gather or moe_all_to_all inside a shard_map, or the layer's "
+                "expert_parallel_axis), or replicate the weights"),
+    "tokens": ("sonic_jax.moe routes all of its tokens together. For data parallelism (each shard "
+               "routed on its own) call it inside a jax.shard_map over those axes, or call "
+               "sonic_jax.layers.MoE under jax.set_mesh, which does so; or replicate them"),
+}
+
+
+def _check_whole(what: str, **arrays):
+  """Arrays split over an Explicit mesh axis (in their type) on dim 0, their experts or tokens,
+  refused by name: `moe` runs every expert on each device (JAX would fail inside the experts'
+  loop) and routes all its tokens together (JAX would refuse the sort over them)."""
   for name, a in arrays.items():
-    sharding = getattr(jax.typeof(a), "sharding", None) if a is not None else None
-    spec = getattr(sharding, "spec", ())
-    axes = () if not len(spec) or spec[0] is None else (
-        spec[0] if isinstance(spec[0], tuple) else (spec[0],))
-    if math.prod(sharding.mesh.shape[ax] for ax in axes) > 1:  # size-1 axes split nothing
-      raise ValueError(
-          f"{name} is split over its experts on the mesh axis {spec[0]!r}: sonic_jax.moe runs "
-          f"every expert on each device; split experts need expert parallelism "
-          f"(moe_all_gather or moe_all_to_all inside a shard_map, or the layer's "
-          f"expert_parallel_axis), or replicate the weights")
+    if axes := _split_axes(a, 0):
+      raise ValueError(f"{name} is split over its {what} on the mesh axes {axes}: "
+                       f"{_SPLIT_REFUSALS[what]}")
+
+
+def _whole(a):
+  """a replicated where its type splits it over Explicit mesh axes (x over d; the expert weights
+  over size-1 axes on the experts, as `_check_whole` allows, or FSDP's over other dims),
+  else a as it is: every device runs all of each expert, and the experts' custom_vjp returns
+  whole gradients (the reshard's transpose splits them again)."""
+  sharding = None if a is None else jax.typeof(a).sharding
+  if sharding is None or all(p is None for p in getattr(sharding, "spec", ())):
+    return a
+  return jax.sharding.reshard(a, jax.sharding.NamedSharding(sharding.mesh,
+                                                            jax.sharding.PartitionSpec()))
 
 
 def _check_capacity(capacity_factor):
@@ -398,6 +425,12 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   """A token-choice Mixture-of-Experts layer with SonicMoE's low-activation-memory backward:
   a router, then `routed_experts`.
 
+  On a mesh with Explicit axes the call routes all T tokens together: tokens split over such an
+  axis are refused (for data parallelism call it per shard inside a `jax.shard_map`, or call the
+  layer under `jax.set_mesh`), and so are expert weights split over their experts (that needs
+  expert parallelism); x split over d and the weights and biases over their other dims (FSDP)
+  are replicated for the call, their gradients split as they are.
+
   Args:
     x: (T, d) tokens.
     router_weight: (d, E); logits = x @ router_weight (+ router_bias) with float32 accumulation.
@@ -457,9 +490,13 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   _check_capacity(capacity_factor)
   if token_rounding is not None and capacity_factor is not None:
     raise ValueError("token_rounding and capacity_factor exclude each other")
-  _check_experts_whole(w1=w1, w2=w2, b1=b1, b2=b2)
-  x, router_weight, w1, w2 = map(jnp.asarray, (x, router_weight, w1, w2))
-  b1, b2, router_bias = (None if b is None else jnp.asarray(b) for b in (b1, b2, router_bias))
+  _check_whole("experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  _check_whole("tokens", x=x, router_input=router_input, expert_ids=expert_ids)
+  router_weight = jnp.asarray(router_weight)
+  x, w1, w2, b1, b2, router_bias, expert_scale = (
+      None if a is None else _whole(jnp.asarray(a))
+      for a in (x, w1, w2, b1, b2, router_bias, expert_scale))
+  selection_bias = _whole(selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   t_count = x.shape[0]

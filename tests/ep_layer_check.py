@@ -12,7 +12,11 @@
   sequence dim; explicit and auto mesh axes (float64), token axes of mixed types refused;
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
-  a mesh that cannot hold the experts is refused by name.
+  a mesh that cannot hold the experts is refused by name;
+- without expert parallelism: expert weights split over an Explicit axis refused by name, taken
+  (gradients too) over a size-1 axis; `sonic_jax.moe` with x split over d and the expert weights
+  and biases over their other dims; the layer data parallel under `jax.set_mesh` (x's tokens split
+  over an Explicit axis, or `token_axes` on an Auto one), against one device.
 
 Float64 throughout: compare to rounding, not to fusion order. The single-device references are
 computed once and shared by the schemes."""
@@ -230,12 +234,70 @@ def check_split_experts_without_parallelism():
   assert layer.w1[...].sharding.spec == P("ep"), layer.w1[...].sharding
   assert np.array_equal(np.asarray(layer.w2[...]), params["w2"])
   refused(lambda: jax.eval_shape(lambda: layer(jnp.asarray(X))),
-          "w1 is split over its experts on the mesh axis 'ep'",
+          "w1 is split over its experts on the mesh axes ('ep',)",
           "experts split without expert parallelism")
-  # An axis of size 1 splits nothing: taken.
+  # An axis of size 1 splits nothing: taken, the biases (b1, b2) so placed too, gradients included.
   one = jax.make_mesh((1, 4), ("ep", "data"), axis_types=(AxisType.Explicit,) * 2)
-  nnx.update(layer, weights_over(one))
-  jax.eval_shape(lambda: layer(jnp.asarray(X)))
+  nnx.update(layer, placed_experts(nnx.state(layer), one))
+  assert layer.b1[...].sharding.spec == P("ep"), layer.b1[...].sharding
+  jax.eval_shape(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(X))[0])), layer)
+
+
+def check_split_operands():
+  """`sonic_jax.moe` (no expert parallelism) with x split over d and the expert weights and biases
+  over their other dims on an Explicit mesh (as FSDP places them): the output and gradients of
+  the unsplit call, the gradients split as their operands."""
+  from sonic_jax import moe  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(4)
+  args = [jnp.asarray(rng.standard_normal(shape)) for shape in
+          ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16), (8, 16), (8, 16))]  # x, router, w1, w2, b1, b2
+
+  def loss(x, router, w1, w2, b1, b2):
+    y = moe(x, router, w1, w2, top_k=2, b1=b1, b2=b2, backend="xla")[0]
+    return jnp.vdot(y, D_Y), y
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5), has_aux=True))
+  (_, y_ref), g_ref = grad(*args)
+  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+  specs = (P(None, "fsdp"), P(), P(None, "data", "fsdp"), P(None, "fsdp"), P(None, "data"),
+           P(None, "fsdp"))
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs)]
+    (_, y), g = grad(*placed)
+  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("split operands", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+  full = lambda spec, ndim: tuple(spec) + (None,) * (ndim - len(spec))
+  assert [full(jax.typeof(a).sharding.spec, a.ndim) for a in g] == [
+      full(specs[i], args[i].ndim) for i in (0, 2, 3, 4, 5)], g
+
+
+def check_data_parallel():
+  """The layer without expert parallelism under `jax.set_mesh`, x's tokens split over "data" (an
+  Explicit axis: from x's type; an Auto one: by token_axes): each data shard routed on its own, as
+  data-parallel replicas would. Output, the gradients of every parameter and of x, counts, the
+  z-loss, and the load-balance loss as the mean of the two shards' (float64); `sonic_jax.moe`
+  given such tokens refuses them by name."""
+  ((_, (y_ref, st_ref)), (gs_ref, gx_ref)), halves, _ = set_mesh_reference()
+  for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
+    explicit = types[0] == AxisType.Explicit
+    g2, s2 = nnx.split(MoE(**SET_MESH_KW, token_axes=None if explicit else "data",
+                           rngs=nnx.Rngs(0)))
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=types)
+    with jax.set_mesh(mesh):
+      x = jax.device_put(X, NamedSharding(mesh, P("data")))
+      (_, (y, st)), (gs, gx) = jax.jit(set_mesh_loss(g2))(s2, x)
+      if explicit:
+        from sonic_jax import moe  # pylint: disable=import-outside-toplevel
+        refused(lambda: jax.eval_shape(lambda x: moe(x, s2["router"][...], s2["w1"][...],
+                                                     s2["w2"][...], top_k=2), x),
+                "x is split over its tokens on the mesh axes ('data',)", "split tokens")
+    errs = {"y": rel(y, y_ref), "dx": rel(gx, gx_ref), "z_loss": rel(st.z_loss, st_ref.z_loss),
+            "load_balance": rel(st.load_balance_loss, np.mean(halves)), **grad_errs(gs, gs_ref)}
+    print("data parallel", types[0], {k: f"{v:.1e}" for k, v in errs.items()})
+    assert len(errs) == 4 + 9 and max(errs.values()) < 1e-10, errs
+    np.testing.assert_array_equal(st.expert_counts, st_ref.expert_counts)
+    np.testing.assert_array_equal(st.choice_ids, st_ref.choice_ids)
 
 
 @functools.cache
@@ -270,4 +332,6 @@ if __name__ == "__main__":
       check(scheme)
   check_mixed_axis_types()
   check_split_experts_without_parallelism()
+  check_split_operands()
+  check_data_parallel()
   print("OK")

@@ -188,6 +188,25 @@ def test_compute_dtype_and_param_dtype(rng):
   assert np.isfinite(np.asarray(grads["w1"][...])).all()
 
 
+def test_float32_router_beside_bfloat16_experts(rng):
+  """router_param_dtype=float32 with bfloat16 parameters: the router's parameters stored and used
+  in float32 (logits a float32 product of the bfloat16 input), the experts' in bfloat16, and each
+  parameter's gradient in its own dtype."""
+  m = _layer(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, router_param_dtype=jnp.float32,
+             use_router_bias=True, use_bias=True)
+  assert m.router[...].dtype == m.router_bias[...].dtype == jnp.float32
+  assert m.w1[...].dtype == m.b1[...].dtype == jnp.bfloat16
+  x = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+  (y, aux), grads = nnx.jit(lambda m: (m(x), nnx.grad(
+      lambda m: jnp.sum(m(x)[0].astype(jnp.float32) ** 2))(m)))(m)
+  want = np.asarray(x, np.float64) @ np.asarray(m.router[...], np.float64)
+  assert rel_err(aux.stats.router_logits, want) < 1e-6
+  assert y.dtype == jnp.bfloat16
+  assert grads["router"][...].dtype == jnp.float32 and grads["w1"][...].dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match="router_param_dtype"):
+    _layer(router_param_dtype=jnp.int8)
+
+
 def test_adamw_training_lowers_the_loss(rng):
   """A student MoE learns a teacher MoE's function under nnx.jit with optax AdamW."""
   teacher = _layer(rngs=nnx.Rngs(1), init_std=0.3)

@@ -50,5 +50,6 @@ def test_all_to_all_capacity_drops_and_data_parallel_mesh():
 def test_flax_layer_matches_single_device():
   """Both schemes (one process: they share the single-device references): under a user's
   shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the layer adding its
-  own shard_map; eagerly under set_mesh with unplaced parameters."""
+  own shard_map; eagerly under set_mesh with unplaced parameters. Then, without expert
+  parallelism: split operands of `moe`, and the layer data parallel under set_mesh."""
   _run("ep_layer_check.py", "all_to_all", "all_gather")

@@ -50,6 +50,12 @@ def _flatten(x):
   return x.reshape(-1, x.shape[-1])
 
 
+def _token_split(h, mesh) -> tuple[str, ...]:
+  """The mesh axes that split the tokens h (T, d) in its type (Explicit axes), in order."""
+  spec = tuple(jax.typeof(h).sharding.spec) if not mesh.empty else ()
+  return tuple(_axes(spec[0])) if spec else ()
+
+
 def _unflatten(y, lead, x):
   """The layer's output y (T, d) as x's leading dims `lead`. On an explicit mesh a reshape splits a
   token dimension sharded over n devices only where the first leading dim is a nonzero multiple of
@@ -128,6 +134,10 @@ class MoE(nnx.Module):
       tokens on its own (all of the expert axis's together), as data-parallel replicas would.
     token_axes: the mesh axes that shard the tokens in that second case (default: all axes of the
       mesh but those a surrounding shard_map made manual; they must include the expert axis).
+      Without expert_parallel_axis, under `jax.set_mesh` the layer is data parallel over
+      token_axes (default: the Explicit axes that split x's tokens in its type; on Auto axes
+      give them): a shard_map of its own routes each shard's tokens on its own, experts
+      replicated, its aux as above. Otherwise the whole call's tokens are routed together.
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
       "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
@@ -141,6 +151,9 @@ class MoE(nnx.Module):
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
       The router weight is used as stored (not cast to `dtype`): float32 storage keeps the router
       GEMM in float32; with 16-bit storage and compute it runs 16-bit, backward included.
+      router_param_dtype: storage dtype of the router's parameters (router, router_bias,
+      router_scale, expert_scale; default param_dtype): float32 with a 16-bit param_dtype keeps
+      the router in float32 while the experts store 16-bit weights.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
   """
 
@@ -161,6 +174,7 @@ class MoE(nnx.Module):
                token_axes: tuple[str, ...] | None = None,
                init_std: float = 0.02,
                router_init_std: float | None = None, dtype=None, param_dtype=jnp.float32,
+               router_param_dtype=None,
                backend: str = "auto", config: Config | None = None,
                expert_axis: str | None = "expert",
                embed_axis: str | None = "embed", mlp_axis: str | None = "mlp", rngs: nnx.Rngs):
@@ -192,7 +206,8 @@ class MoE(nnx.Module):
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
           0 <= value < math.inf):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    for name, value, none_ok in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
+    for name, value, none_ok in (("dtype", dtype, True), ("param_dtype", param_dtype, False),
+                                 ("router_param_dtype", router_param_dtype, True)):
       if value is None and none_ok:
         continue
       try:
@@ -266,8 +281,9 @@ class MoE(nnx.Module):
     width = act.width_multiplier() * expert_dim
     normal = lambda std: jax.nn.initializers.normal(std)
     router_std = init_std if router_init_std is None else router_init_std
+    r_dtype = param_dtype if router_param_dtype is None else router_param_dtype
     self.router = _param(rngs, normal(router_std), (d_model, num_experts),
-                         param_dtype, (embed_axis, None))
+                         r_dtype, (embed_axis, None))
     self.w1 = _param(rngs, normal(init_std), (num_experts, d_model, width), param_dtype,
                      (expert_axis, embed_axis, mlp_axis))
     self.w2 = _param(rngs, normal(init_std), (num_experts, expert_dim, d_model), param_dtype,
@@ -278,12 +294,12 @@ class MoE(nnx.Module):
                               (expert_axis, mlp_axis)) if use_bias else None)
     self.b2 = nnx.data(_param(rngs, zeros, (num_experts, d_model), param_dtype,
                               (expert_axis, embed_axis)) if use_bias else None)
-    self.router_bias = nnx.data(_param(rngs, zeros, (num_experts,), param_dtype, (None,))
+    self.router_bias = nnx.data(_param(rngs, zeros, (num_experts,), r_dtype, (None,))
                                 if use_router_bias else None)
     ones = jax.nn.initializers.ones
-    self.router_scale = nnx.data(_param(rngs, ones, (d_model,), param_dtype, (embed_axis,))
+    self.router_scale = nnx.data(_param(rngs, ones, (d_model,), r_dtype, (embed_axis,))
                                  if router_norm_eps is not None else None)
-    self.expert_scale = nnx.data(_param(rngs, ones, (num_experts,), param_dtype, (None,))
+    self.expert_scale = nnx.data(_param(rngs, ones, (num_experts,), r_dtype, (None,))
                                  if use_expert_scale else None)
     self.selection_bias = nnx.data(SelectionBias(jnp.zeros((num_experts,), jnp.float32))
                                    if bias_update_rate > 0 else None)
@@ -340,12 +356,17 @@ class MoE(nnx.Module):
     experts = (self.router[...], cast(self.w1), cast(self.w2), cast(self.b1), cast(self.b2),
                router_bias, sel_bias, r, expert_scale, expert_ids)
     axis = self.expert_parallel_axis
-    if axis is None or axis in jax.sharding.get_abstract_mesh().manual_axes:
-      y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None:  # data parallel under a mesh with token_axes, or one that splits the tokens
+      own_map = not mesh.empty and (self.token_axes is not None or bool(_token_split(h, mesh)))
     else:
+      own_map = axis not in mesh.manual_axes
+    if own_map:
       # h as the routed experts' shard_map takes it (sharded over token_axes): the shared experts
       # then run on the same shards, and their output adds to y's without a reshard.
       h, y, stats = self._routed_shard_map(h, experts)
+    else:
+      y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
     if self.shared_in is not None:
       # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute
       u = dot_f32(h, cast(self.shared_in))
@@ -398,32 +419,38 @@ class MoE(nnx.Module):
     lists (they index device-local tokens)."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = self.expert_parallel_axis
-    if mesh.empty or axis not in mesh.axis_names:
-      raise ValueError(f"expert_parallel_axis={axis!r}: call the layer inside a jax.shard_map "
-                       f"over that axis, or under jax.set_mesh(mesh) with a mesh that has it "
-                       f"(current mesh axes: {tuple(mesh.axis_names)})")
+    what = (f"expert_parallel_axis={axis!r}" if axis is not None
+            else f"token_axes={self.token_axes!r}")
+    if mesh.empty or (axis is not None and axis not in mesh.axis_names):
+      raise ValueError(f"{what}: call the layer inside a jax.shard_map over that axis, or under "
+                       f"jax.set_mesh(mesh) with a mesh that has it (current mesh axes: "
+                       f"{tuple(mesh.axis_names)})")
     outer = varying_axes(h)
     if outer:
       # The shard_map below runs without shard_map's type check: inside a checked one the
       # parameters' gradients would not be summed over the outer axes.
       raise ValueError(
-          f"expert_parallel_axis={axis!r}: the layer adds its own shard_map over that axis, but "
-          f"it is inside a jax.shard_map over {sorted(outer)} with check_vma=True, through which "
-          f"its gradients would be wrong: give that shard_map check_vma=False, or map it over "
-          f"{axis!r} too (the layer then runs the parallel op directly)")
-    # By default every axis not already manual (inside a user's shard_map over some of them).
-    token_axes = tuple(self.token_axes or (a for a in mesh.axis_names
-                                           if a not in mesh.manual_axes))
-    if axis not in token_axes or any(a not in mesh.axis_names for a in token_axes):
+          f"{what}: the layer adds its own shard_map over the token axes, but it is inside a "
+          f"jax.shard_map over {sorted(outer)} with check_vma=True, through which its gradients "
+          f"would be wrong: give that shard_map check_vma=False, or map it over the layer's axes "
+          f"too (the layer then runs the op directly)")
+    # By default every axis not already manual (inside a user's shard_map over some of them);
+    # without expert parallelism the axes that split the tokens in x's type.
+    token_axes = tuple(self.token_axes or (
+        _token_split(h, mesh) if axis is None
+        else (a for a in mesh.axis_names if a not in mesh.manual_axes)))
+    if (axis is not None and axis not in token_axes) or any(
+        a not in mesh.axis_names or a in mesh.manual_axes for a in token_axes):
       raise ValueError(f"token_axes={token_axes} must be axes of the mesh {tuple(mesh.axis_names)} "
-                       f"and include the expert axis {axis!r}")
+                       f"that no surrounding shard_map made manual"
+                       + ("" if axis is None else f", and include the expert axis {axis!r}"))
     types = {mesh.axis_types[mesh.axis_names.index(a)] for a in token_axes}
     if len(types) > 1:
       raise ValueError(f"token_axes={token_axes} mix mesh axis types {sorted(map(str, types))}: "
                        f"the layer shards the tokens over them together, so make them all "
                        f"Explicit or all Auto (jax.make_mesh's axis_types)")
     e_count = experts[1].shape[0]
-    if e_count % mesh.shape[axis]:
+    if axis is not None and e_count % mesh.shape[axis]:
       raise ValueError(f"num_experts={e_count} does not split over the {mesh.shape[axis]} devices "
                        f"of expert_parallel_axis={axis!r}: make E a multiple of that axis' size")
     shards = math.prod(mesh.shape[a] for a in token_axes)
@@ -431,14 +458,15 @@ class MoE(nnx.Module):
       raise ValueError(f"the layer's {h.shape[0]} tokens do not split over the {shards} devices of "
                        f"token_axes={token_axes}")
     data_axes = tuple(a for a in token_axes if a != axis)
-    tokens, expert_dim, whole = P(token_axes), P(axis), P()
+    tokens, whole = P(token_axes), P()
+    expert_dim = whole if axis is None else P(axis)
     specs = tuple(None if v is None else s for v, s in zip(
         experts, (whole, expert_dim, expert_dim, expert_dim, expert_dim, whole, whole, tokens,
                   whole, tokens)))
 
     def local(h, *experts):
       y, st = self._routed(h, *experts)
-      if self.expert_parallel_scheme == "all_gather":  # its per-token aux covers the whole axis
+      if axis is not None and self.expert_parallel_scheme == "all_gather":  # aux of the axis
         mine = lambda a: jax.lax.dynamic_slice_in_dim(
             a, jax.lax.axis_index(axis) * h.shape[0], h.shape[0], axis=0)
         st = st._replace(expert_ids=mine(st.expert_ids), scores=mine(st.scores),
@@ -455,7 +483,8 @@ class MoE(nnx.Module):
 
     stats_specs = MoEAux(expert_counts=whole, expert_ids=tokens, scores=tokens,
                          router_logits=tokens, load_balance_loss=whole, z_loss=whole,
-                         padded_rows=whole, dropped_pairs=whole, probs=tokens)
+                         padded_rows=whole, dropped_pairs=whole, probs=tokens,
+                         choice_ids=tokens if axis is None else None)
     # Under jit: called (or differentiated) eagerly, a shard_map runs its body op by op on every
     # device, far slower than compiling it (docs/decisions.md). An eager call compiles it anew
     # (`local` is a new closure each call); inside the caller's jit XLA inlines the nested call.
