@@ -241,13 +241,29 @@ def _rows_of_pairs(x: Array, layout: GroupedLayout) -> Array:
   return jnp.where(layout.row_valid()[:, None], x[layout.row_token], 0).astype(x.dtype)
 
 
+def _saved(layout: GroupedLayout):
+  """The layout as a residual, None for its extra-pair fields where empty (the slot layouts):
+  an int32[0] residual of the all-to-all's backward inside a scan under shard_map crashes
+  XLA:CPU's compiler (jax 0.11.2). `_restored` puts them back."""
+  if layout.extra_row.shape[0]:
+    return layout
+  return layout._replace(extra_row=None, extra_token=None)
+
+
+def _restored(layout) -> GroupedLayout:
+  if layout.extra_row is not None:
+    return layout
+  empty = jnp.zeros((0,), jnp.int32)
+  return layout._replace(extra_row=empty, extra_token=empty)
+
+
 def _rows_of_pairs_fwd(x, layout):
-  return _rows_of_pairs(x, layout), (layout, x[:0])  # an empty slice: x's shard_map type
+  return _rows_of_pairs(x, layout), (_saved(layout), x[:0])  # an empty slice: x's shard_map type
 
 
 def _rows_of_pairs_bwd(residuals, g):
   layout, like_x = residuals
-  return like_primal(_sum_pairs(g, layout), like_x), None
+  return like_primal(_sum_pairs(g, _restored(layout)), like_x), None
 
 
 @jax.custom_vjp
@@ -257,12 +273,12 @@ def _sum_pairs(rows: Array, layout: GroupedLayout) -> Array:
 
 
 def _sum_pairs_fwd(rows, layout):
-  return _sum_pairs(rows, layout), (layout, rows[:0])
+  return _sum_pairs(rows, layout), (_saved(layout), rows[:0])
 
 
 def _sum_pairs_bwd(residuals, g):
   layout, like_rows = residuals
-  return like_primal(_rows_of_pairs(g, layout), like_rows), None
+  return like_primal(_rows_of_pairs(g, _restored(layout)), like_rows), None
 
 
 _rows_of_pairs.defvjp(_rows_of_pairs_fwd, _rows_of_pairs_bwd)

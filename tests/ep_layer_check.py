@@ -7,12 +7,12 @@
   them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
   data shards' losses, the output with a fixed selection (expert_ids), the output for a batch of
   2 sequences over the 4 token shards (B not a multiple of them), and inside a user's shard_map
-  over "data" (the layer adding its own over "ep") output (and the all-gather scheme's parameter
-  gradients), refused by name under that shard_map's type check, and for x sharded over its
+  over "data" (the layer adding its own over "ep") output and parameter gradients, refused by name under that shard_map's type check, and for x sharded over its
   sequence dim; explicit and auto mesh axes (float64), token axes of mixed types refused;
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name;
+- the parallel op inside a `jax.lax.scan` inside the user's shard_map: output and gradients;
 - without expert parallelism: expert weights split over an Explicit axis refused by name, taken
   (gradients too) over a size-1 axis; `sonic_jax.moe` with x split over d and the expert weights
   and biases over their other dims; the layer data parallel under `jax.set_mesh` (x's tokens split
@@ -170,9 +170,7 @@ def check_set_mesh(scheme):
                                   check_vma=False)(s, x)
         return jnp.vdot(y, D_Y) + z_loss, y
 
-      # (The all-to-all scheme's gradient there crashes XLA:CPU, jax 0.11.2: its value only.)
-      inner = (jax.value_and_grad(in_data_shard_map, has_aux=True)(s, x_data)
-               if scheme == "all_gather" else ((None, in_data_shard_map(s, x_data)[1]), None))
+      inner = jax.value_and_grad(in_data_shard_map, has_aux=True)(s, x_data)
       # x, the router's input and the fixed selection sharded over the sequence dim
       ids_seq = jax.sharding.reshard(ids.reshape(4, T // 4, 2), P(None, "ep"))
       return out, y_ids, inner, nnx.merge(g2, s)(x_batch)[0], (
@@ -203,7 +201,7 @@ def check_set_mesh(scheme):
     if explicit:
       assert rel(y_ids, y_ids_ref) < 1e-10, rel(y_ids, y_ids_ref)
       (_, y_inner), g_inner = y_inner
-      errs = {"y": rel(y_inner, y_ref), **(grad_errs(g_inner, gs_ref) if g_inner else {})}
+      errs = {"y": rel(y_inner, y_ref), **grad_errs(g_inner, gs_ref)}
       assert max(errs.values()) < 1e-10, errs
       assert rel(y_batch, y_ref.reshape(2, T // 2, 16)) < 1e-10
       assert rel(y_seq[0], y_ref.reshape(4, T // 4, 16)) < 1e-10
@@ -241,6 +239,34 @@ def check_split_experts_without_parallelism():
   nnx.update(layer, placed_experts(nnx.state(layer), one))
   assert layer.b1[...].sharding.spec == P("ep"), layer.b1[...].sharding
   jax.eval_shape(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(X))[0])), layer)
+
+
+def check_scan(scheme):
+  """The parallel op inside a `jax.lax.scan` (two layers of shared weights) inside the user's
+  shard_map: output and every gradient against `sonic_jax.moe` in the same scan, float64."""
+  from sonic_jax import moe, parallel  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  args = [jnp.asarray(rng.standard_normal(shape) * 0.5) for shape in
+          ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16))]  # x, router, w1, w2
+  op = getattr(parallel, f"moe_{scheme}")
+
+  def layers(run):
+    return lambda x, router, w1, w2: jax.lax.scan(
+        lambda h, _: (run(h, router, w1, w2), None), x, None, length=2)[0]
+
+  def grads(forward):
+    loss = lambda *a: (lambda y: (jnp.vdot(y, D_Y), y))(forward(*a))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+  one = layers(lambda h, r, w1, w2: moe(h, r, w1, w2, top_k=2, backend="xla")[0])
+  sharded = jax.shard_map(
+      layers(lambda h, r, w1, w2: op(h, r, w1, w2, axis_name="ep", top_k=2, backend="xla")[0]),
+      mesh=jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,)),
+      in_specs=(P("ep"), P(), P("ep"), P("ep")), out_specs=P("ep"))
+  ((_, y_ref), g_ref), ((_, y), g) = grads(one)(*args), grads(sharded)(*args)
+  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("scan", scheme, ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
 
 
 def check_split_operands():
@@ -328,7 +354,7 @@ def check_eager(scheme):
 
 if __name__ == "__main__":
   for scheme in sys.argv[1:]:
-    for check in (check_shard_map, check_set_mesh, check_eager):
+    for check in (check_shard_map, check_set_mesh, check_eager, check_scan):
       check(scheme)
   check_mixed_axis_types()
   check_split_experts_without_parallelism()
