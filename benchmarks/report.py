@@ -352,7 +352,7 @@ METHOD = """\
   0.02); "unit" draws x and dO ~ N(0, 1) and weights of std 1/√fan-in.
 - **Runs.** Each table lists the runs its rows come from (device, versions, date, command, results
   file) and each row names its run. Baselines measured in the same run as sonic_jax's rows share
-  its run label; rows of different runs come from different device calls, possibly different GPUs
+  its run label; rows of different runs come from different processes, possibly on different GPUs
   of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs where
   the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.
 - **Re-running** (the baselines' wheels come from the ignored folders `.whl` and `.sonic`, which
@@ -365,10 +365,10 @@ METHOD = """\
   as its runs were timed: `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels'
   compiled tests and its table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`;
   the pretraining example with and without rounding: `python -m benchmarks.pretrain_bench
-  --config=h100 --steps=150 --log_every=25 --common=--warmup=20 --baseline=top-K
-  --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest "--run=nearest
-  again=--token_rounding=nearest" "--run=top-K again=--token_rounding=none"`; expert parallelism,
-  about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
+  --config=h100 --steps=150 --log_every=25 "--common=--warmup=20 --tensorboard=false"
+  --baseline=top-K --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest
+  "--run=nearest again=--token_rounding=nearest" "--run=top-K again=--token_rounding=none"`; expert
+  parallelism, about 3 minutes on 4 GPUs: `bash benchmarks/ep_gpu.sh --thiek=16384,4096,1024,64,4
   --thiek=8192,4096,512,128,8 --repeats=5`; the NVLink peer copies' compiled tests and table, about
   1.5 minutes on 2 or 4 GPUs: `bash benchmarks/nvlink_gpu.sh`; pretraining on 4 GPUs (with `.whl`
   for tokamax), 2-4 minutes a run of the OLMoE preset (a machine's first run also builds the
@@ -376,10 +376,10 @@ METHOD = """\
   --run=NAME=FLAGS ...`. The scripts write their results JSON to `$OUT` (default `bench_out`;
   `gpu_bench.sh` to `$OUT/bench`): copy it into `benchmarks/results/`, then `python -m
   benchmarks.report`.
-- **Two versions of the code** are compared in one device call, alternating, since timings compare
-  only within one machine and one call: `bash tools/ab_trees.sh prepare REF` on the CPU machine,
-  then, with `.cache/ab_base` copied to the GPU machine, `bash tools/ab_trees.sh run --rounds=2
-  -- CMD` there (CMD writes to `$AB_OUT`).
+- **Two versions of the code** are compared on one machine in one run, their processes
+  alternating, since timings compare only within one machine and one run: `bash tools/ab_trees.sh
+  prepare REF` in a checkout, then, with `.cache/ab_base` copied to the GPU host, `bash
+  tools/ab_trees.sh run --rounds=2 -- CMD` there (CMD writes to `$AB_OUT`).
 """
 
 
