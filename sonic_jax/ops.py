@@ -30,7 +30,9 @@ class MoEAux(NamedTuple):
   expert_ids: Array
   scores: Array  # (T, K) float32: 0 where token rounding or a capacity dropped the pair
   router_logits: Array  # (T, E) float32
-  load_balance_loss: Array  # () float32: E * sum_e f_e * P_e (1 when uniform)
+  # () float32: E * sum_e f_e * P_e (1 when uniform; sigmoid gates are normalised with 1e-20
+  # added to their sum, as DeepSeek's)
+  load_balance_loss: Array
   z_loss: Array  # () float32: mean logsumexp(logits)^2
   # Pairs that token rounding added beyond the K slots ((0,)-shaped without token rounding):
   extra_tokens: Array | None = None  # (X,) int32, T for unused entries
@@ -127,6 +129,10 @@ def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layou
   d = x.shape[1]
   _check_rank("router_weight", router_weight, 2, f"(d, E) = ({d}, E)")
   if router_weight.shape[0] != d:
+    if getattr(w1, "ndim", None) == 3 and w1.shape[1] == router_weight.shape[0]:
+      # the router and the experts agree on d: x is the odd one
+      raise ValueError(f"x must have shape (T, d) with d = {w1.shape[1]} (router_weight's and "
+                       f"w1's), got {tuple(x.shape)}")
     raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
                      f"got {tuple(router_weight.shape)}")
   e_router = router_weight.shape[1]

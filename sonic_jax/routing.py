@@ -320,12 +320,13 @@ def route(logits: Array, top_k: int, routing: str | Router,
     raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},) (an array), "
                      f"got {getattr(selection_bias, 'shape', type(selection_bias).__name__)}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  log_gates = None  # sigmoid and sqrt-softplus gates divide in log space (`_normalised`)
   if router.scoring == "softmax":
     probs = jax.nn.softmax(logits, axis=-1)
   elif router.scoring == "sigmoid":
-    probs = jax.nn.sigmoid(logits)
+    probs, log_gates = jax.nn.sigmoid(logits), jax.nn.log_sigmoid(logits)
   else:
-    probs = _sqrt_softplus(logits)
+    probs, log_gates = _sqrt_softplus(logits), 0.5 * _log_softplus(logits)
   valid = None  # where a given selection names an expert
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
@@ -346,6 +347,8 @@ def route(logits: Array, top_k: int, routing: str | Router,
     # with no expert gets finite weights (then zeroed) rather than NaN.
     scores = jax.nn.softmax(picked(logits, jnp.finfo(logits.dtype).min), axis=-1)
     scores = scores if valid is None else jnp.where(valid, scores, 0.0)
+  elif router.renormalize and log_gates is not None:
+    scores = _normalised(picked(log_gates, -jnp.inf), router.renorm_p, router.renorm_epsilon)
   else:
     scores = picked(probs, 0.0)
     if router.renormalize:
@@ -357,10 +360,32 @@ def route(logits: Array, top_k: int, routing: str | Router,
       scores = scores / (norm if valid is None else jnp.where(norm > 0, norm, 1.0))
   if router.routed_scaling_factor != 1.0:
     scores = scores * router.routed_scaling_factor
-  if router.scoring != "softmax":
+  if log_gates is not None:
     # The balance losses take per-token distributions: the gates normalised over E (DeepSeek).
-    probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + 1e-20)
+    probs = _normalised(log_gates, 1.0, 1e-20)
   return RouterOutput(scores, ids, probs)
+
+
+def _normalised(log_v: Array, p: float, epsilon: float) -> Array:
+  """v / (||v||_p + epsilon) along the last axis, from log v (-inf for v = 0), in log space: gates
+  that all underflow (sigmoid or sqrt-softplus of logits below about -88 in float32) keep finite
+  weights and gradients, where the division's gradient overflows (1 / norm^2). A row of zeros
+  gives zeros."""
+  log_norm = jax.nn.logsumexp(p * log_v, axis=-1, keepdims=True) / p
+  if epsilon:
+    log_norm = jnp.logaddexp(log_norm, jnp.log(jnp.asarray(epsilon, log_v.dtype)))
+  finite = jnp.isfinite(log_norm)  # -inf: every entry 0 and no epsilon
+  return jnp.where(finite, jnp.exp(log_v - jnp.where(finite, log_norm, 0.0)), 0.0)
+
+
+def _log_softplus(logits: Array) -> Array:
+  """log(softplus(logits)) without underflow: below -15, with x = e^l, l + log(log1p(x) / x) by
+  its series -x/2 + 5x^2/24 (the next term, x^3/8 < 1e-20, is far below float64's resolution of
+  l), whose gradient stays finite as x underflows."""
+  small = logits < -15.0
+  x = jnp.exp(jnp.where(small, logits, -15.0))
+  return jnp.where(small, logits + x * (-0.5 + x * (5.0 / 24.0)),
+                   jnp.log(jax.nn.softplus(jnp.where(small, 0.0, logits))))
 
 
 def _sqrt_softplus(logits: Array) -> Array:

@@ -445,3 +445,37 @@ def test_fixed_selection_weighted_by_the_router(rng):
     far[:, 0] = 0.0
     g = jax.jit(jax.grad(lambda l: jnp.sum(sonic_jax.route(l, 2, router).probs[:, 0])))(far)
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+@pytest.mark.parametrize("router, spec", [
+    (sonic_jax.Router("sigmoid", renorm_epsilon=1e-20), dict(scoring="sigmoid",
+                                                             renorm_epsilon=1e-20)),
+    (sonic_jax.Router("sqrt_softplus"), dict(scoring="sqrt_softplus")),
+    (sonic_jax.Router("sqrt_softplus", renorm_p=2.0), dict(scoring="sqrt_softplus", renorm_p=2.0)),
+])
+def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spec):
+  """float32 logits far below zero (sigmoid gates near 1e-20, sqrt-softplus ones underflowing to
+  0): the renormalised weights and their gradients, and the balance loss's, are finite and match
+  the float64 oracle, where dividing by the gates' sum gave NaN."""
+  logits = (rng.standard_normal((6, 8)) + np.array([[-30], [-45], [-60], [-90], [-110], [0]]))
+  cotangent = rng.standard_normal((6, 2))
+  ids, weights = route_reference(logits, 2, **spec)
+
+  def ours(lg):
+    out = sonic_jax.routing.route(lg, 2, router)
+    return jnp.vdot(out.scores, cotangent), (out.scores, out.expert_ids)
+
+  (_, (w, got_ids)), g = jax.jit(jax.value_and_grad(ours, has_aux=True))(
+      jnp.asarray(logits, jnp.float32))
+  with jax.enable_x64(True):
+    lg64 = jnp.asarray(logits, jnp.float64)
+    w_ref = weights(lg64)
+    g_ref = jax.grad(lambda lg: jnp.vdot(weights(lg), cotangent))(lg64)
+  np.testing.assert_array_equal(got_ids, ids)
+  for t in range(6):  # per token: the rows' weights differ by orders of magnitude
+    assert rel_err(w[t], w_ref[t]) < 1e-5, (t, w[t], w_ref[t])
+    assert rel_err(g[t], g_ref[t]) < 1e-4, (t, g[t], g_ref[t])
+  balance = jax.grad(lambda lg: sonic_jax.routing.load_balance_loss(
+      sonic_jax.routing.route(lg, 2, router).probs, jnp.full((8,), 2)))(
+          jnp.asarray(logits, jnp.float32))
+  assert np.isfinite(np.asarray(balance)).all()
