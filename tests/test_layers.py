@@ -129,6 +129,8 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
     assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
   with pytest.raises(ValueError, match="router_x must have x's shape"):
     m(x, router_x=h[:, :5])
+  with pytest.raises(TypeError, match="router_x must have a floating dtype, got int32"):
+    m(x, router_x=h.astype(jnp.int32))
   with pytest.raises(ValueError, match="expert_ids must have shape"):
     m(x, expert_ids=ids.reshape(-1, 2))
   with pytest.raises(ValueError, match="router_norm_eps"):
@@ -324,7 +326,8 @@ def test_bad_layer_arguments():
                         (dict(load_balance_coef="a"), "load_balance_coef"),
                         (dict(z_loss_coef=float("nan")), "z_loss_coef"),
                         (dict(dtype="float33"), "dtype"), (dict(dtype=jnp.int32), "dtype"),
-                        (dict(param_dtype=jnp.int8), "param_dtype")):
+                        (dict(param_dtype=jnp.int8), "param_dtype"),
+                        (dict(param_dtype=None), "param_dtype must be a floating dtype, got")):
     with pytest.raises(ValueError, match=match):
       _layer(**kwargs)
   with pytest.raises(TypeError, match="token_axes"):
@@ -350,6 +353,8 @@ def test_bad_layer_arguments():
     layer(jnp.ones(()))
   with pytest.raises(ValueError, match="d_model = 32"):
     layer(jnp.ones((4, 16)))
+  with pytest.raises(TypeError, match="x must have a floating dtype, got int32"):
+    layer(jnp.ones((4, 32), jnp.int32))
 
 
 def test_expert_parallel_axis_needs_a_mesh_or_shard_map():

@@ -210,8 +210,8 @@ class MoE(nnx.Module):
                                  ("router_param_dtype", router_param_dtype, True)):
       if value is None and none_ok:
         continue
-      try:
-        floating = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+      try:  # jnp.dtype(None) is the default float: None is refused by name here
+        floating = value is not None and jnp.issubdtype(jnp.dtype(value), jnp.floating)
       except TypeError:
         floating = False
       if not floating:
@@ -337,6 +337,9 @@ class MoE(nnx.Module):
     if router_x is not None and tuple(router_x.shape) != tuple(x.shape):
       raise ValueError(f"router_x must have x's shape {tuple(x.shape)}, got "
                        f"{tuple(router_x.shape)}")
+    for name, a in (("x", x), ("router_x", router_x)):  # before the casts below hide them
+      if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
     r = None if router_x is None else _flatten(router_x)
     if self.router_scale is not None:
       r = self._normalised_router_input(h if r is None else r)
