@@ -64,6 +64,10 @@ def _axis_size(axis_name):
 def _check_router(router_weight, p, e_local, axis_name):
   if router_weight.ndim != 2:
     raise ValueError(f"router_weight must be (d, E), got shape {tuple(router_weight.shape)}")
+  names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+  if split := sorted(names & varying_axes(router_weight)):  # known under shard_map's type check
+    raise ValueError(f"router_weight is split over {split}: it must be replicated (P() in "
+                     f"shard_map's in_specs), every device routing its tokens over all E experts")
   e_count = router_weight.shape[1]
   if e_count != e_local * p:
     hint = ""
@@ -125,9 +129,15 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
   device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
-  identical on every device of the axis). token_rounding rounds the global routing (every device
-  computes the same one), so each expert's count is a multiple of the backend's row tile wherever
-  the expert lives. The other arguments are those of `sonic_jax.moe`.
+  identical on every device of the axis; shard_map types its counts and losses as replicated, for
+  out_specs=P(), and its per-token fields as varying: take this device's rows of them, or return
+  them under check_vma=False). token_rounding rounds the global routing (every device computes the
+  same one), so each expert's count is a multiple of the backend's row tile wherever the expert
+  lives. The other arguments are those of `sonic_jax.moe`.
+  Placement is checked under shard_map's type check (check_vma, the default): expert weights not
+  split over axis_name, or a router split over it, are refused by name. With check_vma=False
+  nothing records how the inputs were split, so nothing can be checked: weights split over
+  another axis then give a wrong answer.
 
   Every device routes its own tokens and all-gathers the logits (E floats a token), so all of
   them hold the routing of the axis's tokens; the d-wide rows move twice: the all-gather of x and
@@ -355,6 +365,10 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   Saved for the backward per device: the received x rows (P*S, d) and their H, the scores and
   integer metadata; the exchange's backward is the exchange back. The other arguments are those of
   `sonic_jax.moe`.
+  Placement is checked under shard_map's type check (check_vma, the default): expert weights not
+  split over axis_name, or a router split over it, are refused by name. With check_vma=False
+  nothing records how the inputs were split, so nothing can be checked: weights split over
+  another axis then give a wrong answer.
   """
   p = _axis_size(axis_name)
   e_local = w1.shape[0]

@@ -154,6 +154,8 @@ def check_bad_arguments():
   except ValueError as e:
     assert "call the op inside jax.shard_map" in str(e), e
   expect(ValueError, "shard them over 'ep'", moe_all_gather, specs=(P("ep"), P(), P(), P()))
+  expect(ValueError, "router_weight is split over ['ep']: it must be replicated", moe_all_to_all,
+         specs=(P("ep"), P(None, "ep"), P("ep"), P("ep")))
   expect(ValueError, "exclude each other", moe_all_to_all, capacity_factor=1.0,
          token_rounding="up")
   expect(ValueError, "capacity_factor must be finite", moe_all_to_all,

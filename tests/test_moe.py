@@ -303,6 +303,8 @@ def _valid_args(rng):
 BAD = [
     ("x rank", dict(x=jnp.zeros((2, 8, 16))), ValueError, "x must have shape"),
     ("router d", dict(router_weight=jnp.zeros((15, 4))), ValueError, "router_weight"),
+    ("x d", dict(x=jnp.zeros((8, 12))), ValueError,
+     r"x must have shape \(T, d\) with d = 16 \(router_weight.s and w1.s\)"),
     ("w1 E", dict(w1=jnp.zeros((3, 16, 16))), ValueError, "w1"),
     ("w1 d", dict(w1=jnp.zeros((4, 12, 16))), ValueError, "w1"),
     ("w1 odd for glu", dict(w1=jnp.zeros((4, 16, 15))), ValueError, "w1"),
