@@ -863,6 +863,12 @@ def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
   kinds = get("mlp_layer_types")  # where a config has it, transformers reads it alone
   if kinds is not None:
     return "mlp_layer_types says dense" if layer < len(kinds) and kinds[layer] == "dense" else None
+  enum = c.get("moe_layers_enum")  # Step's hub configs: its MoE layers, "3,4,..." or a list
+  if enum is not None and isinstance(enum, (str, list, tuple)):
+    items = enum.split(",") if isinstance(enum, str) else enum
+    if layer not in {int(i) for i in items if str(i).strip()}:
+      return f"not in moe_layers_enum {enum!r}"
+    return None
   period, offset = get("expert_layer_period"), get("expert_layer_offset")  # Jamba's
   if period and offset is not None and layer % period != offset:
     return f"expert_layer_period={period}, expert_layer_offset={offset}"

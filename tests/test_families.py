@@ -484,9 +484,17 @@ def test_layer_kwargs_read_the_names_of_the_checkpoints():
 
 def test_step3p5_refuses_its_clamped_layers():
   """Step-3.7's clamped layers (SiLU, then the clamp) have no layer activation: refused, the
-  others read."""
+  others read. Its MoE layers as its hub configs list them (moe_layers_enum; without it the
+  first three layers are dense, as transformers derives them)."""
   config = {"model_type": "step3p7", "text_config": {
-      **MINIMAL_CONFIGS["step3p7"]["text_config"], "swiglu_limits_shared": [0.0, 16.0]}}
+      **MINIMAL_CONFIGS["step3p7"]["text_config"], "swiglu_limits_shared": [0.0, 16.0],
+      "moe_layers_enum": "0,1"}}
+  with pytest.raises(ValueError, match="dense one .not in moe_layers_enum"):
+    hf.layer_kwargs(dict(config, text_config=dict(config["text_config"], moe_layers_enum=[1])),
+                    layer=0)
+  with pytest.raises(ValueError, match="dense one .first_k_dense_replace=3"):
+    hf.layer_kwargs(dict(config, text_config=dict(config["text_config"], moe_layers_enum=None)),
+                    layer=1)
   with pytest.raises(ValueError, match="pass layer="):
     hf.layer_kwargs(config)
   with pytest.raises(ValueError, match="layer 1 clamps"):
