@@ -30,8 +30,8 @@ class MoEAux(NamedTuple):
   expert_ids: Array
   scores: Array  # (T, K) float32: 0 where token rounding or a capacity dropped the pair
   router_logits: Array  # (T, E) float32
-  # () float32: E * sum_e f_e * P_e (1 when uniform; sigmoid gates are normalised with 1e-20
-  # added to their sum, as DeepSeek's)
+  # () float32: E * sum_e f_e * P_e (1 when uniform; sigmoid and sqrt_softplus gates are
+  # normalised with 1e-20 added to their sum, as DeepSeek's)
   load_balance_loss: Array
   z_loss: Array  # () float32: mean logsumexp(logits)^2
   # Pairs that token rounding added beyond the K slots ((0,)-shaped without token rounding):
@@ -210,8 +210,9 @@ def _check_whole(what: str, **arrays):
 
 
 def _whole(a):
-  """a replicated where its type splits it over Explicit mesh axes (x over d; the expert weights
-  over size-1 axes on the experts, as `_check_whole` allows, or FSDP's over other dims),
+  """a replicated where its type splits it over Explicit mesh axes (x over d; the router and the
+  expert weights over size-1 axes on the experts, as `_check_whole` allows, or FSDP's over other
+  dims; the router and the per-expert vectors over E),
   else a as it is: every device runs all of each expert, and the experts' custom_vjp returns
   whole gradients (the reshard's transpose splits them again)."""
   sharding = None if a is None else jax.typeof(a).sharding
@@ -498,10 +499,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     raise ValueError("token_rounding and capacity_factor exclude each other")
   _check_whole("experts", w1=w1, w2=w2, b1=b1, b2=b2)
   _check_whole("tokens", x=x, router_input=router_input, expert_ids=expert_ids)
-  router_weight = jnp.asarray(router_weight)
-  x, w1, w2, b1, b2, router_bias, expert_scale = (
+  x, router_weight, w1, w2, b1, b2, router_bias, expert_scale = (
       None if a is None else _whole(jnp.asarray(a))
-      for a in (x, w1, w2, b1, b2, router_bias, expert_scale))
+      for a in (x, router_weight, w1, w2, b1, b2, router_bias, expert_scale))
   selection_bias = _whole(selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)

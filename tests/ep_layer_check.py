@@ -3,12 +3,13 @@
 
 - under a user's `jax.shard_map`: output and the gradients of every parameter (float64);
 - in a plain `jax.jit` program under `jax.set_mesh` on a (data 2, ep 2) mesh, where the layer adds
-  its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among
-  them) and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two
-  data shards' losses, the output with a fixed selection (expert_ids), the output for a batch of
-  2 sequences over the 4 token shards (B not a multiple of them), and inside a user's shard_map
-  over "data" (the layer adding its own over "ep") output and parameter gradients, refused by name under that shard_map's type check, and for x sharded over its
-  sequence dim; explicit and auto mesh axes (float64), token axes of mixed types refused;
+  its own shard_map: output, the gradients of every parameter (Gemma 4's router scales among them)
+  and of x, the expert counts, the z-loss, and the load-balance loss as the mean of the two data
+  shards' losses, the output with a fixed selection (expert_ids), the output for a batch of 2
+  sequences over the 4 token shards (B not a multiple of them), and inside a user's shard_map over
+  "data" (the layer adding its own over "ep") output and parameter gradients, refused by name under
+  that shard_map's type check, and for x sharded over its sequence dim; explicit and auto mesh axes
+  (float64), token axes of mixed types refused;
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name;
@@ -270,9 +271,9 @@ def check_scan(scheme):
 
 
 def check_split_operands():
-  """`sonic_jax.moe` (no expert parallelism) with x split over d and the expert weights and biases
-  over their other dims on an Explicit mesh (as FSDP places them): the output and gradients of
-  the unsplit call, the gradients split as their operands."""
+  """`sonic_jax.moe` (no expert parallelism) with x split over d, the router over E and the expert
+  weights and biases over their other dims on an Explicit mesh (as FSDP places them): the output
+  and gradients of the unsplit call, the gradients split as their operands."""
   from sonic_jax import moe  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(4)
   args = [jnp.asarray(rng.standard_normal(shape)) for shape in
@@ -285,8 +286,8 @@ def check_split_operands():
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5), has_aux=True))
   (_, y_ref), g_ref = grad(*args)
   mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
-  specs = (P(None, "fsdp"), P(), P(None, "data", "fsdp"), P(None, "fsdp"), P(None, "data"),
-           P(None, "fsdp"))
+  specs = (P(None, "fsdp"), P(None, "data"), P(None, "data", "fsdp"), P(None, "fsdp"),
+           P(None, "data"), P(None, "fsdp"))
   with jax.set_mesh(mesh):
     placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(args, specs)]
     (_, y), g = grad(*placed)
@@ -303,7 +304,8 @@ def check_data_parallel():
   Explicit axis: from x's type; an Auto one: by token_axes): each data shard routed on its own, as
   data-parallel replicas would. Output, the gradients of every parameter and of x, counts, the
   z-loss, and the load-balance loss as the mean of the two shards' (float64); `sonic_jax.moe`
-  given such tokens refuses them by name."""
+  given such tokens refuses them by name; the layer with token_axes inside the user's shard_map
+  over them runs on the shard as it is."""
   ((_, (y_ref, st_ref)), (gs_ref, gx_ref)), halves, _ = set_mesh_reference()
   for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
     explicit = types[0] == AxisType.Explicit
@@ -313,6 +315,10 @@ def check_data_parallel():
     with jax.set_mesh(mesh):
       x = jax.device_put(X, NamedSharding(mesh, P("data")))
       (_, (y, st)), (gs, gx) = jax.jit(set_mesh_loss(g2))(s2, x)
+      if not explicit:  # inside the user's shard_map over its token axes: the op on each shard
+        y_user = jax.jit(jax.shard_map(lambda s, x: nnx.merge(g2, s)(x)[0], in_specs=(P(), P(
+            "data")), out_specs=P("data")))(s2, x)
+        assert rel(y_user, y_ref) < 1e-10, rel(y_user, y_ref)
       if explicit:
         from sonic_jax import moe  # pylint: disable=import-outside-toplevel
         refused(lambda: jax.eval_shape(lambda x: moe(x, s2["router"][...], s2["w1"][...],

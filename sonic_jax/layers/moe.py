@@ -361,7 +361,9 @@ class MoE(nnx.Module):
     axis = self.expert_parallel_axis
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None:  # data parallel under a mesh with token_axes, or one that splits the tokens
-      own_map = not mesh.empty and (self.token_axes is not None or bool(_token_split(h, mesh)))
+      # (inside the user's shard_map over them, the op runs on the shard as it is)
+      dp_axes = () if mesh.empty else self.token_axes or _token_split(h, mesh)
+      own_map = bool(dp_axes) and not set(dp_axes) <= set(mesh.manual_axes)
     else:
       own_map = axis not in mesh.manual_axes
     if own_map:
