@@ -579,20 +579,33 @@ class Family:
   dense_layers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# The decoder layers' dense-layer fields as transformers 5.24's config classes default them (or
-# derive mlp_layer_types without them), by model_type; the other families' defaults make no
-# layer dense.
+def _leading_dense(count: int):
+  """mlp_layer_types as a config class derives it without one: `count` dense layers, then MoE
+  (a config without num_hidden_layers: as many as any index)."""
+  def kinds(c):
+    total = c.get("num_hidden_layers") or count + 1024
+    return ["dense"] * min(count, total) + ["sparse"] * max(0, total - count)
+  return kinds
+
+
+# The decoder layers' dense-layer fields as transformers 5.24's config classes default them, by
+# model_type: values, or functions of the config where a class derives the field (mlp_layer_types
+# from a fixed count of dense layers, which first_k_dense_replace does not move there; Step's
+# moe_layers_enum, layers 3 on). The other families' defaults make no layer dense.
 _DENSE_DEFAULTS = {
     **{t: dict(first_k_dense_replace=1) for t in (
-        "dots3_note_text", "exaone_moe", "glm4_moe", "glm4_moe_lite", "glm4v_moe_text",
-        "kimi_linear", "mimo_v2_flash", "sarvam_mla", "sarvam_moe")},
-    **{t: dict(first_k_dense_replace=3) for t in (
-        "deepseek_v3", "kimi_k2", "deepseek_v32", "glm5_next_text", "glm_moe_dsa", "step3p5")},
+        "dots3_note_text", "exaone_moe", "glm4_moe", "glm4v_moe_text", "kimi_linear",
+        "sarvam_mla", "sarvam_moe")},
+    **{t: dict(first_k_dense_replace=3) for t in ("deepseek_v3", "kimi_k2", "deepseek_v32",
+                                                  "glm_moe_dsa")},
+    **{t: dict(mlp_layer_types=_leading_dense(1)) for t in ("glm4_moe_lite", "mimo_v2_flash")},
+    "glm5_next_text": dict(mlp_layer_types=_leading_dense(3)),
+    "step3p5": dict(moe_layers_enum=lambda c: list(range(3, c.get("num_hidden_layers") or 1027))),
     "bailing_hybrid": dict(first_k_dense_replace=2),
     "afmoe": dict(num_dense_layers=1),
     "lfm2_moe": dict(num_dense_layers=2),
     "jamba": dict(expert_layer_period=2, expert_layer_offset=1),
-    "ernie4_5_moe": dict(moe_layer_interval=1, moe_layer_start_index=1, moe_layer_end_index=27),
+    "ernie4_5_moe": dict(moe_layer_interval=1, moe_layer_start_index=1, moe_layer_end_index=-1),
 }
 
 
@@ -825,7 +838,10 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   config = _text_config(config)
   fam = family(config)
   _check_layer(config, layer)
-  dense = _dense_layer({**fam.dense_layers, **config}, layer)
+  # a field given as None is absent (its class derives or defaults it)
+  defaults = {k: v(config) if callable(v) else v for k, v in fam.dense_layers.items()
+              if config.get(k) is None}
+  dense = _dense_layer({**config, **defaults}, layer)
   if dense:
     raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
                      f"({dense}): it has no MoE block")
@@ -867,7 +883,7 @@ def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
   if enum is not None and isinstance(enum, (str, list, tuple)):
     items = enum.split(",") if isinstance(enum, str) else enum
     if layer not in {int(i) for i in items if str(i).strip()}:
-      return f"not in moe_layers_enum {enum!r}"
+      return "moe_layers_enum does not list it"
     return None
   period, offset = get("expert_layer_period"), get("expert_layer_offset")  # Jamba's
   if period and offset is not None and layer % period != offset:
@@ -1120,10 +1136,10 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
                         layer: int | None = None) -> dict[str, Array]:
   """The block's state dict from the layer's parameter arrays (`layer_params`): the inverse of
   `layer_params_from_hf`, exact. gate_up_layout: the arrays' layout; by default the one `params`
-  carry (`layer_params` of a layer), else the family's. Parts absent from `params` (selection_bias, say, when mapping
-  gradients) are left out. Being a permutation of entries, it maps the layer's gradients to the
-  block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer lists); a
-  ValueError names the parameters whose shapes do not fit the config."""
+  carry (`layer_params` of a layer), else the family's. Parts absent from `params` (selection_bias,
+  say, when mapping gradients) are left out. Being a permutation of entries, it maps the layer's
+  gradients to the block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer
+  lists); a ValueError names the parameters whose shapes do not fit the config."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a mapping of the layer's parameter names to arrays, got "
                     f"{type(params).__name__} (for an MoE layer: "

@@ -2,11 +2,13 @@
 reads such a config as transformers builds the block from it. No transformers needed.
 
 tests/data/hf_defaults.json holds, for each family of `hf.FAMILIES` that transformers knows, its
-config class's defaults (transformers' version under "transformers") of the fields that hf.py
-reads ("defaults"), the fields without a default there ("required": the sizes, which the readers
-demand), and values for required fields that the defaults leave None or out ("set"). After
-changing a reader (or its fields), edit the family's entry and refresh the values under the
-reference interpreter (tests/test_families.py's, with transformers), from the repository root:
+config class's defaults (transformers' version under "transformers") of the fields that hf.py reads
+("defaults"), the fields without a default there ("required": the sizes, which the readers demand),
+values for required fields that the defaults leave None or out ("set"), and the dense-layer fields
+as the class resolves them for 96 decoder layers, more than any class's default ("at_96_layers":
+some derive from the layer count). After changing a reader (or its fields), edit the family's entry
+and refresh the values under the reference interpreter (tests/test_families.py's, with
+transformers), from the repository root:
 
   .venv-ref/bin/python - <<'EOF'
   import json, transformers
@@ -17,6 +19,8 @@ reference interpreter (tests/test_families.py's, with transformers), from the re
     full = transformers.AutoConfig.for_model(model_type).to_dict()
     entry["defaults"] = {k: {s: full[k][s] for s in v} if isinstance(v, dict) else full[k]
                          for k, v in entry["defaults"].items() if k in full}
+    full = transformers.AutoConfig.for_model(model_type, num_hidden_layers=96).to_dict()
+    entry["at_96_layers"] = {k: full[k] for k in entry["at_96_layers"] if k in full}
   open(path, "w").write(json.dumps(data, indent=1, sort_keys=True) + "\n")
   EOF
 """
@@ -137,3 +141,7 @@ def test_absent_dense_layer_fields_read_as_transformers_defaults(model_type):
   full, minimal = _configs(model_type)
   layers = range(full.get("num_hidden_layers") or 8)
   assert [_is_dense(minimal, i) for i in layers] == [_is_dense(full, i) for i in layers]
+  # At another layer count, where the class derives some of them from it (ERNIE's end index -1)
+  full = {**full, **FAMILIES[model_type]["at_96_layers"]}
+  minimal = {**minimal, "num_hidden_layers": 96}
+  assert [_is_dense(minimal, i) for i in range(96)] == [_is_dense(full, i) for i in range(96)]
