@@ -455,8 +455,8 @@ def test_fixed_selection_weighted_by_the_router(rng):
 ])
 def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spec):
   """float32 logits far below zero (sigmoid gates near 1e-20, sqrt-softplus ones underflowing to
-  0): the renormalised weights and their gradients, and the balance loss's, are finite and match
-  the float64 oracle, where dividing by the gates' sum gave NaN."""
+  0): the renormalised weights and their gradients match the float64 oracle, and the balance
+  loss's gradient is finite, where dividing by the gates' sum gave NaN."""
   logits = (rng.standard_normal((6, 8)) + np.array([[-30], [-45], [-60], [-90], [-110], [0]]))
   cotangent = rng.standard_normal((6, 2))
   ids, weights = route_reference(logits, 2, **spec)
