@@ -63,10 +63,12 @@ _CLUSTER = ("cluster_m", (2,))  # 1: the default
 # column block ("m": fewer DRAM bytes at d = 4096).
 _WALK = (("grid_band", "grid_tile_width"),
          (("n", 1), ("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)))
+# Clusters are not searched for the up-projection and dH, where they measured slower
+# (docs/decisions.md, "Up-projection", "dH").
 SEARCH = {  # role: [(field or fields, candidate values)], searched one step at a time
-    "up": [_CLUSTER, _WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80))],
+    "up": [_WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80))],
     "down": [_CLUSTER, _WALK, ("num_stages", (3, 4))],
-    "dh": [_CLUSTER, _WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80)),
+    "dh": [_WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80)),
            ("wide_h_loads", ("staged", "registers")),
            # Pingpong: a warpgroup a whole 128 x 128 tile, its epilogue under the other's mainloop.
            (("schedule", "block_n", "cluster_m", "num_stages"),

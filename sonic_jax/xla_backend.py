@@ -165,7 +165,7 @@ def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool
 
 def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool,
                  with_b2: bool):
-  """dw1 = gather(x)^T dH, dw2 = gather(dO)^T A_s per expert (varlen-K); db1, db2 when used.
+  """dw1 = gather(x)^T dH, dw2 = A_s^T gather(dO) per expert (varlen-K); db1, db2 when used.
   d_out_rows: what `dh_projection` returned (dO[row_token] on the tiles in use), or None."""
   x_rows = x[layout.row_token]
   if d_out_rows is None:

@@ -42,23 +42,6 @@ def test_top_k_equals_lax_top_k(rng, compiled, t, e, k, special):
 
 
 @pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("values_per_program,num_warps", [(2048, 4), (8192, 8)])
-def test_top_k_program_shapes_agree(rng, compiled, values_per_program, num_warps):
-  """Other program shapes than the default (ones `router_variants --topk_sweep` times): 8 and 32
-  tokens a program at E = 256, a token count that leaves a partial last block, the same ids as
-  lax.top_k."""
-  if compiled != ON_GPU:
-    pytest.skip("compiled on a GPU, interpreted elsewhere")
-  t = 70 * 97 if compiled else 70
-  v = _values(rng, t, 256, True)
-  top, ids = router_topk.top_k(v, 16, interpret=not compiled,
-                               values_per_program=values_per_program, num_warps=num_warps)
-  want_top, want_ids = jax.lax.top_k(v, 16)
-  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-  np.testing.assert_array_equal(np.asarray(top), np.asarray(want_top))
-
-
-@pytest.mark.parametrize("compiled", MODES)
 def test_near_ties_select_as_lax_top_k(rng, compiled):
   """Values one ulp apart share a bucket of the packed selection's keys, which would order them
   by id instead of by value: inside the k largest (even rows), at the edge between the k-th and

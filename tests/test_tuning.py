@@ -59,6 +59,14 @@ def test_bad_tables_are_refused():
     _table().fields("gate", d=1, n=1, num_experts=1)
   with pytest.raises(TypeError, match="TuningTable"):
     sonic_jax.Config(tuning=[_entry("up", 768, 256, 8)])
+  # Values too, when the table loads: every role's kernels build every role's configuration
+  for entry, match in ((_entry("up", 768, 512, 8, schedule="pingpong"), "not tunable"),
+                       (_entry("weight_grad", 768, 256, 8, num_stages=0), "num_stages"),
+                       (_entry("down", 768, 256, 8, grid_tile_width=0), "grid_tile_width"),
+                       (_entry("dh", 768, 256, 8, memory_registers=256), "memory_registers"),
+                       (_entry("dh", 768, 256, 8, wide_h_loads="sometimes"), "wide_h_loads")):
+    with pytest.raises(ValueError, match=f"entry 0.*{match}"):
+      _table(entry)
 
 
 def test_merged_table_keeps_what_a_run_did_not_measure():
@@ -127,3 +135,6 @@ def test_a_pingpong_dh_entry_is_for_the_concat_layout(monkeypatch):
   assert concat.gemm == GroupedGemmConfig(schedule="pingpong", num_stages=6)
   assert concat.block_n == 128
   assert interleaved == dh.DhProjectionConfig(block_n=256)
+  # A pingpong entry without block_n takes the narrow block a pingpong warpgroup holds whole
+  config = sonic_jax.Config(tuning=_table(_entry("dh", 256, 256, 4, schedule="pingpong")))
+  assert mosaic_backend.role_configs(256, 256, 4, True, "concat", config).dh.block_n == 128

@@ -33,10 +33,10 @@ from sonic_jax.mosaic_gpu import gather_sum as gs
 from sonic_jax.mosaic_gpu import tuning
 from sonic_jax.mosaic_gpu import up_projection as up
 from sonic_jax.mosaic_gpu import weight_grad as wgrad
-from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
+from sonic_jax.mosaic_gpu.grouped_gemm import TILE_M, GroupedGemmConfig
 from sonic_jax.pallas import extras_sum
 
-ROW_TILE = 128
+ROW_TILE = TILE_M
 
 
 class FallbackWarning(UserWarning):
@@ -83,9 +83,10 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
     # which only the cooperative schedule has room for.
     dh_config = dh.DhProjectionConfig(block_n=dh.default_block_n(n))
   else:
+    # pingpong's warpgroups each hold a whole tile: its column block is the narrow one
+    block_n = dh.PREFETCH_BLOCK_N if dh_gemm.schedule == "pingpong" else dh.default_block_n(n)
     dh_config = dh.DhProjectionConfig(dh_gemm, **{
-        "block_n": dh.default_block_n(n),
-        **{k: v for k, v in dh_fields.items() if k in tuning.DH_FIELDS}})
+        "block_n": block_n, **{k: v for k, v in dh_fields.items() if k in tuning.DH_FIELDS}})
   return RoleConfigs(
       up=up.UpProjectionConfig(gemm(fields("up", width))),
       down=down.DownProjectionConfig(gemm(fields("down", n))),
@@ -96,7 +97,7 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
 
 def dw2_config(n: int, config: wgrad.WeightGradConfig) -> wgrad.WeightGradConfig:
   """dw2's blocks: 128 x 256 (d, n) where n allows, else 128 x 128."""
-  return dataclasses.replace(config, block_m=128, block_n=256 if n % 256 == 0 else 128)
+  return dataclasses.replace(config, block_n=256 if n % 256 == 0 else 128)
 
 
 def dw2_gathering_d_out(d_out, a_s, layout, config: wgrad.WeightGradConfig):

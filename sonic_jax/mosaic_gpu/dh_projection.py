@@ -82,7 +82,7 @@ def dh_projection(d_out, h, row_scores, w2, layout, activation: acts.Activation,
   cost XLA a copy each way).
   """
   _, n, _ = w2.shape
-  check_layout_tile(layout, config.gemm.tile_m)
+  check_layout_tile(layout)
   glu = activation.is_glu
   interleaved = glu and gate_up_layout == "interleaved"
   bn = config.block_n

@@ -12,8 +12,8 @@ import jax
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
-                                                grouped_gemm, unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
+                                               check_layout_tile, grouped_gemm, unsupported_operands)
 
 BLOCK_N = 256
 
@@ -36,8 +36,8 @@ def supports(d_h, w1) -> str | None:
 def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConfig()):
   """dX rows (R, d) in dH's dtype; rows of tiles past `layout.num_tiles` are left unwritten."""
   _, d, _ = w1.shape
-  tm = config.gemm.tile_m
-  check_layout_tile(layout, tm)
+  tm = TILE_M
+  check_layout_tile(layout)
   dtype = d_h.dtype
 
   def rhs_copy(w1_ref, expert, k_slice, nb, j):

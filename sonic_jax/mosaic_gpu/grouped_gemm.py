@@ -3,7 +3,7 @@
 One kernel shape serves the up- and down-projections and the backward's dH and dX roles; a role
 supplies only how its B operand is read and what its epilogue does (`GemmRole`).
 
-Work: the grouped layout (`sonic_jax.layout`) cuts the rows into tiles of `tile_m` rows that each
+Work: the grouped layout (`sonic_jax.layout`) cuts the rows into tiles of `TILE_M` rows that each
 belong to one expert; a tile's expert is `tile_expert[tile]` and only the first `num_tiles` tiles
 are in use (a number known on the device only: the loops skip the rest, nothing syncs with the
 host). The output columns are cut into column blocks; a role reads `num_rhs_blocks` B blocks of
@@ -13,29 +13,30 @@ persistent grid of one CTA per SM walks the (tile, column block) space.
 Warp specialisation, per CTA: two compute warpgroups, each owning half of the tile's rows, issue
 wgmma into their own accumulators (one per B block) and run the role's epilogue; a memory
 warpgroup streams operands into a `num_stages`-deep ring of shared-memory stages. A stage holds the
-A tile (tile_m x tile_k) and the B blocks, both read by both compute warpgroups (splitting rows
+A tile (TILE_M x TILE_K) and the B blocks, both read by both compute warpgroups (splitting rows
 rather than columns lets the warpgroups share B and keeps each wgmma N = block_n wide). `full[s]`
 completes when the stage's copies landed, `empty[s]` when both compute warpgroups finished the
 wgmma that read it.
 
 With `schedule="pingpong"` the compute warpgroups take the CTA's tiles in turn instead, each a whole
-tile (tile_m rows; roles halve their column blocks so the accumulators still fit), so that one
+tile (TILE_M rows; roles halve their column blocks so the accumulators still fit), so that one
 warpgroup's epilogue (activation, conversion, stores: no wgmma) runs while the other's mainloop
 keeps the tensor cores busy. The ring stays one sequence. Where each tile uses every ring slot an
 even number of times (k-steps a multiple of 2 * num_stages) the schedule is decoupled: the owner
 alone waits for and releases a tile's stages (in a 2-CTA cluster, the owners in both CTAs: they
 walk the same tiles in step); elsewhere, and always in the interpreter
 (which checks that every thread that waits on a barrier sees each of its phases), the other
-warpgroup waits for and releases them too, without reading them. A warpgroup's 128 x 128 tile
-moves more operand bytes per FLOP than the cooperative 64 x 256 one, so only dH, whose epilogue is
-the heaviest, runs it, where the tuning table says so (docs/decisions.md).
+warpgroup waits for and releases them too, without reading them. A pingpong CTA loads a 128 x 128
+tile's operands for each 128 x 128 of output, 1.33x the operand bytes per FLOP of the cooperative
+128 x 256 CTA tile, so only dH, whose epilogue is the heaviest, runs it, where the tuning table
+says so (docs/decisions.md).
 
 With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
 consecutive row tiles (one per CTA) of a column block: where the pair shares its expert, B is TMA-
 multicast (each CTA loads half of each block for both) and the `empty` barriers are cluster-wide.
 
 The A operand is either contiguous (rows of the grouped buffer, one TMA copy per stage) or gathered:
-row r of the tile is row `row_token[tile * tile_m + r]` of the source (`gather.py`: cp.async by the
+row r of the tile is row `row_token[tile * TILE_M + r]` of the source (`gather.py`: cp.async by the
 memory warpgroup, completion signalled on per-stage barriers of their own). No gathered copy of the
 source is ever written to HBM. The gather addresses the stage through an untransformed view of its
 bytes (`RefUnion`) and writes each 16-byte piece where the (8, 64)-tiled, 128-byte-swizzled view
@@ -60,14 +61,16 @@ from sonic_jax.mosaic_gpu.tuning import target_device
 _SWIZZLE = 128  # bytes: one 64-element bf16 row
 _NUM_COMPUTE_WGS = 2
 SCHEDULES = ("cooperative", "pingpong")
+# Rows per tile, the grouped layout's row tile (`backend.ROW_TILE`): the two compute warpgroups'
+# 64-row wgmmas (cooperative), or one warpgroup's whole tile (pingpong).
+TILE_M = 128
+TILE_K = 64  # reduction step: one 128-byte swizzled row of 16-bit operands
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmConfig:
   """Tile configuration of the grouped GEMM core.
 
-  tile_m: rows per tile; must equal the grouped layout's row tile.
-  tile_k: reduction step; 64 for 16-bit operands (one 128-byte swizzled row).
   num_stages: depth of the shared-memory operand ring.
   grid_tile_width: width of a band of the snake-ordered tile walk, in column blocks or row tiles
     (`grid_band`).
@@ -78,8 +81,6 @@ class GroupedGemmConfig:
     the tuning table picks.
   """
 
-  tile_m: int = 128
-  tile_k: int = 64
   num_stages: int = 4
   grid_tile_width: int = 4
   grid_band: str = "n"
@@ -100,19 +101,21 @@ class GroupedGemmConfig:
 
   @property
   def rows_per_warpgroup(self) -> int:
-    return self.tile_m if self.schedule == "pingpong" else self.tile_m // _NUM_COMPUTE_WGS
+    return TILE_M if self.schedule == "pingpong" else TILE_M // _NUM_COMPUTE_WGS
 
   def __post_init__(self):
-    if self.tile_m % 128:  # two compute warpgroups, each wgmma M a multiple of 64 rows
-      raise ValueError(f"tile_m must be a multiple of 128, got {self.tile_m}")
-    if self.tile_k != 64:
-      raise ValueError(f"tile_k must be 64 (one swizzled 16-bit row), got {self.tile_k}")
     if self.cluster_m not in (1, 2):
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
     if self.grid_band not in ("n", "m"):
       raise ValueError(f"grid_band must be 'n' or 'm', got {self.grid_band!r}")
+    for name in ("num_stages", "grid_tile_width"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if self.memory_registers is not None:
+      register_split(False, self.memory_registers)  # refuses a split the launch cannot give
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +211,9 @@ def unsupported_operands(a, b, multiples) -> str | None:
   return None
 
 
-def check_layout_tile(layout, tile_m: int):
-  if layout.row_tile != tile_m:
-    raise ValueError(f"layout row_tile {layout.row_tile} != kernel tile_m {tile_m}")
+def check_layout_tile(layout):
+  if layout.row_tile != TILE_M:
+    raise ValueError(f"layout row_tile {layout.row_tile} != the kernels' tile of {TILE_M} rows")
 
 
 # The launch gives each of the 3 * 128 threads 65536 // 384 registers, rounded down to a multiple of
@@ -225,8 +228,11 @@ def register_split(gathers: bool, memory: int | None = None) -> tuple[int, int]:
   addresses in the memory warpgroup, so by default it gets more than a TMA-only producer."""
   if memory is None:
     memory = 80 if gathers else 40
-  if memory % 8 or not 24 <= memory <= 256:
-    raise ValueError(f"memory_registers must be a multiple of 8 in [24, 256], got {memory}")
+  # setmaxnreg only lowers the memory warpgroup from the launch's share and raises the compute
+  # ones: above it the memory one would ask for more and the compute ones for fewer.
+  launch = _REGISTER_POOL // (_NUM_COMPUTE_WGS + 1)
+  if memory % 8 or not 24 <= memory <= launch:
+    raise ValueError(f"memory_registers must be a multiple of 8 in [24, {launch}], got {memory}")
   compute = (_REGISTER_POOL - memory) // _NUM_COMPUTE_WGS // 8 * 8
   return memory, compute
 
@@ -265,10 +271,10 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
   row_token: (R,) int32 gather indices into lhs, or None when lhs is the (R, k) grouped buffer.
   Returns the role's outputs.
   """
-  tm, tk, stages = config.tile_m, config.tile_k, config.num_stages
+  tm, tk, stages = TILE_M, TILE_K, config.num_stages
   k = lhs.shape[1]
   if k % tk:
-    raise ValueError(f"the contraction dim ({k}) must be a multiple of tile_k={tk}")
+    raise ValueError(f"the contraction dim ({k}) must be a multiple of TILE_K={tk}")
   k_iters = k // tk
   dtype = lhs.dtype
   interpret_mode = interpreting()

@@ -29,8 +29,10 @@ GEMM_FIELDS = ("num_stages", "grid_tile_width", "grid_band", "memory_registers",
                "schedule")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster", "indices_before_wait")
 DH_FIELDS = ("wide_h_loads", "block_n")  # DhProjectionConfig's own, next to the GEMM fields
-ROLE_FIELDS = {"up": GEMM_FIELDS, "down": GEMM_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
-               "dx": GEMM_FIELDS, "weight_grad": WEIGHT_GRAD_FIELDS}
+# Only dH runs the pingpong schedule: the other GEMM roles take the cooperative one only.
+COOPERATIVE_FIELDS = tuple(f for f in GEMM_FIELDS if f != "schedule")
+ROLE_FIELDS = {"up": COOPERATIVE_FIELDS, "down": COOPERATIVE_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
+               "dx": COOPERATIVE_FIELDS, "weight_grad": WEIGHT_GRAD_FIELDS}
 PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 
 
@@ -57,8 +59,18 @@ class Entry:
     if unknown:
       raise ValueError(f"tuned config {where}: fields {sorted(unknown)} are not tunable for role "
                        f"{entry['role']!r} (tunable: {allowed})")
-    return cls(entry["role"], entry["device"], int(entry["d"]), int(entry["n"]), int(entry["E"]),
+    made = cls(entry["role"], entry["device"], int(entry["d"]), int(entry["n"]), int(entry["E"]),
                tuple(sorted(entry["config"].items())))
+    # Values too, by building the role's configuration: a value its config refuses would
+    # otherwise fail every role's kernels, which build all the roles' configurations.
+    from sonic_jax.config import Config  # pylint: disable=import-outside-toplevel
+    from sonic_jax.mosaic_gpu import backend  # pylint: disable=import-outside-toplevel
+    try:
+      backend.role_configs(made.d, made.n, made.E, glu=True,
+                           config=Config(tuning=TuningTable((made,))))
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"tuned config {where} ({made.role}): {e}") from None
+    return made
 
   def to_dict(self) -> dict[str, Any]:
     return {"role": self.role, "device": self.device, "d": self.d, "n": self.n, "E": self.E,

@@ -1,13 +1,13 @@
 """Varlen-K grouped GEMM for the weight gradients: out[e] = lhs_e^T @ rhs_e, the reduction running
 over expert e's rows of the grouped layout.
 
-dw1_e = x_rows_e^T dH_e and dw2_e = A_s,e^T dO_rows_e. Each work item is one (expert, block_m x
-block_n) block of out[e]; its k-loop walks the expert's rows tile_k at a time, so the number of
-steps is data (the expert's row count, rounded up to tile_k): nothing syncs with the host and
+dw1_e = x_rows_e^T dH_e and dw2_e = A_s,e^T dO_rows_e. Each work item is one (expert, BLOCK_M x
+block_n) block of out[e]; its k-loop walks the expert's rows TILE_K at a time, so the number of
+steps is data (the expert's row count, rounded up to TILE_K): nothing syncs with the host and
 experts with no rows get exact zeros. Same warp specialisation as the varlen-M core
 (`grouped_gemm.py`): a memory warpgroup fills a ring of stages (the gathered lhs rows by cp.async,
-the rhs tile by TMA), two compute warpgroups each own half of the block's rows (64, or
-128 as two 64-row accumulators in 256-row blocks) and read their part of the A tile transposed
+the rhs tile by TMA), two compute warpgroups each own half of the block's rows (64, one
+accumulator) and read their part of the A tile transposed
 (wgmma transposes 16-bit SMEM operands for free), so no transposed copy of the activations is ever
 made. The lhs rows are gathered by token as they load (`gather.py`: x for dw1, dO for dw2), the rhs
 rows (dH, A_s) read contiguously by TMA; `transpose_out` stores each block transposed, so that
@@ -28,25 +28,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
-from sonic_jax.mosaic_gpu.grouped_gemm import (drain_ring, persistent_launch, register_split,
-                                                stage_release_barriers, tiled,
-                                                unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (_NUM_COMPUTE_WGS, TILE_K, drain_ring,
+                                               persistent_launch, register_split,
+                                               stage_release_barriers, tiled, unsupported_operands)
 
-_NUM_COMPUTE_WGS = 2
+# Output rows per work item: one 64-row accumulator per compute warpgroup (256-row blocks served
+# only dw2's N-side form, which measured slower: docs/decisions.md, "Weight gradients").
+BLOCK_M = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightGradConfig:
-  """block_m: output rows per work item, split between the two compute warpgroups (128: 64 rows
-  each, one accumulator; 256: 128 rows each as two 64-row accumulators); block_n: output columns;
-  tile_k: grouped rows per reduction step; num_stages: depth of the operand ring.
+  """block_n: output columns per work item (of BLOCK_M rows); num_stages: depth of the operand
+  ring.
   cluster: CTAs per cluster (1 or 2). With 2, the CTAs of a cluster take two blocks of one expert
   that share their rhs tile (consecutive m blocks): each CTA TMA-loads half of that tile and
   multicasts it to both. Where the number of m blocks is odd the kernel runs unclustered."""
 
-  block_m: int = 128
   block_n: int = 256
-  tile_k: int = 64
   num_stages: int = 4
   cluster: int = 1
   # The cp.async gather: load a k-step's row indices before waiting for its stage to be free, not
@@ -57,16 +56,17 @@ class WeightGradConfig:
   def __post_init__(self):
     if self.cluster not in (1, 2):
       raise ValueError(f"cluster must be 1 or 2, got {self.cluster}")
-    if self.block_m not in (128, 256):
-      raise ValueError(f"block_m must be 128 or 256, got {self.block_m}")
     if self.block_n not in (128, 256):
       raise ValueError(f"block_n must be 128 or 256, got {self.block_n}")
-    if self.tile_k != 64:
-      raise ValueError(f"tile_k must be 64, got {self.tile_k}")
+    if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or (
+        self.num_stages < 1):
+      raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+    if not isinstance(self.indices_before_wait, bool):
+      raise ValueError(f"indices_before_wait must be a bool, got {self.indices_before_wait!r}")
 
 
 def supports(lhs, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> str | None:
-  return unsupported_operands(lhs, rhs_rows, [("lhs width", lhs.shape[1], config.block_m),
+  return unsupported_operands(lhs, rhs_rows, [("lhs width", lhs.shape[1], BLOCK_M),
                                               ("rhs width", rhs_rows.shape[1], config.block_n)])
 
 
@@ -78,19 +78,18 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
   lhs: the (T, m) source whose row `layout.row_token[r]` is grouped row r, gathered as the
   reduction runs (cp.async on the GPU; `gather.py`; no gathered copy is written to HBM).
   rhs_rows: (R, n) grouped rows, zero on padding rows. Expert e's reduction runs over its first
-  `layout.expert_counts[e]` rows rounded up to `tile_k` (its real rows come first in its group):
+  `layout.expert_counts[e]` rows rounded up to `TILE_K` (its real rows come first in its group):
   the padding rows past them are never read, and an expert without rows gets a zero gradient.
   transpose_out: return (E, n, m), each block's accumulators stored transposed, so that a product
   wanted as rhs^T lhs (dw2 = A_s^T dO) puts its gathered operand on the wgmma's M side.
   """
-  if layout.row_tile % config.tile_k:
-    raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of tile_k")
+  if layout.row_tile % TILE_K:
+    raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of {TILE_K}")
   m, n = lhs.shape[1], rhs_rows.shape[1]
   e_count = layout.num_experts
-  bm, bn, tk, stages = config.block_m, config.block_n, config.tile_k, config.num_stages
-  half = bm // _NUM_COMPUTE_WGS  # output rows per compute warpgroup
-  subs = half // 64  # its 64-row accumulators (one wgmma each per 16-deep slice)
-  lhs_boxes = bm // 64  # the lhs stage as (tk, 64) boxes, warpgroup w's are w*subs .. +subs
+  bm, bn, tk, stages = BLOCK_M, config.block_n, TILE_K, config.num_stages
+  half = bm // _NUM_COMPUTE_WGS  # output rows per compute warpgroup: its one accumulator
+  lhs_boxes = _NUM_COMPUTE_WGS  # the lhs stage as (tk, half) boxes, warpgroup w's is box w
   m_blocks, n_blocks = m // bm, n // bn
   items = e_count * m_blocks * n_blocks
   dtype = lhs.dtype
@@ -165,7 +164,7 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
           def _k(ki):
             s = step + ki
             slot = lax.rem(s, stages)
-            # Group starts are multiples of the layout's row tile, hence of tile_k.
+            # Group starts are multiples of the layout's row tile, hence of TILE_K.
             rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
             indices = None
             if cp_async and config.indices_before_wait:
@@ -188,17 +187,15 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
         def compute(e, mb, nb, first_row, steps, step):
           del first_row
 
-          def acc_scope(*acc_refs):
+          def acc_scope(acc_ref):
             @pl.loop(0, steps)
             def _k(ki):
               slot = lax.rem(step + ki, stages)
               plgpu.barrier_wait(full.at[slot])
               if cp_async:
                 gather.wait_stage(ready.at[slot], lax.rem((step + ki) // stages, 2))
-              for i, acc_ref in enumerate(acc_refs):
-                plgpu.wgmma(acc_ref, a_smem.at[slot, wg * subs + i].transpose((1, 0)),
-                            b_smem.at[slot])
-              plgpu.wgmma_wait(subs)  # the previous step's wgmmas are done: release its stage
+              plgpu.wgmma(acc_ref, a_smem.at[slot, wg].transpose((1, 0)), b_smem.at[slot])
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
 
               @pl.when(ki > 0)
               def _():
@@ -210,15 +207,14 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
             def _():
               plgpu.barrier_arrive(empty.at[lax.rem(step + steps - 1, stages)])
 
-            return [r[...] for r in acc_refs]
+            return acc_ref[...]
 
-          accs = pl.run_scoped(acc_scope, *[plgpu.ACC((64, bn), jnp.float32)
-                                            for _ in range(subs)])
-          out_rows = lambda i: pl.ds(mb * bm + wg * half + i * 64, 64)
+          acc = pl.run_scoped(acc_scope, plgpu.ACC((half, bn), jnp.float32))
+          out_rows = pl.ds(mb * bm + wg * half, half)
           out_cols = pl.ds(nb * bn, bn)
           epi.store_tiles(
-              [(acc.astype(dtype), out_ref.at[e, out_cols, out_rows(i)] if transpose_out
-                else out_ref.at[e, out_rows(i), out_cols]) for i, acc in enumerate(accs)],
+              [(acc.astype(dtype), out_ref.at[e, out_cols, out_rows] if transpose_out
+                else out_ref.at[e, out_rows, out_cols])],
               staging.at[wg], transposed=transpose_out)
 
         walk_items(compute)
@@ -247,7 +243,7 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
-  # The reduction stops at the tile_k step holding an expert's last real row: padding only
+  # The reduction stops at the TILE_K step holding an expert's last real row: padding only
   # follows it (an expert's padding ends its group), half a 128-row tile per expert on average.
   reduced_rows = (layout.expert_counts + tk - 1) // tk * tk
   return kernel(reduced_rows.astype(jnp.int32), group_start, layout.row_token, lhs, rhs_rows)

@@ -36,9 +36,9 @@ MAX_SLOTS = 32  # the per-slot loops are unrolled
 VALUES_PER_PROGRAM = 4096  # (tokens, E) counts per program: 16 int32 words per thread of 4 warps
 
 
-def block_tokens(num_experts: int, values_per_program: int = VALUES_PER_PROGRAM) -> int:
+def block_tokens(num_experts: int) -> int:
   """Tokens per program (a power of two): the (tokens, E) count matrix stays in registers."""
-  return max(16, min(128, values_per_program // next_pow2(num_experts)))
+  return max(16, min(128, VALUES_PER_PROGRAM // next_pow2(num_experts)))
 
 
 def supports(expert_ids: jax.Array, num_experts: int) -> str | None:
@@ -81,9 +81,8 @@ def _kernel(ids_ref, ranks_ref, counts_ref, *, slots: int):
   counts_ref[...] = jnp.sum(picks, axis=0)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "interpret", "values_per_program"))
-def block_ranks(expert_ids: jax.Array, num_experts: int, interpret: bool = False,
-                values_per_program: int = VALUES_PER_PROGRAM):
+@functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))
+def block_ranks(expert_ids: jax.Array, num_experts: int, interpret: bool = False):
   """(ranks (T, S) int32, block_counts (ceil(T / bt), E) int32) of expert_ids (T, S) int32.
 
   ranks[t, s]: pairs before (t, s) in its token block (flat pair order) with the same expert;
@@ -93,7 +92,7 @@ def block_ranks(expert_ids: jax.Array, num_experts: int, interpret: bool = False
   if reason is not None:
     raise ValueError(f"layout block-rank kernel: {reason}")
   t, s = expert_ids.shape
-  bt = block_tokens(num_experts, values_per_program)
+  bt = block_tokens(num_experts)
   s_block, half_e = next_pow2(s), max(1, next_pow2(num_experts) // 2)
   padded = expert_ids
   if t % bt or s_block != s:  # Triton blocks are powers of two: pad with 'no expert'

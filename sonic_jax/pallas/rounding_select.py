@@ -35,8 +35,8 @@ from sonic_jax.pallas import TRITON_AVAILABLE, next_pow2, pltriton
 AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering rounding uses XLA
 
 # A program keeps its expert's whole row in registers: 64 keys a thread up to 16 warps, then up to
-# 96 at 16 warps (cheaper block-wide reductions than 32 warps'), and 32 warps beyond (with up to
-# 128 a thread, 61,440 tokens ran 3.5x slower).
+# 96 at 16 warps (cheaper block-wide reductions than 32 warps'), and 32 warps beyond (more keys a
+# thread spill: docs/decisions.md).
 MAX_TOKENS = 65536
 KEYS_PER_THREAD = 64
 MAX_KEYS_PER_THREAD = 96

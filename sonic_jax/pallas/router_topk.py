@@ -29,14 +29,14 @@ AVAILABLE = TRITON_AVAILABLE  # without the Triton lowering routing uses lax.top
 
 MAX_EXPERTS = 1024
 MAX_K = 32  # the selection loop is unrolled k times
-# The programs' default shape: (tokens, E) values per program and warps, 16 values per thread (the
+# The programs' shape: (tokens, E) values per program and warps, 16 values per thread (the
 # fastest of the shapes measured, docs/decisions.md).
 VALUES_PER_PROGRAM = 512
 NUM_WARPS = 1
 
 
-def block_tokens(e: int, values_per_program: int = VALUES_PER_PROGRAM) -> int:
-  return max(1, min(64, values_per_program // e))
+def block_tokens(e: int) -> int:
+  return max(1, min(64, VALUES_PER_PROGRAM // e))
 
 
 def _selection_unsupported(e: int, k: int, max_experts: int) -> str | None:
@@ -120,17 +120,15 @@ def _kernel(values_ref, ids_ref, *, k: int):
   ids_ref[...] = _select_ids_packed(values_ref[...], k, ids_ref.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "values_per_program", "num_warps"))
-def top_k(values: jax.Array, k: int, interpret: bool = False,
-          values_per_program: int = VALUES_PER_PROGRAM, num_warps: int = NUM_WARPS):
-  """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E).
-  values_per_program, num_warps: the programs' shape (block_tokens(E, values_per_program) tokens,
-  Triton's warps)."""
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def top_k(values: jax.Array, k: int, interpret: bool = False):
+  """(top values (T, k) descending, expert ids (T, k) int32) of float32 values (T, E); programs of
+  `block_tokens(E)` tokens on NUM_WARPS warps."""
   reason = supports(values, k)
   if reason is not None:
     raise ValueError(f"router top-K kernel: {reason}")
   t, e = values.shape
-  bt = block_tokens(e, values_per_program)
+  bt = block_tokens(e)
   padded = jnp.pad(values, ((0, -t % bt), (0, 0))) if t % bt else values  # whole blocks only
   k_block = next_pow2(k)  # Triton blocks are powers of two; the extra slots are sliced off
   rows = padded.shape[0]
@@ -140,7 +138,7 @@ def top_k(values: jax.Array, k: int, interpret: bool = False,
       grid=(rows // bt,),
       in_specs=[pl.BlockSpec((bt, e), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((bt, k_block), lambda i: (i, 0)),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
       name="router_top_k",
       interpret=interpret,
   )(padded)[:t, :k]
@@ -198,11 +196,9 @@ def _logits_kernel(x_ref, w_ref, *refs, k: int, bt: int, num_tokens: int, has_bi
                  mask=jnp.broadcast_to(in_range, (bt, k_block)))
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "block_tokens", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
 def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = None,
-                 interpret: bool = False, block_tokens: int | None = None, num_warps: int = 4,
-                 num_stages: int = 3):
+                 interpret: bool = False):
   """(logits (T, E) float32, ids (T, k) int32): logits = x @ w with float32 accumulation, ids the
   experts of each token's k largest logits (+ bias (E,) float32, which moves the selection only),
   as `jax.lax.top_k` picks them from these logits.
@@ -210,14 +206,14 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   One Pallas (Triton) program per block of tokens runs the router GEMM over d in steps of
   LOGITS_BLOCK_D and selects the top-k from the logits in its registers: one kernel instead of a
   GEMM and the top-K kernel, and the logits are not read back. x is read once; every program reads
-  all of w (from L2). block_tokens (default `logits_block_tokens(E)`), num_warps, num_stages:
-  the programs' shape (Triton's warps and software-pipelining depth of the GEMM loop).
+  all of w (from L2). A program takes `logits_block_tokens(E)` tokens on 4 warps, its GEMM loop
+  pipelined 3 deep (docs/decisions.md).
   """
   reason = logits_supports(x, w, k)
   if reason is not None:
     raise ValueError(f"router logits + top-K kernel: {reason}")
   t, e = x.shape[0], w.shape[1]
-  bt = block_tokens or logits_block_tokens(e)
+  bt = logits_block_tokens(e)
   k_block = next_pow2(k)
   blocks = pl.cdiv(t, bt)
   has_bias = bias is not None
@@ -227,7 +223,7 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
       out_shape=(jax.ShapeDtypeStruct((t, e), jnp.float32),
                  jax.ShapeDtypeStruct((t, k_block), jnp.int32)),
       grid=(blocks,),
-      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
       name="router_logits_top_k",
       interpret=interpret,
   )(*operands)
