@@ -23,13 +23,12 @@ tile (TILE_M rows; roles halve their column blocks so the accumulators still fit
 warpgroup's epilogue (activation, conversion, stores: no wgmma) runs while the other's mainloop
 keeps the tensor cores busy. The ring stays one sequence. Where each tile uses every ring slot an
 even number of times (k-steps a multiple of 2 * num_stages) the schedule is decoupled: the owner
-alone waits for and releases a tile's stages (in a 2-CTA cluster, the owners in both CTAs: they
-walk the same tiles in step); elsewhere, and always in the interpreter
+alone waits for and releases a tile's stages; elsewhere, and always in the interpreter
 (which checks that every thread that waits on a barrier sees each of its phases), the other
 warpgroup waits for and releases them too, without reading them. A pingpong CTA loads a 128 x 128
 tile's operands for each 128 x 128 of output, 1.33x the operand bytes per FLOP of the cooperative
 128 x 256 CTA tile, so only dH, whose epilogue is the heaviest, runs it, where the tuning table
-says so (docs/decisions.md).
+says so, and never in 2-CTA clusters, which it ran slower in (docs/decisions.md).
 
 With `cluster_m=2` the persistent grid is one 2-CTA cluster per two SMs, walking pairs of
 consecutive row tiles (one per CTA) of a column block: where the pair shares its expert, B is TMA-
@@ -108,6 +107,9 @@ class GroupedGemmConfig:
       raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+    if self.schedule == "pingpong" and self.cluster_m != 1:
+      raise ValueError("the pingpong schedule runs unclustered (cluster_m=1): in 2-CTA clusters "
+                       "it measured slower (docs/decisions.md, 'dH')")
     if self.grid_band not in ("n", "m"):
       raise ValueError(f"grid_band must be 'n' or 'm', got {self.grid_band!r}")
     for name in ("num_stages", "grid_tile_width"):
