@@ -184,6 +184,40 @@ def drain_ring(empty, total_steps, stages: int):
       plgpu.barrier_wait(empty.at[lax.rem(s, stages)])
 
 
+def consume_stages(full, empty, ready, step, steps, stages: int, issue, *, after_issue=None,
+                   before_drain=None):
+  """A compute warpgroup's k-loop over the operand ring, k-steps step .. step + steps (steps may be
+  traced, and 0). Each waits for its stage (and, with `ready`, for the cp.async gather's rows),
+  runs `issue(slot, ki)`, which starts the step's wgmmas and returns how many, then
+  `after_issue(ki)` (work under those wgmmas), and releases the previous step's stage once its
+  wgmmas are done. After the loop, `before_drain()`, then every wgmma done and the last stage
+  released."""
+  @pl.loop(0, steps)
+  def _k(ki):
+    slot = lax.rem(step + ki, stages)
+    plgpu.barrier_wait(full.at[slot])
+    if ready is not None:
+      gather.wait_stage(ready.at[slot], lax.rem((step + ki) // stages, 2))
+    issued = issue(slot, ki)
+    if after_issue is not None:
+      after_issue(ki)
+    plgpu.wgmma_wait(issued)  # the previous step's wgmmas are done: release its stage
+
+    @pl.when(ki > 0)
+    def _():
+      plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
+
+  if before_drain is not None:
+    before_drain()
+  plgpu.wgmma_wait(0)
+  release_last = lambda: plgpu.barrier_arrive(empty.at[lax.rem(step + steps - 1, stages)])
+  if isinstance(steps, int):
+    if steps > 0:
+      release_last()
+  else:
+    pl.when(steps > 0)(release_last)
+
+
 def stage_release_barriers(cluster: int, stages: int, consumers: int = _NUM_COMPUTE_WGS):
   """The operand ring's `empty` barriers, one per stage, completed by the `consumers` compute
   warpgroups that read a stage; with a 2-CTA cluster by those of both CTAs (a multicast stage is
@@ -395,36 +429,30 @@ def grouped_gemm(lhs, rhs, tile_expert, num_tiles, row_token, role: GemmRole,
             if decoupled:  # the other warpgroup's mainloop waited for all its stages
               plgpu.barrier_wait(order.at[wg])
 
-            @pl.loop(0, k_iters)
-            def _k(ki):
-              slot = lax.rem(step + ki, stages)
-              plgpu.barrier_wait(full.at[slot])
-              if gather_impl == "cp_async":
-                gather.wait_stage(a_ready.at[slot], lax.rem((step + ki) // stages, 2))
+            def issue(slot, ki):
+              del ki
               a_half = a_tiles.at[slot, pl.ds(first_row, rows)]
               for j in range(blocks):
                 b_block = b_smem.at[slot, j]
                 if role.rhs_transposed:
                   b_block = b_block.transpose((1, 0))
                 plgpu.wgmma(acc_refs[j], a_half, b_block)
-              if role.epilogue_prefetch is not None:
-                # While the first wgmmas run: the previous tile's stores must have read the
-                # scratch before the prefetch overwrites it.
-                # (Not for a dummy tile: its epilogue, which waits on the prefetch, is skipped.)
-                @pl.when((ki == 0) & active)
-                def _():
-                  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                  role.epilogue_prefetch(ctx, ctx.prefetched)
-              plgpu.wgmma_wait(blocks)  # the previous step's wgmmas are done: release its stage
+              return blocks
 
-              @pl.when(ki > 0)
+            def prefetch(ki):
+              # While the first wgmmas run: the previous tile's stores must have read the
+              # scratch before the prefetch overwrites it.
+              # (Not for a dummy tile: its epilogue, which waits on the prefetch, is skipped.)
+              @pl.when((ki == 0) & active)
               def _():
-                plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                role.epilogue_prefetch(ctx, ctx.prefetched)
 
-            if decoupled:
-              plgpu.barrier_arrive(order.at[1 - wg])
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(empty.at[lax.rem(step + k_iters - 1, stages)])
+            consume_stages(
+                full, empty, a_ready if gather_impl == "cp_async" else None, step, k_iters,
+                stages, issue, after_issue=None if role.epilogue_prefetch is None else prefetch,
+                before_drain=(lambda: plgpu.barrier_arrive(order.at[1 - wg])) if decoupled
+                else None)
             return [r[...] for r in acc_refs]
 
           def run_tile():

@@ -28,8 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax.interpret import interpreting, warn_if_interpreter_may_hang
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu import gather
-from sonic_jax.mosaic_gpu.grouped_gemm import (_NUM_COMPUTE_WGS, TILE_K, drain_ring,
-                                               persistent_launch, register_split,
+from sonic_jax.mosaic_gpu.grouped_gemm import (_NUM_COMPUTE_WGS, TILE_K, consume_stages,
+                                               drain_ring, persistent_launch, register_split,
                                                stage_release_barriers, tiled, unsupported_operands)
 
 # Output rows per work item: one 64-row accumulator per compute warpgroup (256-row blocks served
@@ -188,25 +188,12 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
           del first_row
 
           def acc_scope(acc_ref):
-            @pl.loop(0, steps)
-            def _k(ki):
-              slot = lax.rem(step + ki, stages)
-              plgpu.barrier_wait(full.at[slot])
-              if cp_async:
-                gather.wait_stage(ready.at[slot], lax.rem((step + ki) // stages, 2))
+            def issue(slot, ki):
+              del ki
               plgpu.wgmma(acc_ref, a_smem.at[slot, wg].transpose((1, 0)), b_smem.at[slot])
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its stage
+              return 1
 
-              @pl.when(ki > 0)
-              def _():
-                plgpu.barrier_arrive(empty.at[lax.rem(step + ki - 1, stages)])
-
-            plgpu.wgmma_wait(0)
-
-            @pl.when(steps > 0)
-            def _():
-              plgpu.barrier_arrive(empty.at[lax.rem(step + steps - 1, stages)])
-
+            consume_stages(full, empty, ready if cp_async else None, step, steps, stages, issue)
             return acc_ref[...]
 
           acc = pl.run_scoped(acc_scope, plgpu.ACC((half, bn), jnp.float32))
