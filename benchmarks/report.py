@@ -351,11 +351,11 @@ METHOD = """\
   "sonicmoe" draws SonicMoE's benchmark's scales (x and dO ~ 0.2·N(0, 1), every weight of std
   0.02); "unit" draws x and dO ~ N(0, 1) and weights of std 1/√fan-in.
 - **Runs.** Each table lists the runs its rows come from (device, versions, date, command, results
-  file) and each row names its run; a run's command is written with every flag that reproduces it
-  under the benchmarks' current defaults. Baselines measured in the same run as sonic_jax's rows share
-  its run label; rows of different runs come from different processes, possibly on different GPUs
-  of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs where
-  the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.
+  file) and each row names its run; a run's command is written with every flag that reproduces
+  it under the benchmarks' current defaults. Baselines measured in the same run as sonic_jax's rows
+  share its run label; rows of different runs come from different processes, possibly on different
+  GPUs of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs
+  where the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.
 - **Re-running** (the baselines' wheels come from the ignored folders `.whl` and `.sonic`, which
   `bash benchmarks/wheels.sh tokamax|sonicmoe` fills on a machine with network access, for a GPU
   host without it):

@@ -276,8 +276,9 @@ def check_split_operands():
   and gradients of the unsplit call, the gradients split as their operands."""
   from sonic_jax import moe  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(4)
-  args = [jnp.asarray(rng.standard_normal(shape)) for shape in
-          ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16), (8, 16), (8, 16))]  # x, router, w1, w2, b1, b2
+  # x, router, w1, w2, b1, b2
+  shapes = ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16), (8, 16), (8, 16))
+  args = [jnp.asarray(rng.standard_normal(shape)) for shape in shapes]
 
   def loss(x, router, w1, w2, b1, b2):
     y = moe(x, router, w1, w2, top_k=2, b1=b1, b2=b2, backend="xla")[0]

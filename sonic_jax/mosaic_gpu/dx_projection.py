@@ -13,7 +13,8 @@ from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
-                                               check_layout_tile, grouped_gemm, unsupported_operands)
+                                               check_layout_tile, grouped_gemm,
+                                               unsupported_operands)
 
 BLOCK_N = 256
 

@@ -29,7 +29,8 @@ from sonic_jax import activations as acts
 from sonic_jax.interpret import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
 from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
-                                               check_layout_tile, grouped_gemm, unsupported_operands)
+                                               check_layout_tile, grouped_gemm,
+                                               unsupported_operands)
 
 GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 columns each)
 PLAIN_BLOCK_N = 256
