@@ -210,11 +210,10 @@ def _check_whole(what: str, **arrays):
 
 
 def _whole(a):
-  """a replicated where its type splits it over Explicit mesh axes (x over d; the router and the
-  expert weights over size-1 axes on the experts, as `_check_whole` allows, or FSDP's over other
-  dims; the router and the per-expert vectors over E),
-  else a as it is: every device runs all of each expert, and the experts' custom_vjp returns
-  whole gradients (the reshard's transpose splits them again)."""
+  """a replicated where its type splits it over Explicit mesh axes, else a as it is: x over d, the
+  expert weights over a size-1 expert axis (as `_check_whole` allows) or FSDP's other dims, the
+  router and the per-expert vectors over d or E. Every device runs all of each expert, and the
+  experts' custom_vjp returns whole gradients (the reshard's transpose splits them again)."""
   sharding = None if a is None else jax.typeof(a).sharding
   if sharding is None or all(p is None for p in getattr(sharding, "spec", ())):
     return a

@@ -61,11 +61,15 @@ def _axis_size(axis_name):
                      f"jax.shard_map over a mesh with that axis ({e})") from None
 
 
+def _axis_names(axis_name) -> set:
+  """The mesh axes `axis_name` names (one, or a tuple of them)."""
+  return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+
 def _check_router(router_weight, p, e_local, axis_name):
   if router_weight.ndim != 2:
     raise ValueError(f"router_weight must be (d, E), got shape {tuple(router_weight.shape)}")
-  names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-  if split := sorted(names & varying_axes(router_weight)):  # known under shard_map's type check
+  if split := sorted(_axis_names(axis_name) & varying_axes(router_weight)):  # known under shard_map's type check
     raise ValueError(f"router_weight is split over {split}: it must be replicated (P() in "
                      f"shard_map's in_specs), every device routing its tokens over all E experts")
   e_count = router_weight.shape[1]
@@ -86,7 +90,7 @@ def _check_expert_split(axis_name, p, **arrays):
   types (check_vma, the default); without them nothing is known and nothing is refused."""
   if p == 1:
     return
-  names = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+  names = _axis_names(axis_name)
   for name, a in arrays.items():
     if a is None:
       continue
