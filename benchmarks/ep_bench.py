@@ -28,8 +28,9 @@ calls, the sustained rate a training loop sees):
 - (--profile, on by default) one traced training step of `moe_all_gather`, GPU 0's time split into
   communication (NCCL kernels and copies between GPUs), computation and communication hidden under
   computation.
-By default (--memcpy_p2p) it runs with XLA's --xla_gpu_use_memcpy_local_p2p=true, the setting
-docs/design.md recommends for expert parallelism within one host.
+At P = 2 (--memcpy_p2p's default) the sharded programs compile with XLA's
+`xla_gpu_use_memcpy_local_p2p` (copies between the GPUs by their copy engines), at other P
+without it (NCCL's kernels): the faster transport at each P measured (docs/decisions.md).
 Printed after each configuration: step time and TFLOP/s per device and as a multiple of the
 single GPU's, the communication share, the hidden share, and the layers extrapolated to 8 devices
 (one node: the measured bandwidths), 16 and 64 devices (2 and 8 nodes: the cross-node share at
@@ -64,8 +65,8 @@ SCHEMES = {
     "all_gather": (moe_all_gather, {}),
 }
 
-# The XLA flag the layer's expert parallelism is measured with on one host (docs/design.md).
-MEMCPY_P2P = "--xla_gpu_use_memcpy_local_p2p=true"
+# The compiler option the layer's expert parallelism is measured with at P = 2 (docs/design.md).
+MEMCPY_P2P = {"xla_gpu_use_memcpy_local_p2p": True}
 
 FLAGS = flags.FLAGS
 
@@ -83,22 +84,27 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
                     "its first word (all_to_all: its three variants); default: all")
-  flags.DEFINE_bool("memcpy_p2p", True, f"run with XLA's {MEMCPY_P2P}: copies between the "
-                    "GPUs of this process (all-to-alls, collective permutes) by the copy engines "
-                    "instead of NCCL kernels, which leaves the SMs to the expert kernels")
+  flags.DEFINE_bool("memcpy_p2p", None, "compile the sharded programs with XLA's "
+                    "xla_gpu_use_memcpy_local_p2p: copies between the GPUs of this process "
+                    "(all-to-alls, collective permutes) by the copy engines instead of NCCL "
+                    "kernels, which leaves the SMs to the expert kernels; default: at P = 2 only")
   flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
                     "GPU 0's time into communication, computation and their overlap")
 
 
-def _time_all(calls, compiled_out=None):
-  """{name: median seconds per call} of {name: (fn, args)}, compiled first (into `compiled_out`,
-  {name: compiled}, where given), then timed in
+def _time_all(calls, options, compiled_out=None, plain=()):
+  """{name: median seconds per call} of {name: (fn, args)}, compiled first (with the compiler
+  `options`, but for the names in `plain`; into `compiled_out`, {name: compiled}, where given),
+  then timed in
   alternating rounds (`timing.time_interleaved`): a drift of the GPUs' clocks over the run spreads
   over the single-device op and every scheme alike."""
   # On CPU devices, one call at a time: queued collective programs can starve XLA:CPU's small thread
   # pool (every participant of a rendezvous needs a thread) and deadlock.
   cpu = jax.devices()[0].platform == "cpu"
-  compiled = {name: (timing.compile_fn(fn, *args)[0], args) for name, (fn, args) in calls.items()}
+  compiled = {name: (timing.compile_fn(fn, *args,
+                                        compiler_options=None if name in plain else options)[0],
+                      args)
+              for name, (fn, args) in calls.items()}
   if compiled_out is not None:
     compiled_out.update({name: c for name, (c, _) in compiled.items()})
   times = timing.time_interleaved(compiled, repeats=FLAGS.repeats,
@@ -139,9 +145,10 @@ def _placed(mesh, x, rw, w1, w2):
   return put(x, P("ep")), put(rw, P()), put(w1, P("ep")), put(w2, P("ep"))
 
 
-def check_against_single_device(devices, backend, runs, cfg=(256, 64, 32, 8, 2)):
-  """Max relative error of output and all gradients, each scheme vs `sonic_jax.moe` on one
-  device, float32 with full-precision matmuls (skewed routing: empty experts, a hot device)."""
+def check_against_single_device(devices, backend, runs, options=None, cfg=(256, 64, 32, 8, 2)):
+  """Max relative error of output and all gradients, each scheme (compiled with the compiler
+  `options`) vs `sonic_jax.moe` on one device, float32 with full-precision matmuls (skewed
+  routing: empty experts, a hot device)."""
   t_local, d, n, e, k = cfg
   p = len(devices)
   e = max(e, p)
@@ -150,8 +157,9 @@ def check_against_single_device(devices, backend, runs, cfg=(256, 64, 32, 8, 2))
   d_y = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
   mesh = jax.make_mesh((p,), ("ep",), devices=devices)
 
-  def loss_of(layer):
-    return jax.jit(jax.value_and_grad(lambda *a: jnp.vdot(layer(*a), d_y), argnums=(0, 1, 2, 3)))
+  def loss_of(layer, options=None):
+    return jax.jit(jax.value_and_grad(lambda *a: jnp.vdot(layer(*a), d_y), argnums=(0, 1, 2, 3)),
+                   compiler_options=options)
 
   errs = {}
   with jax.default_matmul_precision("highest"):
@@ -160,7 +168,8 @@ def check_against_single_device(devices, backend, runs, cfg=(256, 64, 32, 8, 2))
     for name, scheme in runs.items():
       if scheme[1].get("capacity_factor"):
         continue  # the dropless ones
-      got_loss, got = loss_of(_sharded(scheme, mesh, k, backend))(*_placed(mesh, x, rw, w1, w2))
+      got_loss, got = loss_of(_sharded(scheme, mesh, k, backend), options)(
+          *_placed(mesh, x, rw, w1, w2))
       host = lambda a: np.asarray(a, np.float64)
       rel = lambda a, b: float(np.linalg.norm(host(a) - host(b)) / np.linalg.norm(host(b)))
       errs[name] = max([rel(got_loss, ref_loss)] + [rel(a, b) for a, b in zip(got, ref)])
@@ -228,7 +237,7 @@ def profile_step(step, args, keep_events=False):
   return split
 
 
-def run_config(cfg, devices, backend, runs, profile=False):
+def run_config(cfg, devices, backend, runs, options=None, profile=False):
   t_local, d, n, e, k = cfg
   p = len(devices)
   if e % p:
@@ -250,7 +259,7 @@ def run_config(cfg, devices, backend, runs, profile=False):
                               **{n: (f, placed) for n, f in layers.items()}}.items():
     calls[(name, "fwd")], calls[(name, "fwdbwd")] = (layer, args), (_fwdbwd(layer), args)
   compiled = {}
-  t = _time_all(calls, compiled)
+  t = _time_all(calls, options, compiled, plain=[("single", "fwd"), ("single", "fwdbwd")])
   res.update(single_fwd_ms=t[("single", "fwd")] * 1e3,
              single_fwdbwd_ms=t[("single", "fwdbwd")] * 1e3,
              single_fwdbwd_tflops=3 * flops_per_device / t[("single", "fwdbwd")] / 1e12)
@@ -283,7 +292,7 @@ def run_config(cfg, devices, backend, runs, profile=False):
     fn = jax.shard_map(move, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"),
                        check_vma=False)
     args = (put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
-    return _time_all({"": (fn, args)})[""]
+    return _time_all({"": (fn, args)}, options)[""]
 
   gbps = lambda b, t: b / t / 1e9 if p > 1 else None
   for name, (fn, kw) in runs.items():
@@ -304,7 +313,8 @@ def run_config(cfg, devices, backend, runs, profile=False):
     combine = jax.shard_map(lambda v: _sum_partials(v, "ep"), mesh=mesh, in_specs=P(),
                             out_specs=P("ep"), check_vma=False)
     t = _time_all({"gather": (gather, (put(x, P("ep")),)),
-                   "combine": (combine, (put(jnp.zeros((p * t_local, d), dtype), P()),))})
+                   "combine": (combine, (put(jnp.zeros((p * t_local, d), dtype), P()),))},
+                  options)
     t_gather, t_combine = t["gather"], t["combine"]
     for name in gathers:
       res[name].update(
@@ -388,9 +398,9 @@ def table(results, inter_node_gbps):
 
 
 def main(_):
-  if FLAGS.memcpy_p2p:  # read when the backend starts, at the first jax.devices() below
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {MEMCPY_P2P}".strip()
   devices = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
+  memcpy_p2p = len(devices) == 2 if FLAGS.memcpy_p2p is None else FLAGS.memcpy_p2p
+  options = dict(MEMCPY_P2P) if memcpy_p2p else {}
   configs = grid.parse_configs(FLAGS.thiek, DEFAULT_CONFIGS)
   backend = sonic_jax.backends.resolve_backend(FLAGS.backend).name
   picked = lambda name, key: name in (key, key.split()[0])
@@ -403,16 +413,17 @@ def main(_):
   out = grid.run_record("ep_bench", devices, backend=backend,
                         native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
                         inter_node_gbps_assumed=FLAGS.inter_node_gbps,
-                        xla_flags=os.environ.get("XLA_FLAGS", ""),
+                        xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
                         timing=f"a configuration's programs in alternating rounds, "
                                f"{FLAGS.sample_ms:g} ms samples, median of {FLAGS.repeats}",
-                        check_max_rel_err=check_against_single_device(devices, backend, runs),
+                        check_max_rel_err=check_against_single_device(devices, backend, runs,
+                                                                      options),
                         results=[])
   print("correctness vs one device (max rel err of output and gradients):",
         out["check_max_rel_err"], flush=True)
   path = os.path.join(FLAGS.out, grid.results_name(out, "ep"))
   for cfg in configs:
-    out["results"].append(run_config(cfg, devices, backend, runs, FLAGS.profile))
+    out["results"].append(run_config(cfg, devices, backend, runs, options, FLAGS.profile))
     with open(path, "w") as f:
       json.dump(out, f, indent=1)
     print(table(out["results"][-1:], FLAGS.inter_node_gbps), flush=True)

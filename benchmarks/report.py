@@ -456,11 +456,14 @@ def benchmarks_md(found):
     labelled = [(f"P = {record(r).get('devices', 1)}", r) for r in runs]
     max_err = max(max(r["check_max_rel_err"].values()) for r in runs)
     legend = runs_legend(labelled).split("\n")
-    for i, (_, r) in enumerate(labelled):  # how each run timed, and the XLA flags it ran with
+    for i, (_, r) in enumerate(labelled):  # how each run timed, and the XLA options it ran with
       rec = record(r)
       legend[i] += (f". Timing: {rec['timing']}" if rec.get("timing") else
                     ". Timing: each program alone, in turn")
       legend[i] += (f"; XLA_FLAGS `{rec['xla_flags']}`" if rec.get("xla_flags") else "")
+      options = ", ".join(f"{k}={str(v).lower()}"
+                          for k, v in rec.get("compiler_options", {}).items())
+      legend[i] += f"; sharded programs compiled with `{options}`" if options else ""
     legend = "\n".join(legend)
     parts.append(f"## Expert parallelism\n\nThe most recent run on each number of devices:\n\n"
                  f"{legend}\n\nBackend `{runs[0]['backend']}`, bf16, SwiGLU. Each "

@@ -26,10 +26,10 @@ from collections import defaultdict
 import jax
 
 
-def compile_fn(fn, *args):
+def compile_fn(fn, *args, compiler_options=None):
   """(compiled, seconds to lower and compile)."""
   t0 = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  compiled = jax.jit(fn, compiler_options=compiler_options).lower(*args).compile()
   return compiled, time.perf_counter() - t0
 
 
