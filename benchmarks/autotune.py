@@ -11,6 +11,9 @@ The table written is in the packaged format ({"device", "jax", "date", "command"
 (`moe_bench --tuning=path` times the layer with it), or copy it over
 sonic_jax/mosaic_gpu/tuned_configs.json to ship it. It holds this run's entries and the packaged
 table's (or --base's) for the problems this run does not measure; --nomerge: this run's only.
+Each entry says where it came from: this run's its "date" and "command", beside its time ("ms")
+and the starting configuration's; the packaged table's older ones the "date" and "commit" that
+last changed them.
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, weight_grad on the
 varlen-K kernel), through the backend's own entry points, a coordinate search from the defaults
@@ -169,9 +172,13 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use, base):
 
 def main(_):
   configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID)
-  base = tuning.TuningTable.load(FLAGS.base) if FLAGS.base else tuning.packaged()
+  base_path = FLAGS.base or tuning.PACKAGED
+  base = tuning.TuningTable.load(base_path)
+  with open(base_path) as f:  # the base entries as written, their times and provenance kept
+    base_dicts = dict(zip(map(id, base.entries), json.load(f)["entries"]))
   out = grid.run_record("autotune", entries=[], trials=[])
   out["date"] = out["date"][:10]
+  provenance = {"date": out["date"], "command": out["command"]}
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
   measured = []
   with grid.interpret_mode(FLAGS.interpret):
@@ -182,11 +189,11 @@ def main(_):
         if FLAGS.roles and role not in FLAGS.roles:
           continue
         entry, trials = tune_role(cfg, role, fn, args, n_key, device, rows_in_use, base)
-        measured.append(entry)
+        measured.append(entry | provenance)
         new = tuning.TuningTable.from_entries(measured)
         table = base.merged(new) if FLAGS.merge else new
-        extra = {id(e): m for e, m in zip(new.entries, measured)}  # times beside each entry
-        out["entries"] = [extra.get(id(e), e.to_dict()) for e in table.entries]
+        written = base_dicts | {id(e): m for e, m in zip(new.entries, measured)}
+        out["entries"] = [written[id(e)] for e in table.entries]
         out["trials"].append({"config": list(cfg), "role": role, "trials": trials})
         with open(FLAGS.out, "w") as f:
           json.dump(out, f, indent=1)

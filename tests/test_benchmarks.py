@@ -341,8 +341,14 @@ def test_autotune_writes_a_table_that_loads(tmp_path, monkeypatch):
   table = tuning.TuningTable.load(str(out))
   (mine,) = [e for e in table.entries if (e.role, e.d, e.n, e.E) == ("dx", 256, 256, 2)]
   assert dict(mine.fields).keys() <= {"cluster_m"}
-  # The packaged table's entries are kept beside the new one (--merge).
+  # The packaged table's entries are kept beside the new one (--merge), as written there; each
+  # entry says where it came from.
   assert len(table.entries) == len(tuning.packaged().entries) + 1
+  with open(tuning.PACKAGED) as f:
+    packaged = json.load(f)["entries"]
+  assert data["entries"][:-1] == packaged
+  assert all(e["date"] and (e.get("commit") or e.get("command")) for e in data["entries"])
+  assert data["entries"][-1]["command"].startswith("python -m benchmarks.autotune --interpret")
   assert table.fields("dx", d=256, n=256, num_experts=2, device_kind=mine.device) == dict(
       mine.fields)
   (trials,) = data["trials"]

@@ -6,7 +6,8 @@ role's expert weight: w1's (2n for GLU) for "up" and "dx", w2's n for "down", "d
 "weight_grad") and the configuration fields that won (`ROLE_FIELDS`). A problem takes the fields of
 the entry of its role nearest to it in (log2 d, log2 n, log2 E), measured on the same kind of GPU
 if the table has one, else on any; fields an entry does not name keep their defaults, and a role
-without entries runs the defaults.
+without entries runs the defaults. An entry's other keys record where it came from (its time, the
+date, and the autotune command or the commit that last changed it); lookups ignore them.
 
 The table shipped with the package is `tuned_configs.json` (H100). A caller passes another one per
 call as `sonic_jax.Config(tuning=TuningTable.load(path))` (what `python -m benchmarks.autotune
