@@ -29,10 +29,12 @@ dots3's "dots3_note"): every function takes either, and
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
 
-The state dicts are transformers' in-memory ones (fused experts, `experts.gate_up_proj`). Hub
-checkpoints that store experts one by one (Mixtral's `block_sparse_moe.experts.0.w1.weight`, ...)
-are fused by transformers when it loads them: load the model with transformers, then take its
-`state_dict()`. Nothing here imports torch; arrays are NumPy.
+The block state dicts are transformers' in-memory ones (fused experts, `experts.gate_up_proj`).
+`block_state_dict` also reads a whole Hub checkpoint's tensors (what `save_pretrained` writes:
+Mixtral's `block_sparse_moe.experts.0.w1.weight`, Qwen's `mlp.experts.0.gate_proj.weight`, ...)
+and converts them to those as transformers does when it loads one, so a checkpoint's safetensors
+load without torch; quantized checkpoints are dequantized by loading the model with transformers,
+then taking its `state_dict()`. Nothing here imports torch; arrays are NumPy.
 
 How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
 
@@ -838,10 +840,7 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   config = _text_config(config)
   fam = family(config)
   _check_layer(config, layer)
-  # a field given as None is absent (its class derives or defaults it)
-  defaults = {k: v(config) if callable(v) else v for k, v in fam.dense_layers.items()
-              if config.get(k) is None}
-  dense = _dense_layer({**config, **defaults}, layer)
+  dense = _dense_reason(config, fam, layer)
   if dense:
     raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
                      f"({dense}): it has no MoE block")
@@ -858,15 +857,26 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   return kw
 
 
+def _dense_reason(config: Mapping[str, Any], fam: Family, layer: int | None) -> str | None:
+  """Why decoder layer `layer` is dense (`_dense_layer`), the fields a config leaves out read at
+  their class defaults (a field given as None is absent: its class derives or defaults it)."""
+  defaults = {k: v(config) if callable(v) else v for k, v in fam.dense_layers.items()
+              if config.get(k) is None}
+  return _dense_layer({**config, **defaults}, layer)
+
+
 def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   if layer is None:
     return
   count = config.get("num_hidden_layers")
+  mtp = config.get("num_nextn_predict_layers") or 0
   if isinstance(count, numbers.Integral):  # multi-token-prediction layers follow the decoder's
-    count += config.get("num_nextn_predict_layers") or 0
+    count += mtp
   if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0 or (
       isinstance(count, numbers.Integral) and layer >= count):
     within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
+    if mtp and isinstance(count, numbers.Integral):
+      within += f" (the last {mtp}: multi-token-prediction layers)"
     raise ValueError(f"layer must be a decoder layer's index{within}, got {layer!r}")
 
 
@@ -894,6 +904,8 @@ def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
     return f"num_dense_layers={c['num_dense_layers']}"
   if get("mlp_only_layers") is not None and layer in c["mlp_only_layers"]:
     return f"in mlp_only_layers {list(c['mlp_only_layers'])}"
+  if c.get("num_experts") == 0:  # Qwen2/3-MoE's decoder layers: experts only where > 0
+    return "num_experts=0"
   step = get("decoder_sparse_step")
   if step and (layer + 1) % step:
     return f"decoder_sparse_step={step}"
@@ -1201,36 +1213,130 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   return sd
 
 
+# A Hub checkpoint (what transformers' save_pretrained writes) names some blocks' modules and
+# tensors otherwise than the in-memory state dict, which transformers converts them to on loading.
+# Module names standing for "mlp" in the block's prefix: Mixtral's, MiniMax's and Kimi-Linear's
+# block_sparse_moe, DeepSeek-V4's ffn.
+_HUB_MODULES = (".block_sparse_moe.", ".ffn.")
+# (Hub name, in-memory name), relative to the module that holds the experts: Granite's, Aria's,
+# DeepSeek-V4's and the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE. Each
+# renames only into a key the family reads that the checkpoint lacks.
+_HUB_RENAMES = (
+    ("input_linear.weight", "experts.gate_up_proj"),
+    ("output_linear.weight", "experts.down_proj"),
+    ("router.layer.weight", "router.weight"),
+    ("experts.fc1.weight", "experts.gate_up_proj"),
+    ("experts.fc2.weight", "experts.down_proj"),
+    ("gate.bias", "gate.e_score_correction_bias"),
+    ("gate.expert_bias", "gate.e_score_correction_bias"),
+    ("e_score_correction_bias", "gate.e_score_correction_bias"),
+    ("moe_statics.e_score_correction_bias", "gate.moe_statics.e_score_correction_bias"),
+    ("shared_experts.w1.weight", "shared_experts.gate_proj.weight"),
+    ("shared_experts.w3.weight", "shared_experts.up_proj.weight"),
+    ("shared_experts.w2.weight", "shared_experts.down_proj.weight"),
+)
+# Experts stored one by one, experts.{e}.<gate>.weight (n, d), <up> (n, d), <down> (d, n): fused
+# as transformers does into gate_up_proj (E, 2n, d), gate rows first, and down_proj (E, d, n).
+_HUB_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family,
+              want: set[str]) -> tuple[dict[str, Any], set[str]]:
+  """The in-memory entries that a Hub checkpoint's block keys `keys` (relative to the block)
+  stand for, and the keys they were made from; get(key) reads a value."""
+  out, used = {}, set()
+  present = set(keys)
+  module = fam.experts_prefix[:-len("experts.")] if fam.experts_prefix.endswith(
+      "experts.") else ""
+  for hub, mine in _HUB_RENAMES:
+    if module + mine in want and module + mine not in present and module + hub in present:
+      out[module + mine] = get(module + hub)
+      used.add(module + hub)
+  if fam.shared is not None and fam.shared_kind == "gate_up":  # MiniMax-M3's shared expert
+    fused_shared = fam.shared + "gate_up_proj.weight"
+    halves = [fam.shared + f"{name}.weight" for name in ("gate_proj", "up_proj")]
+    if fused_shared not in present and all(k in present for k in halves):
+      out[fused_shared] = np.concatenate([np.asarray(get(k)) for k in halves], axis=0)
+      used.update(halves)
+  p = fam.experts_prefix
+  fused = (p + "gate_up_proj", p + "down_proj")
+  if fam.experts != "fused" or any(k in present for k in fused):
+    return out, used
+  for names in _HUB_EXPERT_NAMES:
+    per = {name: {} for name in names}
+    for k in keys:
+      parts = k[len(p):].split(".") if k.startswith(p) else ()
+      if len(parts) == 3 and parts[0].isdigit() and parts[1] in per and parts[2] == "weight":
+        per[parts[1]][int(parts[0])] = k
+    if not any(per.values()):
+      continue
+    count = max(max(found, default=-1) for found in per.values()) + 1
+    missing = sorted(f"{p}{e}.{name}.weight" for name in names for e in range(count)
+                     if e not in per[name])
+    if missing:
+      raise ValueError(f"{fam.model_type} block: experts stored one by one lack "
+                       f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+    gate, up, down = ([np.asarray(get(per[name][e])) for e in range(count)] for name in names)
+    out[fused[0]] = np.stack([np.concatenate([g, u], axis=0) for g, u in zip(gate, up)])
+    out[fused[1]] = np.stack(down)
+    used.update(k for found in per.values() for k in found.values())
+    break
+  return out, used
+
+
 def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
                      layer: int) -> dict[str, Any]:
   """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
   family's prefix ("model.layers.{layer}.mlp." and the like; or, for a family with a
   `multimodal_prefix`, its multimodal model's), the prefix removed. The family's keys only
   (Granite's prefix is the whole decoder layer), DeepSeek-V4's hash table gate.tid2eid among them
-  where the layer has one. A ValueError names keys under the block's modules that the converters
-  do not read (experts stored one by one, quantization scales)."""
+  where the layer has one.
+
+  The state dict is transformers' in-memory one (a model's `state_dict()`) or a Hub checkpoint's
+  (what `save_pretrained` writes, e.g. a safetensors file's tensors as NumPy arrays), which this
+  converts as transformers does when it loads one: experts stored one by one
+  (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`, or Mixtral's `w1`, `w3`, `w2`) are
+  stacked into the fused tensors, and the modules and tensors some families name otherwise are
+  read under their in-memory names (Mixtral's, MiniMax's and Kimi-Linear's `block_sparse_moe`,
+  DeepSeek-V4's `ffn` and its shared experts' `w1`-`w3`, Granite's `input_linear`,
+  `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
+  MiniMax-M3's shared expert's `gate_proj` and `up_proj`). Step-3.5/3.7's Hub layout (its
+  experts as the decoder layer's `moe.*`) is not read: load it with transformers. Only the layer's values are read
+  (any Mapping, a lazy one too). A ValueError names keys under the block's modules that are not
+  read (quantization scales, say), an index outside the config's layers, and why a layer has no
+  MoE block (a dense layer)."""
   config = _text_config(config)
   fam = family(config)
+  _check_layer(config, layer)
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   prefixes = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
-  # The block's modules (experts., gate., shared_expert., ...): a key under one of them that the
-  # converters do not read (a checkpoint's per-expert or quantized layout) is refused, not dropped.
+  prefixes += [p.replace(".mlp.", hub) for p in prefixes if p.endswith(".mlp.")
+               for hub in _HUB_MODULES]
+  # The block's modules (experts., gate., shared_expert., ...): a key under one of them that is
+  # not read (a quantized checkpoint's scales) is refused, not dropped.
   modules = tuple({k.split(".")[0] + "." for k in want})
+  names = list(state_dict.keys())
   for prefix in prefixes:
-    mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    out = {k: v for k, v in mine.items() if k in want}
+    mine = [k[len(prefix):] for k in names if k.startswith(prefix)]
+    get = lambda k, prefix=prefix: state_dict[prefix + k]
+    out = {k: get(k) for k in mine if k in want}
+    hub, used = _from_hub(mine, get, fam, want)
+    out.update(hub)
     if out:
-      unread = sorted(k for k in mine if k not in want and k.startswith(modules))
+      unread = sorted(k for k in mine if k not in want and k not in used
+                      and k.startswith(modules))
       if unread:
         raise ValueError(
-            f"{fam.model_type} block under {prefix!r}: keys the converters do not read "
-            f"{unread[:6]}{' ...' if len(unread) > 6 else ''} (they read {sorted(out)}): "
-            f"experts stored one by one or quantized (a Hub checkpoint's layout) are fused and "
-            f"dequantized by loading the model with transformers, then taking its state_dict()")
+            f"{fam.model_type} block under {prefix!r}: keys not read {unread[:6]}"
+            f"{' ...' if len(unread) > 6 else ''} (read: {sorted(out)}): a quantized "
+            f"checkpoint's are dequantized by loading the model with transformers, then taking "
+            f"its state_dict()")
       return out
+  dense = _dense_reason(config, fam, layer)
   raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, prefixes))} in "
-                   f"the state dict (a dense decoder layer has none)")
+                   f"the state dict" + (f": decoder layer {layer} is a dense one ({dense})"
+                                        if dense else ""))
 
 
 # --- the nnx layer -------------------------------------------------------------------------------
@@ -1295,7 +1401,9 @@ def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = 
               layer: int | None = None, rngs=None, **overrides):
   """A `sonic_jax.layers.MoE` for the family's block (`layer_kwargs`), with the block's weights
   loaded when `state_dict` is given. overrides: further `MoE` arguments (param_dtype, dtype,
-  backend, load_balance_coef, ...): the auxiliary losses' coefficients are the layer's defaults,
+  backend, load_balance_coef, ...); the parameters are the layer's `param_dtype` (float32 by
+  default) whatever the state dict's dtype: pass param_dtype=jnp.bfloat16 to keep a bfloat16
+  checkpoint's memory; the auxiliary losses' coefficients are the layer's defaults,
   not the config's (router_aux_loss_coef and the like, whose loss formulas differ by family), so
   a fine-tuning run passes its own. rngs: default `nnx.Rngs(0)` (the initial values are
   overwritten when a state dict is given)."""

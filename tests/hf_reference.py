@@ -18,6 +18,7 @@ backpropagates a random output cotangent with torch autograd. The .npz holds:
   config_json        the config, `config.to_json_string(use_diff=False)`
   model_type         the config's model_type
   param/<key>        the block's state dict, keys exactly as `block.state_dict()`
+  hub/<key>          the same block as decoder layer 0 of a Hub checkpoint (`hub_checkpoint`)
   input, cotangent   x (B, S, d) and dL/dy
   output             y (B, S, d)
   grad_input         dL/dx
@@ -377,6 +378,34 @@ def _randomize(block, rng, d, e_count, router, size):
       t.copy_(_representable(values, size))
 
 
+# Where a decoder layer's block sits in the whole model, where not under "mlp" (the block's keys as
+# `make_block`'s state dict gives them: Granite's and Gemma 4's are the decoder layer's).
+_LAYER_PREFIX = {"granitemoeshared": "model.layers.0.", "granitemoe_swa": "model.layers.0.",
+                 "granitemoehybrid": "model.layers.0.", "gemma4_text": "model.layers.0.",
+                 "granitemoe": "model.layers.0.block_sparse_moe.",
+                 "lfm2_moe": "model.layers.0.feed_forward.",
+                 "llama4_text": "model.layers.0.feed_forward.",
+                 "jamba": "model.layers.0.feed_forward.", "dbrx": "transformer.blocks.0.ffn."}
+
+
+def hub_checkpoint(case: Case, config, block) -> dict[str, np.ndarray]:
+  """Decoder layer 0's block as a Hub checkpoint holds it, whole-model keys: transformers' own
+  conversion for saving (`revert_weight_conversion`, what save_pretrained applies) of the
+  block's state dict, with the conversions of its model type (else of its model's module)."""
+  import torch
+  from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+  from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+  prefix = _LAYER_PREFIX.get(case.model_type, "model.layers.0.mlp.")
+  state = {prefix + k: v for k, v in block.state_dict().items()}
+  conversions = (get_checkpoint_conversion_mapping(case.model_type)
+                 or get_checkpoint_conversion_mapping(case.module) or [])
+  model = torch.nn.Module()  # stands for the model: its conversions, config and parameters
+  model.config = config
+  model.get_parameter = state.__getitem__
+  model._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)] or None
+  return {k: v.detach().numpy().copy() for k, v in revert_weight_conversion(model, state).items()}
+
+
 def run_case(name: str, seed: int = 0, size: str = "cpu") -> dict[str, np.ndarray]:
   """The reference arrays of one case (see the module docstring)."""
   import torch
@@ -417,6 +446,7 @@ def run_case(name: str, seed: int = 0, size: str = "cpu") -> dict[str, np.ndarra
          "input": x.detach().numpy(), "cotangent": cot.numpy(), "output": y.detach().numpy(),
          "grad_input": x.grad.numpy()}
   out.update({f"param/{key}": v for key, v in state.items()})
+  out.update({f"hub/{key}": v for key, v in hub_checkpoint(case, config, block).items()})
   for key, p in block.named_parameters():
     if p.grad is not None:
       out[f"grad/{key}"] = p.grad.numpy()

@@ -688,10 +688,87 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
   # Keys under the block's modules that the converters do not read: refused, not dropped.
   model = {f"model.layers.0.{k}": v for k, v in state.items()}
   for extra in ("experts.0.w1.weight", "experts.down_proj_scale_inv"):
-    with pytest.raises(ValueError, match=rf"do not read \['{extra}'\].*with transformers"):
+    with pytest.raises(ValueError, match=rf"keys not read \['{extra}'\].*with transformers"):
       hf.block_state_dict({**model, f"model.layers.0.{extra}": np.zeros(3)}, config, 0)
   with pytest.raises(ValueError, match="'model.layers.1.' or 'model.language_model.layers.1.'"):
     hf.block_state_dict(model, config, 1)
+
+
+# transformers' Hub layout of each case's block (`hf_reference.hub_checkpoint`) where it differs
+# from the in-memory one, by the keys that show it.
+_HUB_LAYOUTS = {"mixtral": "block_sparse_moe.experts.0.w1.weight",
+                "qwen2_moe": "mlp.experts.0.gate_proj.weight",
+                "deepseek_v3": "mlp.experts.0.gate_proj.weight",
+                "glm4v_moe_text": "mlp.experts.0.gate_proj.weight",
+                "lfm2_moe": "feed_forward.experts.0.w1.weight",
+                "deepseek_v4": "ffn.shared_experts.w1.weight",
+                "granitemoeshared": "block_sparse_moe.router.layer.weight",
+                "aria_text": "mlp.experts.fc1.weight"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hub_checkpoint_loads_as_the_in_memory_block(references, case):
+  """A whole Hub checkpoint's tensors (transformers' conversion for save_pretrained of the
+  block as decoder layer 0) give the block's in-memory state dict exactly."""
+  if case == "step3p5":
+    pytest.skip("Step-3.5/3.7's Hub layout is not read (hf.block_state_dict's docstring)")
+  r = references.get(case)
+  # The reference puts the block under model.layers.0; the family's own models may hold their
+  # text model elsewhere (a multimodal model's, Qwen3-Omni's thinker or talker).
+  prefix = hf.family(_config(r)).prefix
+  root = prefix[:prefix.index("layers.{layer}.")] + "layers.0." if "layers.{layer}." in (
+      prefix) else "model.layers.0."
+  hub = {root + k[len("hub/model.layers.0."):] if k.startswith("hub/model.layers.0.") else
+         k[len("hub/"):]: v for k, v in r.items() if k.startswith("hub/")}
+  if case in _HUB_LAYOUTS:
+    assert any(k.endswith(_HUB_LAYOUTS[case]) for k in hub), sorted(hub)
+  block = hf.block_state_dict(hub, _config(r), 0)
+  state = _state(r)
+  assert sorted(block) == sorted(state)
+  for k, v in state.items():
+    np.testing.assert_array_equal(block[k], v, err_msg=k)
+
+
+def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
+  config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral", num_hidden_layers=2)
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
+  e, two_n, _ = state["experts.gate_up_proj"].shape
+  per_expert = {"gate.weight": state["gate.weight"]}
+  for i in range(e):  # Mixtral's Hub layout: w1 gate, w3 up, w2 down
+    gate, up = np.split(state["experts.gate_up_proj"][i], 2)
+    per_expert |= {f"experts.{i}.w1.weight": gate, f"experts.{i}.w3.weight": up,
+                   f"experts.{i}.w2.weight": state["experts.down_proj"][i]}
+  model = {f"model.layers.{j}.block_sparse_moe.{k}": v for j in range(2)
+           for k, v in per_expert.items()}
+  model["model.layers.1.self_attn.q_proj.weight"] = np.zeros(3)
+
+  class Lazy(dict):  # a lazily read checkpoint: records what is read
+    read = set()
+
+    def __getitem__(self, key):
+      self.read.add(key)
+      return super().__getitem__(key)
+
+  lazy = Lazy(model)
+  block = hf.block_state_dict(lazy, config, 1)
+  assert all(np.array_equal(block[k], state[k]) for k in state) and set(block) == set(state)
+  assert lazy.read == {k for k in model if k.startswith("model.layers.1.block_sparse_moe.")}
+  del model["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+  with pytest.raises(ValueError, match=r"one by one lack \['experts.2.w3.weight'\]"):
+    hf.block_state_dict(model, config, 0)
+  for bad in (-1, 2, True, 1.0):
+    with pytest.raises(ValueError, match=r"layer must be a decoder layer's index in \[0, 2\)"):
+      hf.block_state_dict(model, config, bad)
+  # A dense layer: the reason, as layer_kwargs gives it.
+  v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3", num_hidden_layers=4,
+            first_k_dense_replace=1, num_nextn_predict_layers=1)
+  with pytest.raises(ValueError, match=r"layer 0 is a dense one \(first_k_dense_replace=1\)"):
+    hf.block_state_dict({"model.layers.0.mlp.gate_proj.weight": np.zeros(3)}, v3, 0)
+  with pytest.raises(ValueError, match=r"\[0, 5\) \(the last 1: multi-token-prediction"):
+    hf.layer_kwargs(v3, layer=5)
+  qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", num_experts=0)
+  with pytest.raises(ValueError, match=r"dense one \(num_experts=0\)"):
+    hf.layer_kwargs(qwen, layer=0)
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------
