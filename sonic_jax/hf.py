@@ -1301,10 +1301,10 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   DeepSeek-V4's `ffn` and its shared experts' `w1`-`w3`, Granite's `input_linear`,
   `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
   MiniMax-M3's shared expert's `gate_proj` and `up_proj`). Step-3.5/3.7's Hub layout (its
-  experts as the decoder layer's `moe.*`) is not read: load it with transformers. Only the layer's values are read
-  (any Mapping, a lazy one too). A ValueError names keys under the block's modules that are not
-  read (quantization scales, say), an index outside the config's layers, and why a layer has no
-  MoE block (a dense layer)."""
+  experts as the decoder layer's `moe.*`) is not read: load it with transformers. Only the
+  layer's values are read (any Mapping, a lazy one too). A ValueError names keys under the
+  block's modules that are not read (quantization scales, say), an index outside the config's
+  layers, and why a layer has no MoE block (a dense layer)."""
   config = _text_config(config)
   fam = family(config)
   _check_layer(config, layer)
