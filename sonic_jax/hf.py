@@ -170,6 +170,7 @@ the SiLU (refused: see above), dots3's vision-tower MoE (not mapped).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import numbers
 from typing import Any, Callable, Mapping
 
@@ -810,9 +811,13 @@ def family(config: Mapping[str, Any] | str) -> Family:
     inner = [] if isinstance(config, str) else [
         f"config[{k!r}]['text_config']" for k, v in config.items()
         if isinstance(v, Mapping) and isinstance(v.get("text_config"), Mapping)]
-    hint = f"; pass its language model's config, {' or '.join(inner)}"
-    raise ValueError(f"model_type {model_type!r} is not a supported MoE family"
-                     f"{hint if inner else ''}; supported: {sorted(FAMILIES)}")
+    hint = f"; pass its language model's config, {' or '.join(inner)}" if inner else ""
+    near = difflib.get_close_matches(str(model_type), FAMILIES, n=3)
+    hint += f"; did you mean {' or '.join(map(repr, near))}?" if near else ""
+    raise ValueError(f"model_type {model_type!r} is not a supported MoE family{hint} (for a "
+                     f"family whose router this module does not map, run its router and "
+                     f"sonic_jax.routed_experts: this module's docstring, \"Not in scope\"); "
+                     f"supported: {sorted(FAMILIES)}")
   return FAMILIES[model_type]
 
 

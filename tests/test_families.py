@@ -557,8 +557,10 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_params_from_hf(config, {k: v for k, v in state.items() if k != "gate.weight"})
   with pytest.raises(ValueError, match="unexpected keys.*experts.bias"):
     hf.layer_params_from_hf(config, {**state, "experts.bias": np.zeros(4)})
-  with pytest.raises(ValueError, match="not a supported MoE family"):
+  with pytest.raises(ValueError, match="not a supported MoE family .*routed_experts"):
     hf.layer_kwargs({"model_type": "phimoe"})
+  with pytest.raises(ValueError, match="did you mean 'deepseek_v3'"):
+    hf.layer_kwargs({"model_type": "deepseekv3"})
   assert hf.family("llama4").model_type == "llama4_text"  # a multimodal model's model_type
   with pytest.raises(ValueError, match="enable_moe_block=False"):  # a dense Gemma 4
     hf.layer_kwargs({"model_type": "gemma4", "text_config": {
