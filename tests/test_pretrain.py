@@ -78,6 +78,12 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert "holds step 80 of another model or tokenizer (model.d_model: 128 -> 64)" in proc.stderr
   assert json.loads((tmp_path / "config.json").read_text()) == config
+  # Nothing left to train: said, and the saved configuration kept (it is the checkpoint's).
+  proc = subprocess.run(cmd + ["--eval_every=20"], capture_output=True, text=True, timeout=600,
+                        env=ENV)
+  assert proc.returncode == 0 and "nothing to train: the run is at step 80" in proc.stdout, (
+      proc.stderr[-2000:])
+  assert json.loads((tmp_path / "config.json").read_text()) == config
 
 
 # Runs train.py's main on each argv but the last as absl's app.run would (flags parsed, then main;
@@ -114,6 +120,11 @@ def test_flags_refused_by_name(tmp_path):
            (["--memcpy_p2p", "--distributed"], "not with --distributed"),
            (["--backend=mosaic_gpu"], "--backend=mosaic_gpu needs an sm90 (Hopper) GPU"),
            (["--log_every=0"], "--log_every must be >= 1, got 0"),
+           (["--eval_batches=0"], "--eval_batches must be >= 1, got 0"),
+           (["--clip_norm=-1"], "--clip_norm must be >= 0 (0: no clipping), got -1.0"),
+           (["--peak_tflops=-1"], "--peak_tflops must be > 0, got -1.0"),
+           (["--num_layers=0"], "--num_layers must be >= 1, got 0"),
+           (["--tokenizer=bpe", "--vocab_size=100"], "--vocab_size (100) must be > 256"),
            (["--profile_step=2"], "--profile_step (2) must be in [0, --steps = 1]"),
            (["--attention=cudnn"], "--attention=cudnn needs an NVIDIA GPU")]
   common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--warmup=0",

@@ -44,6 +44,8 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
   """(model, step, tokenizer, context): the model of a checkpoint, its parameters restored, the
   optimizer left out, the tokenizer it was trained with and its training sequence length."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  if not os.path.isdir(os.path.join(workdir, "ckpt")):  # the manager would create it
+    raise app.UsageError(f"no checkpoint in {workdir}/ckpt (no such directory)")
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "ckpt")),
                                item_names=("model", "optimizer", "config"))
   if step is None:

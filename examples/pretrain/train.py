@@ -82,7 +82,7 @@ flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
 flags.DEFINE_integer("warmup", None, "linear warm-up steps from lr / (warmup + 1) to lr, then "
                      "cosine decay to 10%")
 flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay")
-flags.DEFINE_float("clip_norm", 1.0, "global gradient-norm clipping")
+flags.DEFINE_float("clip_norm", 1.0, "clip the gradient to this global norm (0: no clipping)")
 flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations")
 flags.DEFINE_integer("log_every", None, "steps between metrics rows (default: --eval_every)")
 flags.DEFINE_integer("checkpoint_every", None, "steps between checkpoints (default: --eval_every); "
@@ -185,6 +185,9 @@ def settings():
     s["vocab_size"] = 256
   elif "vocab_size" not in s:
     raise app.UsageError("--tokenizer=bpe needs --vocab_size (its target vocabulary)")
+  elif s["vocab_size"] < 257:
+    raise app.UsageError(f"--vocab_size ({s['vocab_size']}) must be > 256 with --tokenizer=bpe: "
+                         f"its vocabulary holds the 256 bytes and its merges")
   s["corpus_dir"] = FLAGS.corpus_dir
   s["log_every"] = s["eval_every"] if FLAGS.log_every is None else FLAGS.log_every
   s["checkpoint_every"] = (s["eval_every"] if FLAGS.checkpoint_every is None
@@ -209,6 +212,9 @@ def make_mesh():
   """(data, ep) mesh over all devices for --expert_parallel, else None."""
   p = FLAGS.expert_parallel
   if not p:
+    if jax.device_count() > 1:
+      say(f"{jax.device_count()} devices visible, training on one: --expert_parallel=P spreads "
+          f"the run over all of them (1: data parallelism alone)")
     return None
   n = jax.device_count()
   if p < 0 or n % p:
@@ -458,6 +464,15 @@ def run():
   for k, low in (("eval_every", 1), ("log_every", 1), ("checkpoint_every", 0)):
     if s[k] < low:
       raise app.UsageError(f"--{k} must be >= {low}, got {s[k]}")
+  if FLAGS.eval_batches < 1:
+    raise app.UsageError(f"--eval_batches must be >= 1, got {FLAGS.eval_batches}")
+  if not 0 <= FLAGS.clip_norm < math.inf:
+    raise app.UsageError(f"--clip_norm must be >= 0 (0: no clipping), got {FLAGS.clip_norm}")
+  if FLAGS.peak_tflops is not None and not 0 < FLAGS.peak_tflops < math.inf:
+    raise app.UsageError(f"--peak_tflops must be > 0, got {FLAGS.peak_tflops}")
+  for k in ("d_model", "num_layers", "num_heads", "num_experts", "expert_dim", "top_k"):
+    if getattr(s["model"], k) < 1:
+      raise app.UsageError(f"--{k} must be >= 1, got {getattr(s['model'], k)}")
   if not 0 <= FLAGS.profile_step <= s["steps"]:
     raise app.UsageError(f"--profile_step ({FLAGS.profile_step}) must be in [0, --steps = "
                          f"{s['steps']}] (0: no profile)")
@@ -539,7 +554,8 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
   schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
                                                 s["steps"], end_value=0.1 * s["lr"])
-  tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm),
+  tx = optax.chain(optax.clip_by_global_norm(FLAGS.clip_norm) if FLAGS.clip_norm else
+                   optax.identity(),
                    optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=FLAGS.weight_decay))
 
   def create():
@@ -558,7 +574,7 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
     put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])
     jax.set_mesh(mesh)  # as a global setting: every jit below sees the mesh
     placed = ["experts over ep"] if mesh.shape["ep"] > 1 else []
-    placed += ["parameters over data (FSDP)"] if FLAGS.fsdp else []
+    placed += ["expert tensors over data, the others over (data, ep) (FSDP)"] if FLAGS.fsdp else []
     say(f"mesh {dict(mesh.shape)}: {', '.join(placed + ['batch over (data, ep)'])}")
 
   if start:
@@ -571,16 +587,24 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           f"--workdir={FLAGS.workdir} holds step {start} of a run whose state does not fit this "
           f"one (settings changed: {'; '.join(changed) or 'none'}): pass a new --workdir, or the "
           f"run's own settings ({e})") from e
+    except KeyError as e:  # a checkpoint saved without an item (its optimizer state, say)
+      raise app.UsageError(
+          f"--workdir={FLAGS.workdir}: the checkpoint of step {start} lacks {e} (sample.py reads "
+          f"a model alone; training resumes from a checkpoint train.py wrote)") from e
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
     say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
-                                        if changed else ""))
+                                        if changed else "")
+        + (" (the learning-rate schedule is the new --steps', from this step on)"
+           if any(c.startswith("steps:") for c in changed) else ""))
     if start >= s["steps"]:
       say(f"nothing to train: the run is at step {start} and --steps={s['steps']} (raise --steps "
           f"to continue it)")
     if 0 < FLAGS.profile_step <= start:
       say(f"--profile_step={FLAGS.profile_step} is at or before the resumed step: no profile")
-  if lead:  # after a resume's check: a refused run leaves the saved config and tokenizer alone
+  # After a resume's check: a refused run, or one with nothing to train, leaves the saved
+  # config and tokenizer alone.
+  if lead and start < s["steps"]:
     with open(os.path.join(FLAGS.workdir, "config.json"), "w") as f:
       json.dump(config, f, indent=1)
     if tok.kind == "bpe":
@@ -621,6 +645,7 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
       else:
         window_steps += 1
     done = step + 1
+    latest = window[-1]  # the last step's outputs, checked before a checkpoint
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
       bar = "#" * int(30 * done / s["steps"])
       say(f"\r[{bar:<30}] {done}/{s['steps']}", end="")
@@ -676,6 +701,10 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
+      loss = float(jax.device_get(latest["ce"]))
+      if not math.isfinite(loss):  # the checkpoints kept stay those of finite weights
+        sys.exit(f"train.py: the training loss is {loss} at step {done}: stopped without a "
+                 f"checkpoint (lower --lr, or keep --clip_norm > 0)")
       t_save = time.perf_counter()
       save(done)
       window_t0 += time.perf_counter() - t_save  # the rates count training, not checkpointing
