@@ -11,9 +11,9 @@ The table written is in the packaged format ({"device", "jax", "date", "command"
 (`moe_bench --tuning=path` times the layer with it), or copy it over
 sonic_jax/mosaic_gpu/tuned_configs.json to ship it. It holds this run's entries and the packaged
 table's (or --base's) for the problems this run does not measure; --nomerge: this run's only.
-Each entry says where it came from: this run's its "date" and "command", beside its time ("ms")
-and the starting configuration's; the packaged table's older ones the "date" and "commit" that
-last changed them.
+Each entry records where it came from. One this run measured has its time ("ms", and the
+starting configuration's "start_ms"), "date" and "command"; the packaged table's older entries
+have the "date" and "commit" that last changed them.
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, weight_grad on the
 varlen-K kernel), through the backend's own entry points, a coordinate search from the defaults

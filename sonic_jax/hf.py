@@ -850,6 +850,9 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
     raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
                      f"({dense}): it has no MoE block")
   kw = fam.kwargs(config, layer)
+  if kw["num_experts"] == 0:  # where _dense_layer has no layer to say it of
+    raise ValueError(f"this {fam.model_type} config has num_experts=0: its decoder layers are "
+                     f"dense ones, without an MoE block")
   if kw.pop("selection_bias", False):
     if not bias_update_rate > 0:
       raise ValueError(f"{fam.model_type} has a selection bias: bias_update_rate must be > 0")
@@ -1245,10 +1248,11 @@ _HUB_RENAMES = (
 _HUB_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
-def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family,
-              want: set[str]) -> tuple[dict[str, Any], set[str]]:
+def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set[str],
+              num_experts: int | None) -> tuple[dict[str, Any], set[str]]:
   """The in-memory entries that a Hub checkpoint's block keys `keys` (relative to the block)
-  stand for, and the keys they were made from; get(key) reads a value."""
+  stand for, and the keys they were made from; get(key) reads a value. num_experts: the config's
+  E for the layer, which experts stored one by one must number (None: not checked)."""
   out, used = {}, set()
   present = set(keys)
   module = fam.experts_prefix[:-len("experts.")] if fam.experts_prefix.endswith(
@@ -1276,11 +1280,17 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family,
     if not any(per.values()):
       continue
     count = max(max(found, default=-1) for found in per.values()) + 1
+    if num_experts is not None and count < num_experts:
+      count = num_experts  # the missing ones named below: a shard of the checkpoint left out?
+    elif num_experts is not None and count > num_experts:
+      raise ValueError(f"{fam.model_type} block: experts stored one by one number {count}, the "
+                       f"config's E is {num_experts}")
     missing = sorted(f"{p}{e}.{name}.weight" for name in names for e in range(count)
                      if e not in per[name])
     if missing:
       raise ValueError(f"{fam.model_type} block: experts stored one by one lack "
-                       f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+                       f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (a checkpoint in "
+                       f"several files: read them all)")
     gate, up, down = ([np.asarray(get(per[name][e])) for e in range(count)] for name in names)
     out[fused[0]] = np.stack([np.concatenate([g, u], axis=0) for g, u in zip(gate, up)])
     out[fused[1]] = np.stack(down)
@@ -1298,8 +1308,9 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   where the layer has one.
 
   The state dict is transformers' in-memory one (a model's `state_dict()`) or a Hub checkpoint's
-  (what `save_pretrained` writes, e.g. a safetensors file's tensors as NumPy arrays), which this
-  converts as transformers does when it loads one: experts stored one by one
+  (what `save_pretrained` writes: its files' tensors, e.g. by `safetensors.flax.load_file`, which
+  reads bfloat16, where safetensors.numpy does not), which this converts as transformers does
+  when it loads one: experts stored one by one
   (`experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`, or Mixtral's `w1`, `w3`, `w2`) are
   stacked into the fused tensors, and the modules and tensors some families name otherwise are
   read under their in-memory names (Mixtral's, MiniMax's and Kimi-Linear's `block_sparse_moe`,
@@ -1312,7 +1323,13 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   layers, and why a layer has no MoE block (a dense layer)."""
   config = _text_config(config)
   fam = family(config)
+  if layer is None:
+    raise ValueError("layer must be a decoder layer's index, got None")
   _check_layer(config, layer)
+  try:
+    num_experts = int(layer_kwargs(config, layer=layer)["num_experts"])
+  except ValueError:  # a dense layer: said below, where no block is found
+    num_experts = None
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   prefixes = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
@@ -1326,7 +1343,7 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
     mine = [k[len(prefix):] for k in names if k.startswith(prefix)]
     get = lambda k, prefix=prefix: state_dict[prefix + k]
     out = {k: get(k) for k in mine if k in want}
-    hub, used = _from_hub(mine, get, fam, want)
+    hub, used = _from_hub(mine, get, fam, want, num_experts)
     out.update(hub)
     if out:
       unread = sorted(k for k in mine if k not in want and k not in used
@@ -1335,13 +1352,14 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
         raise ValueError(
             f"{fam.model_type} block under {prefix!r}: keys not read {unread[:6]}"
             f"{' ...' if len(unread) > 6 else ''} (read: {sorted(out)}): a quantized "
-            f"checkpoint's are dequantized by loading the model with transformers, then taking "
-            f"its state_dict()")
+            f"checkpoint (its scales) is dequantized by loading the model with transformers, "
+            f"then taking its state_dict()")
       return out
   dense = _dense_reason(config, fam, layer)
-  raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, prefixes))} in "
-                   f"the state dict" + (f": decoder layer {layer} is a dense one ({dense})"
-                                        if dense else ""))
+  own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
+  raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, own))} (or a Hub "
+                   f"checkpoint's name for it) in the state dict"
+                   + (f": decoder layer {layer} is a dense one ({dense})" if dense else ""))
 
 
 # --- the nnx layer -------------------------------------------------------------------------------

@@ -771,6 +771,14 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", num_experts=0)
   with pytest.raises(ValueError, match=r"dense one \(num_experts=0\)"):
     hf.layer_kwargs(qwen, layer=0)
+  with pytest.raises(ValueError, match=r"num_experts=0: its decoder layers are dense"):
+    hf.layer_kwargs(qwen)
+  with pytest.raises(ValueError, match="layer must be a decoder layer's index, got None"):
+    hf.block_state_dict(model, config, None)
+  # Experts stored one by one number the config's E: a file of the checkpoint left out is named.
+  few = {k: v for k, v in model.items() if ".experts.3." not in k}
+  with pytest.raises(ValueError, match=r"lack \['experts.3.w1.weight'.*several files"):
+    hf.block_state_dict(few, config, 1)
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------

@@ -196,7 +196,8 @@ def test_sharded_training_tracks_one_device(tmp_path):
       # processes, reports its connections from its own threads).
       assert not any(s in results[1][0] for s in ("corpus", "mesh {", "step 6:")), results[1][0]
   assert "mesh {'data': 2, 'ep': 2}" in outs["ep_fsdp"]
-  assert "mesh {'data': 4, 'ep': 1}: parameters over data (FSDP), batch" in outs["ragged_dot"]
+  assert ("mesh {'data': 4, 'ep': 1}: expert tensors over data, the others over (data, ep) "
+          "(FSDP), batch") in outs["ragged_dot"]
   assert not os.path.exists(tmp_path / "one" / "ckpt")  # --checkpoint_every=0 makes none
   for name in ("ep_fsdp", "ragged_dot"):
     for a, b in zip(losses["one"], losses[name]):

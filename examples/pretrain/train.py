@@ -130,8 +130,8 @@ flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state by their 
                   "too: expert tensors over data, the rest over (data, ep) (needs "
                   "--expert_parallel >= 1)")
 flags.DEFINE_bool("memcpy_p2p", False, "move collectives between this process's GPUs with their "
-                  "copy engines (XLA's --xla_gpu_use_memcpy_local_p2p) instead of NCCL kernels; "
-                  "one process driving several GPUs only")
+                  "copy engines (XLA's --xla_gpu_use_memcpy_local_p2p) instead of NCCL kernels: "
+                  "for --expert_parallel=2 in one process (slower at 4: docs/design.md)")
 flags.DEFINE_bool("distributed", False, "one process of a multi-process run (several hosts, or one "
                   "process per GPU): calls jax.distributed.initialize(), which finds the "
                   "coordinator, the process count and this process's index on SLURM, Open MPI and "
@@ -589,14 +589,14 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           f"run's own settings ({e})") from e
     except KeyError as e:  # a checkpoint saved without an item (its optimizer state, say)
       raise app.UsageError(
-          f"--workdir={FLAGS.workdir}: the checkpoint of step {start} lacks {e} (sample.py reads "
-          f"a model alone; training resumes from a checkpoint train.py wrote)") from e
+          f"--workdir={FLAGS.workdir}: the checkpoint of step {start} has no {e} item to resume "
+          f"training from (train.py writes the model's and the optimizer's)") from e
     nnx.update(model, restored["model"])
     nnx.update(optimizer, restored["optimizer"])
     say(f"resumed from step {start}" + (f" with changed settings: {'; '.join(changed)}"
                                         if changed else "")
-        + (" (the learning-rate schedule is the new --steps', from this step on)"
-           if any(c.startswith("steps:") for c in changed) else ""))
+        + ("; the learning-rate schedule follows the new --steps from here"
+           if start < s["steps"] and any(c.startswith("steps:") for c in changed) else ""))
     if start >= s["steps"]:
       say(f"nothing to train: the run is at step {start} and --steps={s['steps']} (raise --steps "
           f"to continue it)")
@@ -701,10 +701,12 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           f"expert load max/mean {load.max():.2f}")
       window, window_t0, window_steps, window_bytes = [], time.perf_counter(), 0, []
     if s["checkpoint_every"] and (done % s["checkpoint_every"] == 0 or last):
-      loss = float(jax.device_get(latest["ce"]))
-      if not math.isfinite(loss):  # the checkpoints kept stay those of finite weights
-        sys.exit(f"train.py: the training loss is {loss} at step {done}: stopped without a "
-                 f"checkpoint (lower --lr, or keep --clip_norm > 0)")
+      # The checkpoints kept stay those of finite weights: the step's loss is of the weights
+      # before its update, its gradient's norm says whether the update was finite.
+      loss, norm = map(float, jax.device_get((latest["ce"], latest["grad_norm"])))
+      if not (math.isfinite(loss) and math.isfinite(norm)):
+        sys.exit(f"train.py: at step {done} the training loss is {loss} and the gradient's norm "
+                 f"{norm}: stopped without a checkpoint (lower --lr, or keep --clip_norm > 0)")
       t_save = time.perf_counter()
       save(done)
       window_t0 += time.perf_counter() - t_save  # the rates count training, not checkpointing
