@@ -301,7 +301,8 @@ METRICS = ["step", "train_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s",
 
 
 class StopRequest:
-  """Set by SIGTERM or SIGINT: the loop checkpoints the step it has finished and exits."""
+  """Set by SIGTERM or SIGINT: the loop checkpoints the step it has finished and exits. A second
+  signal stops the process at once, as it would without this (no checkpoint)."""
 
   def __init__(self):
     self.signal = None
@@ -310,6 +311,9 @@ class StopRequest:
 
   def _handle(self, signum, frame):
     del frame
+    if self.signal is not None:
+      signal.signal(signum, signal.SIG_DFL)
+      signal.raise_signal(signum)
     self.signal = signal.Signals(signum).name
 
 
@@ -616,6 +620,9 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
         optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
         config=ocp.args.JsonSave(config)))
 
+  if not start and os.path.exists(os.path.join(FLAGS.workdir, "metrics.csv")):
+    say(f"no checkpoint in {FLAGS.workdir}: starting at step 0, the earlier run's metrics.csv and "
+        f"tb/ replaced")
   log, writer = open_metrics(os.path.join(FLAGS.workdir, "metrics.csv"), start) if lead else (
       None, None)
   tb = tensorboard(FLAGS.workdir, start) if lead else None
