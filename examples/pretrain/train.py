@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
 import step_profile  # noqa: E402
-from model import (ATTENTIONS, MOE_IMPLS, REMATS, TransformerLM,  # noqa: E402
+from model import (ATTENTIONS, MOE_IMPLS, REMATS, TransformerLM, active_params,  # noqa: E402
                    check_device, model_flops_per_token, moe_flops_per_token)
 from presets import CONFIGS  # noqa: E402
 from sharding import bytes_per_device, create_sharded  # noqa: E402
@@ -554,7 +554,11 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
     raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
                          f"{len(heldout)} held-out ones: raise --corpus_bytes")
-  say(f"{jax.devices()[0].device_kind}; {attention} attention; {cfg}")
+  say(f"{jax.devices()[0].device_kind}; {attention} attention; model d={cfg.d_model}, "
+      f"{cfg.num_layers} layers, {cfg.num_heads} heads, E={cfg.num_experts} experts of "
+      f"n={cfg.expert_dim}, K={cfg.top_k}, vocabulary {cfg.vocab_size}, "
+      f"{active_params(cfg) / 1e6:.1f}M active parameters ({FLAGS.workdir}/config.json has every "
+      f"setting); {s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens, lr {s['lr']:g}")
   # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
   schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
                                                 s["steps"], end_value=0.1 * s["lr"])
