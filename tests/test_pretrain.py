@@ -121,6 +121,7 @@ def test_flags_refused_by_name(tmp_path):
            (["--backend=mosaic_gpu"], "--backend=mosaic_gpu needs an sm90 (Hopper) GPU"),
            (["--log_every=0"], "--log_every must be >= 1, got 0"),
            (["--eval_batches=0"], "--eval_batches must be >= 1, got 0"),
+           (["--expert_parallel_scheme=all_gather"], "needs --expert_parallel=P"),
            (["--clip_norm=-1"], "--clip_norm must be >= 0 (0: no clipping), got -1.0"),
            (["--peak_tflops=-1"], "--peak_tflops must be > 0, got -1.0"),
            (["--num_layers=0"], "--num_layers must be >= 1, got 0"),

@@ -201,6 +201,9 @@ def settings():
     overrides["capacity_factor"] = FLAGS.capacity_factor
   if FLAGS.expert_parallel:
     overrides.update(expert_parallel_axis="ep", expert_parallel_scheme=FLAGS.expert_parallel_scheme)
+  elif FLAGS.expert_parallel_scheme != "auto":
+    raise app.UsageError(f"--expert_parallel_scheme={FLAGS.expert_parallel_scheme} needs "
+                         f"--expert_parallel=P")
   s["model"] = dataclasses.replace(s["model"], **overrides)
   if s["model"].moe_impl != "sonic_jax" and FLAGS.expert_parallel > 1:
     raise app.UsageError(f"--moe_impl={s['model'].moe_impl} has no expert parallelism: "
