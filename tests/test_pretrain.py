@@ -311,8 +311,9 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "BPE: 512 tokens, trained in" in proc.stdout
-  assert "remat='dots'" in proc.stdout and "scan_layers=True" in proc.stdout
-  assert "token_rounding='nearest'" in proc.stdout
+  model = json.loads((tmp_path / "config.json").read_text())["model"]
+  assert (model["remat"], model["scan_layers"], model["token_rounding"]) == ("dots", True,
+                                                                             "nearest")
   with open(tmp_path / "metrics.csv") as f:
     (row,) = list(csv.DictReader(f))
   loss, per_byte = float(row["heldout_loss"]), float(row["heldout_nats_per_byte"])
