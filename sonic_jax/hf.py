@@ -1246,6 +1246,32 @@ _HUB_RENAMES = (
 # Experts stored one by one, experts.{e}.<gate>.weight (n, d), <up> (n, d), <down> (d, n): fused
 # as transformers does into gate_up_proj (E, 2n, d), gate rows first, and down_proj (E, d, n).
 _HUB_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Step-3.5/3.7's Hub layout holds the block's parts as its decoder layer's: (Hub name relative to
+# the decoder layer, in-memory name relative to the block); its experts' halves moe.gate_proj and
+# moe.up_proj (E, n, d) are concatenated into experts.gate_up_proj (E, 2n, d), gate first.
+_HUB_LAYER_NAMES = {"step3p5": (
+    ("moe.gate.weight", "gate.weight"),
+    ("moe.router_bias", "gate.e_score_correction_bias"),
+    ("moe.down_proj.weight", "experts.down_proj"),
+    ("share_expert.gate_proj.weight", "shared_experts.gate_proj.weight"),
+    ("share_expert.up_proj.weight", "shared_experts.up_proj.weight"),
+    ("share_expert.down_proj.weight", "shared_experts.down_proj.weight"))}
+_HUB_LAYER_GATE_UP = ("moe.gate_proj.weight", "moe.up_proj.weight")
+
+
+def _from_hub_layer(mine: list[str], get: Callable[[str], Any], fam: Family,
+                    want: set[str]) -> tuple[dict[str, Any], list[str]]:
+  """The in-memory block of a decoder layer's Hub keys `mine` (Step-3.5/3.7's layout), and the
+  keys under its parts' modules that it does not read."""
+  present = set(mine)
+  out = {memory: get(hub) for hub, memory in _HUB_LAYER_NAMES[fam.model_type]
+         if hub in present and memory in want}
+  if all(k in present for k in _HUB_LAYER_GATE_UP):
+    out[fam.experts_prefix + "gate_up_proj"] = np.concatenate(
+        [np.asarray(get(k)) for k in _HUB_LAYER_GATE_UP], axis=1)
+  read = {hub for hub, _ in _HUB_LAYER_NAMES[fam.model_type]} | set(_HUB_LAYER_GATE_UP)
+  modules = tuple({hub.split(".")[0] + "." for hub in read})
+  return out, sorted(k for k in mine if k.startswith(modules) and k not in read)
 
 
 def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set[str],
@@ -1316,11 +1342,10 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   read under their in-memory names (Mixtral's, MiniMax's and Kimi-Linear's `block_sparse_moe`,
   DeepSeek-V4's `ffn` and its shared experts' `w1`-`w3`, Granite's `input_linear`,
   `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
-  MiniMax-M3's shared expert's `gate_proj` and `up_proj`). Step-3.5/3.7's Hub layout (its
-  experts as the decoder layer's `moe.*`) is not read: load it with transformers. Only the
-  layer's values are read (any Mapping, a lazy one too). A ValueError names keys under the
-  block's modules that are not read (quantization scales, say), an index outside the config's
-  layers, and why a layer has no MoE block (a dense layer)."""
+  MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Step-3.5/3.7's decoder-layer `moe.*`
+  and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
+  ValueError names keys under the block's modules that are not read (quantization scales, say),
+  an index outside the config's layers, and why a layer has no MoE block (a dense layer)."""
   config = _text_config(config)
   fam = family(config)
   if layer is None:
@@ -1355,8 +1380,18 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
             f"checkpoint (its scales) is dequantized by loading the model with transformers, "
             f"then taking its state_dict()")
       return out
-  dense = _dense_reason(config, fam, layer)
   own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
+  for prefix in (p[:-len("mlp.")] for p in own
+                 if p.endswith(".mlp.") and fam.model_type in _HUB_LAYER_NAMES):
+    mine = [k[len(prefix):] for k in names if k.startswith(prefix)]
+    out, unread = _from_hub_layer(mine, lambda k, prefix=prefix: state_dict[prefix + k], fam,
+                                  want)
+    if out:
+      if unread:
+        raise ValueError(f"{fam.model_type} decoder layer under {prefix!r}: keys not read "
+                         f"{unread[:6]}{' ...' if len(unread) > 6 else ''}")
+      return out
+  dense = _dense_reason(config, fam, layer)
   raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, own))} (or a Hub "
                    f"checkpoint's name for it) in the state dict"
                    + (f": decoder layer {layer} is a dense one ({dense})" if dense else ""))

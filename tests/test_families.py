@@ -705,15 +705,14 @@ _HUB_LAYOUTS = {"mixtral": "block_sparse_moe.experts.0.w1.weight",
                 "lfm2_moe": "feed_forward.experts.0.w1.weight",
                 "deepseek_v4": "ffn.shared_experts.w1.weight",
                 "granitemoeshared": "block_sparse_moe.router.layer.weight",
-                "aria_text": "mlp.experts.fc1.weight"}
+                "aria_text": "mlp.experts.fc1.weight",
+                "step3p5": "layers.0.moe.gate_proj.weight"}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_hub_checkpoint_loads_as_the_in_memory_block(references, case):
   """A whole Hub checkpoint's tensors (transformers' conversion for save_pretrained of the
   block as decoder layer 0) give the block's in-memory state dict exactly."""
-  if case == "step3p5":
-    pytest.skip("Step-3.5/3.7's Hub layout is not read (hf.block_state_dict's docstring)")
   r = references.get(case)
   # The reference puts the block under model.layers.0; the family's own models may hold their
   # text model elsewhere (a multimodal model's, Qwen3-Omni's thinker or talker).
@@ -761,6 +760,22 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   for bad in (-1, 2, True, 1.0):
     with pytest.raises(ValueError, match=r"layer must be a decoder layer's index in \[0, 2\)"):
       hf.block_state_dict(model, config, bad)
+  # Step-3.5/3.7's Hub layout (the decoder layer's moe.* and share_expert.*): a key of its parts
+  # that is not read is refused.
+  step = dict(MINIMAL_CONFIGS["step3p7"], model_type="step3p7")
+  state = hf.hf_state_from_layer(step, hf.layer_params(_random_layer(step)), layer=3)
+  gate, up = np.split(state["experts.gate_up_proj"], 2, axis=1)
+  hub = {"moe.gate.weight": state["gate.weight"], "moe.gate_proj.weight": gate,
+         "moe.up_proj.weight": up, "moe.down_proj.weight": state["experts.down_proj"],
+         "moe.router_bias": state["gate.e_score_correction_bias"],
+         **{f"share_expert.{k}_proj.weight": state[f"shared_experts.{k}_proj.weight"]
+            for k in ("gate", "up", "down")}}
+  hub = {f"model.language_model.layers.3.{k}": v for k, v in hub.items()}
+  block = hf.block_state_dict(hub, step, 3)
+  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+  hub["model.language_model.layers.3.moe.gate_proj.weight_scale_inv"] = np.zeros(3)
+  with pytest.raises(ValueError, match=r"keys not read \['moe.gate_proj.weight_scale_inv'\]"):
+    hf.block_state_dict(hub, step, 3)
   # A dense layer: the reason, as layer_kwargs gives it.
   v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3", num_hidden_layers=4,
             first_k_dense_replace=1, num_nextn_predict_layers=1)
