@@ -172,10 +172,10 @@ def tune_role(cfg, role, fn, args, n_key, device, rows_in_use, base):
 
 def main(_):
   configs = grid.parse_configs(FLAGS.thiek, grid.PAPER_GRID)
-  base_path = FLAGS.base or tuning.PACKAGED
-  base = tuning.TuningTable.load(base_path)
-  with open(base_path) as f:  # the base entries as written, their times and provenance kept
-    base_dicts = dict(zip(map(id, base.entries), json.load(f)["entries"]))
+  with open(FLAGS.base or tuning.PACKAGED) as f:
+    base_entries = json.load(f)["entries"]
+  base = tuning.TuningTable.from_entries(base_entries)
+  base_dicts = dict(zip(map(id, base.entries), base_entries))  # written back as they are
   out = grid.run_record("autotune", entries=[], trials=[])
   out["date"] = out["date"][:10]
   provenance = {"date": out["date"], "command": out["command"]}

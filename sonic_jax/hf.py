@@ -1357,9 +1357,9 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
     num_experts = None
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
-  prefixes = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
-  prefixes += [p.replace(".mlp.", hub) for p in prefixes if p.endswith(".mlp.")
-               for hub in _HUB_MODULES]
+  own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
+  prefixes = own + [p.replace(".mlp.", hub) for p in own if p.endswith(".mlp.")
+                    for hub in _HUB_MODULES]
   # The block's modules (experts., gate., shared_expert., ...): a key under one of them that is
   # not read (a quantized checkpoint's scales) is refused, not dropped.
   modules = tuple({k.split(".")[0] + "." for k in want})
@@ -1380,7 +1380,6 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
             f"checkpoint (its scales) is dequantized by loading the model with transformers, "
             f"then taking its state_dict()")
       return out
-  own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
   for prefix in (p[:-len("mlp.")] for p in own
                  if p.endswith(".mlp.") and fam.model_type in _HUB_LAYER_NAMES):
     mine = [k[len(prefix):] for k in names if k.startswith(prefix)]

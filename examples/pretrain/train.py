@@ -487,7 +487,7 @@ def run():
     raise app.UsageError(f"--grad_accum ({FLAGS.grad_accum}) must be >= 1 and divide --batch_size "
                          f"({s['batch_size']})")
   d_model, heads = s["model"].d_model, s["model"].num_heads
-  if heads < 1 or d_model % heads or (d_model // heads) % 2:
+  if d_model % heads or (d_model // heads) % 2:
     raise app.UsageError(f"--d_model ({d_model}) must be --num_heads ({heads}) times an even head "
                          "width (rotary embeddings rotate pairs of features)")
   try:  # before the tokenizer's work: a device that cannot run the attention or kernels asked for
