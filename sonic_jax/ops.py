@@ -20,37 +20,54 @@ Array = jax.Array
 
 
 class MoEAux(NamedTuple):
-  """What `moe` returns beside the output: routing results and the router's auxiliary losses."""
+  """What `moe` returns beside the output: routing results and the router's auxiliary losses.
 
-  # (E,) int32: (token, expert) pairs routed to each expert (after token rounding, before any
-  # capacity drop: the load that `update_selection_bias` balances)
+  Attributes:
+    expert_counts: (E,) int32, the (token, expert) pairs routed to each expert after token
+      rounding and before any capacity drop: the load that `update_selection_bias` balances.
+    expert_ids: (T, K) int32, each slot's expert; -1 where token rounding or a capacity
+      (`capacity_factor`, or the all-to-all's slots under expert parallelism) dropped the pair.
+    scores: (T, K) float32, each slot's weight; 0 where the pair was dropped.
+    router_logits: (T, E) float32.
+    load_balance_loss: () float32, E * sum_e f_e * P_e (1 when uniform; sigmoid and
+      sqrt_softplus gates are normalised with 1e-20 added to their sum, as DeepSeek's).
+    z_loss: () float32, mean logsumexp(logits) ** 2.
+    extra_tokens, extra_experts, extra_scores: (X,) int32, int32, float32: the pairs token
+      rounding added beyond the K slots (T, E and 0 in unused entries; (0,)-shaped without
+      token rounding).
+    padded_rows: () int32, rows of the grouped GEMMs that hold no pair.
+    dropped_pairs: () int32, pairs dropped by a capacity: `capacity_factor` on one device, or
+      the all-to-all's buffers under expert parallelism (`sonic_jax.parallel.moe_all_to_all`;
+      0 when dropless).
+    probs: (T, E), the router's per-token distribution that the balance losses use (softmax;
+      sigmoid or sqrt_softplus scores normalised over E), for
+      `sonic_jax.routing.sequence_balance_loss`.
+    choice_ids: (T, K) int32, the router's token-choice selection before token rounding or a
+      capacity drop (`sonic_jax.moe`; None from the parallel ops).
+  """
+
   expert_counts: Array
-  # (T, K) int32: -1 where token rounding or a capacity (`capacity_factor`, or the all-to-all's
-  # slots under expert parallelism) dropped the pair
   expert_ids: Array
-  scores: Array  # (T, K) float32: 0 where token rounding or a capacity dropped the pair
-  router_logits: Array  # (T, E) float32
-  # () float32: E * sum_e f_e * P_e (1 when uniform; sigmoid and sqrt_softplus gates are
-  # normalised with 1e-20 added to their sum, as DeepSeek's)
+  scores: Array
+  router_logits: Array
   load_balance_loss: Array
-  z_loss: Array  # () float32: mean logsumexp(logits)^2
-  # Pairs that token rounding added beyond the K slots ((0,)-shaped without token rounding):
-  extra_tokens: Array | None = None  # (X,) int32, T for unused entries
-  extra_experts: Array | None = None  # (X,) int32, E for unused entries
-  extra_scores: Array | None = None  # (X,) float32
-  padded_rows: Array | None = None  # () int32: rows of the grouped GEMMs that hold no pair
-  # Pairs dropped by a capacity: `capacity_factor` on one device, or the all-to-all's buffers
-  # under expert parallelism (`sonic_jax.parallel.moe_all_to_all`; 0 when dropless).
-  dropped_pairs: Array | None = None  # () int32
-  # (T, E) the router's per-token distribution the balance losses use (softmax; sigmoid or
-  # sqrt_softplus scores normalised over E), for `sonic_jax.routing.sequence_balance_loss`.
+  z_loss: Array
+  extra_tokens: Array | None = None
+  extra_experts: Array | None = None
+  extra_scores: Array | None = None
+  padded_rows: Array | None = None
+  dropped_pairs: Array | None = None
   probs: Array | None = None
-  # (T, K) int32: the router's token-choice selection before token rounding or a capacity drop
-  # (`sonic_jax.moe`; None from the parallel ops)
   choice_ids: Array | None = None
 
 
 _FLOATS = tuple(jnp.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+def _dtype(a):
+  """a's dtype as JAX computes with it: a NumPy float64 input is float32 unless
+  jax_enable_x64 is on, as under `jax.jit`."""
+  return jax.dtypes.canonicalize_dtype(a.dtype)
 
 
 def _check_float(name, a):
@@ -101,8 +118,8 @@ def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
     raise ValueError(f"w2 must have shape (E, n, d) = ({e_count}, {n}, {d}), got "
                      f"{tuple(w2.shape)}{hint}")
   for name, a in (("w1", w1), ("w2", w2)):
-    if a.dtype != x.dtype:
-      raise TypeError(f"{name} must have x's dtype {x.dtype}, got {a.dtype} (cast the expert "
+    if _dtype(a) != _dtype(x):
+      raise TypeError(f"{name} must have x's dtype {_dtype(x)}, got {_dtype(a)} (cast the expert "
                       "weights to the compute dtype; the Flax layer does this for you)")
   for name, b, shape in (("b1", b1, (e_count, w1.shape[2])), ("b2", b2, (e_count, d))):
     if b is None:
@@ -112,8 +129,8 @@ def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
     _check_float(name, b)
     if tuple(b.shape) != shape:
       raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
-    if b.dtype != x.dtype:
-      raise TypeError(f"{name} must have x's dtype {x.dtype}, got {b.dtype}")
+    if _dtype(b) != _dtype(x):
+      raise TypeError(f"{name} must have x's dtype {_dtype(x)}, got {_dtype(b)}")
   return act
 
 
@@ -265,13 +282,21 @@ def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra
 
 
 class ExpertsAux(NamedTuple):
-  """What `routed_experts` returns beside the output."""
+  """What `routed_experts` returns beside the output.
 
-  expert_counts: Array  # (E,) int32: pairs routed to each expert, before any capacity drop
-  expert_ids: Array  # (T, S) int32: the ids given, -1 where the capacity dropped the pair
-  padded_rows: Array  # () int32: rows of the grouped GEMMs that hold no pair
-  dropped_pairs: Array  # () int32: pairs dropped by the capacity (0 without one)
-  # (X,) int32: the extra pairs' experts, E where unused or dropped by the capacity (None: none)
+  Attributes:
+    expert_counts: (E,) int32, pairs routed to each expert, before any capacity drop.
+    expert_ids: (T, S) int32, the ids given; -1 where the capacity dropped the pair.
+    padded_rows: () int32, rows of the grouped GEMMs that hold no pair.
+    dropped_pairs: () int32, pairs dropped by the capacity (0 without one).
+    extra_experts: (X,) int32, the extra pairs' experts, E where unused or dropped by the
+      capacity (None without extra pairs).
+  """
+
+  expert_counts: Array
+  expert_ids: Array
+  padded_rows: Array
+  dropped_pairs: Array
   extra_experts: Array | None = None
 
 

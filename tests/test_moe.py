@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import sonic_jax
 from cases import GLU, gemm_operand_dtypes, make_problem
@@ -355,6 +356,20 @@ def test_bad_input_raises_naming_the_argument(rng, name, change, exc, match):
   kw.update(change)
   with pytest.raises(exc, match=match):
     sonic_jax.moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w1"), kw.pop("w2"), **kw)
+
+
+def test_numpy_float64_inputs_compute_as_jax_does(rng):
+  """NumPy float64 arrays are float32 to JAX without jax_enable_x64: the eager call accepts them
+  beside float32 weights, as a jitted one does, and the layer too."""
+  kw = _valid_args(rng)
+  x = np.asarray(kw.pop("x"), np.float64)
+  rw = np.asarray(kw.pop("router_weight"), np.float64)
+  call = lambda x, rw: sonic_jax.moe(x, rw, kw["w1"], kw["w2"], top_k=2, backend="xla")[0]
+  y = call(x, rw)
+  assert y.dtype == jnp.float32
+  np.testing.assert_array_equal(y, jax.jit(call)(x, rw))
+  layer = sonic_jax.layers.MoE(16, 4, 8, 2, backend="xla", rngs=nnx.Rngs(0))
+  assert layer(x)[0].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("T,d", [(0, 16), (16, 0), (0, 0)])

@@ -76,12 +76,16 @@ class SelectionBias(nnx.Variable):
 
 
 class MoELayerAux(NamedTuple):
-  """What `MoE.__call__` returns beside the output: the layer's weighted auxiliary loss, to add to
-  the training loss, and `stats`, the op's `sonic_jax.MoEAux` (routing, counts, unweighted
-  losses)."""
+  """What `MoE.__call__` returns beside the output.
 
-  loss: Array  # () load_balance_coef * (the balance loss) + z_loss_coef * z_loss: add it to yours
-  stats: MoEAux  # routing results and the unweighted losses (load_balance_loss: the one in `loss`)
+  Attributes:
+    loss: () load_balance_coef * (the balance loss) + z_loss_coef * z_loss: add it to yours.
+    stats: the op's `sonic_jax.MoEAux`: routing results, counts and the unweighted losses (its
+      load_balance_loss is the one in `loss`).
+  """
+
+  loss: Array
+  stats: MoEAux
 
 
 def _param(rngs, init, shape, dtype, names):
@@ -155,6 +159,7 @@ class MoE(nnx.Module):
       router_scale, expert_scale; default param_dtype): float32 with a 16-bit param_dtype keeps
       the router in float32 while the experts store 16-bit weights.
     Axis names (sharding metadata): expert_axis, embed_axis, mlp_axis.
+    rngs: an `nnx.Rngs` (keyword only), whose `params` stream initialises the parameters.
   """
 
   def __init__(self, d_model: int, num_experts: int, expert_dim: int, top_k: int, *,
@@ -328,7 +333,8 @@ class MoE(nnx.Module):
     if x.ndim < 1 or x.shape[-1] != self.w1.shape[1]:
       raise ValueError(f"x must have shape (..., d_model) with d_model = {self.w1.shape[1]}, got "
                        f"{tuple(x.shape)}")
-    dtype = self.dtype or x.dtype
+    # x's dtype as JAX computes with it (a NumPy float64 x is float32 without jax_enable_x64)
+    dtype = self.dtype or jax.dtypes.canonicalize_dtype(x.dtype)
     lead = x.shape[:-1]
     h = _flatten(x).astype(dtype)
     cast = lambda p: None if p is None else p[...].astype(dtype)
