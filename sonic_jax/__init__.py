@@ -10,7 +10,7 @@ from sonic_jax.ops import ExpertsAux, MoEAux, moe, routed_experts
 from sonic_jax.routing import (ROUTINGS, TOKEN_ROUNDINGS, Router, hf_load_balancing_loss,
                                round_tokens, route, router_logits, sequence_balance_loss)
 
-__version__ = "0.1.0"  # the package's one version: pyproject.toml reads it from here
+__version__ = "0.1.0.dev0"  # the package's one version: pyproject.toml reads it from here
 
 # Subpackages imported on first use (`sonic_jax.layers.MoE` after `import sonic_jax`), so that
 # importing the functional op does not import Flax, the parallel ops or the checkpoint converters.

@@ -1,9 +1,10 @@
-"""The README's Python quickstarts run as written, each as a script of its own, in a fresh process
-on the CPU (with four host devices, for the expert-parallel one), and the README stays a user's
-page."""
+"""The README's Python quickstarts and the docs' Python snippets run as written, each as a script
+of its own, in a fresh process on the CPU (with four host devices, for the expert-parallel one),
+and the README stays a user's page."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -15,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 
 
-def _python_blocks():
-  with open(README) as f:
+def _python_blocks(path=README):
+  with open(path) as f:
     text = f.read()
   return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
@@ -45,11 +46,15 @@ sys.exit(f"failed: {failed}" if failed else 0)
 """
 
 
-def test_readme_quickstarts_run(tmp_path):
-  """Each quickstart as a script of its own, the four in one fresh process (four CPU devices)."""
+def test_readme_quickstarts_and_docs_snippets_run(tmp_path):
+  """Each quickstart and docs/ snippet as a script of its own, all in one fresh process (four CPU
+  devices)."""
+  docs = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+  blocks = _python_blocks() + [block for path in docs for block in _python_blocks(path)]
+  assert len(blocks) > 4  # the docs have snippets too
   scripts = []
-  for index, block in enumerate(_python_blocks()):
-    scripts.append(tmp_path / f"quickstart_{index}.py")
+  for index, block in enumerate(blocks):
+    scripts.append(tmp_path / f"snippet_{index}.py")
     scripts[-1].write_text(block)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
