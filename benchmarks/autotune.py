@@ -17,8 +17,9 @@ have the "date" and "commit" that last changed them.
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, weight_grad on the
 varlen-K kernel), through the backend's own entry points, a coordinate search from the defaults
-over `SEARCH`: 2-CTA clusters, the tile walk (`grid_band` and the band's width), the ring depth,
-the memory warpgroup's registers, and for dH how its wide tile reads H and the pingpong schedule.
+over `SEARCH`: 2-CTA clusters (down, dx, weight_grad), the tile walk (`grid_band` and the band's
+width; not weight_grad), the ring depth, the memory warpgroup's registers (up, dH), for dH how its
+wide tile reads H and the pingpong schedule, for weight_grad when it loads its row indices.
 `--fields=...` searches only those fields, starting from the base table's entry for the problem.
 Each candidate runs under `Config(tuning=<a table of that one entry>)` and is timed against the
 incumbent in alternating rounds (`timing.time_interleaved`: the clocks drift by more than the

@@ -1462,8 +1462,9 @@ def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = 
   default) whatever the state dict's dtype: pass param_dtype=jnp.bfloat16 to keep a bfloat16
   checkpoint's memory; the auxiliary losses' coefficients are the layer's defaults,
   not the config's (router_aux_loss_coef and the like, whose loss formulas differ by family), so
-  a fine-tuning run passes its own. rngs: default `nnx.Rngs(0)` (the initial values are
-  overwritten when a state dict is given)."""
+  a fine-tuning run passes its own. gate_up_layout, bias_update_rate, layer: as `layer_kwargs`
+  (layer also picks the block's weights in `state_dict`). rngs: default `nnx.Rngs(0)` (the
+  initial values are overwritten when a state dict is given)."""
   from flax import nnx
   from sonic_jax.layers import MoE
   kw = layer_kwargs(config, gate_up_layout=gate_up_layout, bias_update_rate=bias_update_rate,
