@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
+from sonic_jax.batching import split_batch_refusal
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import build_grouped_layout, check_integer_array, int32_ids
@@ -238,6 +239,16 @@ def _whole(a):
                                                             jax.sharding.PartitionSpec()))
 
 
+def _refuse_split_batch(x, impl, token_rounding):
+  """x, refused by name under a vmap of a batch split over Explicit mesh axes where Pallas kernels
+  would run on it: the Hopper kernels, and token rounding's selection on a GPU."""
+  if impl.name == "mosaic_gpu":
+    return split_batch_refusal("backend='mosaic_gpu' (backend='xla' can)")(x)
+  if token_rounding is not None and jax.default_backend() == "gpu":
+    return split_batch_refusal("token rounding on a GPU")(x)
+  return x
+
+
 def _check_capacity(capacity_factor):
   if capacity_factor is None:
     return
@@ -430,6 +441,7 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   config = check_config(config)
   impl = resolve_backend(backend, config)
   x, w1, w2 = map(jnp.asarray, (x, w1, w2))
+  x = _refuse_split_batch(x, impl, None)
   b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
   e_count = w1.shape[0]
@@ -529,6 +541,7 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   selection_bias = _whole(selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
+  x = _refuse_split_batch(x, impl, token_rounding)
   t_count = x.shape[0]
   logits, ids = routing_lib.router_logits_and_ids(
       x if router_input is None else jnp.asarray(router_input), router_weight, top_k, router,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sonic_jax import precision
+from sonic_jax.batching import take_shared
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import int32_ids
 from sonic_jax.pallas import rounding_select, router_topk
@@ -630,7 +631,7 @@ def _scaled_by_expert(rounded: RoundedRouting, expert_scale: Array | None) -> Ro
     return rounded
   e_count = expert_scale.shape[0]
   def of(ids):
-    picked = expert_scale[jnp.clip(ids, 0, e_count - 1)]
+    picked = take_shared(expert_scale, jnp.clip(ids, 0, e_count - 1))
     return jnp.where((ids >= 0) & (ids < e_count), picked, 0).astype(rounded.scores.dtype)
   return rounded._replace(scores=rounded.scores * of(rounded.expert_ids),
                           extra_scores=rounded.extra_scores * of(rounded.extra_experts))

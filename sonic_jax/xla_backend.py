@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax import activations as acts
+from sonic_jax.batching import take_shared
 from sonic_jax.layout import GroupedLayout
 from sonic_jax.varying import varying_axes
 
@@ -41,7 +42,7 @@ def grouped_matmul(rows: Array, weights: Array, layout: GroupedLayout) -> Array:
 
   def tile(_, xs):
     rows_tile, e, in_use = xs
-    out = jnp.dot(rows_tile, weights[e], preferred_element_type=acc)
+    out = jnp.dot(rows_tile, take_shared(weights, e), preferred_element_type=acc)
     return None, jnp.where(in_use, out, 0.0)
 
   _, out = jax.lax.scan(tile, None, (_tiles(rows, layout), expert, used))
@@ -78,7 +79,7 @@ def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout)
 
 def row_bias(bias: Array, layout: GroupedLayout) -> Array:
   padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
-  return padded[layout.row_expert].astype(_acc(bias.dtype))  # row_expert == E past the used rows
+  return take_shared(padded, layout.row_expert).astype(_acc(bias.dtype))  # row_expert == E past the used rows
 
 
 def up_projection(x, w1, b1, layout: GroupedLayout, activation: acts.Activation, gate_up_layout: str):

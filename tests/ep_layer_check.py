@@ -17,7 +17,8 @@
 - without expert parallelism: expert weights split over an Explicit axis refused by name, taken
   (gradients too) over a size-1 axis; `sonic_jax.moe` with x split over d and the expert weights
   and biases over their other dims; the layer data parallel under `jax.set_mesh` (x's tokens split
-  over an Explicit axis, or `token_axes` on an Auto one), against one device.
+  over an Explicit axis, or `token_axes` on an Auto one), against one device; `sonic_jax.moe`
+  vmapped over a batch split over an Explicit axis.
 
 Float64 throughout: compare to rounding, not to fusion order. The single-device references are
 computed once and shared by the schemes."""
@@ -300,6 +301,44 @@ def check_split_operands():
       full(specs[i], args[i].ndim) for i in (0, 2, 3, 4, 5)], g
 
 
+def check_vmap_over_split_batch():
+  """`sonic_jax.moe` vmapped over a batch that an Explicit mesh axis splits (a family router with
+  groups, a selection bias and a per-expert scale; biases): output and every gradient of the
+  unsplit vmap, the output split as the batch; the mosaic_gpu backend refuses such a batch by
+  name (interpret mode: the refusal comes before any kernel is traced)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  import sonic_jax  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  # x (batch 4), router, w1, w2, b1, b2, expert_scale, router_bias
+  shapes = ((4, T // 4, 16), (16, 8), (8, 16, 16), (8, 8, 16), (8, 16), (8, 16), (8,), (8,))
+  args = [jnp.asarray(rng.standard_normal(shape)) for shape in shapes]
+  router = sonic_jax.Router("sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.0)
+  selection_bias = jnp.asarray(rng.standard_normal(8) * 0.1)
+  d_y = jnp.asarray(D_Y.reshape(4, T // 4, 16))
+
+  def loss(x, rw, w1, w2, b1, b2, scale, bias, backend="xla"):
+    one = lambda xb: sonic_jax.moe(xb, rw, w1, w2, top_k=2, b1=b1, b2=b2, routing=router,
+                                   expert_scale=scale, router_bias=bias,
+                                   selection_bias=selection_bias, backend=backend)[0]
+    y = jax.vmap(one)(x)
+    return jnp.vdot(y, d_y), y
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True))
+  (_, y_ref), g_ref = grad(*args)
+  with jax.set_mesh(jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))):
+    x = jax.device_put(args[0], P("data"))
+    (_, y), g = grad(x, *args[1:])
+    assert jax.typeof(y).sharding.spec[0] == "data", jax.typeof(y)
+    with plgpu.force_gpu_interpret_mode():
+      refused(lambda: jax.eval_shape(functools.partial(loss, backend="mosaic_gpu"),
+                                     x.astype(jnp.bfloat16), *(a.astype(jnp.bfloat16)
+                                                               for a in args[1:])),
+              "batch split over the mesh axes ('data',)", "mosaic_gpu under a split vmap")
+  errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("vmap over a split batch", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+
+
 def check_data_parallel():
   """The layer without expert parallelism under `jax.set_mesh`, x's tokens split over "data" (an
   Explicit axis: from x's type; an Auto one: by token_axes): each data shard routed on its own, as
@@ -366,5 +405,6 @@ if __name__ == "__main__":
   check_mixed_axis_types()
   check_split_experts_without_parallelism()
   check_split_operands()
+  check_vmap_over_split_batch()
   check_data_parallel()
   print("OK")

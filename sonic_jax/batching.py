@@ -1,0 +1,91 @@
+"""Indexing a shared operand by a batched routing, under `jax.vmap` of a batch split over an
+Explicit mesh axis.
+
+Vmapping the op over a batch whose leading axis an Explicit mesh axis splits batches its routing
+(expert ids, tiles' experts) but not the weights, biases and per-expert vectors it indexes. JAX
+0.11.2's gather batching rule cannot place such a gather's output (it asks for `out_sharding`);
+`take_shared`'s own batching rule gives it the indices' sharding. Pallas kernels fail on such a
+batch too (their batching and lowering, inside JAX): `split_batch_refusal` names the option that
+runs them instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from sonic_jax.varying import like_primal
+
+Array = jax.Array
+
+
+@jax.custom_batching.custom_vmap
+def _take(a: Array, index: Array) -> Array:
+  return a[index]
+
+
+@_take.def_vmap
+def _take_batched(axis_size, in_batched, a, index):
+  del axis_size
+  a_batched, index_batched = in_batched
+  if a_batched:
+    return jax.vmap(lambda a, i: a[i], in_axes=(0, 0 if index_batched else None))(a, index), True
+  sharding = jax.typeof(index).sharding
+  spec = tuple(getattr(sharding, "spec", ()))
+  if all(p is None for p in spec):
+    return a[index], True
+  spec += (None,) * (index.ndim - len(spec) + a.ndim - 1)
+  out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+  return a.at[index].get(out_sharding=out), True
+
+
+# custom_vmap has no reverse mode of its own: the gradient is the gather's, a scatter-add.
+@jax.custom_vjp
+def take_shared(a: Array, index: Array) -> Array:
+  """a[index] along a's first axis (a: a weight, bias or per-expert vector; index: a routing's)."""
+  return _take(a, index)
+
+
+def _take_shared_fwd(a, index):
+  return _take(a, index), (a, index)  # a for its shape and dtype: the caller holds it anyway
+
+
+def _take_shared_bwd(residuals, g):
+  a, index = residuals
+  # Under shard_map a replicated a's cotangent sums over the axes the routing varies over.
+  return like_primal(jnp.zeros_like(a).at[index].add(g.astype(a.dtype)), a), None
+
+
+take_shared.defvjp(_take_shared_fwd, _take_shared_bwd)
+
+
+@functools.cache
+def split_batch_refusal(what: str):
+  """A function x -> x that refuses, by name, `jax.vmap` of a batch split over Explicit mesh axes:
+  `what` (e.g. "backend='mosaic_gpu'") runs Pallas kernels whose batching fails deep inside JAX
+  0.11.2 on such a batch (sharded operands indexed by integers, or closed over by the lowering)."""
+
+  @jax.custom_batching.custom_vmap
+  def unsplit(x):
+    return x
+
+  @unsplit.def_vmap
+  def _unsplit_batched(axis_size, in_batched, x):
+    del axis_size
+    (batched,) = in_batched
+    spec = tuple(getattr(jax.typeof(x).sharding, "spec", ())) if batched else ()
+    if spec and spec[0] is not None:
+      axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+      raise ValueError(
+          f"{what} cannot run under jax.vmap of a batch split over the mesh axes {axes}: its "
+          "Pallas kernels' batching fails on sharded operands (JAX 0.11.2). Map that batch with "
+          "jax.shard_map (each device vmapping its own part), or call sonic_jax.layers.MoE under "
+          "jax.set_mesh")
+    return x, batched
+
+  # custom_vmap has no reverse mode of its own: the identity's gradient is the cotangent.
+  refuse = jax.custom_vjp(lambda x: unsplit(x))
+  refuse.defvjp(lambda x: (unsplit(x), None), lambda _, g: (g,))
+  return refuse
