@@ -294,6 +294,67 @@ def _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout, config=
   assert all(v < 2e-2 for v in errs.values()), errs
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("x64", [False, True])
+def test_layers_in_scan_under_checkpoint(rng, x64):
+  """Compiled (the interpreter's io_callbacks take no jax.checkpoint): two layers in a lax.scan,
+  each under jax.checkpoint, with token rounding (the Pallas routing kernels run too), against
+  the same layers unrolled without remat: output and gradients; with jax_enable_x64 on too."""
+  if not ON_GPU:
+    pytest.skip("needs a GPU")
+  L, T, d, n, E = 2, 2048, 256, 256, 8
+  x = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
+  params = (jnp.asarray(rng.standard_normal((L, d, E)) / 16, jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((L, E, d, 2 * n)) / 16, jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((L, E, n, d)) / 16, jnp.bfloat16))
+
+  def layer(h, p):
+    y, _ = sonic_jax.moe(h, *p, top_k=2, token_rounding="nearest", backend="mosaic_gpu")
+    return h + y
+
+  def scanned(x, params):
+    return jnp.sum(jax.lax.scan(lambda h, p: (jax.checkpoint(layer)(h, p), None), x,
+                                params)[0].astype(jnp.float32) ** 2)
+
+  def unrolled(x, params):
+    for i in range(L):
+      x = layer(x, [p[i] for p in params])
+    return jnp.sum(x.astype(jnp.float32) ** 2)
+
+  with jax.enable_x64(x64):
+    got = jax.jit(jax.value_and_grad(scanned, argnums=(0, 1)))(x, params)
+    want = jax.jit(jax.value_and_grad(unrolled, argnums=(0, 1)))(x, params)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert rel_err(g, w) < 1e-2, rel_err(g, w)
+
+
+@pytest.mark.gpu
+def test_vmap_over_a_batch_split_over_gpus(rng):
+  """On 2 GPUs: `moe` vmapped over a batch split over an Explicit mesh axis. The xla backend (the
+  Pallas routing kernels with it) equals the unsplit vmap; mosaic_gpu, and token rounding (its
+  Triton selection), refuse such a batch by name."""
+  if not ON_GPU or len(jax.devices()) < 2:
+    pytest.skip("needs 2 GPUs")
+  B, T, d, n, E = 2, 1024, 256, 128, 8
+  x = jnp.asarray(rng.standard_normal((B, T, d)), jnp.bfloat16)
+  rw = jnp.asarray(rng.standard_normal((d, E)) / 16, jnp.bfloat16)
+  w1 = jnp.asarray(rng.standard_normal((E, d, 2 * n)) / 16, jnp.bfloat16)
+  w2 = jnp.asarray(rng.standard_normal((E, n, d)) / 16, jnp.bfloat16)
+  run = lambda backend, rounding=None: jax.jit(jax.vmap(lambda xb: sonic_jax.moe(
+      xb, rw, w1, w2, top_k=2, token_rounding=rounding, backend=backend)[0]))
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  want = run("xla")(x)
+  with jax.set_mesh(mesh):
+    split = jax.device_put(x, jax.sharding.PartitionSpec("data"))
+    got = run("xla")(split)
+    for backend, rounding in (("mosaic_gpu", None), ("xla", "nearest")):
+      with pytest.raises(ValueError, match="split over the mesh axes"):
+        run(backend, rounding)(split)
+  assert rel_err(got, want) < 1e-2, rel_err(got, want)
+
+
 def test_mosaic_backend_refuses_a_non_hopper_device():
   if ON_GPU:
     pytest.skip("CPU-only check")
@@ -747,6 +808,31 @@ def test_kernel_lowers_for_sm90(role):
   with jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
   assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_backend_lowers_under_x64():
+  """With jax_enable_x64 on, the mosaic_gpu backend's roles (the expert op's forward and
+  backward, bfloat16) lower for an H100: the kernels' index arithmetic stays int32."""
+  if ON_GPU:
+    pytest.skip("CPU-side check")
+  from sonic_jax.backends import XLA
+  from sonic_jax.experts import expert_mixture
+  from sonic_jax.mosaic_gpu.backend import make_backend
+  E, d, n, T = 4, 256, 256, 256
+  layout = build_grouped_layout(jnp.asarray(np.arange(2 * T).reshape(T, 2) % E, jnp.int32), E,
+                                128)
+  impl = make_backend(XLA, sonic_jax.Config())
+  swiglu = acts.get_activation("swiglu")
+  loss = lambda x, s, w1, w2: jnp.sum(expert_mixture(
+      x, s, None, layout, w1, w2, None, None, swiglu, "concat", impl).astype(jnp.float32))
+  bf = jnp.bfloat16
+  args = (jax.ShapeDtypeStruct((T, d), bf), jax.ShapeDtypeStruct((T, 2), jnp.float32),
+          jax.ShapeDtypeStruct((E, d, 2 * n), bf), jax.ShapeDtypeStruct((E, n, d), bf))
+  with jax.enable_x64(True), jax.sharding.use_abstract_mesh(h100_abstract_mesh()):
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+                                 platforms=["cuda"])(*args)
+  # up, down, dH, dX and the two weight gradients
+  assert exported.mlir_module().count("mosaic_gpu") >= 6
 
 
 # Interpreted at n = 384 (128 x 128 blocks): at n = 256 (128 x 256 blocks) this is the kernel call

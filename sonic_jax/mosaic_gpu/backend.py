@@ -21,6 +21,7 @@ import functools
 from typing import NamedTuple
 import warnings
 
+import jax
 import jax.numpy as jnp
 
 from sonic_jax import xla_backend
@@ -41,6 +42,21 @@ ROW_TILE = TILE_M
 
 class FallbackWarning(UserWarning):
   """A role of the mosaic_gpu backend runs its (slow) xla implementation for this problem."""
+
+
+def _int32(kernel):
+  """kernel, traced with jax_enable_x64 off: its index arithmetic mixes int32 values with Python
+  ints, which x64 makes int64 (and lax.rem and the like refuse mixed dtypes). Its float operands
+  keep their dtypes, 64-bit integer ones (indices) are cast to int32 first; the XLA fallbacks run
+  outside it, float64 included."""
+  narrow = lambda a: a.astype(jnp.int32) if getattr(a, "dtype", None) == jnp.int64 else a
+
+  @functools.wraps(kernel)
+  def traced(*args, **kwargs):
+    args, kwargs = jax.tree.map(narrow, (args, kwargs))
+    with jax.enable_x64(False):
+      return kernel(*args, **kwargs)
+  return traced
 
 
 def _falls_back(role: str, reason: str | None) -> bool:
@@ -105,8 +121,8 @@ def dw2_gathering_d_out(d_out, a_s, layout, config: wgrad.WeightGradConfig):
   with the accumulators stored transposed, so that the gathered dO is on the wgmma's M side:
   one 64 x 256 wgmma a warpgroup per 16-deep slice where n allows, as SonicMoE's dw2 does
   (docs/decisions.md)."""
-  return wgrad.weight_grad(d_out, a_s, layout, dw2_config(a_s.shape[1], config),
-                           transpose_out=True)
+  return _int32(wgrad.weight_grad)(d_out, a_s, layout, dw2_config(a_s.shape[1], config),
+                                   transpose_out=True)
 
 
 def up_projection(x, w1, b1, layout, activation, gate_up_layout, *, config: Config):
@@ -115,7 +131,8 @@ def up_projection(x, w1, b1, layout, activation, gate_up_layout, *, config: Conf
   e, d, width = w1.shape
   n = width // activation.width_multiplier()
   configs = role_configs(d, n, e, activation.is_glu, gate_up_layout, config)
-  return up.up_projection(x, w1, b1, layout, activation, gate_up_layout, config=configs.up)
+  return _int32(up.up_projection)(x, w1, b1, layout, activation, gate_up_layout,
+                                  config=configs.up)
 
 
 def down_projection(a, w2, b2, layout, *, config: Config):
@@ -123,7 +140,7 @@ def down_projection(a, w2, b2, layout, *, config: Config):
     return xla_backend.down_projection(a, w2, b2, layout)
   e, n, d = w2.shape
   configs = role_configs(d, n, e, True, config=config)
-  return down.down_projection(a, w2, b2, layout, config=configs.down)
+  return _int32(down.down_projection)(a, w2, b2, layout, config=configs.down)
 
 
 def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layout, *,
@@ -133,8 +150,8 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
   if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, dh_config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
-  d_h, a_s, d_s_parts = dh.dh_projection(d_out, h, row_scores, w2, layout, activation,
-                                         config=dh_config, gate_up_layout=gate_up_layout)
+  d_h, a_s, d_s_parts = _int32(dh.dh_projection)(d_out, h, row_scores, w2, layout, activation,
+                                                 config=dh_config, gate_up_layout=gate_up_layout)
   d_s = jnp.sum(d_s_parts, axis=0)
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2 (rows not in use: masked below)
     rows = d_out[layout.row_token]
@@ -153,7 +170,7 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, wi
     return xla_backend.weight_grads(x, d_out, None, d_h, a_s, row_scores, layout, with_b1,
                                     with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
-  dw1 = wgrad.weight_grad(x, d_h, layout, wg_config)
+  dw1 = _int32(wgrad.weight_grad)(x, d_h, layout, wg_config)
   dw2 = dw2_gathering_d_out(d_out, a_s, layout, wg_config)
   db2_rows = d_out[layout.row_token] if with_b2 else None  # db2 alone needs the dO rows
   db1, db2 = xla_backend.bias_grads(db2_rows, d_h, row_scores, layout, with_b1, with_b2)
@@ -165,7 +182,7 @@ def dx_projection(d_h, w1, layout, *, config: Config):
     return xla_backend.dx_projection(d_h, w1, layout)
   e, d, width = w1.shape
   configs = role_configs(d, width // 2, e, True, config=config)  # dX reads w1 whole
-  return dx.dx_projection(d_h, w1, layout, config=configs.dx)
+  return _int32(dx.dx_projection)(d_h, w1, layout, config=configs.dx)
 
 
 def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, config: Config):
@@ -177,7 +194,7 @@ def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, con
   top-K's slots alone. Unweighted (None), every slot counts 1."""
   if layout.num_extra and layout.pair_row.shape[1] and extras_sum.AVAILABLE and (
       not interpreting() and extras_sum.supports(rows) is None):
-    rows, slot_row, slot_weight = extras_sum.fold_extras(
+    rows, slot_row, slot_weight = _int32(extras_sum.fold_extras)(
         rows, layout.pair_row[:, 0], None if pair_weights is None else pair_weights[:, 0],
         layout.extra_token, layout.extra_row, extra_weights)
     layout = layout._replace(pair_row=layout.pair_row.at[:, 0].set(slot_row),
@@ -191,7 +208,7 @@ def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, con
                 and gs.supports(rows, layout.pair_row, pair_weights) is None)
   if not use_kernel:
     return xla_backend.gather_sum(rows, layout, pair_weights, out_dtype, extra_weights)
-  return gs.gather_sum(rows, layout.pair_row, pair_weights, out_dtype)
+  return _int32(gs.gather_sum)(rows, layout.pair_row, pair_weights, out_dtype)
 
 
 @functools.cache
