@@ -499,7 +499,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
       rows. Needs a softmax router without groups or input scaling. The pairs it adds are in
       `aux.extra_*`; dropped slot pairs get expert id -1 and score 0. An expert with fewer than
       half a tile of tokens keeps none under "nearest" (and under "down", fewer than a tile):
-      with few tokens (T * K / E well under the tile, as in small CPU runs) most pairs drop.
+      with few tokens (T * K / E well under the tile, as in small CPU runs) most pairs drop, and
+      a `sonic_jax.routing.RoundingWarning` says so as the call is traced.
     capacity_factor: None (dropless) or c > 0: each expert keeps at most ceil(c * T * K / E)
       pairs (at most T * K), the first in token order (Switch, MaxText); the rest are dropped,
       counted in `aux.dropped_pairs` and marked -1 in `aux.expert_ids`.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -430,6 +431,10 @@ def z_loss(logits: Array) -> Array:
 TOKEN_ROUNDINGS = rounding_select.MODES  # ("down", "up", "nearest")
 
 
+class RoundingWarning(UserWarning):
+  """Token rounding over too few tokens per expert: most experts would keep no pairs."""
+
+
 def rounding_unsupported(routing: str | Router) -> str | None:
   """None when token rounding applies to this router, else why not: SonicMoE's rounding ranks an
   expert's other tokens by their softmax probability."""
@@ -594,6 +599,24 @@ def _select_by_xla(routed: RouterOutput, tile: int, mode: str, per_expert: int):
   return keep, jnp.sort(jnp.where(used, tokens, t_count).astype(jnp.int32), axis=1)
 
 
+def _warn_if_most_pairs_drop(mode: str, num_tokens: int, top_k: int, num_experts: int,
+                             tile: int) -> None:
+  """Warns (as the call is traced) where "nearest" or "down" rounding would leave most experts
+  without a pair: an expert keeps none under half a tile ("nearest") or a tile ("down"), so at
+  fewer pairs per expert on average most tokens' routed outputs are zero. An easy trap in small
+  runs, and under data parallelism, where each shard rounds its own tokens."""
+  keeps_none_below = {"nearest": tile / 2, "down": tile}.get(mode)
+  per_expert = num_tokens * top_k / num_experts
+  if keeps_none_below is not None and num_tokens and per_expert < keeps_none_below:
+    warnings.warn(
+        f"token_rounding={mode!r} over {num_tokens} tokens with K = {top_k} and E = "
+        f"{num_experts}: {per_expert:.3g} pairs per expert on average, under "
+        f"{'half ' if mode == 'nearest' else ''}the row tile ({tile}), so most experts keep no "
+        "pairs and most tokens' routed outputs are zero. Round over more tokens (each data "
+        "shard rounds its own), or use token_rounding='up' or None", RoundingWarning,
+        stacklevel=4)
+
+
 def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bias: Array | None,
                  token_rounding: str | None, tile: int,
                  expert_ids: Array | None = None, *,
@@ -617,6 +640,7 @@ def route_tokens(logits: Array, top_k: int, routing: str | Router, selection_bia
   reason = rounding_unsupported(routing)
   if reason is not None:
     raise ValueError(reason)
+  _warn_if_most_pairs_drop(token_rounding, logits.shape[0], top_k, logits.shape[-1], tile)
   rounded = round_tokens(routed, tile, token_rounding, logits=logits)
   scale = get_router(routing).routed_scaling_factor
   if scale != 1.0:  # the added pairs' raw probabilities, scaled as the slot pairs' weights are

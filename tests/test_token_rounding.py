@@ -4,6 +4,8 @@ differences, and the Flax layer's train/eval switch."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,3 +345,22 @@ def test_selection_kernel_refusals_and_lowering():
           jax.ShapeDtypeStruct((256, rounding_select.padded_tokens(t)), jnp.int32))
       assert "xla.gpu.triton" in module
 
+
+
+@pytest.mark.parametrize("mode,tokens,warns", [("nearest", 24, True), ("down", 48, True),
+                                               ("nearest", 48, False), ("up", 8, False)])
+def test_warns_where_most_experts_would_keep_no_pairs(mode, tokens, warns):
+  """Rounding over fewer pairs per expert than it keeps (half a tile under "nearest", a tile
+  under "down"; E = 4, K = 2, the CPU's 32-row tile) warns as the call is traced, naming the
+  counts; "up" drops nothing and never warns."""
+  x, rw = jnp.ones((tokens, 8)), jnp.ones((8, 4))
+  w1, w2 = jnp.ones((4, 8, 16)), jnp.ones((4, 8, 8))
+  call = lambda: jax.eval_shape(lambda x: sonic_jax.moe(x, rw, w1, w2, top_k=2,
+                                                        token_rounding=mode, backend="xla"), x)
+  if warns:
+    with pytest.warns(routing_lib.RoundingWarning, match=f"over {tokens} tokens with K = 2"):
+      call()
+  else:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", routing_lib.RoundingWarning)
+      call()
