@@ -7,6 +7,10 @@ Vmapping the op over a batch whose leading axis an Explicit mesh axis splits bat
 `take_shared`'s own batching rule gives it the indices' sharding. Pallas kernels fail on such a
 batch too (their batching and lowering, inside JAX): `split_batch_refusal` names the option that
 runs them instead.
+
+Both take their custom path only where the values' type has an Explicit mesh axis: custom_vmap
+has no transpose and custom_vjp no forward mode, so elsewhere (no mesh, Auto axes, inside a
+shard_map) they are the plain gather and the identity, which every transformation takes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,19 @@ from sonic_jax.varying import like_primal
 Array = jax.Array
 
 
+def _explicit_mesh(a) -> bool:
+  mesh = getattr(jax.typeof(a).sharding, "mesh", None)
+  return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def _split_axes(a) -> tuple[str, ...]:
+  """The mesh axes that split a's leading dim in its type."""
+  spec = tuple(getattr(jax.typeof(a).sharding, "spec", ()))
+  if not spec or spec[0] is None:
+    return ()
+  return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+
+
 @jax.custom_batching.custom_vmap
 def _take(a: Array, index: Array) -> Array:
   return a[index]
@@ -32,33 +49,40 @@ def _take_batched(axis_size, in_batched, a, index):
   a_batched, index_batched = in_batched
   if a_batched:
     return jax.vmap(lambda a, i: a[i], in_axes=(0, 0 if index_batched else None))(a, index), True
-  sharding = jax.typeof(index).sharding
-  spec = tuple(getattr(sharding, "spec", ()))
-  if all(p is None for p in spec):
-    return a[index], True
+  if not _split_axes(index):  # an outer vmap's batch may be split: its rule places that one
+    return _take(a, index), True
+  spec = tuple(jax.typeof(index).sharding.spec)
   spec += (None,) * (index.ndim - len(spec) + a.ndim - 1)
-  out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+  out = jax.sharding.NamedSharding(jax.typeof(index).sharding.mesh,
+                                   jax.sharding.PartitionSpec(*spec))
   return a.at[index].get(out_sharding=out), True
 
 
-# custom_vmap has no reverse mode of its own: the gradient is the gather's, a scatter-add.
+# custom_vmap has no reverse mode of its own: the gradient is the gather's, a scatter-add. The
+# forward rule calls the custom_vjp itself, so that a second-order gradient differentiates it.
 @jax.custom_vjp
-def take_shared(a: Array, index: Array) -> Array:
-  """a[index] along a's first axis (a: a weight, bias or per-expert vector; index: a routing's)."""
+def _take_differentiable(a: Array, index: Array) -> Array:
   return _take(a, index)
 
 
-def _take_shared_fwd(a, index):
-  return _take(a, index), (a, index)  # a for its shape and dtype: the caller holds it anyway
+def _take_fwd(a, index):
+  return _take_differentiable(a, index), (a, index)  # a for its shape: the caller holds it
 
 
-def _take_shared_bwd(residuals, g):
+def _take_bwd(residuals, g):
   a, index = residuals
   # Under shard_map a replicated a's cotangent sums over the axes the routing varies over.
   return like_primal(jnp.zeros_like(a).at[index].add(g.astype(a.dtype)), a), None
 
 
-take_shared.defvjp(_take_shared_fwd, _take_shared_bwd)
+_take_differentiable.defvjp(_take_fwd, _take_bwd)
+
+
+def take_shared(a: Array, index: Array) -> Array:
+  """a[index] along a's first axis (a: a weight, bias or per-expert vector; index: a routing's)."""
+  if not _explicit_mesh(index):
+    return a[index]
+  return _take_differentiable(a, index)
 
 
 @functools.cache
@@ -75,17 +99,14 @@ def split_batch_refusal(what: str):
   def _unsplit_batched(axis_size, in_batched, x):
     del axis_size
     (batched,) = in_batched
-    spec = tuple(getattr(jax.typeof(x).sharding, "spec", ())) if batched else ()
-    if spec and spec[0] is not None:
-      axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if batched and (axes := _split_axes(x)):
       raise ValueError(
           f"{what} cannot run under jax.vmap of a batch split over the mesh axes {axes}: its "
           "Pallas kernels' batching fails on sharded operands (JAX 0.11.2). Map that batch with "
           "jax.shard_map (each device vmapping its own part), or call sonic_jax.layers.MoE under "
           "jax.set_mesh")
-    return x, batched
+    return (unsplit(x) if batched else x), batched  # an outer vmap's batch may be split
 
-  # custom_vmap has no reverse mode of its own: the identity's gradient is the cotangent.
-  refuse = jax.custom_vjp(lambda x: unsplit(x))
-  refuse.defvjp(lambda x: (unsplit(x), None), lambda _, g: (g,))
-  return refuse
+  refuse = jax.custom_vjp(unsplit)
+  refuse.defvjp(lambda x: (refuse(x), None), lambda _, g: (g,))
+  return lambda x: refuse(x) if _explicit_mesh(x) else x

@@ -304,8 +304,9 @@ def check_split_operands():
 def check_vmap_over_split_batch():
   """`sonic_jax.moe` vmapped over a batch that an Explicit mesh axis splits (a family router with
   groups, a selection bias and a per-expert scale; biases): output and every gradient of the
-  unsplit vmap, the output split as the batch; the mosaic_gpu backend refuses such a batch by
-  name (interpret mode: the refusal comes before any kernel is traced)."""
+  unsplit vmap, the output split as the batch; nested under a vmap of a split batch, and a
+  second-order gradient; the mosaic_gpu backend refuses such a batch by name (interpret mode: the
+  refusal comes before any kernel is traced)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
   import sonic_jax  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(5)
@@ -336,6 +337,26 @@ def check_vmap_over_split_batch():
               "batch split over the mesh axes ('data',)", "mosaic_gpu under a split vmap")
   errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
   print("vmap over a split batch", ["%.1e" % e for e in errs])
+  assert max(errs) < 1e-10, errs
+
+  # Nested, the outer batch split; and a second-order gradient (the expert scale's) split.
+  def nested(x, *params):
+    one = lambda xb: sonic_jax.moe(xb, params[0], params[1], params[2], top_k=2, backend="xla",
+                                   expert_scale=params[3])[0]
+    return jax.vmap(jax.vmap(one))(x)
+
+  def second_order(x, *params):
+    inner = lambda scale: jnp.sum(nested(x, *params[:3], scale) ** 2)
+    return jax.grad(lambda scale: jnp.sum(jax.grad(inner)(scale) ** 2))(params[3])
+
+  params = (args[1], args[2], args[3], args[6])
+  x4 = args[0][:, None]
+  want = [jax.jit(nested)(x4, *params), jax.jit(second_order)(x4, *params)]
+  with jax.set_mesh(jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))):
+    x4 = jax.device_put(x4, P("data"))
+    got = [jax.jit(nested)(x4, *params), jax.jit(second_order)(x4, *params)]
+  errs = [rel(a, b) for a, b in zip(got, want)]
+  print("nested vmap, second order", ["%.1e" % e for e in errs])
   assert max(errs) < 1e-10, errs
 
 

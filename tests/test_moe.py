@@ -136,22 +136,31 @@ def _small_f64_problem(rng, bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_check_grads_float64(rng, bias):
+  """Reverse mode against finite differences; with the biases and a per-expert scale (the
+  superset of arguments) second order too, and forward over reverse (jax.hessian) equal to
+  reverse over reverse: the custom_vjp's backward is itself differentiable JAX."""
   from jax.test_util import check_grads
   with jax.enable_x64(True):
     a = _small_f64_problem(rng, bias)
-    names = [k for k in ARG_NAMES if a[k] is not None]
+    if bias:
+      a["expert_scale"] = jnp.asarray(rng.uniform(0.5, 2.0, 4))
+    names = [k for k in ARG_NAMES + ("expert_scale",) if a.get(k) is not None]
 
     def f(*flat):
       kw = dict(zip(names, flat))
       y, aux = sonic_jax.moe(kw["x"], kw["router_weight"], kw["w1"], kw["w2"], b1=kw.get("b1"),
-                             b2=kw.get("b2"), top_k=2, routing="topk_softmax",
-                             gate_up_layout="interleaved", backend="xla")
+                             b2=kw.get("b2"), expert_scale=kw.get("expert_scale"), top_k=2,
+                             routing="topk_softmax", gate_up_layout="interleaved", backend="xla")
       return jnp.sum(jnp.sin(y)) + aux.load_balance_loss + 0.1 * aux.z_loss
 
-    # Second order too (with the biases, the superset of arguments): the custom_vjp's backward is
-    # itself differentiable JAX.
-    check_grads(jax.jit(f), [a[k] for k in names], order=2 if bias else 1, modes=["rev"],
-                atol=1e-5, rtol=1e-5)
+    args = [a[k] for k in names]
+    check_grads(jax.jit(f), args, order=2 if bias else 1, modes=["rev"], atol=1e-5, rtol=1e-5)
+    if bias:
+      for i in (names.index("b1"), names.index("expert_scale")):
+        forward_over_reverse = jax.jit(jax.hessian(f, argnums=i))(*args)
+        reverse_over_reverse = jax.jit(jax.jacrev(jax.jacrev(f, argnums=i), argnums=i))(*args)
+        np.testing.assert_allclose(forward_over_reverse, reverse_over_reverse, rtol=1e-9,
+                                   atol=1e-12)
 
 
 def _layer_params(rng, L, T=32, d=16, n=8, E=4):
@@ -367,7 +376,7 @@ def test_numpy_float64_inputs_compute_as_jax_does(rng):
   call = lambda x, rw: sonic_jax.moe(x, rw, kw["w1"], kw["w2"], top_k=2, backend="xla")[0]
   y = call(x, rw)
   assert y.dtype == jnp.float32
-  np.testing.assert_array_equal(y, jax.jit(call)(x, rw))
+  np.testing.assert_allclose(y, jax.jit(call)(x, rw), rtol=1e-6, atol=1e-6)
   layer = sonic_jax.layers.MoE(16, 4, 8, 2, backend="xla", rngs=nnx.Rngs(0))
   assert layer(x)[0].dtype == jnp.float32
 

@@ -45,10 +45,10 @@ class FallbackWarning(UserWarning):
 
 
 def _int32(kernel):
-  """kernel, traced with jax_enable_x64 off: its index arithmetic mixes int32 values with Python
-  ints, which x64 makes int64 (and lax.rem and the like refuse mixed dtypes). Its float operands
-  keep their dtypes, 64-bit integer ones (indices) are cast to int32 first; the XLA fallbacks run
-  outside it, float64 included."""
+  """A Mosaic GPU kernel, traced with jax_enable_x64 off: its index arithmetic mixes int32 values
+  with Python ints, which x64 makes int64 (and lax.rem and the like refuse mixed dtypes). It takes
+  16-bit operands only (a float64 one would be cast inside); 64-bit integer ones (indices) are
+  cast to int32 first. The XLA fallbacks, and the Triton kernels, run outside it."""
   narrow = lambda a: a.astype(jnp.int32) if getattr(a, "dtype", None) == jnp.int64 else a
 
   @functools.wraps(kernel)
@@ -194,7 +194,7 @@ def gather_sum(rows, layout, pair_weights, out_dtype, extra_weights=None, *, con
   top-K's slots alone. Unweighted (None), every slot counts 1."""
   if layout.num_extra and layout.pair_row.shape[1] and extras_sum.AVAILABLE and (
       not interpreting() and extras_sum.supports(rows) is None):
-    rows, slot_row, slot_weight = _int32(extras_sum.fold_extras)(
+    rows, slot_row, slot_weight = extras_sum.fold_extras(
         rows, layout.pair_row[:, 0], None if pair_weights is None else pair_weights[:, 0],
         layout.extra_token, layout.extra_row, extra_weights)
     layout = layout._replace(pair_row=layout.pair_row.at[:, 0].set(slot_row),
