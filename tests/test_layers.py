@@ -180,6 +180,14 @@ def test_sharding_metadata_on_every_parameter():
   assert names["b1"] == ("expert", "mlp") and names["shared_in"] == ("embed", "mlp")
 
 
+def test_signature_is_the_constructors():
+  """help() and inspect see MoE's constructor arguments, not Flax's metaclass (*args, **kwargs)."""
+  import inspect
+  params = inspect.signature(MoE).parameters
+  assert list(params)[:4] == ["d_model", "num_experts", "expert_dim", "top_k"]
+  assert params["rngs"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
 def test_compute_dtype_and_param_dtype(rng):
   m = _layer(dtype=jnp.bfloat16, param_dtype=jnp.float32)
   x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)

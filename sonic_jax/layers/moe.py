@@ -3,6 +3,7 @@ parallelism, `sonic_jax.parallel`'s ops)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import NamedTuple
@@ -525,3 +526,9 @@ class MoE(nnx.Module):
     counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
     step = self.bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
     self.selection_bias[...] = bias + step
+
+
+# Flax's Module metaclass shows MoE(*args, **kwargs) to help(), inspect and IDEs: give them the
+# constructor's arguments.
+_INIT = inspect.signature(MoE.__init__)
+MoE.__signature__ = _INIT.replace(parameters=list(_INIT.parameters.values())[1:])
