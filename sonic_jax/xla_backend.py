@@ -79,7 +79,8 @@ def grouped_weight_grad(lhs_rows: Array, rhs_rows: Array, layout: GroupedLayout)
 
 def row_bias(bias: Array, layout: GroupedLayout) -> Array:
   padded = jnp.concatenate([bias, jnp.zeros((1,) + bias.shape[1:], bias.dtype)], axis=0)
-  return take_shared(padded, layout.row_expert).astype(_acc(bias.dtype))  # row_expert == E past the used rows
+  # row_expert == E past the used rows: the zero row
+  return take_shared(padded, layout.row_expert).astype(_acc(bias.dtype))
 
 
 def up_projection(x, w1, b1, layout: GroupedLayout, activation: acts.Activation, gate_up_layout: str):
