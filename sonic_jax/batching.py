@@ -30,12 +30,13 @@ def _explicit_mesh(a) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _split_axes(a) -> tuple[str, ...]:
-  """The mesh axes that split a's leading dim in its type."""
-  spec = tuple(getattr(jax.typeof(a).sharding, "spec", ()))
-  if not spec or spec[0] is None:
+def split_axes(a, dim: int = 0) -> tuple[str, ...]:
+  """The mesh axes that split dim `dim` of a in its type (Explicit axes; those of size 1 too:
+  JAX's gather batching fails on them as well); () for None or a replicated a."""
+  spec = () if a is None else tuple(getattr(jax.typeof(a).sharding, "spec", ()))
+  if dim >= len(spec) or spec[dim] is None:
     return ()
-  return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  return spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
 
 
 @jax.custom_batching.custom_vmap
@@ -49,7 +50,7 @@ def _take_batched(axis_size, in_batched, a, index):
   a_batched, index_batched = in_batched
   if a_batched:
     return jax.vmap(lambda a, i: a[i], in_axes=(0, 0 if index_batched else None))(a, index), True
-  if not _split_axes(index):  # an outer vmap's batch may be split: its rule places that one
+  if not split_axes(index):  # an outer vmap's batch may be split: its rule places that one
     return _take(a, index), True
   spec = tuple(jax.typeof(index).sharding.spec)
   spec += (None,) * (index.ndim - len(spec) + a.ndim - 1)
@@ -99,7 +100,7 @@ def split_batch_refusal(what: str):
   def _unsplit_batched(axis_size, in_batched, x):
     del axis_size
     (batched,) = in_batched
-    if batched and (axes := _split_axes(x)):
+    if batched and (axes := split_axes(x)):
       raise ValueError(
           f"{what} cannot run under jax.vmap of a batch split over the mesh axes {axes}: its "
           "Pallas kernels' batching fails on sharded operands (JAX 0.11.2). Map that batch with "

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
-from sonic_jax.batching import split_batch_refusal
+from sonic_jax.batching import split_axes, split_batch_refusal
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import build_grouped_layout, check_integer_array, int32_ids
@@ -199,12 +199,8 @@ def _fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_n
 def _split_axes(a, dim: int) -> tuple[str, ...]:
   """The mesh axes of size > 1 that split dim `dim` of a in its type: Explicit axes (Auto axes and
   those a surrounding shard_map made manual are not in types); () for None or a replicated a."""
-  sharding = None if a is None else getattr(jax.typeof(a), "sharding", None)
-  spec = tuple(getattr(sharding, "spec", ()))
-  if dim >= len(spec) or spec[dim] is None:
-    return ()
-  axes = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
-  return tuple(ax for ax in axes if sharding.mesh.shape[ax] > 1)
+  axes = split_axes(a, dim)
+  return tuple(ax for ax in axes if jax.typeof(a).sharding.mesh.shape[ax] > 1) if axes else ()
 
 
 _SPLIT_REFUSALS = {
