@@ -142,12 +142,18 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   a, d_h = acts.activation_backward(h, d_a, activation, gate_up_layout)
   d_s = jnp.sum(d_a * a, axis=-1)
   if b2 is not None:
-    d_s = d_s + jnp.sum(d_out_rows.astype(d_a.dtype) * row_bias(b2, layout), axis=-1)
+    d_s = d_s + bias_score_term(d_out_rows, b2, layout, d_a.dtype)
   s = row_scores[:, None]
   d_h = jnp.where(valid, s * d_h, 0.0).astype(h.dtype)
   a_s = jnp.where(valid, s * a, 0.0).astype(h.dtype)
   d_s = jnp.where(layout.row_valid(), d_s, 0.0)
   return d_h, a_s, d_s, d_out_rows
+
+
+def bias_score_term(d_out_rows, b2, layout: GroupedLayout, dtype):
+  """(R,) <dO_t, b2_e> of each grouped row: dS's term from the down-projection's bias (Y = A w2
+  + b2), in `dtype`."""
+  return jnp.sum(d_out_rows.astype(dtype) * row_bias(b2, layout), axis=-1)
 
 
 def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool, with_b2: bool):

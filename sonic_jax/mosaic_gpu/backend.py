@@ -147,32 +147,34 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout, activation, gate_up_layo
                   config: Config):
   e, n, d = w2.shape
   dh_config = role_configs(d, n, e, activation.is_glu, gate_up_layout, config).dh
-  if _falls_back("dH role", dh.supports(h, w2, activation, gate_up_layout, dh_config.block_n)):
+  if _falls_back("dH role", dh.supports(h, w2, gate_up_layout, dh_config.block_n)):
     return xla_backend.dh_projection(d_out, h, row_scores, w2, b2, layout, activation,
                                      gate_up_layout)
   d_h, a_s, d_s_parts = _int32(dh.dh_projection)(d_out, h, row_scores, w2, layout, activation,
                                                  config=dh_config, gate_up_layout=gate_up_layout)
   d_s = jnp.sum(d_s_parts, axis=0)
+  rows = None  # the kernels gather the dO rows themselves: only the bias terms need them in HBM
   if b2 is not None:  # dS also has <dO_t, b2_e>: Y = A w2 + b2 (rows not in use: masked below)
     rows = d_out[layout.row_token]
-    d_s = d_s + jnp.sum(rows.astype(jnp.float32) * xla_backend.row_bias(b2, layout), axis=-1)
-  return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0), None
+    d_s = d_s + xla_backend.bias_score_term(rows, b2, layout, jnp.float32)
+  return d_h, a_s, jnp.where(layout.row_valid(), d_s, 0.0), rows
 
 
 def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, with_b2, *,
                  config: Config):
-  del d_out_rows  # this backend's dH returns none: the kernels gather the dO rows themselves
   n, d = a_s.shape[1], x.shape[1]
   wg_config = role_configs(d, n, layout.num_experts, True, config=config).weight_grad
   reason = (wgrad.supports(x, d_h, wg_config)
             or wgrad.supports(d_out, a_s, dw2_config(n, wg_config)))
   if _falls_back("weight gradient", reason):
-    return xla_backend.weight_grads(x, d_out, None, d_h, a_s, row_scores, layout, with_b1,
+    return xla_backend.weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1,
                                     with_b2)
   # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
   dw1 = _int32(wgrad.weight_grad)(x, d_h, layout, wg_config)
   dw2 = dw2_gathering_d_out(d_out, a_s, layout, wg_config)
-  db2_rows = d_out[layout.row_token] if with_b2 else None  # db2 alone needs the dO rows
+  db2_rows = None  # db2 alone needs the dO rows: dH gathered them for its own bias term
+  if with_b2:
+    db2_rows = d_out[layout.row_token] if d_out_rows is None else d_out_rows
   db1, db2 = xla_backend.bias_grads(db2_rows, d_h, row_scores, layout, with_b1, with_b2)
   return dw1, dw2, db1, db2
 

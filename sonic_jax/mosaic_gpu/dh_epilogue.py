@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

@@ -60,8 +60,7 @@ def default_block_n(n: int) -> int:
   return WIDE_BLOCK_N if n % WIDE_BLOCK_N == 0 else PREFETCH_BLOCK_N
 
 
-def supports(h, w2, activation: acts.Activation, gate_up_layout: str,
-             block_n: int = PREFETCH_BLOCK_N) -> str | None:
+def supports(h, w2, gate_up_layout: str, block_n: int = PREFETCH_BLOCK_N) -> str | None:
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     return f"gate_up_layout {gate_up_layout!r} (one of {acts.GATE_UP_LAYOUTS})"
   return unsupported_operands(h, w2, [("d", w2.shape[2], 64), ("n", w2.shape[1], block_n)])

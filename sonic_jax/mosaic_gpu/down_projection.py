@@ -12,9 +12,8 @@ import jax
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
-                                               check_layout_tile, grouped_gemm,
-                                               unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                               grouped_gemm, unsupported_operands)
 
 BLOCK_N = 256  # output columns per tile
 
@@ -35,8 +34,7 @@ def supports(a, w2) -> str | None:
 
 def down_projection(a, w2, b2, layout, config: DownProjectionConfig = DownProjectionConfig()):
   """Y (R, d) in a's dtype."""
-  _, n, d = w2.shape
-  tm = TILE_M
+  d = w2.shape[2]
   check_layout_tile(layout)
   dtype = a.dtype
   bn = BLOCK_N

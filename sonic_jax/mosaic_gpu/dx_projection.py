@@ -12,9 +12,8 @@ import jax
 from jax.experimental import pallas as pl
 
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
-                                               check_layout_tile, grouped_gemm,
-                                               unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                               grouped_gemm, unsupported_operands)
 
 BLOCK_N = 256
 
@@ -37,7 +36,6 @@ def supports(d_h, w1) -> str | None:
 def dx_projection(d_h, w1, layout, config: DxProjectionConfig = DxProjectionConfig()):
   """dX rows (R, d) in dH's dtype; rows of tiles past `layout.num_tiles` are left unwritten."""
   _, d, _ = w1.shape
-  tm = TILE_M
   check_layout_tile(layout)
   dtype = d_h.dtype
 

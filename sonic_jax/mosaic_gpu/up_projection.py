@@ -28,9 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sonic_jax import activations as acts
 from sonic_jax.interpret import interpreting
 from sonic_jax.mosaic_gpu import epilogue as epi
-from sonic_jax.mosaic_gpu.grouped_gemm import (TILE_M, GemmRole, GroupedGemmConfig,
-                                               check_layout_tile, grouped_gemm,
-                                               unsupported_operands)
+from sonic_jax.mosaic_gpu.grouped_gemm import (GemmRole, GroupedGemmConfig, check_layout_tile,
+                                               grouped_gemm, unsupported_operands)
 
 GLU_BLOCK_N = 128  # hidden units per column block (gate and up blocks of 128 columns each)
 PLAIN_BLOCK_N = 256
@@ -59,8 +58,7 @@ def up_projection(x, w1, b1, layout, activation: acts.Activation, gate_up_layout
                   config: UpProjectionConfig = UpProjectionConfig()):
   """(H, A) for the grouped layout; shapes and dtypes as `xla_backend.up_projection`. x: (T, d),
   its rows gathered by `layout.row_token` as they load."""
-  _, d, width = w1.shape
-  tm = TILE_M
+  width = w1.shape[2]
   check_layout_tile(layout)
   dtype = x.dtype
   glu = activation.is_glu

@@ -32,8 +32,8 @@ from sonic_jax.mosaic_gpu.grouped_gemm import (_NUM_COMPUTE_WGS, TILE_K, consume
                                                drain_ring, persistent_launch, register_split,
                                                stage_release_barriers, tiled, unsupported_operands)
 
-# Output rows per work item: one 64-row accumulator per compute warpgroup (256-row blocks served
-# only dw2's N-side form, which measured slower: docs/decisions.md, "Weight gradients").
+# Output rows per work item: one 64-row accumulator per compute warpgroup (256-row blocks, for
+# dw2's N-side form, measured slower: docs/decisions.md, "Weight gradients").
 BLOCK_M = 128
 
 
@@ -42,8 +42,8 @@ class WeightGradConfig:
   """block_n: output columns per work item (of BLOCK_M rows); num_stages: depth of the operand
   ring.
   cluster: CTAs per cluster (1 or 2). With 2, the CTAs of a cluster take two blocks of one expert
-  that share their rhs tile (consecutive m blocks): each CTA TMA-loads half of that tile and
-  multicasts it to both. Where the number of m blocks is odd the kernel runs unclustered."""
+  that share their rhs tile (consecutive d blocks): each CTA TMA-loads half of that tile and
+  multicasts it to both. Where the number of d blocks is odd the kernel runs unclustered."""
 
   block_n: int = 256
   num_stages: int = 4
@@ -72,26 +72,27 @@ def supports(lhs, rhs_rows, config: WeightGradConfig = WeightGradConfig()) -> st
 
 def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConfig(),
                 transpose_out: bool = False):
-  """(E, m, n) in lhs's dtype, float32 accumulation: out[e] = sum over e's grouped rows r of
-  lhs[row_token[r]]^T rhs_rows[r].
+  """(E, d, w) in lhs's dtype, float32 accumulation: out[e] = sum over e's grouped rows r of
+  lhs[row_token[r]]^T rhs_rows[r] (dw1: w = 2n or n, the up-projection's width; dw2, transposed:
+  w = n).
 
-  lhs: the (T, m) source whose row `layout.row_token[r]` is grouped row r, gathered as the
+  lhs: the (T, d) source whose row `layout.row_token[r]` is grouped row r, gathered as the
   reduction runs (cp.async on the GPU; `gather.py`; no gathered copy is written to HBM).
-  rhs_rows: (R, n) grouped rows, zero on padding rows. Expert e's reduction runs over its first
+  rhs_rows: (R, w) grouped rows, zero on padding rows. Expert e's reduction runs over its first
   `layout.expert_counts[e]` rows rounded up to `TILE_K` (its real rows come first in its group):
   the padding rows past them are never read, and an expert without rows gets a zero gradient.
-  transpose_out: return (E, n, m), each block's accumulators stored transposed, so that a product
+  transpose_out: return (E, w, d), each block's accumulators stored transposed, so that a product
   wanted as rhs^T lhs (dw2 = A_s^T dO) puts its gathered operand on the wgmma's M side.
   """
   if layout.row_tile % TILE_K:
     raise ValueError(f"layout row_tile {layout.row_tile} is not a multiple of {TILE_K}")
-  m, n = lhs.shape[1], rhs_rows.shape[1]
+  d, width = lhs.shape[1], rhs_rows.shape[1]  # out[e] is (d, w): BLOCK_M x block_n blocks
   e_count = layout.num_experts
-  bm, bn, tk, stages = BLOCK_M, config.block_n, TILE_K, config.num_stages
-  half = bm // _NUM_COMPUTE_WGS  # output rows per compute warpgroup: its one accumulator
+  bd, bw, tk, stages = BLOCK_M, config.block_n, TILE_K, config.num_stages
+  half = bd // _NUM_COMPUTE_WGS  # output rows per compute warpgroup: its one accumulator
   lhs_boxes = _NUM_COMPUTE_WGS  # the lhs stage as (tk, half) boxes, warpgroup w's is box w
-  m_blocks, n_blocks = m // bm, n // bn
-  items = e_count * m_blocks * n_blocks
+  d_blocks, w_blocks = d // bd, width // bw
+  items = e_count * d_blocks * w_blocks
   dtype = lhs.dtype
   group_start = (jnp.cumsum(layout.group_sizes) - layout.group_sizes).astype(jnp.int32)
   itemsize = jnp.dtype(dtype).itemsize
@@ -105,7 +106,7 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
   full_arrivals = 1 if cp_async else 2
   # Both CTAs of a cluster read the same rhs tile (TMA multicast): never the gathered operand.
   cluster = config.cluster
-  if m_blocks % cluster:
+  if d_blocks % cluster:
     cluster = 1
   multicast = {"collective_axes": "cluster"} if cluster > 1 else {}
 
@@ -117,47 +118,47 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
       wg = lax.axis_index("wg")
 
       def walk_items(per_item):
-        """per_item(expert, m_block, n_block, first_row, steps, first_step) over this CTA's
+        """per_item(expert, d_block, w_block, first_row, steps, first_step) over this CTA's
         items, in the same order in every warpgroup; returns the k-steps taken."""
-        # A cluster walks items of pairs of m blocks; each CTA takes its own block of the pair.
-        mbs, nbs = m_blocks // cluster, n_blocks
+        # A cluster walks items of pairs of d blocks; each CTA takes its own block of the pair.
+        dbs, wbs = d_blocks // cluster, w_blocks
 
         @plgpu.nd_loop((items // cluster,), collective_axes="sm", init_carry=jnp.int32(0))
         def _items(info, carry):
           step = carry
           idx = info.index[0]
-          e = idx // (mbs * nbs)
-          mb = lax.rem(idx, mbs * nbs) // nbs
-          nb = lax.rem(idx, nbs)
+          e = idx // (dbs * wbs)
+          d_block = lax.rem(idx, dbs * wbs) // wbs
+          w_block = lax.rem(idx, wbs)
           if cluster > 1:
-            mb = mb * cluster + lax.axis_index("cluster")
+            d_block = d_block * cluster + lax.axis_index("cluster")
           steps = sizes_ref[e] // tk  # of the expert's rows that the reduction reads
-          per_item(e, mb, nb, starts_ref[e], steps, step)
+          per_item(e, d_block, w_block, starts_ref[e], steps, step)
           return step + steps
         return _items
 
       def load_lhs_rows(rows, cols, slot, indices):
-        """Gathers the grouped rows `rows` of lhs, columns `cols`, into the stage's (tk, 64)
+        """Gathers the grouped rows `rows` of lhs, columns `cols`, into the stage's (tk, half)
         boxes."""
         if cp_async:
           # Each step reads new indices: prefetch the next step's (clamped to the buffer).
           next_rows = pl.ds(jnp.minimum(rows.start + tk, row_token_ref.shape[0] - tk), tk)
           gather.cp_async_rows(lhs_ref.at[:, cols], row_token_ref.at[rows], a_raw.at[slot],
                                ready.at[slot], source_row_stride=lhs_ref.shape[1],
-                               block_stride=tk * 64 * itemsize, group_stride=8 * 64 * itemsize,
+                               block_stride=tk * half * itemsize, group_stride=8 * half * itemsize,
                                next_row_index=row_token_ref.at[next_rows],
                                loaded_indices=indices)
           return
         value = gather.interpreted_rows(lhs_ref.at[:, cols], row_token_ref.at[rows])
         for j in range(lhs_boxes):
-          a_smem[slot, j] = value[:, j * 64:(j + 1) * 64]
+          a_smem[slot, j] = value[:, j * half:(j + 1) * half]
         plgpu.barrier_arrive(full.at[slot])
 
       @pl.when(wg == _NUM_COMPUTE_WGS)
       def _memory_wg():
         plgpu.set_max_registers(memory_regs, action="decrease")
 
-        def load(e, mb, nb, first_row, steps, step):
+        def load(e, d_block, w_block, first_row, steps, step):
           del e
 
           @pl.loop(0, steps)
@@ -168,14 +169,14 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
             rows = pl.ds(pl.multiple_of(first_row + ki * tk, tk), tk)
             indices = None
             if cp_async and config.indices_before_wait:
-              indices = gather.load_row_indices(row_token_ref.at[rows], width=bm, dtype=dtype)
+              indices = gather.load_row_indices(row_token_ref.at[rows], width=bd, dtype=dtype)
 
             @pl.when(s >= stages)
             def _():
               plgpu.barrier_wait(empty.at[slot])
 
-            load_lhs_rows(rows, pl.ds(mb * bm, bm), slot, indices)
-            plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(nb * bn, bn)], b_smem.at[slot],
+            load_lhs_rows(rows, pl.ds(d_block * bd, bd), slot, indices)
+            plgpu.copy_gmem_to_smem(rhs_ref.at[rows, pl.ds(w_block * bw, bw)], b_smem.at[slot],
                                     full.at[slot], **multicast)
 
         drain_ring(empty, walk_items(load), stages)
@@ -184,7 +185,7 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
       def _compute_wg():
         plgpu.set_max_registers(compute_regs, action="increase")
 
-        def compute(e, mb, nb, first_row, steps, step):
+        def compute(e, d_block, w_block, first_row, steps, step):
           del first_row
 
           def acc_scope(acc_ref):
@@ -196,9 +197,9 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
             consume_stages(full, empty, ready if cp_async else None, step, steps, stages, issue)
             return acc_ref[...]
 
-          acc = pl.run_scoped(acc_scope, plgpu.ACC((half, bn), jnp.float32))
-          out_rows = pl.ds(mb * bm + wg * half, half)
-          out_cols = pl.ds(nb * bn, bn)
+          acc = pl.run_scoped(acc_scope, plgpu.ACC((half, bw), jnp.float32))
+          out_rows = pl.ds(d_block * bd + wg * half, half)
+          out_cols = pl.ds(w_block * bw, bw)
           epi.store_tiles(
               [(acc.astype(dtype), out_ref.at[e, out_cols, out_rows] if transpose_out
                 else out_ref.at[e, out_rows, out_cols])],
@@ -207,13 +208,13 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
         walk_items(compute)
         plgpu.wait_smem_to_gmem(0)
 
-    staging = epi.staging_buffers(64, dtype)
-    a_shape = (stages, lhs_boxes, tk, 64)
+    staging = epi.staging_buffers(half, dtype)
+    a_shape = (stages, lhs_boxes, tk, half)
     pl.run_scoped(
         scoped,
         plgpu.RefUnion(plgpu.SMEM(a_shape, dtype, transforms=tiled(dtype)),
                        plgpu.SMEM(a_shape, dtype)),
-        plgpu.SMEM((stages, tk, bn), dtype, transforms=tiled(dtype)),
+        plgpu.SMEM((stages, tk, bw), dtype, transforms=tiled(dtype)),
         plgpu.Barrier(num_arrivals=full_arrivals, num_barriers=stages),
         stage_release_barriers(cluster, stages),
         plgpu.SMEM((_NUM_COMPUTE_WGS,) + staging.shape, dtype, transforms=staging.transforms),
@@ -222,7 +223,8 @@ def weight_grad(lhs, rhs_rows, layout, config: WeightGradConfig = WeightGradConf
 
   kernel = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((e_count, n, m) if transpose_out else (e_count, m, n), dtype),
+      out_type=jax.ShapeDtypeStruct(
+          (e_count, width, d) if transpose_out else (e_count, d, width), dtype),
       **persistent_launch(cluster),
       kernel_name="weight_grad",
       num_threads=_NUM_COMPUTE_WGS + 1,
