@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+from typing import Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -204,7 +207,8 @@ def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0, up_offset: float = 
                     up_offset=float(up_offset))
 
 
-ACTIVATIONS: dict[str, Activation] = {
+# Read-only: a jitted function keyed on a preset's name must not see it change.
+ACTIVATIONS: Mapping[str, Activation] = types.MappingProxyType({
     "swiglu": Activation("swiglu", "silu", is_glu=True),
     "geglu": Activation("geglu", "gelu", is_glu=True),
     "geglu_tanh": Activation("geglu_tanh", "gelu_tanh", is_glu=True),
@@ -215,7 +219,7 @@ ACTIVATIONS: dict[str, Activation] = {
     "relu": Activation("relu", "relu", is_glu=False),
     "relu_sq": Activation("relu_sq", "relu_sq", is_glu=False),
     "silu": Activation("silu", "silu", is_glu=False),
-}
+})
 
 
 def get_activation(activation: str | Activation) -> Activation:

@@ -9,7 +9,10 @@ and hashable: under `jax.jit` it is a static Python value, so two configs give t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +48,14 @@ class Config:
     for name in ("router_kernel_max_experts", "layout_kernel_max_experts",
                  "gather_sum_kernel_min_slots", "gather_sum_kernel_min_d"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Config.{name} must be an int >= 0, got {value!r}")
+      if value < 0:
         raise ValueError(f"Config.{name} must be an int >= 0, got {value!r}")
-    if not isinstance(self.gather_sum_kernel, bool):
+      object.__setattr__(self, name, int(value))  # a NumPy integer too: one hash, one repr
+    if not isinstance(self.gather_sum_kernel, (bool, np.bool_)):
       raise TypeError(f"Config.gather_sum_kernel must be a bool, got {self.gather_sum_kernel!r}")
+    object.__setattr__(self, "gather_sum_kernel", bool(self.gather_sum_kernel))
     if self.tuning is not None:
       from sonic_jax.mosaic_gpu.tuning import TuningTable  # pylint: disable=import-outside-toplevel
       if not isinstance(self.tuning, TuningTable):

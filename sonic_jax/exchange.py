@@ -125,18 +125,17 @@ def exchange(buffer: Array, plan: ExchangePlan, axis_name: str, transport: str) 
   Differentiable: the transpose is the exchange back."""
   if resolve_transport(transport) == "dense":
     return jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)
-  return ragged_exchange(buffer, buffer.shape[0], plan, axis_name)
+  return ragged_exchange(buffer, plan, axis_name)
 
 
-def ragged_exchange(operand: Array, out_rows: int, plan: ExchangePlan, axis_name: str,
-                    native: bool | None = None) -> Array:
+def ragged_exchange(operand: Array, plan: ExchangePlan, axis_name: str) -> Array:
   """Sends plan.send_sizes[j] rows of operand from plan.input_offsets[j] to device j, which writes
-  them at the offset this device's plan.output_offsets[j] names; returns the (out_rows, ...) receive
-  buffer, zeros where nothing arrived. `jax.lax.ragged_all_to_all` where the platform has it
-  (native=None: `native_ragged_all_to_all()`), else an all-gather emulation with the same values."""
-  native = native_ragged_all_to_all() if native is None else native
-  output = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
-  if native:
+  them at the offset this device's plan.output_offsets[j] names; returns the receive buffer (as
+  many rows as operand), zeros where nothing arrived. `jax.lax.ragged_all_to_all` where the
+  platform has it (`native_ragged_all_to_all`), else an all-gather emulation with the same
+  values."""
+  output = jnp.zeros(operand.shape, operand.dtype)  # not varying over the axis, as before
+  if native_ragged_all_to_all():
     return jax.lax.ragged_all_to_all(operand, output, plan.input_offsets, plan.send_sizes,
                                      plan.output_offsets, plan.recv_sizes, axis_name=axis_name)
   return _emulated_exchange(operand, output, plan, axis_name)

@@ -1,4 +1,5 @@
-"""The expert mixture with SonicMoE's low-activation backward, as one `jax.custom_vjp`.
+"""The expert mixture with SonicMoE's low-activation backward, as one `jax.custom_vjp` (`mixture`;
+`expert_mixture` checks its arguments first).
 
 Forward: H = gather(x) @ w1 (+b1) and A = act(H) (up-projection), Y = A @ w2 (+b2) (down-projection),
 y_t = sum_k s_tk * Y[row(t, k)] (gather-sum aggregation). Saved for backward: x, H, the scores and
@@ -14,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from sonic_jax import activations as acts
-from sonic_jax.backends import Backend
+from sonic_jax.backends import Backend, resolve_backend
+from sonic_jax.checks import check_array, check_experts, check_rank
+from sonic_jax.config import Config, check_config
 from sonic_jax.layout import GroupedLayout
 from sonic_jax.varying import like_primal
 
@@ -37,11 +40,60 @@ def _pair_values(row_values: Array, layout: GroupedLayout) -> tuple[Array, Array
   return slots, extra
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout,
-                   w1: Array, w2: Array, b1: Array | None, b2: Array | None,
-                   activation: acts.Activation, gate_up_layout: str, backend: Backend) -> Array:
-  """y (T, d) = sum over each token's routed experts of score * expert(x_t).
+                   w1: Array, w2: Array, b1: Array | None = None, b2: Array | None = None,
+                   activation: str | acts.Activation = "swiglu", gate_up_layout: str = "concat",
+                   backend: str | Backend = "auto", config: Config | None = None) -> Array:
+  """y (T, d) = sum over each token's routed experts of score * expert(x_t), on a grouped layout
+  you built (`build_grouped_layout`; `routed_experts` builds it for you).
+
+  x (T, d); scores (T, S) float weights of the layout's slot pairs; extra_scores (X,) those of its
+  extra pairs (None when it has none); the layout built from (T, S) expert ids over w1's E experts
+  with the backend's `row_tile`; w1, w2, b1, b2, activation, gate_up_layout: as `sonic_jax.moe`.
+  backend: a name of `sonic_jax.BACKENDS` (resolved with `config`, a `sonic_jax.Config`) or a
+  resolved `Backend`.
+  Differentiable in x, scores, extra_scores, w1, w2, b1 and b2.
+  """
+  act = check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
+  check_array("scores", scores)
+  config = check_config(config)  # used to resolve a backend given by name
+  impl = backend if isinstance(backend, Backend) else resolve_backend(backend, config)
+  if not isinstance(layout, GroupedLayout):
+    raise TypeError(f"layout must be a sonic_jax.GroupedLayout, got {type(layout).__name__}")
+  e_count, rows = w1.shape[0], layout.row_token.shape[0]
+  if layout.group_sizes.shape != (e_count,):
+    raise ValueError(f"layout is built for {layout.group_sizes.shape[0]} experts, but w1 holds "
+                     f"{e_count}")
+  if layout.tile_expert.shape[0] * impl.row_tile != rows:
+    raise ValueError(f"layout must be built with the backend's row_tile = {impl.row_tile} (its "
+                     f"{rows} rows are not {layout.tile_expert.shape[0]} tiles of that many)")
+  check_rank("scores", scores, 2, f"(T, S) = {tuple(layout.pair_row.shape)}, the layout's")
+  if scores.shape != layout.pair_row.shape or scores.shape[0] != x.shape[0]:
+    raise ValueError(f"scores must have the layout's shape (T, S) = {tuple(layout.pair_row.shape)} "
+                     f"with T = {x.shape[0]} (x's), got {tuple(scores.shape)}")
+  num_extra = layout.extra_row.shape[0]
+  if extra_scores is None and num_extra:
+    raise ValueError(f"extra_scores must be given: the layout has {num_extra} extra pairs")
+  if extra_scores is not None:
+    check_array("extra_scores", extra_scores)
+    if extra_scores.shape != (num_extra,):
+      raise ValueError(f"extra_scores must have shape (X,) = ({num_extra},), the layout's extra "
+                       f"pairs, got {tuple(extra_scores.shape)}")
+  # float32 weights at least, as the router gives them (the cotangents come back in the inputs')
+  scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
+  if extra_scores is not None:
+    extra_scores = jnp.asarray(extra_scores).astype(scores.dtype) if num_extra else None
+  x, w1, w2 = map(jnp.asarray, (x, w1, w2))
+  if not (x.shape[0] and x.shape[1] and rows):  # no tokens, d = 0 or no pairs: nothing to run
+    return jnp.zeros_like(x)
+  return mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout, w1: Array,
+            w2: Array, b1: Array | None, b2: Array | None, activation: acts.Activation,
+            gate_up_layout: str, backend: Backend) -> Array:
+  """`expert_mixture` on checked arguments and a resolved activation and backend.
 
   `scores` (T, S) float32 weights the slot pairs of `layout` (built from the (T, S) expert ids with
   the backend's `row_tile`) and `extra_scores` (X,) its extra pairs (None when it has none).
@@ -77,4 +129,4 @@ def _backward(activation, gate_up_layout, backend, residuals, d_y):
           cast(dw1, w1), cast(dw2, w2), cast(db1, b1), cast(db2, b2))
 
 
-expert_mixture.defvjp(_forward, _backward)
+mixture.defvjp(_forward, _backward)

@@ -112,8 +112,8 @@ def stable_sort_ids(flat: Array, bound: int) -> tuple[Array, Array]:
 LAYOUT_METHODS = ("auto", "sort", "block_ranks")
 
 
-def block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0,
-                           extras_by_expert: bool = False) -> str | None:
+def _block_ranks_unsupported(expert_ids: Array, num_experts: int, num_extra: int = 0,
+                            extras_by_expert: bool = False) -> str | None:
   """None when `build_grouped_layout(method="block_ranks")` handles this routing, else why not."""
   if num_extra and not extras_by_expert:
     return "the block-rank method places extra pairs only when they come grouped by expert"
@@ -128,7 +128,7 @@ def _use_block_ranks(method: str, expert_ids: Array, num_experts: int, num_extra
     raise ValueError(f"method must be one of {LAYOUT_METHODS}, got {method!r}")
   if method == "sort":
     return False
-  reason = block_ranks_unsupported(expert_ids, num_experts, num_extra, extras_by_expert)
+  reason = _block_ranks_unsupported(expert_ids, num_experts, num_extra, extras_by_expert)
   if method == "block_ranks":
     if reason is not None:
       raise ValueError(f"build_grouped_layout(method='block_ranks'): {reason}")
@@ -240,9 +240,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          method: str = "auto", config: Config | None = None) -> GroupedLayout:
   """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
 
-  extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an
-  expert id outside [0, E) marks an unused entry. A token may appear in any number of them. An
-  expert's extra pairs follow its slot pairs, in list order.
+  extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an expert
+  id outside [0, E) or a token outside [0, T) marks an unused entry. A token may appear in any
+  number of them. An expert's extra pairs follow its slot pairs, in list order.
   extras_by_expert: the extra pairs come grouped by expert as token rounding gives them: X = E * J
   and entry x is expert x // J's or unused (an entry naming any other expert counts as unused);
   then the "block_ranks" method places them with no sort.
@@ -277,7 +277,11 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   num_pairs = num_slot_pairs + num_extra
   e_count = num_experts
   rows = grouped_rows(num_pairs, e_count, row_tile)
-  extra_used = (extra_experts >= 0) & (extra_experts < e_count)
+  # An extra pair counts only with both its expert and its token in range: one outside would
+  # add a row whose output the aggregation drops but whose weight gradient it keeps.
+  extra_used = ((extra_experts >= 0) & (extra_experts < e_count) & (extra_tokens >= 0)
+                & (extra_tokens < num_tokens))
+  extra_experts = jnp.where(extra_used, extra_experts, e_count)
 
   if extras_by_expert and num_extra:
     if num_extra % e_count:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -13,8 +12,9 @@ from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
 from sonic_jax.batching import split_axes, split_batch_refusal
+from sonic_jax.checks import check_capacity, check_experts, check_float, check_moe, check_rank
 from sonic_jax.config import Config, check_config
-from sonic_jax.experts import expert_mixture
+from sonic_jax.experts import mixture
 from sonic_jax.layout import build_grouped_layout, check_integer_array, int32_ids
 
 Array = jax.Array
@@ -29,7 +29,8 @@ class MoEAux(NamedTuple):
     expert_ids: (T, K) int32, each slot's expert; -1 where token rounding or a capacity
       (`capacity_factor`, or the all-to-all's slots under expert parallelism) dropped the pair.
     scores: (T, K) float32, each slot's weight; 0 where the pair was dropped.
-    router_logits: (T, E) float32.
+    router_logits: (T, E) float32 (float64 for float64 inputs under jax_enable_x64); from
+      `moe_all_gather`, those of all the axis's tokens (P * T_local, E).
     load_balance_loss: () float32, E * sum_e f_e * P_e (1 when uniform; sigmoid and
       sqrt_softplus gates are normalised with 1e-20 added to their sum, as DeepSeek's).
     z_loss: () float32, mean logsumexp(logits) ** 2.
@@ -62,144 +63,10 @@ class MoEAux(NamedTuple):
   choice_ids: Array | None = None
 
 
-_FLOATS = tuple(jnp.dtype(t) for t in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
-
-
-def _dtype(a):
-  """a's dtype as JAX computes with it: a NumPy float64 input is float32 unless
-  jax_enable_x64 is on, as under `jax.jit`."""
-  return jax.dtypes.canonicalize_dtype(a.dtype)
-
-
-def _check_float(name, a):
-  if a.dtype not in _FLOATS:
-    raise TypeError(f"{name} must have a floating dtype of float16, bfloat16, float32 or "
-                    f"float64, got {a.dtype}")
-
-
-def _check_rank(name, a, rank, shape_doc):
-  if a.ndim != rank:
-    raise ValueError(f"{name} must have shape {shape_doc}, got shape {tuple(a.shape)}")
-
-
-def _check_array(name, a):
-  if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(a).__name__}")
-  _check_float(name, a)
-
-
-def _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
-  """Checks x and the expert weights (E = e_count, or w1's first dim when None); returns the
-  `Activation`."""
-  for name, a in (("x", x), ("w1", w1), ("w2", w2)):
-    _check_array(name, a)
-  act = acts.get_activation(activation)
-  if gate_up_layout not in acts.GATE_UP_LAYOUTS:
-    raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got {gate_up_layout!r}")
-  _check_rank("x", x, 2, "(T, d)")
-  _, d = x.shape
-  mult = act.width_multiplier()
-  _check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = "
-                          f"({'E' if e_count is None else e_count}, {d}, ...)")
-  e_count = w1.shape[0] if e_count is None else e_count
-  if w1.shape[0] != e_count or w1.shape[1] != d:
-    raise ValueError(f"w1 must have shape (E, d, {'2n' if act.is_glu else 'n'}) with E = {e_count}, "
-                     f"d = {d}, got {tuple(w1.shape)}")
-  if w1.shape[2] % mult or w1.shape[2] == 0:
-    what = "2n (even and > 0) for the GLU" if act.is_glu else "n (> 0) for the"
-    raise ValueError(f"w1's last dim must be {what} activation {activation!r}, got {w1.shape[2]}")
-  n = w1.shape[2] // mult
-  _check_rank("w2", w2, 3, f"(E, n, d) = ({e_count}, {n}, {d})")
-  if tuple(w2.shape) != (e_count, n, d):
-    hint = ""
-    if w2.shape[1] == w1.shape[2] and act.is_glu:
-      hint = " (w1 is 2n wide for a GLU activation, so n is half of w1's last dim)"
-    elif w2.shape[1] * 2 == w1.shape[2] and not act.is_glu:
-      hint = f" (w1 looks 2n wide: is {activation!r} meant to be a GLU activation?)"
-    raise ValueError(f"w2 must have shape (E, n, d) = ({e_count}, {n}, {d}), got "
-                     f"{tuple(w2.shape)}{hint}")
-  for name, a in (("w1", w1), ("w2", w2)):
-    if _dtype(a) != _dtype(x):
-      raise TypeError(f"{name} must have x's dtype {_dtype(x)}, got {_dtype(a)} (cast the expert "
-                      "weights to the compute dtype; the Flax layer does this for you)")
-  for name, b, shape in (("b1", b1, (e_count, w1.shape[2])), ("b2", b2, (e_count, d))):
-    if b is None:
-      continue
-    if not hasattr(b, "shape"):
-      raise TypeError(f"{name} must be an array or None, got {type(b).__name__}")
-    _check_float(name, b)
-    if tuple(b.shape) != shape:
-      raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
-    if _dtype(b) != _dtype(x):
-      raise TypeError(f"{name} must have x's dtype {_dtype(x)}, got {_dtype(b)}")
-  return act
-
-
-def _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-              num_local_experts=None, selection_bias=None, routing="softmax_topk",
-              router_bias=None, router_input=None, expert_scale=None, expert_ids=None,
-              token_rounding=None):
-  """Checks the arguments of `moe`. The expert weights hold the router's E experts, or
-  `num_local_experts` of them when experts are sharded (`sonic_jax.parallel`)."""
-  for name, a in (("x", x), ("router_weight", router_weight)):
-    _check_array(name, a)
-  _check_rank("x", x, 2, "(T, d)")
-  d = x.shape[1]
-  _check_rank("router_weight", router_weight, 2, f"(d, E) = ({d}, E)")
-  if router_weight.shape[0] != d:
-    if getattr(w1, "ndim", None) == 3 and w1.shape[1] == router_weight.shape[0]:
-      # the router and the experts agree on d: x is the odd one
-      raise ValueError(f"x must have shape (T, d) with d = {w1.shape[1]} (router_weight's and "
-                       f"w1's), got {tuple(x.shape)}")
-    raise ValueError(f"router_weight must have shape (d, E) with d = {d} (x's last dim), "
-                     f"got {tuple(router_weight.shape)}")
-  e_router = router_weight.shape[1]
-  if (num_local_experts is None and getattr(w1, "ndim", None) == 3
-      and w1.shape[0] != e_router):
-    raise ValueError(f"router_weight has E = {e_router} experts (its last dim), but w1 holds "
-                     f"{w1.shape[0]}: the router gives one logit per expert")
-  act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout,
-                       e_router if num_local_experts is None else num_local_experts)
-  routing_lib.get_router(routing).check(e_router, top_k)  # top_k's type and range first
-  for name, b in (("selection_bias", selection_bias), ("router_bias", router_bias),
-                  ("expert_scale", expert_scale)):
-    if b is None:
-      continue
-    _check_array(name, b)
-    if tuple(b.shape) != (e_router,):
-      raise ValueError(f"{name} must have shape (E,) = ({e_router},), got {tuple(b.shape)}")
-  if expert_ids is not None:
-    check_integer_array("expert_ids", expert_ids)
-    if tuple(expert_ids.shape) != (x.shape[0], top_k):
-      raise ValueError(f"expert_ids must have shape (T, top_k) = ({x.shape[0]}, {top_k}), got "
-                       f"{tuple(expert_ids.shape)}")
-    excluded = _fixed_selection_excludes(token_rounding, selection_bias is not None,
-                                         routing_lib.get_router(routing), "selection_bias")
-    if excluded:
-      raise ValueError(f"expert_ids (a fixed selection) takes no {excluded}")
-  if router_input is not None:
-    _check_array("router_input", router_input)
-    if tuple(router_input.shape) != tuple(x.shape):
-      raise ValueError(f"router_input must have x's shape {tuple(x.shape)}, got "
-                       f"{tuple(router_input.shape)}")
-  return act
-
-
-def _fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_name):
-  """The first of these options that a fixed selection (expert_ids) excludes, named for an error
-  message, or None: each only moves a selection, so it would go silently unused."""
-  for given, what in ((token_rounding is not None, "token_rounding (the two exclude each other)"),
-                      (has_selection_bias, bias_name),
-                      (router.n_group > 1, "group-limited routing (Router.n_group > 1)")):
-    if given:
-      return what
-  return None
-
-
-def _split_axes(a, dim: int) -> tuple[str, ...]:
-  """The mesh axes of size > 1 that split dim `dim` of a in its type: Explicit axes (Auto axes and
+def _split_axes(a) -> tuple[str, ...]:
+  """The mesh axes of size > 1 that split a's first dim in its type: Explicit axes (Auto axes and
   those a surrounding shard_map made manual are not in types); () for None or a replicated a."""
-  axes = split_axes(a, dim)
+  axes = split_axes(a)
   return tuple(ax for ax in axes if jax.typeof(a).sharding.mesh.shape[ax] > 1) if axes else ()
 
 
@@ -218,12 +85,12 @@ def _check_whole(what: str, **arrays):
   refused by name: `moe` runs every expert on each device (JAX would fail inside the experts'
   loop) and routes all its tokens together (JAX would refuse the sort over them)."""
   for name, a in arrays.items():
-    if axes := _split_axes(a, 0):
+    if axes := _split_axes(a):
       raise ValueError(f"{name} is split over its {what} on the mesh axes {axes}: "
                        f"{_SPLIT_REFUSALS[what]}")
 
 
-def _whole(a):
+def whole(a):
   """a replicated where its type splits it over Explicit mesh axes, else a as it is: x over d, the
   expert weights over a size-1 expert axis (as `_check_whole` allows) or FSDP's other dims, the
   router and the per-expert vectors over d or E. Every device runs all of each expert, and the
@@ -243,16 +110,6 @@ def _refuse_split_batch(x, impl, token_rounding):
   if token_rounding is not None and jax.default_backend() == "gpu":
     return split_batch_refusal("token rounding on a GPU")(x)
   return x
-
-
-def _check_capacity(capacity_factor):
-  if capacity_factor is None:
-    return
-  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
-    raise TypeError(f"capacity_factor must be None or a Python float, got "
-                    f"{type(capacity_factor).__name__}")
-  if not 0 < capacity_factor < math.inf:
-    raise ValueError(f"capacity_factor must be finite and > 0, got {capacity_factor}")
 
 
 def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) -> int:
@@ -307,7 +164,7 @@ class ExpertsAux(NamedTuple):
   extra_experts: Array | None = None
 
 
-def _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores):
+def scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores):
   """Llama 4's input scaling for any routing: one pseudo-token per pair, its token scaled by the
   pair's weight, routed to the pair's expert with weight 1. Returns (x_pairs (P, d), ids (P, 1),
   a function summing the pairs' outputs back into tokens)."""
@@ -342,9 +199,8 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
   num_pairs = expert_ids.size + (0 if extra_tokens is None else extra_tokens.shape[0])
   capacity = (None if capacity_factor is None
               else expert_capacity(num_pairs, e_count, capacity_factor))
-  combine = None
   if scale_input:
-    x_in, ids_in, combine = _scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts,
+    x_in, ids_in, combine = scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts,
                                            extra_scores)
     layout, kept_all, _, counts, dropped = _layout_with_capacity(
         ids_in, e_count, impl.row_tile, None, None, capacity, config)
@@ -352,15 +208,14 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
     kept_extra = None if extra_tokens is None else jnp.where(
         kept_all[expert_ids.size:, 0] >= 0, kept_all[expert_ids.size:, 0], e_count)
     if t_count and d and num_pairs:
-      y = combine(expert_mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1,
-                                 w2, b1, b2, act, gate_up_layout, impl))
+      y = combine(mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1, w2, b1,
+                          b2, act, gate_up_layout, impl))
   else:
     layout, kept, kept_extra, counts, dropped = _layout_with_capacity(
         expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config,
         extras_by_expert)
     if t_count and d and num_pairs:
-      y = expert_mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout,
-                         impl)
+      y = mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)
   if not (t_count and d and num_pairs):  # no tokens, d = 0 or no pairs: no expert has work
     y = jnp.zeros_like(x)
   aux = ExpertsAux(expert_counts=counts, expert_ids=kept,
@@ -374,12 +229,12 @@ def _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, ex
   for name, a in (("expert_ids", expert_ids), ("scores", scores)):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(a).__name__}")
-    _check_rank(name, a, 2, f"(T, S) with T = {t_count}")
+    check_rank(name, a, 2, f"(T, S) with T = {t_count}")
   if expert_ids.shape != scores.shape or expert_ids.shape[0] != t_count:
     raise ValueError(f"expert_ids and scores must both have shape (T, S) with T = {t_count}, got "
                      f"{tuple(expert_ids.shape)} and {tuple(scores.shape)}")
   check_integer_array("expert_ids", expert_ids)
-  _check_float("scores", scores)
+  check_float("scores", scores)
   extras = (extra_tokens, extra_experts, extra_scores)
   if any(e is None for e in extras) and not all(e is None for e in extras):
     raise ValueError("extra_tokens, extra_experts and extra_scores must be given together")
@@ -391,7 +246,7 @@ def _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, ex
                        f"{name} with shape {getattr(a, 'shape', None)}")
   for name, a in (("extra_tokens", extra_tokens), ("extra_experts", extra_experts)):
     check_integer_array(name, a)
-  _check_float("extra_scores", extra_scores)
+  check_float("extra_scores", extra_scores)
 
 
 def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Array, *,
@@ -429,9 +284,9 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   Returns:
     (y, aux): y (T, d) in x's dtype; aux an `ExpertsAux`.
   """
-  act = _check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
+  act = check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
   _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores)
-  _check_capacity(capacity_factor)
+  check_capacity(capacity_factor)
   if scale_input and not isinstance(scale_input, bool):
     raise TypeError(f"scale_input must be a bool, got {type(scale_input).__name__}")
   config = check_config(config)
@@ -444,9 +299,11 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   expert_ids = int32_ids(expert_ids, e_count, -1)
   if extra_tokens is not None:
     extra_tokens = int32_ids(extra_tokens, x.shape[0], -1)
-    # an entry is unused if its expert or its token is out of range
-    extra_experts = jnp.where((extra_tokens >= 0) & (extra_tokens < x.shape[0]),
-                              int32_ids(extra_experts, e_count, e_count), e_count)
+    extra_experts = int32_ids(extra_experts, e_count, e_count)
+    # an entry is unused (its expert E) if its expert or its token is out of range
+    used = ((extra_tokens >= 0) & (extra_tokens < x.shape[0]) & (extra_experts >= 0)
+            & (extra_experts < e_count))
+    extra_experts = jnp.where(used, extra_experts, e_count)
     extra_scores = jnp.asarray(extra_scores).astype(scores.dtype)
   y, aux, _ = _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, config,
                        extra_tokens, extra_experts, extra_scores, scale_input, capacity_factor)
@@ -523,19 +380,16 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
   few (T, E) or (T, K) float arrays, e.g. the probabilities).
   """
   router = routing_lib.get_router(routing)
-  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+  act = check_moe(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
                   selection_bias=selection_bias, routing=router, router_bias=router_bias,
                   router_input=router_input, expert_scale=expert_scale, expert_ids=expert_ids,
-                  token_rounding=token_rounding)
-  _check_capacity(capacity_factor)
-  if token_rounding is not None and capacity_factor is not None:
-    raise ValueError("token_rounding and capacity_factor exclude each other")
+                  token_rounding=token_rounding, capacity_factor=capacity_factor)
   _check_whole("experts", w1=w1, w2=w2, b1=b1, b2=b2)
   _check_whole("tokens", x=x, router_input=router_input, expert_ids=expert_ids)
   x, router_weight, w1, w2, b1, b2, router_bias, expert_scale = (
-      None if a is None else _whole(jnp.asarray(a))
+      None if a is None else whole(jnp.asarray(a))
       for a in (x, router_weight, w1, w2, b1, b2, router_bias, expert_scale))
-  selection_bias = _whole(selection_bias)
+  selection_bias = whole(selection_bias)
   config = check_config(config)
   impl = resolve_backend(backend, config)
   x = _refuse_split_batch(x, impl, token_rounding)

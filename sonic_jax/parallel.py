@@ -43,9 +43,10 @@ from sonic_jax import routing as routing_lib
 from sonic_jax import xla_backend
 from sonic_jax.backends import resolve_backend
 from sonic_jax.config import Config, check_config
-from sonic_jax.experts import expert_mixture, scores_by_row
+from sonic_jax.experts import mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
-from sonic_jax.ops import MoEAux, _check_capacity, _scaled_inputs, _validate
+from sonic_jax.checks import check_array, check_capacity, check_moe, check_rank
+from sonic_jax.ops import MoEAux, scaled_inputs
 from sonic_jax.varying import like_primal, varying_axes
 
 Array = jax.Array
@@ -67,9 +68,8 @@ def _axis_names(axis_name) -> set:
 
 
 def _check_router(router_weight, p, e_local, axis_name):
-  if router_weight.ndim != 2:
-    raise ValueError(f"router_weight must be (d, E), got shape {tuple(router_weight.shape)}")
-  if split := sorted(_axis_names(axis_name) & varying_axes(router_weight)):  # known under shard_map's type check
+  # A split router is known under shard_map's type check (check_vma).
+  if split := sorted(_axis_names(axis_name) & varying_axes(router_weight)):
     raise ValueError(f"router_weight is split over {split}: it must be replicated (P() in "
                      f"shard_map's in_specs), every device routing its tokens over all E experts")
   e_count = router_weight.shape[1]
@@ -101,12 +101,35 @@ def _check_expert_split(axis_name, p, **arrays):
                        f"{axis_name!r} in shard_map's in_specs")
 
 
+def _prepare(x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing,
+             gate_up_layout, selection_bias, router_bias, router_input, expert_scale, expert_ids,
+             token_rounding, capacity_factor, backend, config):
+  """The parallel ops' checks, arrays' types and ranks first: (P, E_local, router, activation,
+  config, backend)."""
+  p = _axis_size(axis_name)
+  for name, a, rank, doc in (("router_weight", router_weight, 2, "(d, E)"),
+                             ("w1", w1, 3, "(E_local, d, 2n or n)")):
+    check_array(name, a)
+    check_rank(name, a, rank, doc)
+  e_local = w1.shape[0]
+  _check_router(router_weight, p, e_local, axis_name)
+  _check_expert_split(axis_name, p, w1=w1, w2=w2, b1=b1, b2=b2)
+  router = routing_lib.get_router(routing)
+  act = check_moe(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
+                  num_local_experts=e_local, selection_bias=selection_bias, routing=router,
+                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale,
+                  expert_ids=expert_ids, token_rounding=token_rounding,
+                  capacity_factor=capacity_factor)
+  config = check_config(config)
+  return p, e_local, router, act, config, resolve_backend(backend, config)
+
+
 def _no_tokens(x, router_input, router_weight, router_bias, top_k, e_count):
   """The result when the axis holds no tokens (T_local = 0, on every device alike): zeros and an
   empty routing, as `sonic_jax.moe` gives for T = 0."""
-  logits = routing_lib.router_logits(router_input, router_weight)
-  if router_bias is not None:
-    logits = logits + router_bias.astype(logits.dtype)
+  logits, _ = routing_lib.router_logits_and_ids(router_input, router_weight, top_k,
+                                                "softmax_topk", fused=False,
+                                                router_bias=router_bias)
   zero, none = jnp.zeros((), logits.dtype), jnp.zeros((), jnp.int32)
   empty = jnp.zeros((0,), jnp.int32)
   return jnp.zeros_like(x), MoEAux(
@@ -148,17 +171,10 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   the combine, one all-to-all of the partial outputs (x's dtype), which each token's owner sums in
   float32. The backward moves the same bytes the other way.
   """
-  p = _axis_size(axis_name)
-  e_local = w1.shape[0]
-  _check_router(router_weight, p, e_local, axis_name)
-  _check_expert_split(axis_name, p, w1=w1, w2=w2, b1=b1, b2=b2)
-  router = routing_lib.get_router(routing)
-  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale,
-                  expert_ids=expert_ids, token_rounding=token_rounding)
-  config = check_config(config)
-  impl = resolve_backend(backend, config)
+  p, e_local, router, act, config, impl = _prepare(
+      x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
+      selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding, None,
+      backend, config)
   e_count = e_local * p
   r_in = x if router_input is None else router_input
   if x.shape[0] == 0:
@@ -177,12 +193,12 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
   if router.scale_input:  # each pair's token row scaled by its weight, summed with weight 1
-    x_in, ids_in, combine = _scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
+    x_in, ids_in, combine = scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
                                            None)
     layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
     # ones_like, not ones: the weights vary over the axis as the ids do (shard_map's type check)
-    y_partial = combine(expert_mixture(x_in, jnp.ones_like(ids_in, rounded.scores.dtype), None,
-                                       layout, w1, w2, b1, b2, act, gate_up_layout, impl))
+    y_partial = combine(mixture(x_in, jnp.ones_like(ids_in, rounded.scores.dtype), None, layout,
+                                w1, w2, b1, b2, act, gate_up_layout, impl))
   else:
     extra = routing_lib.extra_scores_or_none(rounded)
     extras = (rounded.extra_tokens, rounded.extra_experts, extra)
@@ -193,8 +209,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
                                   extras[0], localize(extras[1], e_local),
                                   extras_by_expert=extra is not None, config=config)
-    y_partial = expert_mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
-                               gate_up_layout, impl)
+    y_partial = mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
+                        gate_up_layout, impl)
   y = _sum_partials(y_partial, axis_name)
   counts = (routing_lib.expert_counts(rounded.expert_ids, e_count)
             + routing_lib.expert_counts(rounded.extra_experts[:, None], e_count))
@@ -310,8 +326,7 @@ def slot_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
   worst = num_tokens * min(top_k, num_local_experts) + num_extra
   if capacity_factor is None:
     return max(1, worst)
-  if not capacity_factor > 0:
-    raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor}")
+  check_capacity(capacity_factor)
   return max(1, min(worst, math.ceil(capacity_factor * num_tokens * top_k / num_devices)))
 
 
@@ -374,21 +389,11 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   nothing records how the inputs were split, so nothing can be checked: weights split over
   another axis then give a wrong answer.
   """
-  p = _axis_size(axis_name)
-  e_local = w1.shape[0]
-  _check_router(router_weight, p, e_local, axis_name)
-  _check_expert_split(axis_name, p, w1=w1, w2=w2, b1=b1, b2=b2)
-  router = routing_lib.get_router(routing)
-  act = _validate(x, router_weight, w1, w2, b1, b2, top_k, activation, gate_up_layout,
-                  num_local_experts=e_local, selection_bias=selection_bias, routing=router,
-                  router_bias=router_bias, router_input=router_input, expert_scale=expert_scale,
-                  expert_ids=expert_ids, token_rounding=token_rounding)
-  config = check_config(config)
-  impl = resolve_backend(backend, config)
+  p, e_local, router, act, config, impl = _prepare(
+      x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
+      selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding,
+      capacity_factor, backend, config)
   transport = exchange.resolve_transport(transport)
-  _check_capacity(capacity_factor)
-  if token_rounding is not None and capacity_factor is not None:
-    raise ValueError("token_rounding and capacity_factor exclude each other")
   e_count, t_local = e_local * p, x.shape[0]
   r_in = x if router_input is None else router_input
   if t_local == 0:
@@ -424,8 +429,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   if router.scale_input:  # Llama 4: the received row scaled by its weight, the output by 1
     x_recv = (x_recv.astype(s_recv.dtype) * s_recv).astype(x.dtype)
     s_recv = jnp.ones_like(s_recv)
-  y_recv = expert_mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout,
-                          impl)  # (P*S, d): each received row times its score
+  # (P*S, d): each received row times its score
+  y_recv = mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout, impl)
   y = _sum_pairs(move(y_recv, combine), send)
 
   total = jax.lax.psum(pairs.expert_counts, axis_name)  # counts.sum(0), typed replicated

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
+from typing import Mapping, NamedTuple
 import warnings
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +63,9 @@ class Router:
   scale_input: Llama 4: each expert sees its token scaled by the weight, y = sum_k expert_k(s_k x),
     instead of y = sum_k s_k expert_k(x).
 
-  Selection ranks the selection values (scores, plus the bias where given); with no bias and no
-  groups it ranks the logits instead, which every scoring preserves and which do not
-  saturate (a float32 sigmoid is exactly 1.0 above a logit of about 17).
+  Selection ranks the selection values (scores, plus the bias where given); with no groups, and
+  no bias or a bias on the logits, it ranks the logits instead, which every scoring preserves and
+  which do not saturate (a float32 sigmoid is exactly 1.0 above a logit of about 17).
   """
 
   scoring: str = "softmax"
@@ -89,14 +90,16 @@ class Router:
                        f"{self.group_score!r}")
     for name in ("n_group", "topk_group"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"Router.{name} must be an int >= 1, got {value!r}")
+      object.__setattr__(self, name, int(value))  # a NumPy integer too: one hash, one repr
     if self.topk_group > self.n_group:
       raise ValueError(f"Router.topk_group must be <= n_group = {self.n_group}, got "
                        f"{self.topk_group}")
     for name in ("renormalize", "scale_input"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise TypeError(f"Router.{name} must be a bool, got {getattr(self, name)!r}")
+      object.__setattr__(self, name, bool(getattr(self, name)))
     for name in ("renorm_epsilon", "renorm_p", "routed_scaling_factor"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
@@ -137,14 +140,15 @@ class Router:
     return self.n_group == 1 and (selection_bias is None or self.selection_bias_on == "logits")
 
 
-ROUTINGS: dict[str, Router] = {
+# Read-only: a jitted function keyed on a preset's name must not see it change.
+ROUTINGS: Mapping[str, Router] = types.MappingProxyType({
     # SonicMoE's default: top-K of the logits, softmax over those K (= softmax, top-K, renormalise)
     "softmax_topk": Router("softmax", selection_bias_on="logits"),
     "topk_softmax": Router("softmax"),  # softmax over E, top-K, renormalise (Mixtral, Qwen3)
     "topk_softmax_raw": Router("softmax", renormalize=False),  # not renormalised (OLMoE, Qwen2)
     "sigmoid_topk": Router("sigmoid", renorm_epsilon=1e-20),  # DeepSeek-V3 without groups
     "sigmoid_topk_raw": Router("sigmoid", renormalize=False),  # dots.llm1's default
-}
+})
 
 
 def get_router(routing: str | Router) -> Router:
@@ -282,16 +286,12 @@ def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
                    selection_bias: Array | None) -> Array:
   """The K selected experts (T, K) int32; no gradient flows through the choice."""
   stop = jax.lax.stop_gradient
-  if router.ranks_logits(selection_bias):
-    ranked = stop(logits)
-    if selection_bias is not None:
-      ranked = ranked + stop(selection_bias).astype(ranked.dtype)
-  else:
-    ranked = stop(scores) if router.selection_bias_on == "scores" else stop(logits)
-    if selection_bias is not None:
-      ranked = ranked + stop(selection_bias).astype(ranked.dtype)
-    if router.n_group > 1:
-      ranked = _group_mask(ranked, router)
+  on_scores = not router.ranks_logits(selection_bias) and router.selection_bias_on == "scores"
+  ranked = stop(scores if on_scores else logits)
+  if selection_bias is not None:
+    ranked = ranked + stop(selection_bias).astype(ranked.dtype)
+  if router.n_group > 1:
+    ranked = _group_mask(ranked, router)
   return _top_k_ids(ranked, top_k)
 
 
@@ -312,6 +312,7 @@ def route(logits: Array, top_k: int, routing: str | Router,
   expert_ids (T, K) integer, optional: the selection, already made (the fused kernel's, or a fixed
   one such as DeepSeek-V4's hash layers'); the weights come from these logits. A slot whose id lies
   outside [0, E) is empty: id -1 and weight 0, the token's other weights renormalised without it.
+  Group-limited routing (n_group > 1) takes none: the groups would go unused.
   """
   if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
     raise TypeError(f"logits must be an array, got {type(logits).__name__}")
@@ -333,6 +334,10 @@ def route(logits: Array, top_k: int, routing: str | Router,
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
   else:
+    # (a selection bias may come with them: the fused router kernel's ids were chosen with it)
+    if fixed_selection_excludes(None, False, router, ""):  # groups would go silently unused
+      raise ValueError("expert_ids (a given selection) takes no group-limited routing "
+                       "(Router.n_group > 1)")
     if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
       raise TypeError(f"expert_ids must be an integer array, got "
                       f"{getattr(expert_ids, 'dtype', type(expert_ids).__name__)}")
@@ -433,6 +438,17 @@ TOKEN_ROUNDINGS = rounding_select.MODES  # ("down", "up", "nearest")
 
 class RoundingWarning(UserWarning):
   """Token rounding over too few tokens per expert: most experts would keep no pairs."""
+
+
+def fixed_selection_excludes(token_rounding, has_selection_bias, router, bias_name):
+  """The first of these options that a fixed selection (expert_ids) excludes, named for an error
+  message, or None: each only moves a selection, so it would go silently unused."""
+  for given, what in ((token_rounding is not None, "token_rounding (the two exclude each other)"),
+                      (has_selection_bias, bias_name),
+                      (router.n_group > 1, "group-limited routing (Router.n_group > 1)")):
+    if given:
+      return what
+  return None
 
 
 def rounding_unsupported(routing: str | Router) -> str | None:
@@ -662,7 +678,7 @@ def _scaled_by_expert(rounded: RoundedRouting, expert_scale: Array | None) -> Ro
 
 
 def extra_scores_or_none(rounded: RoundedRouting) -> Array | None:
-  """The extra pairs' scores for `expert_mixture`: None when there are none, since a zero-size
+  """The extra pairs' scores for `experts.mixture`: None when there are none, since a zero-size
   differentiable input crashes XLA:CPU's collectives under shard_map on jax 0.11.2."""
   return rounded.extra_scores if rounded.extra_scores.shape[0] else None
 
@@ -689,13 +705,21 @@ def sequence_balance_loss(probs: Array, expert_ids: Array) -> Array:
 def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | None = None) -> Array:
   """transformers' `load_balancing_loss_func` over all layers (Mixtral, Qwen-MoE, OLMoE, ...).
 
-  router_logits: a sequence of (T, E) logits, one per layer (`aux.stats.router_logits`), or one
-  (L, T, E) array; attention_mask: optional (B, S) with B * S = T, 0 for padding tokens. As in
-  transformers, the token counts and the mean probabilities are summed over layers before they
-  multiply: E * sum_{k, e} (fraction of tokens whose k-th choice is e) * (mean probability of e).
+  router_logits: a sequence of (T, E) logits, one per layer (`aux.stats.router_logits`), or
+  one (T, E) or (L, T, E) array; attention_mask: optional (B, S) with B * S = T, 0 for padding
+  tokens. As in transformers, the token counts and the mean probabilities are summed over layers
+  before they multiply: E * sum_{k, e} (fraction of tokens whose k-th choice is e) * (mean
+  probability of e).
   The per-layer `MoEAux.load_balance_loss` differs (its f sums to 1 per layer).
   """
-  logits = jnp.concatenate([jnp.asarray(l).reshape(-1, jnp.shape(l)[-1]) for l in router_logits])
+  if hasattr(router_logits, "ndim"):  # one array: its rows, not a Python loop over them
+    logits = jnp.asarray(router_logits).reshape(-1, router_logits.shape[-1])
+  else:
+    logits = jnp.concatenate([jnp.asarray(l).reshape(-1, jnp.shape(l)[-1])
+                              for l in router_logits])
+  if (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
+      or not 1 <= top_k <= logits.shape[-1]):
+    raise ValueError(f"top_k must be an int in [1, E = {logits.shape[-1]}], got {top_k!r}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   e_count = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)

@@ -161,6 +161,9 @@ def check_bad_arguments():
   expect(ValueError, "capacity_factor must be finite", moe_all_to_all,
          capacity_factor=float("inf"))
   expect(TypeError, "capacity_factor", moe_all_to_all, capacity_factor=True)
+  # w1's rank is checked before its first dim is read as the local expert count (here d)
+  expect(ValueError, "w1 must have shape (E_local, d, 2n or n)",
+         lambda x, rw, w1, w2, **kw: moe_all_gather(x, rw, w1[0], w2, **kw))
   # Experts split over another axis of a (data, ep) mesh: each device's count fits E = P x E_local,
   # but every "ep" device would hold the same experts.
   mesh2 = jax.make_mesh((2, 2), ("data", "ep"), devices=jax.devices()[:4])

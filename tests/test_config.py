@@ -7,6 +7,7 @@ import dataclasses
 
 from flax import nnx
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -21,12 +22,22 @@ def _args(T=32, d=64, n=32, E=4):
 
 
 @pytest.mark.parametrize("field,value,error", [
-    ("router_kernel_max_experts", -1, ValueError), ("layout_kernel_max_experts", 1.5, ValueError),
-    ("gather_sum_kernel_min_d", True, ValueError), ("gather_sum_kernel", 1, TypeError),
+    ("router_kernel_max_experts", -1, ValueError), ("layout_kernel_max_experts", 1.5, TypeError),
+    ("gather_sum_kernel_min_d", True, TypeError), ("gather_sum_kernel", 1, TypeError),
     ("tuning", {"entries": []}, TypeError)])
 def test_bad_fields_are_named(field, value, error):
   with pytest.raises(error, match=field):
     sonic_jax.Config(**{field: value})
+
+
+def test_numpy_integers_and_bools_are_taken_as_python_ones():
+  config = sonic_jax.Config(layout_kernel_max_experts=np.int64(64), gather_sum_kernel=np.True_)
+  assert config == sonic_jax.Config(layout_kernel_max_experts=64, gather_sum_kernel=True)
+  assert type(config.layout_kernel_max_experts) is int and hash(config) == hash(
+      sonic_jax.Config(layout_kernel_max_experts=64, gather_sum_kernel=True))
+  router = sonic_jax.Router("softmax", n_group=np.int32(2), topk_group=np.int64(1),
+                            renormalize=np.False_)
+  assert router == sonic_jax.Router("softmax", n_group=2, topk_group=1, renormalize=False)
 
 
 def test_config_is_frozen_and_hashable():

@@ -266,8 +266,7 @@ def test_linen_bridge(rng):
   layer = nnx.bridge.to_linen(MoE, 32, 4, 16, 2, backend="xla", init_std=0.2)
   x = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)
   variables = jax.jit(layer.init)(jax.random.key(0), x)
-  from flax import linen as nn
-  p = nn.unbox(variables)["params"]  # the bridge boxes parameters with their sharding names
+  from flax import linen as nn  # the bridge boxes parameters with their sharding names
   assert tuple(variables["params"]["w1"].metadata["out_sharding"]) == ("expert", "embed", "mlp")
 
   @jax.jit  # one program: eagerly, each op compiles its own

@@ -479,3 +479,91 @@ def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spe
       sonic_jax.routing.route(lg, 2, router).probs, jnp.full((8,), 2)))(
           jnp.asarray(logits, jnp.float32))
   assert np.isfinite(np.asarray(balance)).all()
+
+
+def test_expert_mixture_checks_its_layout_and_equals_routed_experts(rng):
+  """`expert_mixture` on a layout you built equals `routed_experts` (output and gradients), and a
+  layout for other weights, scores of another shape, a missing extra_scores or another row tile
+  are refused by name rather than computed silently."""
+  T, d, n, E, K = 16, 16, 8, 4, 2
+  p, _ = make_problem(rng, T=T, d=d, n=n, E=E)
+  x, w1, w2 = (jnp.asarray(p[k], jnp.float32) for k in ("x", "w1", "w2"))
+  ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
+  s = jnp.asarray(rng.random((T, K)), jnp.float32)
+  tile = sonic_jax.backends.resolve_backend("xla", sonic_jax.Config()).row_tile
+  layout = sonic_jax.build_grouped_layout(ids, E, tile)
+
+  @jax.jit
+  def both(x, s, w1, w2):
+    mine = lambda *a: jnp.sum(sonic_jax.expert_mixture(a[0], a[1], None, layout, a[2], a[3],
+                                                       backend="xla") ** 2)
+    ref = lambda *a: jnp.sum(sonic_jax.routed_experts(a[0], ids, a[1], a[2], a[3],
+                                                      backend="xla")[0] ** 2)
+    return (jax.value_and_grad(mine, (0, 1, 2, 3))(x, s, w1, w2),
+            jax.value_and_grad(ref, (0, 1, 2, 3))(x, s, w1, w2))
+
+  (v, g), (v_ref, g_ref) = both(x, s, w1, w2)
+  assert rel_err(v, v_ref) < 1e-6
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < 1e-6
+  mix = sonic_jax.expert_mixture
+  with pytest.raises(ValueError, match="layout is built for 5 experts, but w1 holds 4"):
+    mix(x, s, None, sonic_jax.build_grouped_layout(ids, 5, tile), w1, w2, backend="xla")
+  with pytest.raises(ValueError, match="scores must have the layout's shape"):
+    mix(x, s[:, :1], None, layout, w1, w2, backend="xla")
+  with pytest.raises(ValueError, match="row_tile"):
+    mix(x, s, None, sonic_jax.build_grouped_layout(ids, E, 2 * tile), w1, w2, backend="xla")
+  extra = sonic_jax.build_grouped_layout(ids, E, tile, jnp.array([0, 1], jnp.int32),
+                                         jnp.array([2, 3], jnp.int32))
+  with pytest.raises(ValueError, match="extra_scores must be given"):
+    mix(x, s, None, extra, w1, w2, backend="xla")
+  with pytest.raises(ValueError, match="unknown activation|activation must be"):
+    mix(x, s, None, layout, w1, w2, activation="swishglu", backend="xla")
+  with pytest.raises(ValueError, match="backend must be one of"):
+    mix(x, s, None, layout, w1, w2, backend="tpu_kernels")
+  with pytest.raises(TypeError, match="layout must be a sonic_jax.GroupedLayout"):
+    mix(x, s, None, tuple(layout), w1, w2, backend="xla")
+
+
+def test_extra_pairs_outside_the_tokens_are_unused_everywhere(rng):
+  """An extra pair whose token is outside [0, T) adds no row: the layout does not count it (its
+  weight gradient would otherwise count a row that the output drops), and `routed_experts`
+  reports it, as one whose expert is outside [0, E), with expert E."""
+  T, d, n, E = 8, 16, 8, 4
+  p, _ = make_problem(rng, T=T, d=d, n=n, E=E)
+  x, w1, w2 = (jnp.asarray(p[k], jnp.float32) for k in ("x", "w1", "w2"))
+  tokens = jnp.array([-1, T, 2, 3], jnp.int32)
+  experts = jnp.array([1, 1, -1, 2], jnp.int32)
+  layout = sonic_jax.build_grouped_layout(jnp.zeros((T, 0), jnp.int32), E, 32, tokens, experts)
+  np.testing.assert_array_equal(np.asarray(layout.expert_counts), [0, 0, 1, 0])
+  np.testing.assert_array_equal(np.asarray(layout.extra_token), [T, T, T, 3])
+
+  @jax.jit
+  def run(x, w1, w2):
+    f = lambda x, w1, w2: sonic_jax.routed_experts(
+        x, jnp.zeros((T, 0), jnp.int32), jnp.zeros((T, 0)), w1, w2, extra_tokens=tokens,
+        extra_experts=experts, extra_scores=jnp.ones(4), backend="xla")
+    (y, aux), vjp = jax.vjp(f, x, w1, w2)
+    return y, aux, vjp((jnp.ones_like(y), jax.tree.map(jnp.zeros_like, aux)))
+
+  y, aux, (_, dw1, _) = run(x, w1, w2)
+  np.testing.assert_array_equal(np.asarray(aux.extra_experts), [E, E, E, 2])
+  assert float(jnp.abs(dw1[1]).sum()) == 0.0 and float(jnp.abs(dw1[2]).sum()) > 0
+  assert float(jnp.abs(y[:3]).sum()) == 0.0 and float(jnp.abs(y[3]).sum()) > 0
+
+
+def test_a_given_selection_refuses_group_limited_routing(rng):
+  logits = jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)
+  with pytest.raises(ValueError, match="takes no group-limited routing"):
+    sonic_jax.route(logits, 2, Router(n_group=2, topk_group=1),
+                    expert_ids=jnp.zeros((8, 2), jnp.int32))
+
+
+def test_hf_load_balancing_loss_takes_one_array_or_a_sequence(rng):
+  logits = jnp.asarray(rng.standard_normal((3, 64, 8)), jnp.float32)
+  per_layer = sonic_jax.hf_load_balancing_loss(list(logits), 2)
+  assert rel_err(sonic_jax.hf_load_balancing_loss(logits, 2), per_layer) < 1e-6
+  one = sonic_jax.hf_load_balancing_loss(logits[0], 2)
+  assert rel_err(one, sonic_jax.hf_load_balancing_loss([logits[0]], 2)) < 1e-6
+  with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E = 8\]"):
+    sonic_jax.hf_load_balancing_loss(logits, 9)

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 
 from sonic_jax import activations as acts
 from sonic_jax import backends
-from sonic_jax import ops
 from sonic_jax import routing as routing_lib
+from sonic_jax.batching import split_axes
+from sonic_jax.checks import check_capacity, check_rounding
 from sonic_jax.config import Config, check_config
+from sonic_jax.layout import check_integer_array
 from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 from sonic_jax.precision import dot_f32
@@ -49,12 +51,6 @@ def _flatten(x):
     return jax.lax.reshape(x, (math.prod(x.shape[:-1]), x.shape[-1]),
                            out_sharding=P(tuple(_axes(*spec[:x.ndim - 1])), spec[x.ndim - 1]))
   return x.reshape(-1, x.shape[-1])
-
-
-def _token_split(h, mesh) -> tuple[str, ...]:
-  """The mesh axes that split the tokens h (T, d) in its type (Explicit axes), in order."""
-  spec = tuple(jax.typeof(h).sharding.spec) if not mesh.empty else ()
-  return tuple(_axes(spec[0])) if spec else ()
 
 
 def _unflatten(y, lead, x):
@@ -255,18 +251,12 @@ class MoE(nnx.Module):
     self.config = check_config(config)
     self.load_balance_coef, self.z_loss_coef = load_balance_coef, z_loss_coef
     self.bias_update_rate = bias_update_rate
-    if token_rounding is not None and token_rounding not in routing_lib.TOKEN_ROUNDINGS:
-      raise ValueError(f"token_rounding must be None or one of {routing_lib.TOKEN_ROUNDINGS}, "
-                       f"got {token_rounding!r}")
-    if token_rounding is not None and routing_lib.rounding_unsupported(router) is not None:
-      raise ValueError(routing_lib.rounding_unsupported(router))
-    if token_rounding is not None and capacity_factor is not None:
-      raise ValueError("token_rounding and capacity_factor exclude each other")
-    excluded = fixed_selection and ops._fixed_selection_excludes(  # what `moe` would refuse
+    check_capacity(capacity_factor)
+    check_rounding(token_rounding, router, capacity_factor)
+    excluded = fixed_selection and routing_lib.fixed_selection_excludes(  # what `moe` refuses
         token_rounding, bias_update_rate > 0, router, "selection bias (bias_update_rate > 0)")
     if excluded:
       raise ValueError(f"fixed_selection=True (a given selection) takes no {excluded}")
-    ops._check_capacity(capacity_factor)
     self.token_rounding, self.deterministic = token_rounding, deterministic
     if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
       raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
@@ -359,6 +349,7 @@ class MoE(nnx.Module):
       raise ValueError("this layer has fixed_selection=True (a hash-routed layer): pass its "
                        "selection as expert_ids")
     if expert_ids is not None:
+      check_integer_array("expert_ids", expert_ids)
       if tuple(expert_ids.shape) != tuple(lead) + (self.top_k,):
         raise ValueError(f"expert_ids must have shape {tuple(lead) + (self.top_k,)} (x's leading "
                          f"dims, top_k), got {tuple(expert_ids.shape)}")
@@ -369,7 +360,7 @@ class MoE(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None:  # data parallel under a mesh with token_axes, or one that splits the tokens
       # (inside the user's shard_map over them, the op runs on the shard as it is)
-      dp_axes = () if mesh.empty else self.token_axes or _token_split(h, mesh)
+      dp_axes = () if mesh.empty else self.token_axes or split_axes(h)
       own_map = bool(dp_axes) and not set(dp_axes) <= set(mesh.manual_axes)
     else:
       own_map = axis not in mesh.manual_axes
@@ -449,7 +440,7 @@ class MoE(nnx.Module):
     # By default every axis not already manual (inside a user's shard_map over some of them);
     # without expert parallelism the axes that split the tokens in x's type.
     token_axes = tuple(self.token_axes or (
-        _token_split(h, mesh) if axis is None
+        split_axes(h) if axis is None
         else (a for a in mesh.axis_names if a not in mesh.manual_axes)))
     if (axis is not None and axis not in token_axes) or any(
         a not in mesh.axis_names or a in mesh.manual_axes for a in token_axes):
