@@ -50,6 +50,15 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def same_spec(a, b) -> bool:
+  """a and b are split alike in their types (trailing unsplit dims aside)."""
+  def entries(v):
+    spec = tuple(jax.typeof(v).sharding.spec) + (None,) * v.ndim
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in spec[:v.ndim])
+  return entries(a) == entries(b)
+
+
 def expert_specs(state):
   """Expert parameters (logical axis "expert" first) over the mesh axis, the rest replicated."""
   return jax.tree.map(lambda p: P("ep") if p and p[0] == "expert" else P(),
@@ -175,8 +184,12 @@ def check_set_mesh(scheme):
       inner = jax.value_and_grad(in_data_shard_map, has_aux=True)(s, x_data)
       # x, the router's input and the fixed selection sharded over the sequence dim
       ids_seq = jax.sharding.reshard(ids.reshape(4, T // 4, 2), P(None, "ep"))
-      return out, y_ids, inner, nnx.merge(g2, s)(x_batch)[0], (
-          nnx.merge(g2, s)(x_seq)[0], nnx.merge(g2, s)(x_seq, x_seq, ids_seq)[0])
+      y_batch, y_seq = nnx.merge(g2, s)(x_batch)[0], nnx.merge(g2, s)(x_seq)[0]
+      # The output in x's sharding, whatever the layer's token shards (a residual x + y needs it)
+      for x_in, y_out in ((x_batch, y_batch), (x_seq, y_seq)):
+        assert same_spec(x_in, y_out), (jax.typeof(x_in), jax.typeof(y_out))
+      return out, y_ids, inner, x_batch + y_batch, (
+          y_seq, nnx.merge(g2, s)(x_seq, x_seq, ids_seq)[0])
 
     with jax.set_mesh(mesh):
       if explicit:  # refused, abstractly: inside a type-checked shard_map over "data"
@@ -205,7 +218,7 @@ def check_set_mesh(scheme):
       (_, y_inner), g_inner = y_inner
       errs = {"y": rel(y_inner, y_ref), **grad_errs(g_inner, gs_ref)}
       assert max(errs.values()) < 1e-10, errs
-      assert rel(y_batch, y_ref.reshape(2, T // 2, 16)) < 1e-10
+      assert rel(y_batch, y_ref.reshape(2, T // 2, 16) + X.reshape(2, T // 2, 16)) < 1e-10
       assert rel(y_seq[0], y_ref.reshape(4, T // 4, 16)) < 1e-10
       assert rel(y_seq[1], y_ids_ref.reshape(4, T // 4, 16)) < 1e-10
 
@@ -364,9 +377,10 @@ def check_data_parallel():
   """The layer without expert parallelism under `jax.set_mesh`, x's tokens split over "data" (an
   Explicit axis: from x's type; an Auto one: by token_axes): each data shard routed on its own, as
   data-parallel replicas would. Output, the gradients of every parameter and of x, counts, the
-  z-loss, and the load-balance loss as the mean of the two shards' (float64); `sonic_jax.moe`
-  given such tokens refuses them by name; the layer with token_axes inside the user's shard_map
-  over them runs on the shard as it is."""
+  z-loss, and the load-balance loss as the mean of the two shards' (float64), the output and
+  parameter gradients with the weights' model dim split over "data" too (FSDP's placement);
+  `sonic_jax.moe` given such tokens refuses them by name; the layer with token_axes inside the
+  user's shard_map over them runs on the shard as it is."""
   ((_, (y_ref, st_ref)), (gs_ref, gx_ref)), halves, _ = set_mesh_reference()
   for types in ((AxisType.Explicit,) * 2, (AxisType.Auto,) * 2):
     explicit = types[0] == AxisType.Explicit
@@ -381,6 +395,15 @@ def check_data_parallel():
             "data")), out_specs=P("data")))(s2, x)
         assert rel(y_user, y_ref) < 1e-10, rel(y_user, y_ref)
       if explicit:
+        # FSDP's placement: each weight's model dim split over the token axis too (the routed
+        # experts' and the shared expert's weights gathered whole for the call)
+        fsdp = jax.tree.map(
+            lambda v, spec: jax.device_put(v, NamedSharding(mesh, P(*(
+                "data" if name == "embed" else None for name in spec)))),
+            s2, nnx.get_partition_spec(s2), is_leaf=lambda a: isinstance(a, P))
+        (_, (y_fsdp, _)), (gs_fsdp, _) = jax.jit(set_mesh_loss(g2))(fsdp, x)
+        errs = {"y": rel(y_fsdp, y_ref), **grad_errs(gs_fsdp, gs_ref)}
+        assert max(errs.values()) < 1e-10 and same_spec(x, y_fsdp), (errs, jax.typeof(y_fsdp))
         from sonic_jax import moe  # pylint: disable=import-outside-toplevel
         refused(lambda: jax.eval_shape(lambda x: moe(x, s2["router"][...], s2["w1"][...],
                                                      s2["w2"][...], top_k=2), x),

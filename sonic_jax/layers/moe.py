@@ -19,7 +19,7 @@ from sonic_jax.batching import split_axes
 from sonic_jax.checks import check_capacity, check_rounding
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array
-from sonic_jax.ops import MoEAux, moe
+from sonic_jax.ops import MoEAux, moe, whole
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 from sonic_jax.precision import dot_f32
 from sonic_jax.varying import varying_axes
@@ -54,17 +54,30 @@ def _flatten(x):
 
 
 def _unflatten(y, lead, x):
-  """The layer's output y (T, d) as x's leading dims `lead`. On an explicit mesh a reshape splits a
-  token dimension sharded over n devices only where the first leading dim is a nonzero multiple of
-  n; otherwise y comes back in x's own sharding, as the layer on one device would return it."""
+  """The layer's output y (T, d) as x's leading dims `lead`, in x's sharding (on an Explicit mesh
+  the layer's shard_map may return y split over more axes, or other ones: `x + y` needs them
+  equal). A reshape splits a token dimension sharded over n devices only where the first leading
+  dim is a nonzero multiple of n; otherwise it reshards as it reshapes."""
   shape = (*lead, y.shape[-1])
+  x_spec = jax.typeof(x).sharding.spec
   spec = jax.typeof(y).sharding.spec
   if len(lead) > 1 and len(spec) and spec[0] is not None:
     mesh = jax.sharding.get_abstract_mesh()
     n = math.prod(mesh.shape[a] for a in _axes(spec[0]))
     if lead[0] == 0 or lead[0] % n:
-      return jax.lax.reshape(y, shape, out_sharding=jax.typeof(x).sharding.spec)
-  return y.reshape(shape)
+      return jax.lax.reshape(y, shape, out_sharding=x_spec)
+  y = y.reshape(shape)
+  if _explicit_spec(x_spec) != _explicit_spec(jax.typeof(y).sharding.spec):
+    y = jax.sharding.reshard(y, x_spec)
+  return y
+
+
+def _explicit_spec(spec) -> tuple:
+  """A PartitionSpec's entries as a tuple of axis tuples, trailing Nones dropped."""
+  entries = [tuple(_axes(e)) for e in spec]
+  while entries and not entries[-1]:
+    entries.pop()
+  return tuple(entries)
 
 
 class SelectionBias(nnx.Variable):
@@ -371,12 +384,15 @@ class MoE(nnx.Module):
     else:
       y, stats = self._routed(h, *experts)  # one device, or inside the user's shard_map
     if self.shared_in is not None:
-      # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute
-      u = dot_f32(h, cast(self.shared_in))
+      # float32 accumulation (float64 for float64 compute); a 16-bit backward for 16-bit compute.
+      # The weights whole for the call, as `moe` takes the routed experts' (FSDP stores them
+      # split over an Explicit axis that may split the tokens too).
+      shared_weight = lambda p: whole(cast(p))
+      u = dot_f32(h, shared_weight(self.shared_in))
       a = acts.apply_activation(u, self.activation, self.gate_up_layout).astype(dtype)
-      shared = dot_f32(a, cast(self.shared_out))
+      shared = dot_f32(a, shared_weight(self.shared_out))
       if self.shared_gate is not None:
-        shared = shared * jax.nn.sigmoid(dot_f32(h, cast(self.shared_gate)))
+        shared = shared * jax.nn.sigmoid(dot_f32(h, shared_weight(self.shared_gate)))
       y = y + shared.astype(dtype)
     if self.balance_loss == "sequence":  # on the token-choice routing, as the batch loss
       e_count = self.router.shape[1]
@@ -396,7 +412,8 @@ class MoE(nnx.Module):
     wide = jnp.promote_types(r.dtype, jnp.float32)
     r = r.astype(wide)
     r = r * jax.lax.rsqrt(jnp.mean(r * r, axis=-1, keepdims=True) + self.router_norm_eps)
-    return r * self.router_scale[...].astype(wide) * r.shape[-1] ** -0.5
+    # the scale whole, as the shared experts' weights (FSDP may split it over the token axis)
+    return r * whole(self.router_scale[...]).astype(wide) * r.shape[-1] ** -0.5
 
   def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias, router_input,
               expert_scale, expert_ids):
