@@ -223,6 +223,8 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
+    # Std 1 although, tied, the first loss is then about 8 nats (each token's own logit near
+    # sqrt(d)): it trains to a lower loss than a smaller std (docs/decisions.md).
     self.embed = param(nnx.initializers.normal(1.0)(rngs.params(), (cfg.vocab_size, cfg.d_model)),
                        "vocab", "embed")
     if cfg.scan_layers:
