@@ -45,6 +45,10 @@ def check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
   `Activation`."""
   for name, a in (("x", x), ("w1", w1), ("w2", w2)):
     check_array(name, a)
+    if not all(isinstance(n, int) for n in a.shape):  # jax.export's symbolic dimensions
+      raise ValueError(f"{name} has shape {tuple(a.shape)}: sonic_jax needs static shapes (its "
+                       "grouped buffers are sized from T, E and K at trace time); export one "
+                       "function per shape")
   act = acts.get_activation(activation)
   if gate_up_layout not in acts.GATE_UP_LAYOUTS:
     raise ValueError(f"gate_up_layout must be one of {acts.GATE_UP_LAYOUTS}, got "

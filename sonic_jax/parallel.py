@@ -78,6 +78,9 @@ def _check_router(router_weight, p, e_local, axis_name):
     if e_count % p == 0:  # most likely the expert weights were not split over the axis
       hint = (f"; w1, w2, b1, b2 must hold E / P = {e_count // p} experts a device (shard them "
               f"over {axis_name!r} in shard_map's in_specs)")
+    else:
+      hint = (f"; E = {e_count} does not split over the {p} devices: expert parallelism over "
+              f"{axis_name!r} needs E a multiple of {p}")
     raise ValueError(f"router_weight has E = {e_count} experts, but w1 holds {e_local} on each of "
                      f"the {p} devices of axis {axis_name!r} (E = P x E_local = {p * e_local})"
                      f"{hint}")

@@ -161,6 +161,18 @@ def check_bad_arguments():
   expect(ValueError, "capacity_factor must be finite", moe_all_to_all,
          capacity_factor=float("inf"))
   expect(TypeError, "capacity_factor", moe_all_to_all, capacity_factor=True)
+  # Replicated weights of E = 6 experts on 4 devices: the error says 6 does not split over them
+  run6 = lambda x, rw, w1, w2: moe_all_gather(x, rw, w1, w2, axis_name="ep", top_k=K,
+                                              backend="xla")[0]
+  try:
+    six = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(
+        (args[0], args[1][:, :6], args[2][:6], args[3][:6]), (P("ep"), P(), P(), P()))]
+    jax.jit(jax.shard_map(run6, mesh=mesh, in_specs=(P("ep"), P(), P(), P()),
+                          out_specs=P("ep")))(*six)
+  except ValueError as e:
+    assert "E = 6 does not split over the 4 devices" in str(e), e
+  else:
+    raise AssertionError("no error for E = 6 over 4 devices")
   # w1's rank is checked before its first dim is read as the local expert count (here d)
   expect(ValueError, "w1 must have shape (E_local, d, 2n or n)",
          lambda x, rw, w1, w2, **kw: moe_all_gather(x, rw, w1[0], w2, **kw))

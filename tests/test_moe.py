@@ -367,6 +367,15 @@ def test_bad_input_raises_naming_the_argument(rng, name, change, exc, match):
     sonic_jax.moe(kw.pop("x"), kw.pop("router_weight"), kw.pop("w1"), kw.pop("w2"), **kw)
 
 
+def test_symbolic_shapes_are_refused_by_name():
+  """jax.export with a symbolic token count: a clear error, not a failure deep in the layout."""
+  t, = jax.export.symbolic_shape("t")
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  fn = jax.jit(lambda x, r, w1, w2: sonic_jax.moe(x, r, w1, w2, top_k=2, backend="xla")[0])
+  with pytest.raises(ValueError, match=r"x has shape \(t, 16\): sonic_jax needs static shapes"):
+    jax.export.export(fn)(f32(t, 16), f32(16, 4), f32(4, 16, 16), f32(4, 8, 16))
+
+
 def test_numpy_float64_inputs_compute_as_jax_does(rng):
   """NumPy float64 arrays are float32 to JAX without jax_enable_x64: the eager call accepts them
   beside float32 weights, as a jitted one does, and the layer too."""
