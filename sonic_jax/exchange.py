@@ -134,7 +134,9 @@ def ragged_exchange(operand: Array, plan: ExchangePlan, axis_name: str) -> Array
   many rows as operand), zeros where nothing arrived. `jax.lax.ragged_all_to_all` where the
   platform has it (`native_ragged_all_to_all`), else an all-gather emulation with the same
   values."""
-  output = jnp.zeros(operand.shape, operand.dtype)  # not varying over the axis, as before
+  # Not zeros_like: that would type the receive buffer, and every value downstream of the
+  # exchange, as varying over the axis under shard_map's type check.
+  output = jnp.zeros(operand.shape, operand.dtype)
   if native_ragged_all_to_all():
     return jax.lax.ragged_all_to_all(operand, output, plan.input_offsets, plan.send_sizes,
                                      plan.output_offsets, plan.recv_sizes, axis_name=axis_name)
