@@ -60,13 +60,13 @@ def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: 
   impl = backend if isinstance(backend, Backend) else resolve_backend(backend, config)
   if not isinstance(layout, GroupedLayout):
     raise TypeError(f"layout must be a sonic_jax.GroupedLayout, got {type(layout).__name__}")
-  e_count, rows = w1.shape[0], layout.row_token.shape[0]
-  if layout.group_sizes.shape != (e_count,):
-    raise ValueError(f"layout is built for {layout.group_sizes.shape[0]} experts, but w1 holds "
-                     f"{e_count}")
-  if layout.tile_expert.shape[0] * impl.row_tile != rows:
-    raise ValueError(f"layout must be built with the backend's row_tile = {impl.row_tile} (its "
-                     f"{rows} rows are not {layout.tile_expert.shape[0]} tiles of that many)")
+  rows = layout.num_rows
+  if layout.num_experts != w1.shape[0]:
+    raise ValueError(f"layout is built for {layout.num_experts} experts, but w1 holds "
+                     f"{w1.shape[0]}")
+  if rows and layout.row_tile != impl.row_tile:
+    raise ValueError(f"layout must be built with the backend's row_tile = {impl.row_tile}, got "
+                     f"one built with {layout.row_tile}")
   check_rank("scores", scores, 2, f"(T, S) = {tuple(layout.pair_row.shape)}, the layout's")
   if scores.shape != layout.pair_row.shape or scores.shape[0] != x.shape[0]:
     raise ValueError(f"scores must have the layout's shape (T, S) = {tuple(layout.pair_row.shape)} "

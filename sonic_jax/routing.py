@@ -334,8 +334,9 @@ def route(logits: Array, top_k: int, routing: str | Router,
   if expert_ids is None:
     ids = _selection_ids(logits, probs, top_k, router, selection_bias)
   else:
-    # (a selection bias may come with them: the fused router kernel's ids were chosen with it)
-    if fixed_selection_excludes(None, False, router, ""):  # groups would go silently unused
+    # Groups would go silently unused (a selection bias may come with the ids: the fused router
+    # kernel's were chosen with it).
+    if router.n_group > 1:
       raise ValueError("expert_ids (a given selection) takes no group-limited routing "
                        "(Router.n_group > 1)")
     if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
