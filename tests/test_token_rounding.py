@@ -95,9 +95,10 @@ def test_token_rounding_invariants_and_selection(rng, mode, skew):
   assert np.all(np.asarray(y)[nowhere] == 0)
 
 
-# Optimized: unoptimized XLA:CPU sums the float32 router gradient past 2e-5 of the oracle.
-@pytest.mark.xla_optimized
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# float32 compiled optimized: unoptimized XLA:CPU sums its router gradient past 2e-5 of the
+# oracle (2.4e-5 with skewed routing rounded up); bfloat16's 2e-2 leaves room for either.
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.xla_optimized),
+                                   jnp.bfloat16])
 @pytest.mark.parametrize("mode,activation,bias,skew", [
     ("up", "swiglu", False, False),
     ("nearest", "gelu", True, True),
