@@ -7,8 +7,9 @@ from sonic_jax.config import Config
 from sonic_jax.experts import expert_mixture
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.ops import ExpertsAux, MoEAux, moe, routed_experts
-from sonic_jax.routing import (ROUTINGS, TOKEN_ROUNDINGS, Router, hf_load_balancing_loss,
-                               round_tokens, route, router_logits, sequence_balance_loss)
+from sonic_jax.routing import (ROUTINGS, TOKEN_ROUNDINGS, RoundedRouting, RoundingWarning,
+                               Router, RouterOutput, hf_load_balancing_loss, round_tokens, route,
+                               router_logits, sequence_balance_loss)
 
 __version__ = "0.1.0.dev0"  # the package's one version: pyproject.toml reads it from here
 
@@ -26,7 +27,8 @@ def __getattr__(name):
 
 __all__ = [
     "ACTIVATIONS", "BACKENDS", "Activation", "Config", "ExpertsAux", "GATE_UP_LAYOUTS", "ROUTINGS",
-    "Router", "TOKEN_ROUNDINGS", "GroupedLayout", "MoEAux", "build_grouped_layout",
+    "RoundedRouting", "RoundingWarning", "Router", "RouterOutput", "TOKEN_ROUNDINGS",
+    "GroupedLayout", "MoEAux", "build_grouped_layout",
     "clamped_swiglu", "convert_gate_up_layout", "expert_mixture", "hf_load_balancing_loss", "moe",
     "round_tokens", "route", "routed_experts", "router_logits", "sequence_balance_loss",
 ]

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import types
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -145,6 +147,22 @@ class Activation:
   up_offset: float = 0.0
 
   def __post_init__(self):
+    # Python values only: a jax or NumPy scalar would make the activation unhashable as a static
+    # argument (or hash by value a traced one could not have).
+    if not isinstance(self.name, str):
+      raise TypeError(f"Activation.name must be a str, got {type(self.name).__name__}")
+    if not isinstance(self.is_glu, (bool, np.bool_)):
+      raise TypeError(f"Activation.is_glu must be a bool, got {self.is_glu!r}")
+    object.__setattr__(self, "is_glu", bool(self.is_glu))
+    for field in ("alpha", "limit", "up_offset"):
+      value = getattr(self, field)
+      if value is None and field == "limit":
+        continue
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Activation.{field} must be a real number, got {value!r}")
+      if not math.isfinite(value):
+        raise ValueError(f"Activation.{field} must be finite, got {value}")
+      object.__setattr__(self, field, float(value))
     if self.function not in _FUNCTIONS:
       raise ValueError(f"Activation.function must be one of {sorted(_FUNCTIONS)}, got "
                        f"{self.function!r}")

@@ -40,18 +40,20 @@ def _pair_values(row_values: Array, layout: GroupedLayout) -> tuple[Array, Array
   return slots, extra
 
 
-def expert_mixture(x: Array, scores: Array, extra_scores: Array | None, layout: GroupedLayout,
-                   w1: Array, w2: Array, b1: Array | None = None, b2: Array | None = None,
-                   activation: str | acts.Activation = "swiglu", gate_up_layout: str = "concat",
-                   backend: str | Backend = "auto", config: Config | None = None) -> Array:
-  """y (T, d) = sum over each token's routed experts of score * expert(x_t), on a grouped layout
-  you built (`build_grouped_layout`; `routed_experts` builds it for you).
+def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2: Array, *,
+                   extra_scores: Array | None = None, b1: Array | None = None,
+                   b2: Array | None = None, activation: str | acts.Activation = "swiglu",
+                   gate_up_layout: str = "concat", backend: str | Backend = "auto",
+                   config: Config | None = None) -> Array:
+  """y (T, d) in x's dtype = sum over each token's routed experts of score * expert(x_t), on a
+  grouped layout you built (`build_grouped_layout`; `routed_experts` builds it for you).
 
-  x (T, d); scores (T, S) float weights of the layout's slot pairs; extra_scores (X,) those of its
-  extra pairs (None when it has none); the layout built from (T, S) expert ids over w1's E experts
-  with the backend's `row_tile`; w1, w2, b1, b2, activation, gate_up_layout: as `sonic_jax.moe`.
-  backend: a name of `sonic_jax.BACKENDS` (resolved with `config`, a `sonic_jax.Config`) or a
-  resolved `Backend`.
+  x (T, d); scores (T, S) float weights of the layout's slot pairs; the layout built from (T, S)
+  expert ids over w1's E experts with the backend's `row_tile`
+  (`sonic_jax.backends.resolve_backend(backend, config).row_tile`: 32 for the xla path on a CPU,
+  128 on a GPU); w1, w2, b1, b2, activation, gate_up_layout: as `sonic_jax.moe`; extra_scores
+  (X,): the weights of the layout's extra pairs (required when it has some). backend: a name of
+  `sonic_jax.BACKENDS` (resolved with `config`, a `sonic_jax.Config`) or a resolved `Backend`.
   Differentiable in x, scores, extra_scores, w1, w2, b1 and b2.
   """
   act = check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)

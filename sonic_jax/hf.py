@@ -148,7 +148,7 @@ The routers (`layer_kwargs`' routing, a `Router`):
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
       each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True);
       GELU-tanh GLU experts. The router sees the decoder layer's residual stream h and the experts
-      pre_feedforward_layernorm_2(h): call the layer as layer(that, router_x=h).
+      pre_feedforward_layernorm_2(h): call the layer as layer(that, router_input=h).
 
 Semantics that differ from transformers only where no real input reaches: group-limited selection
 never picks an expert of a dropped group (DeepSeek-V2's transformers code masks its probabilities
@@ -183,6 +183,11 @@ from sonic_jax.routing import Router
 Array = np.ndarray
 
 # The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
+__all__ = ["FAMILIES", "Family", "GLU_OF_HIDDEN_ACT", "LayerParams", "PARAM_NAMES",
+           "PerLayerFieldError", "WRAPPERS", "block_state_dict", "family", "hf_keys",
+           "hf_state_from_layer", "layer_kwargs", "layer_params", "layer_params_from_hf",
+           "load_into_layer", "moe_layer"]
+
 PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias", "shared_in",
                "shared_out", "shared_gate", "router_scale", "expert_scale")
 
@@ -1325,7 +1330,7 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set
   return out, used
 
 
-def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
+def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
                      layer: int) -> dict[str, Any]:
   """Decoder layer `layer`'s MoE block out of a whole model's state dict: the entries under the
   family's prefix ("model.layers.{layer}.mlp." and the like; or, for a family with a
@@ -1346,6 +1351,10 @@ def block_state_dict(state_dict: Mapping[str, Any], config: Mapping[str, Any],
   and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
   ValueError names keys under the block's modules that are not read (quantization scales, say),
   an index outside the config's layers, and why a layer has no MoE block (a dense layer)."""
+  if (isinstance(config, Mapping) and "model_type" not in config
+      and isinstance(state_dict, Mapping) and "model_type" in state_dict):
+    raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
+                    "second")
   config = _text_config(config)
   fam = family(config)
   if layer is None:

@@ -51,6 +51,8 @@ from sonic_jax.varying import like_primal, varying_axes
 
 Array = jax.Array
 
+__all__ = ["EXPERT_PARALLEL_SCHEMES", "moe_all_gather", "moe_all_to_all", "slot_capacity"]
+
 EXPERT_PARALLEL_SCHEMES = ("all_to_all", "all_gather")
 
 

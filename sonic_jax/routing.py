@@ -24,7 +24,7 @@ import numpy as np
 from sonic_jax import precision
 from sonic_jax.batching import take_shared
 from sonic_jax.config import Config, check_config
-from sonic_jax.layout import int32_ids
+from sonic_jax.layout import check_integer_array, int32_ids
 from sonic_jax.pallas import rounding_select, router_topk
 from sonic_jax.precision import dot_f32
 
@@ -176,7 +176,14 @@ def router_logits(x: Array, router_weight: Array) -> Array:
   When x and the weight share a 16-bit dtype, the backward GEMMs take the logits' gradient in
   that dtype too (float32 accumulation; `sonic_jax.precision.dot_f32`), as a 16-bit GEMM's
   backward does in mixed-precision training; plain autodiff would run them on float32 operands.
+  x (..., d), router_weight (d, E), floating; the logits (..., E).
   """
+  from sonic_jax import checks  # checks imports this module
+  checks.check_array("x", x)
+  checks.check_array("router_weight", router_weight)
+  if x.ndim < 1 or router_weight.ndim != 2 or router_weight.shape[0] != x.shape[-1]:
+    raise ValueError(f"x (..., d) and router_weight (d, E) must share d, got shapes "
+                     f"{tuple(x.shape)} and {tuple(router_weight.shape)}")
   return dot_f32(x, router_weight)
 
 
@@ -295,7 +302,7 @@ def _selection_ids(logits: Array, scores: Array, top_k: int, router: Router,
   return _top_k_ids(ranked, top_k)
 
 
-def route(logits: Array, top_k: int, routing: str | Router,
+def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
           selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
   """Selects K experts per token and their weights, as `routing` (a `Router` or the name of one
   of `ROUTINGS`) says.
@@ -314,8 +321,10 @@ def route(logits: Array, top_k: int, routing: str | Router,
   outside [0, E) is empty: id -1 and weight 0, the token's other weights renormalised without it.
   Group-limited routing (n_group > 1) takes none: the groups would go unused.
   """
-  if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
-    raise TypeError(f"logits must be an array, got {type(logits).__name__}")
+  from sonic_jax import checks  # checks imports this module
+  checks.check_array("logits", logits)
+  if selection_bias is not None:
+    checks.check_array("selection_bias", selection_bias)
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
   if selection_bias is not None and (not hasattr(selection_bias, "shape")
@@ -528,11 +537,11 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
     raise TypeError(f"routed must be the RouterOutput that `route` returns, got "
                     f"{type(routed).__name__}")
   if mode not in TOKEN_ROUNDINGS:
-    raise ValueError(f"token_rounding must be one of {TOKEN_ROUNDINGS} or None, got {mode!r}")
+    raise ValueError(f"mode must be one of {TOKEN_ROUNDINGS}, got {mode!r}")
   if isinstance(tile, bool) or not isinstance(tile, numbers.Integral):
-    raise TypeError(f"token rounding tile must be an int, got {tile!r}")
+    raise TypeError(f"tile must be an int, got {tile!r}")
   if tile < 1:
-    raise ValueError(f"token rounding tile must be >= 1, got {tile}")
+    raise ValueError(f"tile must be >= 1, got {tile}")
   if method not in ROUNDING_METHODS:
     raise ValueError(f"method must be one of {ROUNDING_METHODS}, got {method!r}")
   probs, ids = routed.probs, routed.expert_ids
@@ -692,6 +701,9 @@ def sequence_balance_loss(probs: Array, expert_ids: Array) -> Array:
   f_e = E / (K S) * (pairs routed to e) (not differentiable) and P_e = mean_t probs[t, e]; the loss
   is sum_e f_e P_e (1 when uniform), averaged over the B sequences.
   """
+  from sonic_jax import checks  # checks imports this module
+  checks.check_array("probs", probs)
+  check_integer_array("expert_ids", expert_ids)
   if probs.ndim != 3 or expert_ids.ndim != 3 or probs.shape[:2] != expert_ids.shape[:2]:
     raise ValueError(f"probs must be (B, S, E) and expert_ids (B, S, K) with the same B and S, got "
                      f"{probs.shape} and {expert_ids.shape}")

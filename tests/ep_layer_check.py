@@ -18,7 +18,8 @@
   (gradients too) over a size-1 axis; `sonic_jax.moe` with x split over d and the expert weights
   and biases over their other dims; the layer data parallel under `jax.set_mesh` (x's tokens split
   over an Explicit axis, or `token_axes` on an Auto one), against one device; `sonic_jax.moe`
-  vmapped over a batch split over an Explicit axis.
+  vmapped over a batch split over an Explicit axis; the sequence-wise balance loss with the
+  sequences split over an Explicit axis.
 
 Float64 throughout: compare to rounding, not to fusion order. The single-device references are
 computed once and shared by the schemes."""
@@ -416,6 +417,27 @@ def check_data_parallel():
     np.testing.assert_array_equal(st.choice_ids, st_ref.choice_ids)
 
 
+def check_sequence_balance_loss():
+  """balance_loss="sequence" data parallel: x (4, 16, d) with its sequences split over an
+  Explicit "data" axis, the loss (computed from the whole batch's routing) and every parameter's
+  gradient of vdot(y, dY) + the loss against one device."""
+  g, s = nnx.split(MoE(**KW, balance_loss="sequence", rngs=nnx.Rngs(0)))
+  x, d_y = X.reshape(4, T // 4, 16), D_Y.reshape(4, T // 4, 16)
+
+  def loss(state, x):
+    y, aux = nnx.merge(g, state)(x)
+    return jnp.vdot(y, d_y) + aux.loss, (y, aux.loss)
+
+  grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (_, (y_ref, l_ref)), gs_ref = grad(s, x)
+  with jax.set_mesh(jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+                                  devices=jax.devices()[:2])):
+    (_, (y, l)), gs = grad(s, jax.device_put(x, P("data")))
+  errs = {"y": rel(y, y_ref), "loss": rel(l, l_ref), **grad_errs(gs, gs_ref)}
+  print("sequence balance loss, data parallel", {k: f"{v:.1e}" for k, v in errs.items()})
+  assert max(errs.values()) < 1e-10, errs
+
+
 @functools.cache
 def eager_reference():
   single = MoE(**KW, rngs=nnx.Rngs(0))
@@ -451,4 +473,5 @@ if __name__ == "__main__":
   check_split_operands()
   check_vmap_over_split_batch()
   check_data_parallel()
+  check_sequence_balance_loss()
   print("OK")

@@ -308,7 +308,7 @@ def make_block(case: Case, config):
   if case.model_type == "gemma4_text":
     # The decoder layer's MoE part under its attribute names (keys as the layer's): the router
     # and the experts, both on the block's input (the layer feeds the experts another
-    # normalisation of it; the MoE layer's router_x).
+    # normalisation of it; the MoE layer's router_input).
     class Gemma4Moe(torch.nn.Module):
       def __init__(self):
         super().__init__()

@@ -543,7 +543,7 @@ def test_kimi_k25_language_model_is_deepseek_v3():
     state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
     assert set(state) == set(hf.hf_keys(v3))
     model = {f"model.language_model.layers.3.mlp.{k}": v for k, v in state.items()}
-    block = hf.block_state_dict(model, config, 3)
+    block = hf.block_state_dict(config, model, layer=3)
     assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
 
 
@@ -674,7 +674,7 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
   state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
   model = {f"model.layers.{i}.mlp.{k}": v + i for i in range(2) for k, v in state.items()}
   model["model.layers.1.self_attn.q_proj.weight"] = np.zeros(3)
-  block = hf.block_state_dict(model, config, 1)
+  block = hf.block_state_dict(config, model, layer=1)
   assert set(block) == set(state)
   assert all(np.array_equal(block[k], state[k] + 1) for k in state)
   # Gemma 4's keys are the decoder layer's, beside its dense MLP and norms: only the MoE's taken
@@ -684,16 +684,16 @@ def test_block_state_dict_takes_one_layer_out_of_a_model():
     model = {f"{prefix}{k}": v for k, v in state.items()}
     model[f"{prefix}mlp.gate_proj.weight"] = np.zeros(3)
     model[f"{prefix}pre_feedforward_layernorm_2.weight"] = np.zeros(3)
-    assert set(hf.block_state_dict(model, config, 0)) == set(state) == {
+    assert set(hf.block_state_dict(config, model, layer=0)) == set(state) == {
         "router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
         "experts.down_proj"}
   # Keys under the block's modules that the converters do not read: refused, not dropped.
   model = {f"model.layers.0.{k}": v for k, v in state.items()}
   for extra in ("experts.0.w1.weight", "experts.down_proj_scale_inv"):
     with pytest.raises(ValueError, match=rf"keys not read \['{extra}'\].*with transformers"):
-      hf.block_state_dict({**model, f"model.layers.0.{extra}": np.zeros(3)}, config, 0)
+      hf.block_state_dict(config, {**model, f"model.layers.0.{extra}": np.zeros(3)}, layer=0)
   with pytest.raises(ValueError, match="'model.layers.1.' or 'model.language_model.layers.1.'"):
-    hf.block_state_dict(model, config, 1)
+    hf.block_state_dict(config, model, layer=1)
 
 
 # transformers' Hub layout of each case's block (`hf_reference.hub_checkpoint`) where it differs
@@ -723,7 +723,7 @@ def test_hub_checkpoint_loads_as_the_in_memory_block(references, case):
          k[len("hub/"):]: v for k, v in r.items() if k.startswith("hub/")}
   if case in _HUB_LAYOUTS:
     assert any(k.endswith(_HUB_LAYOUTS[case]) for k in hub), sorted(hub)
-  block = hf.block_state_dict(hub, _config(r), 0)
+  block = hf.block_state_dict(_config(r), hub, layer=0)
   state = _state(r)
   assert sorted(block) == sorted(state)
   for k, v in state.items():
@@ -751,15 +751,15 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
       return super().__getitem__(key)
 
   lazy = Lazy(model)
-  block = hf.block_state_dict(lazy, config, 1)
+  block = hf.block_state_dict(config, lazy, layer=1)
   assert all(np.array_equal(block[k], state[k]) for k in state) and set(block) == set(state)
   assert lazy.read == {k for k in model if k.startswith("model.layers.1.block_sparse_moe.")}
   del model["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
   with pytest.raises(ValueError, match=r"one by one lack \['experts.2.w3.weight'\]"):
-    hf.block_state_dict(model, config, 0)
+    hf.block_state_dict(config, model, layer=0)
   for bad in (-1, 2, True, 1.0):
     with pytest.raises(ValueError, match=r"layer must be a decoder layer's index in \[0, 2\)"):
-      hf.block_state_dict(model, config, bad)
+      hf.block_state_dict(config, model, layer=bad)
   # Step-3.5/3.7's Hub layout (the decoder layer's moe.* and share_expert.*): a key of its parts
   # that is not read is refused.
   step = dict(MINIMAL_CONFIGS["step3p7"], model_type="step3p7")
@@ -771,16 +771,16 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
          **{f"share_expert.{k}_proj.weight": state[f"shared_experts.{k}_proj.weight"]
             for k in ("gate", "up", "down")}}
   hub = {f"model.language_model.layers.3.{k}": v for k, v in hub.items()}
-  block = hf.block_state_dict(hub, step, 3)
+  block = hf.block_state_dict(step, hub, layer=3)
   assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
   hub["model.language_model.layers.3.moe.gate_proj.weight_scale_inv"] = np.zeros(3)
   with pytest.raises(ValueError, match=r"keys not read \['moe.gate_proj.weight_scale_inv'\]"):
-    hf.block_state_dict(hub, step, 3)
+    hf.block_state_dict(step, hub, layer=3)
   # A dense layer: the reason, as layer_kwargs gives it.
   v3 = dict(MINIMAL_CONFIGS["deepseek_v3"], model_type="deepseek_v3", num_hidden_layers=4,
             first_k_dense_replace=1, num_nextn_predict_layers=1)
   with pytest.raises(ValueError, match=r"layer 0 is a dense one \(first_k_dense_replace=1\)"):
-    hf.block_state_dict({"model.layers.0.mlp.gate_proj.weight": np.zeros(3)}, v3, 0)
+    hf.block_state_dict(v3, {"model.layers.0.mlp.gate_proj.weight": np.zeros(3)}, layer=0)
   with pytest.raises(ValueError, match=r"\[0, 5\) \(the last 1: multi-token-prediction"):
     hf.layer_kwargs(v3, layer=5)
   qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", num_experts=0)
@@ -789,11 +789,13 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   with pytest.raises(ValueError, match=r"num_experts=0: its decoder layers are dense"):
     hf.layer_kwargs(qwen)
   with pytest.raises(ValueError, match="layer must be a decoder layer's index, got None"):
-    hf.block_state_dict(model, config, None)
+    hf.block_state_dict(config, model, layer=None)
+  with pytest.raises(TypeError, match=r"takes \(config, state_dict, layer=...\)"):
+    hf.block_state_dict(model, config, layer=1)  # the other hf functions' order, swapped
   # Experts stored one by one number the config's E: a file of the checkpoint left out is named.
   few = {k: v for k, v in model.items() if ".experts.3." not in k}
   with pytest.raises(ValueError, match=r"lack \['experts.3.w1.weight'.*several files"):
-    hf.block_state_dict(few, config, 1)
+    hf.block_state_dict(config, few, layer=1)
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------

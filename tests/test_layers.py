@@ -89,7 +89,7 @@ def test_layer_family_options_equal_the_functional_op(rng):
 
 
 def test_layer_gemma4_router_equals_the_functional_op(rng):
-  """router_norm_eps and expert_scale (Gemma 4): the router sees router_x RMS-normalised, times
+  """router_norm_eps and expert_scale (Gemma 4): the router sees router_input RMS-normalised, times
   its trained scale and d ** -0.5; each weight is times its expert's trained scale. Both scales
   are parameters that get gradients. Then a fixed selection (expert_ids) through the layer."""
   m = _layer(routing="topk_softmax", router_norm_eps=1e-6, use_expert_scale=True)
@@ -102,9 +102,10 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
 
   @nnx.jit
   def layer_runs(m, x, h, ids):
-    y, aux = m(x, router_x=h)
-    y_ids, aux_ids = m(x, router_x=h, expert_ids=ids)
-    return y, aux.stats.expert_ids, y_ids, aux_ids.stats.expert_ids, m(x)[0] - m(x, router_x=x)[0]
+    y, aux = m(x, router_input=h)
+    y_ids, aux_ids = m(x, router_input=h, expert_ids=ids)
+    return (y, aux.stats.expert_ids, y_ids, aux_ids.stats.expert_ids,
+            m(x)[0] - m(x, router_input=x)[0])
 
   @jax.jit
   def functional(x, h, router, w1, w2, router_scale, expert_scale, ids):
@@ -121,16 +122,18 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
                                           m.router_scale[...], m.expert_scale[...], ids)
   assert rel_err(y.reshape(-1, 32), want) < 1e-5
   np.testing.assert_array_equal(y_ids_chosen, want_ids)
-  assert not np.any(np.asarray(default_diff))  # router_x defaults to x
+  assert not np.any(np.asarray(default_diff))  # router_input defaults to x
   assert rel_err(y_fixed.reshape(-1, 32), want_fixed) < 1e-5
   np.testing.assert_array_equal(fixed_ids, ids.reshape(-1, 2))
-  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, router_x=h)[0] ** 2)))(m)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, router_input=h)[0] ** 2)))(m)
   for name in ("router_scale", "expert_scale", "router"):
     assert float(jnp.linalg.norm(getattr(grads, name)[...])) > 0, name
-  with pytest.raises(ValueError, match="router_x must have x's shape"):
-    m(x, router_x=h[:, :5])
-  with pytest.raises(TypeError, match="router_x must have a floating dtype, got int32"):
-    m(x, router_x=h.astype(jnp.int32))
+  with pytest.raises(ValueError, match="router_input must have x's shape"):
+    m(x, router_input=h[:, :5])
+  with pytest.raises(TypeError, match="router_input must have a floating dtype, got int32"):
+    m(x, router_input=h.astype(jnp.int32))
+  with pytest.raises(TypeError, match="router_input must be an array, got list"):
+    m(x, router_input=np.asarray(h).tolist())
   with pytest.raises(ValueError, match="expert_ids must have shape"):
     m(x, expert_ids=ids.reshape(-1, 2))
   with pytest.raises(ValueError, match="router_norm_eps"):
@@ -313,6 +316,9 @@ def test_bad_layer_arguments():
                         (dict(routing=sonic_jax.Router(n_group=2, topk_group=1)), "n_group")):
     with pytest.raises(ValueError, match=f"fixed_selection=True .*{match}"):
       _layer(fixed_selection=True, **kwargs)  # each would fail at every call
+    # and a call given a selection refuses it in the layer's words
+    with pytest.raises(ValueError, match=f"expert_ids \\(a given selection\\) takes no .*{match}"):
+      _layer(**kwargs)(jnp.ones((6, 32)), expert_ids=jnp.zeros((6, 2), jnp.int32))
   # Types and ranges a call would refuse (or misread), named at construction.
   with pytest.raises(TypeError, match="top_k must be an int"):
     _layer(top_k=2.0)

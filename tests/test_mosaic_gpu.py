@@ -846,7 +846,7 @@ def test_backend_lowers_under_x64():
   impl = make_backend(XLA, sonic_jax.Config())
   swiglu = acts.get_activation("swiglu")
   loss = lambda x, s, w1, w2: jnp.sum(expert_mixture(
-      x, s, None, layout, w1, w2, None, None, swiglu, "concat", impl).astype(jnp.float32))
+      x, s, layout, w1, w2, activation=swiglu, backend=impl).astype(jnp.float32))
   bf = jnp.bfloat16
   args = (jax.ShapeDtypeStruct((T, d), bf), jax.ShapeDtypeStruct((T, 2), jnp.float32),
           jax.ShapeDtypeStruct((E, d, 2 * n), bf), jax.ShapeDtypeStruct((E, n, d), bf))

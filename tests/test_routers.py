@@ -495,7 +495,7 @@ def test_expert_mixture_checks_its_layout_and_equals_routed_experts(rng):
 
   @jax.jit
   def both(x, s, w1, w2):
-    mine = lambda *a: jnp.sum(sonic_jax.expert_mixture(a[0], a[1], None, layout, a[2], a[3],
+    mine = lambda *a: jnp.sum(sonic_jax.expert_mixture(a[0], a[1], layout, a[2], a[3],
                                                        backend="xla") ** 2)
     ref = lambda *a: jnp.sum(sonic_jax.routed_experts(a[0], ids, a[1], a[2], a[3],
                                                       backend="xla")[0] ** 2)
@@ -508,21 +508,21 @@ def test_expert_mixture_checks_its_layout_and_equals_routed_experts(rng):
     assert rel_err(a, b) < 1e-6
   mix = sonic_jax.expert_mixture
   with pytest.raises(ValueError, match="layout is built for 5 experts, but w1 holds 4"):
-    mix(x, s, None, sonic_jax.build_grouped_layout(ids, 5, tile), w1, w2, backend="xla")
+    mix(x, s, sonic_jax.build_grouped_layout(ids, 5, tile), w1, w2, backend="xla")
   with pytest.raises(ValueError, match="scores must have the layout's shape"):
-    mix(x, s[:, :1], None, layout, w1, w2, backend="xla")
+    mix(x, s[:, :1], layout, w1, w2, backend="xla")
   with pytest.raises(ValueError, match="row_tile"):
-    mix(x, s, None, sonic_jax.build_grouped_layout(ids, E, 2 * tile), w1, w2, backend="xla")
+    mix(x, s, sonic_jax.build_grouped_layout(ids, E, 2 * tile), w1, w2, backend="xla")
   extra = sonic_jax.build_grouped_layout(ids, E, tile, jnp.array([0, 1], jnp.int32),
                                          jnp.array([2, 3], jnp.int32))
   with pytest.raises(ValueError, match="extra_scores must be given"):
-    mix(x, s, None, extra, w1, w2, backend="xla")
+    mix(x, s, extra, w1, w2, backend="xla")
   with pytest.raises(ValueError, match="unknown activation|activation must be"):
-    mix(x, s, None, layout, w1, w2, activation="swishglu", backend="xla")
+    mix(x, s, layout, w1, w2, activation="swishglu", backend="xla")
   with pytest.raises(ValueError, match="backend must be one of"):
-    mix(x, s, None, layout, w1, w2, backend="tpu_kernels")
+    mix(x, s, layout, w1, w2, backend="tpu_kernels")
   with pytest.raises(TypeError, match="layout must be a sonic_jax.GroupedLayout"):
-    mix(x, s, None, tuple(layout), w1, w2, backend="xla")
+    mix(x, s, tuple(layout), w1, w2, backend="xla")
 
 
 def test_extra_pairs_outside_the_tokens_are_unused_everywhere(rng):
@@ -567,3 +567,40 @@ def test_hf_load_balancing_loss_takes_one_array_or_a_sequence(rng):
   assert rel_err(one, sonic_jax.hf_load_balancing_loss([logits[0]], 2)) < 1e-6
   with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E = 8\]"):
     sonic_jax.hf_load_balancing_loss(logits, 9)
+
+
+def test_routing_helpers_name_bad_arguments():
+  """route, router_logits, sequence_balance_loss and round_tokens refuse what they would misread
+  (bool or integer logits, mismatched shapes, float ids), each naming its argument; route's
+  routing defaults to moe's."""
+  logits = jnp.array([[1.0, 0.0, 2.0, -1.0]])
+  np.testing.assert_array_equal(sonic_jax.route(logits, 2).expert_ids,
+                                sonic_jax.route(logits, 2, "softmax_topk").expert_ids)
+  with pytest.raises(TypeError, match="logits must have a floating dtype"):
+    sonic_jax.route(jnp.array([[True, False, True, False]]), 2)
+  with pytest.raises(TypeError, match="selection_bias must have a floating dtype"):
+    sonic_jax.route(logits, 2, selection_bias=jnp.arange(4))
+  with pytest.raises(TypeError, match="x must have a floating dtype"):
+    sonic_jax.router_logits(jnp.ones((3, 4), jnp.int32), jnp.ones((4, 2)))
+  with pytest.raises(ValueError, match=r"must share d, got shapes \(3, 4\) and \(5, 2\)"):
+    sonic_jax.router_logits(jnp.ones((3, 4)), jnp.ones((5, 2)))
+  with pytest.raises(TypeError, match="expert_ids must have an integer dtype"):
+    sonic_jax.sequence_balance_loss(jnp.ones((1, 3, 4)) / 4, jnp.zeros((1, 3, 2)))
+  routed = sonic_jax.route(logits, 2)
+  with pytest.raises(ValueError, match=r"mode must be one of \('down', 'up', 'nearest'\)"):
+    sonic_jax.round_tokens(routed, 2, "sideways")
+  with pytest.raises(TypeError, match="tile must be an int"):
+    sonic_jax.round_tokens(routed, 2.0, "up")
+
+
+def test_activation_fields_are_checked_python_values():
+  act = sonic_jax.Activation("a", "silu", np.bool_(True), alpha=np.float32(1.5), limit=7,
+                             up_offset=1)
+  assert (type(act.is_glu), type(act.alpha), act.limit, act.up_offset) == (bool, float, 7.0, 1.0)
+  assert hash(act) == hash(sonic_jax.Activation("a", "silu", True, 1.5, 7.0, 1.0))
+  with pytest.raises(TypeError, match="Activation.is_glu must be a bool"):
+    sonic_jax.Activation("a", "silu", "no")
+  with pytest.raises(TypeError, match="Activation.alpha must be a real number"):
+    sonic_jax.Activation("a", "silu", True, alpha=jnp.float32(1.5))
+  with pytest.raises(ValueError, match="Activation.limit must be finite"):
+    sonic_jax.Activation("a", "silu", True, limit=float("inf"))

@@ -116,8 +116,7 @@ class MoE(nnx.Module):
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
     router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon, times
       a trained (d,) scale (the parameter `router_scale`) and d ** -0.5, in float32 (Gemma 4's
-      router, which normalises the block's input on its own: pass that input as `router_x`, the
-      functional op's `router_input`).
+      router, which normalises the block's input on its own: pass that input as `router_input`).
     use_expert_scale: each pair's weight times a trained (E,) scale of its expert (the parameter
       `expert_scale`, ones at init; Gemma 4's per-expert scale).
     fixed_selection: every call gives its selection as `expert_ids` (DeepSeek-V4's hash-routed
@@ -128,8 +127,8 @@ class MoE(nnx.Module):
       per token (Qwen2-MoE, Qwen3-Next).
     load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
     balance_loss: "batch" (Switch: E * sum_e f_e P_e over all the call's tokens) or "sequence"
-      (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d); one device,
-      no expert_parallel_axis). "sequence" counts the router's token-choice pairs, "batch" the
+      (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d); not with
+      expert_parallel_axis). "sequence" counts the router's token-choice pairs, "batch" the
       pairs after token rounding; neither loses the pairs a capacity drops.
     bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `SelectionBias` that moves the
       selection, updated by `update_selection_bias` outside the gradient.
@@ -323,17 +322,19 @@ class MoE(nnx.Module):
     self.shared_gate = nnx.data(_param(rngs, normal(init_std), (d_model, 1), param_dtype,
                                        (embed_axis, None)) if shared_expert_gate else None)
 
-  def __call__(self, x: Array, router_x: Array | None = None,
+  def __call__(self, x: Array, router_input: Array | None = None,
                expert_ids: Array | None = None) -> tuple[Array, MoELayerAux]:
-    """x (..., d) -> (y with x's shape, aux). Leading dims are flattened into tokens.
+    """x (..., d) -> (y with x's shape in the compute `dtype` (default x's), aux). Leading dims
+    are flattened into tokens.
 
-    router_x: optional input of the router, x's shape (default x): Gemma 4 routes on the block's
-    input and runs the experts on another normalisation of it.
+    router_input: optional input of the router, x's shape (default x; `moe`'s `router_input`):
+    Gemma 4 routes on the block's input and runs the experts on another normalisation of it.
     expert_ids: optional (..., K) integer, x's leading dims: a fixed selection whose weights the
     router computes (DeepSeek-V4's hash-routed layers: `tid2eid[input_ids]`); not while token
     rounding trains."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"x must be an array, got {type(x).__name__}")
+    for name, a in (("x", x), ("router_input", router_input)):
+      if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     if x.ndim < 1 or x.shape[-1] != self.w1.shape[1]:
       raise ValueError(f"x must have shape (..., d_model) with d_model = {self.w1.shape[1]}, got "
                        f"{tuple(x.shape)}")
@@ -344,13 +345,14 @@ class MoE(nnx.Module):
     cast = lambda p: None if p is None else p[...].astype(dtype)
     if self.balance_loss == "sequence" and x.ndim != 3:
       raise ValueError(f"balance_loss='sequence' takes x of shape (B, S, d), got {x.shape}")
-    if router_x is not None and tuple(router_x.shape) != tuple(x.shape):
-      raise ValueError(f"router_x must have x's shape {tuple(x.shape)}, got "
-                       f"{tuple(router_x.shape)}")
-    for name, a in (("x", x), ("router_x", router_x)):  # before the casts below hide them
+    if router_input is not None and tuple(router_input.shape) != tuple(x.shape):
+      raise ValueError(f"router_input must have x's shape {tuple(x.shape)}, got "
+                       f"{tuple(router_input.shape)}")
+    # before the casts below hide them
+    for name, a in (("x", x), ("router_input", router_input)):
       if a is not None and not jnp.issubdtype(a.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {a.dtype}")
-    r = None if router_x is None else _flatten(router_x)
+    r = None if router_input is None else _flatten(router_input)
     if self.router_scale is not None:
       r = self._normalised_router_input(h if r is None else r)
     elif r is not None:
@@ -363,6 +365,12 @@ class MoE(nnx.Module):
                        "selection as expert_ids")
     if expert_ids is not None:
       check_integer_array("expert_ids", expert_ids)
+      # what `moe` refuses beside a given selection, in the layer's own words
+      excluded = routing_lib.fixed_selection_excludes(
+          None if self.deterministic else self.token_rounding, self.bias_update_rate > 0,
+          self.routing, "selection bias (bias_update_rate > 0)")
+      if excluded:
+        raise ValueError(f"expert_ids (a given selection) takes no {excluded}")
       if tuple(expert_ids.shape) != tuple(lead) + (self.top_k,):
         raise ValueError(f"expert_ids must have shape {tuple(lead) + (self.top_k,)} (x's leading "
                          f"dims, top_k), got {tuple(expert_ids.shape)}")
