@@ -13,7 +13,7 @@ For each supported family (`FAMILIES`, keyed by the config's `model_type`):
   "experts.gate_up_proj") to the layer's parameter arrays, and `hf_state_from_layer` back. Both
   directions only transpose, reshape and reorder: they are exact, and the map is orthogonal, so
   `hf_state_from_layer` also takes the layer's *gradients* to the block's;
-- `load_into_layer(layer, params)` sets an `MoE` layer's variables, `layer_params(layer)` reads
+- `load_into_layer(module, params)` sets an `MoE` layer's variables, `layer_params(module)` reads
   them (from a layer, or from an `nnx.State` of gradients), and `moe_layer(config, state_dict)`
   builds and loads a layer in one call; `block_state_dict` takes one layer's block out of a whole
   model's state dict. The parameter dicts (`LayerParams`) carry their gate/up layout: loading
@@ -1413,17 +1413,18 @@ def _variable(tree, name):
   return getattr(tree, name, None)
 
 
-def layer_params(layer, gate_up_layout: str | None = None) -> LayerParams:
-  """The parameter arrays of an `MoE` layer, or of an `nnx.State` with its names (gradients from
-  `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out. Their gate/up layout is
-  the layer's; a State does not say it: pass its layer's (`layer.gate_up_layout`), or
-  `hf_state_from_layer` takes the family's."""
-  own = getattr(layer, "gate_up_layout", None)
+def layer_params(module, gate_up_layout: str | None = None) -> LayerParams:
+  """The parameter arrays of `module`, an `MoE` layer, or of an `nnx.State` with its names
+  (gradients from `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out. Their
+  gate/up layout is the layer's; a State does not say it: pass its layer's
+  (`layer.gate_up_layout`), or `hf_state_from_layer` takes the family's. (Elsewhere in this
+  module `layer` is a decoder layer's index.)"""
+  own = getattr(module, "gate_up_layout", None)
   if gate_up_layout is not None and own is not None and gate_up_layout != own:
     raise ValueError(f"gate_up_layout={gate_up_layout!r}, but the layer's is {own!r}")
   out = LayerParams(gate_up_layout=own if own is not None else gate_up_layout)
   for name in PARAM_NAMES:
-    v = _variable(layer, name)
+    v = _variable(module, name)
     if v is None:
       continue
     value = v[...] if hasattr(v, "__getitem__") and not isinstance(v, np.ndarray) else v
@@ -1431,27 +1432,27 @@ def layer_params(layer, gate_up_layout: str | None = None) -> LayerParams:
   return out
 
 
-def load_into_layer(layer, params: Mapping[str, Any]) -> None:
-  """Sets the layer's variables to `params` (from `layer_params_from_hf`), each cast to the
-  variable's dtype (the selection bias stays float32) and placed as the variable is (a sharded
-  layer stays sharded). Raises a ValueError for a name the layer lacks, a shape that differs, a
-  part of the layer that `params` does not set, or params of another gate/up layout than a GLU
-  layer's."""
+def load_into_layer(module, params: Mapping[str, Any]) -> None:
+  """Sets the variables of `module`, an `MoE` layer, to `params` (from `layer_params_from_hf`), each
+  cast to the variable's dtype (the selection bias stays float32) and placed as the variable is
+  (a sharded layer stays sharded). Raises a ValueError for a name the layer lacks, a shape that
+  differs, a part of the layer that `params` does not set, or params of another gate/up layout
+  than a GLU layer's."""
   import jax
-  present = {n for n in PARAM_NAMES if _variable(layer, n) is not None}
+  present = {n for n in PARAM_NAMES if _variable(module, n) is not None}
   unknown = sorted(set(params) - present)
   unset = sorted(present - set(params))
   if unknown or unset:
     raise ValueError(f"params and the layer differ: the layer has no {unknown}; params do not "
                      f"set {unset}")
   known = getattr(params, "gate_up_layout", None)
-  if (known is not None and acts.get_activation(layer.activation).is_glu
-      and known != layer.gate_up_layout):
+  if (known is not None and acts.get_activation(module.activation).is_glu
+      and known != module.gate_up_layout):
     raise ValueError(f"params hold w1 in the {known!r} gate/up layout, the layer takes "
-                     f"{layer.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
-                     f"{layer.gate_up_layout!r})")
+                     f"{module.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
+                     f"{module.gate_up_layout!r})")
   for name, value in params.items():
-    var = _variable(layer, name)
+    var = _variable(module, name)
     old = var[...]
     value = np.asarray(value)
     if tuple(value.shape) != tuple(old.shape):

@@ -255,8 +255,10 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   """
   config = check_config(config)
   for name, value in (("num_experts", num_experts), ("row_tile", row_tile)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
   if (extra_tokens is None) != (extra_experts is None):
     raise ValueError("extra_tokens and extra_experts must be given together")
   _check_ids("expert_ids", expert_ids, 2, "(T, S)")

@@ -90,8 +90,10 @@ class Router:
                        f"{self.group_score!r}")
     for name in ("n_group", "topk_group"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"Router.{name} must be an int >= 1, got {value!r}")
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"Router.{name} must be an int, got {value!r}")
+      if value < 1:
+        raise ValueError(f"Router.{name} must be >= 1, got {value}")
       object.__setattr__(self, name, int(value))  # a NumPy integer too: one hash, one repr
     if self.topk_group > self.n_group:
       raise ValueError(f"Router.topk_group must be <= n_group = {self.n_group}, got "
@@ -730,9 +732,10 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
   else:
     logits = jnp.concatenate([jnp.asarray(l).reshape(-1, jnp.shape(l)[-1])
                               for l in router_logits])
-  if (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)
-      or not 1 <= top_k <= logits.shape[-1]):
-    raise ValueError(f"top_k must be an int in [1, E = {logits.shape[-1]}], got {top_k!r}")
+  if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+    raise TypeError(f"top_k must be an int, got {top_k!r}")
+  if not 1 <= top_k <= logits.shape[-1]:
+    raise ValueError(f"top_k must be in [1, E = {logits.shape[-1]}], got {top_k}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   e_count = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)

@@ -65,9 +65,9 @@ def test_layout_refuses_bad_arguments_and_never_wraps_wide_ids():
       ((ids.astype(np.float32), 4, 2), {}, TypeError, "expert_ids must have an integer dtype"),
       ((ids.tolist(), 4, 2), {}, TypeError, "expert_ids must be an array"),
       ((ids[0], 4, 2), {}, ValueError, r"expert_ids must be \(T, S\)"),
-      ((ids, 0, 2), {}, ValueError, "num_experts must be an int >= 1"),
-      ((ids, 4.0, 2), {}, ValueError, "num_experts must be an int >= 1"),
-      ((ids, 4, 2.5), {}, ValueError, "row_tile must be an int >= 1"),
+      ((ids, 0, 2), {}, ValueError, "num_experts must be >= 1"),
+      ((ids, 4.0, 2), {}, TypeError, "num_experts must be an int"),
+      ((ids, 4, 2.5), {}, TypeError, "row_tile must be an int"),
       ((ids, 4, 2), dict(extra_tokens=np.zeros(2), extra_experts=np.zeros(2, np.int32)),
        TypeError, "extra_tokens must have an integer dtype")):
     with pytest.raises(exc, match=match):

@@ -291,6 +291,7 @@ def test_bad_router_fields_are_refused_by_name(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(renormalize="no"), "Router.renormalize must be a bool"),
     (dict(scale_input=1), "Router.scale_input must be a bool"),
+    (dict(n_group=2.0), "Router.n_group must be an int"),
     (dict(routed_scaling_factor="2"), "Router.routed_scaling_factor must be a finite number"),
     (dict(renorm_epsilon=float("inf")), "Router.renorm_epsilon must be a finite number"),
 ])
@@ -565,8 +566,10 @@ def test_hf_load_balancing_loss_takes_one_array_or_a_sequence(rng):
   assert rel_err(sonic_jax.hf_load_balancing_loss(logits, 2), per_layer) < 1e-6
   one = sonic_jax.hf_load_balancing_loss(logits[0], 2)
   assert rel_err(one, sonic_jax.hf_load_balancing_loss([logits[0]], 2)) < 1e-6
-  with pytest.raises(ValueError, match=r"top_k must be an int in \[1, E = 8\]"):
+  with pytest.raises(ValueError, match=r"top_k must be in \[1, E = 8\], got 9"):
     sonic_jax.hf_load_balancing_loss(logits, 9)
+  with pytest.raises(TypeError, match="top_k must be an int, got 2.0"):
+    sonic_jax.hf_load_balancing_loss(logits, 2.0)
 
 
 def test_routing_helpers_name_bad_arguments():

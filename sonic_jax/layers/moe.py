@@ -210,15 +210,19 @@ class MoE(nnx.Module):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
       if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
-    if shared_expert_dim is not None and (isinstance(shared_expert_dim, bool) or not isinstance(
-        shared_expert_dim, numbers.Integral) or shared_expert_dim < 1):
-      raise ValueError(f"shared_expert_dim must be None or an int >= 1, got {shared_expert_dim!r}")
+    if shared_expert_dim is not None:
+      if isinstance(shared_expert_dim, bool) or not isinstance(shared_expert_dim,
+                                                                numbers.Integral):
+        raise TypeError(f"shared_expert_dim must be None or an int, got {shared_expert_dim!r}")
+      if shared_expert_dim < 1:
+        raise ValueError(f"shared_expert_dim must be >= 1, got {shared_expert_dim}")
     stds = (("init_std", init_std),) + (
         () if router_init_std is None else (("router_init_std", router_init_std),))
     for name, value in (("load_balance_coef", load_balance_coef), ("z_loss_coef", z_loss_coef),
                         ("bias_update_rate", bias_update_rate), *stds):
-      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-          0 <= value < math.inf):
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+      if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     for name, value, none_ok in (("dtype", dtype, True), ("param_dtype", param_dtype, False),
                                  ("router_param_dtype", router_param_dtype, True)):
