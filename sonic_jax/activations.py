@@ -147,8 +147,8 @@ class Activation:
   up_offset: float = 0.0
 
   def __post_init__(self):
-    # Python values only: a jax or NumPy scalar would make the activation unhashable as a static
-    # argument (or hash by value a traced one could not have).
+    # Python values only: a jax scalar would make the activation unhashable as a static
+    # argument, and an int limit would name a different activation than the same float's.
     if not isinstance(self.name, str):
       raise TypeError(f"Activation.name must be a str, got {type(self.name).__name__}")
     if not isinstance(self.is_glu, (bool, np.bool_)):
@@ -218,11 +218,11 @@ class Activation:
 def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0, up_offset: float = 1.0) -> Activation:
   """gpt-oss's expert activation: gate = min(gate, limit), up = clip(up, -limit, limit),
   A = gate * sigmoid(alpha * gate) * (up + up_offset). The defaults are gpt-oss's constants."""
+  alpha, limit, up_offset = float(alpha), float(limit), float(up_offset)
   name = "clamped_swiglu"
   if (alpha, limit, up_offset) != (1.702, 7.0, 1.0):
     name = f"clamped_swiglu(alpha={alpha}, limit={limit}, up_offset={up_offset})"
-  return Activation(name, "silu", is_glu=True, alpha=float(alpha), limit=float(limit),
-                    up_offset=float(up_offset))
+  return Activation(name, "silu", is_glu=True, alpha=alpha, limit=limit, up_offset=up_offset)
 
 
 # Read-only: a jitted function keyed on a preset's name must not see it change.

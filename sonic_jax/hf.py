@@ -182,11 +182,12 @@ from sonic_jax.routing import Router
 
 Array = np.ndarray
 
-# The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
 __all__ = ["FAMILIES", "Family", "GLU_OF_HIDDEN_ACT", "LayerParams", "PARAM_NAMES",
            "PerLayerFieldError", "WRAPPERS", "block_state_dict", "family", "hf_keys",
            "hf_state_from_layer", "layer_kwargs", "layer_params", "layer_params_from_hf",
            "load_into_layer", "moe_layer"]
+
+# The layer's parameter names (attributes of `sonic_jax.layers.MoE`).
 
 PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias", "shared_in",
                "shared_out", "shared_gate", "router_scale", "expert_scale")
@@ -787,6 +788,14 @@ WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qw
             "aria": "aria_text", "dots3_note": "dots3_note_text"}
 
 
+def _names_a_model(config) -> bool:
+  """Whether config is a config (a mapping or a transformers config object) with a model_type."""
+  try:
+    return "model_type" in _as_mapping(config)
+  except TypeError:
+    return False
+
+
 def _as_mapping(config) -> Mapping[str, Any]:
   if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
     config = config.to_dict()  # a transformers config object
@@ -1168,7 +1177,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a mapping of the layer's parameter names to arrays, got "
                     f"{type(params).__name__} (for an MoE layer: "
-                    f"hf_state_from_layer(config, layer_params(layer)))")
+                    f"hf_state_from_layer(config, layer_params(module)))")
   config = _text_config(config)
   fam = family(config)
   known = getattr(params, "gate_up_layout", None)
@@ -1351,8 +1360,7 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
   ValueError names keys under the block's modules that are not read (quantization scales, say),
   an index outside the config's layers, and why a layer has no MoE block (a dense layer)."""
-  if (isinstance(config, Mapping) and "model_type" not in config
-      and isinstance(state_dict, Mapping) and "model_type" in state_dict):
+  if not _names_a_model(config) and _names_a_model(state_dict):
     raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
                     "second")
   config = _text_config(config)

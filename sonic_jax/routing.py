@@ -104,9 +104,10 @@ class Router:
       object.__setattr__(self, name, bool(getattr(self, name)))
     for name in ("renorm_epsilon", "renorm_p", "routed_scaling_factor"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(
-          value):
-        raise TypeError(f"Router.{name} must be a finite number, got {value!r}")
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"Router.{name} must be a real number, got {value!r}")
+      if not math.isfinite(value):
+        raise ValueError(f"Router.{name} must be finite, got {value}")
     if not self.renorm_p > 0 or not self.renorm_epsilon >= 0:
       raise ValueError(f"Router.renorm_p must be > 0 and renorm_epsilon >= 0, got "
                        f"{self.renorm_p}, {self.renorm_epsilon}")
@@ -329,10 +330,9 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
     checks.check_array("selection_bias", selection_bias)
   router = get_router(routing)
   router.check(logits.shape[-1], top_k)
-  if selection_bias is not None and (not hasattr(selection_bias, "shape")
-                                     or selection_bias.shape != (logits.shape[-1],)):
-    raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},) (an array), "
-                     f"got {getattr(selection_bias, 'shape', type(selection_bias).__name__)}")
+  if selection_bias is not None and selection_bias.shape != (logits.shape[-1],):
+    raise ValueError(f"selection_bias must have shape (E,) = ({logits.shape[-1]},), got "
+                     f"{tuple(selection_bias.shape)}")
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   log_gates = None  # sigmoid and sqrt-softplus gates divide in log space (`_normalised`)
   if router.scoring == "softmax":
@@ -350,9 +350,7 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
     if router.n_group > 1:
       raise ValueError("expert_ids (a given selection) takes no group-limited routing "
                        "(Router.n_group > 1)")
-    if not hasattr(expert_ids, "dtype") or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
-      raise TypeError(f"expert_ids must be an integer array, got "
-                      f"{getattr(expert_ids, 'dtype', type(expert_ids).__name__)}")
+    check_integer_array("expert_ids", expert_ids)
     if expert_ids.shape != logits.shape[:-1] + (top_k,):
       raise ValueError(f"expert_ids must have shape {logits.shape[:-1] + (top_k,)}, got "
                        f"{expert_ids.shape}")

@@ -551,7 +551,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral")
   layer = _random_layer(config)
   state = hf.hf_state_from_layer(config, hf.layer_params(layer))
-  with pytest.raises(TypeError, match=r"hf_state_from_layer\(config, layer_params\(layer\)\)"):
+  with pytest.raises(TypeError, match=r"hf_state_from_layer\(config, layer_params\(module\)\)"):
     hf.hf_state_from_layer(config, layer)
   with pytest.raises(ValueError, match="missing keys.*gate.weight"):
     hf.layer_params_from_hf(config, {k: v for k, v in state.items() if k != "gate.weight"})

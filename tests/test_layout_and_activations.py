@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sonic_jax import activations as acts
+from sonic_jax.activations import Activation
 from sonic_jax.layout import build_grouped_layout, grouped_rows
 
 
@@ -205,3 +206,18 @@ def test_unknown_activation_and_layout():
     acts.get_activation("tanh")
   with pytest.raises(ValueError, match="gate_up_layout"):
     acts.split_gate_up(jnp.zeros((2, 4)), "blocked")
+
+
+def test_activation_fields_are_checked_python_values():
+  """Python values only (hashable as a static argument; an int limit names the float's
+  activation), each field refused by name."""
+  act = Activation("a", "silu", np.bool_(True), alpha=np.float32(1.5), limit=7, up_offset=1)
+  assert (type(act.is_glu), type(act.alpha), act.limit, act.up_offset) == (bool, float, 7.0, 1.0)
+  assert hash(act) == hash(Activation("a", "silu", True, 1.5, 7.0, 1.0))
+  with pytest.raises(TypeError, match="Activation.is_glu must be a bool"):
+    Activation("a", "silu", "no")
+  with pytest.raises(TypeError, match="Activation.alpha must be a real number"):
+    Activation("a", "silu", True, alpha=jnp.float32(1.5))
+  with pytest.raises(ValueError, match="Activation.limit must be finite"):
+    Activation("a", "silu", True, limit=float("inf"))
+  assert acts.clamped_swiglu(1.5, 5) == acts.clamped_swiglu(1.5, 5.0)

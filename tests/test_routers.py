@@ -282,6 +282,7 @@ def test_balance_losses_follow_their_formulas(rng):
     (dict(group_score="mean"), "group_score"),
     (dict(selection_bias_on="probs"), "selection_bias_on"),
     (dict(renorm_p=0.0), "renorm_p"),
+    (dict(renorm_epsilon=float("inf")), "Router.renorm_epsilon must be finite"),
 ])
 def test_bad_router_fields_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -292,8 +293,7 @@ def test_bad_router_fields_are_refused_by_name(kwargs, match):
     (dict(renormalize="no"), "Router.renormalize must be a bool"),
     (dict(scale_input=1), "Router.scale_input must be a bool"),
     (dict(n_group=2.0), "Router.n_group must be an int"),
-    (dict(routed_scaling_factor="2"), "Router.routed_scaling_factor must be a finite number"),
-    (dict(renorm_epsilon=float("inf")), "Router.renorm_epsilon must be a finite number"),
+    (dict(routed_scaling_factor="2"), "Router.routed_scaling_factor must be a real number"),
 ])
 def test_router_field_types_are_refused_by_name(kwargs, match):
   with pytest.raises(TypeError, match=match):
@@ -373,7 +373,7 @@ def test_bad_routing_arguments_are_refused_by_name(rng):
     sonic_jax.routing.round_tokens(tuple(sonic_jax.route(logits, 2, "softmax_topk")), 32, "up")
   with pytest.raises(TypeError, match="logits must be an array"):
     sonic_jax.route(np.asarray(logits).tolist(), 2, "softmax_topk")
-  with pytest.raises(TypeError, match="expert_ids must be an integer array"):
+  with pytest.raises(TypeError, match="expert_ids must have an integer dtype"):
     sonic_jax.route(logits, 2, "softmax_topk", expert_ids=jnp.zeros((8, 2)))
   with pytest.raises(ValueError, match="capacity_factor must be finite and > 0"):
     sonic_jax.moe(*a, top_k=2, capacity_factor=0.0, backend="xla")
@@ -577,8 +577,9 @@ def test_routing_helpers_name_bad_arguments():
   (bool or integer logits, mismatched shapes, float ids), each naming its argument; route's
   routing defaults to moe's."""
   logits = jnp.array([[1.0, 0.0, 2.0, -1.0]])
-  np.testing.assert_array_equal(sonic_jax.route(logits, 2).expert_ids,
-                                sonic_jax.route(logits, 2, "softmax_topk").expert_ids)
+  default, raw = sonic_jax.route(logits, 2), sonic_jax.route(logits, 2, "topk_softmax_raw")
+  np.testing.assert_allclose(default.scores, sonic_jax.route(logits, 2, "softmax_topk").scores)
+  assert np.abs(np.asarray(default.scores) - np.asarray(raw.scores)).max() > 0.05
   with pytest.raises(TypeError, match="logits must have a floating dtype"):
     sonic_jax.route(jnp.array([[True, False, True, False]]), 2)
   with pytest.raises(TypeError, match="selection_bias must have a floating dtype"):
@@ -592,18 +593,4 @@ def test_routing_helpers_name_bad_arguments():
   routed = sonic_jax.route(logits, 2)
   with pytest.raises(ValueError, match=r"mode must be one of \('down', 'up', 'nearest'\)"):
     sonic_jax.round_tokens(routed, 2, "sideways")
-  with pytest.raises(TypeError, match="tile must be an int"):
-    sonic_jax.round_tokens(routed, 2.0, "up")
 
-
-def test_activation_fields_are_checked_python_values():
-  act = sonic_jax.Activation("a", "silu", np.bool_(True), alpha=np.float32(1.5), limit=7,
-                             up_offset=1)
-  assert (type(act.is_glu), type(act.alpha), act.limit, act.up_offset) == (bool, float, 7.0, 1.0)
-  assert hash(act) == hash(sonic_jax.Activation("a", "silu", True, 1.5, 7.0, 1.0))
-  with pytest.raises(TypeError, match="Activation.is_glu must be a bool"):
-    sonic_jax.Activation("a", "silu", "no")
-  with pytest.raises(TypeError, match="Activation.alpha must be a real number"):
-    sonic_jax.Activation("a", "silu", True, alpha=jnp.float32(1.5))
-  with pytest.raises(ValueError, match="Activation.limit must be finite"):
-    sonic_jax.Activation("a", "silu", True, limit=float("inf"))

@@ -252,14 +252,16 @@ class MoE(nnx.Module):
     if balance_loss not in ("batch", "sequence"):
       raise ValueError(f"balance_loss must be 'batch' or 'sequence', got {balance_loss!r}")
     if balance_loss == "sequence" and expert_parallel_axis is not None:
-      raise ValueError("balance_loss='sequence' is computed on one device's sequences: use "
-                       "balance_loss='batch' with expert_parallel_axis")
+      raise ValueError("balance_loss='sequence' does not take expert_parallel_axis: use "
+                       "balance_loss='batch' with it")
     if shared_expert_gate and not num_shared_experts:
       raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
-    if router_norm_eps is not None and (isinstance(router_norm_eps, bool) or not isinstance(
-        router_norm_eps, numbers.Real) or not 0 <= router_norm_eps < math.inf):
-      raise ValueError(f"router_norm_eps must be None or a finite number >= 0, got "
-                       f"{router_norm_eps!r}")
+    if router_norm_eps is not None:
+      if isinstance(router_norm_eps, bool) or not isinstance(router_norm_eps, numbers.Real):
+        raise TypeError(f"router_norm_eps must be None or a real number, got "
+                        f"{router_norm_eps!r}")
+      if not 0 <= router_norm_eps < math.inf:
+        raise ValueError(f"router_norm_eps must be finite and >= 0, got {router_norm_eps}")
     self.router_norm_eps, self.fixed_selection = router_norm_eps, fixed_selection
     self.top_k, self.activation, self.routing = top_k, act, router
     self.balance_loss = balance_loss
@@ -337,7 +339,7 @@ class MoE(nnx.Module):
     router computes (DeepSeek-V4's hash-routed layers: `tid2eid[input_ids]`); not while token
     rounding trains."""
     for name, a in (("x", x), ("router_input", router_input)):
-      if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
+      if (a is not None or name == "x") and not (hasattr(a, "shape") and hasattr(a, "dtype")):
         raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     if x.ndim < 1 or x.shape[-1] != self.w1.shape[1]:
       raise ValueError(f"x must have shape (..., d_model) with d_model = {self.w1.shape[1]}, got "
