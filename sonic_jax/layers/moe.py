@@ -216,10 +216,12 @@ class MoE(nnx.Module):
         raise TypeError(f"shared_expert_dim must be None or an int, got {shared_expert_dim!r}")
       if shared_expert_dim < 1:
         raise ValueError(f"shared_expert_dim must be >= 1, got {shared_expert_dim}")
-    stds = (("init_std", init_std),) + (
-        () if router_init_std is None else (("router_init_std", router_init_std),))
+    optional = tuple((name, v) for name, v in (("router_init_std", router_init_std),
+                                                ("router_norm_eps", router_norm_eps))
+                     if v is not None)
     for name, value in (("load_balance_coef", load_balance_coef), ("z_loss_coef", z_loss_coef),
-                        ("bias_update_rate", bias_update_rate), *stds):
+                        ("bias_update_rate", bias_update_rate), ("init_std", init_std),
+                        *optional):
       if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
       if not 0 <= value < math.inf:
@@ -256,12 +258,6 @@ class MoE(nnx.Module):
                        "balance_loss='batch' with it")
     if shared_expert_gate and not num_shared_experts:
       raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
-    if router_norm_eps is not None:
-      if isinstance(router_norm_eps, bool) or not isinstance(router_norm_eps, numbers.Real):
-        raise TypeError(f"router_norm_eps must be None or a real number, got "
-                        f"{router_norm_eps!r}")
-      if not 0 <= router_norm_eps < math.inf:
-        raise ValueError(f"router_norm_eps must be finite and >= 0, got {router_norm_eps}")
     self.router_norm_eps, self.fixed_selection = router_norm_eps, fixed_selection
     self.top_k, self.activation, self.routing = top_k, act, router
     self.balance_loss = balance_loss
