@@ -894,8 +894,10 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   mtp = config.get("num_nextn_predict_layers") or 0
   if isinstance(count, numbers.Integral):  # multi-token-prediction layers follow the decoder's
     count += mtp
-  if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or layer < 0 or (
-      isinstance(count, numbers.Integral) and layer >= count):
+  if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+    raise TypeError(f"layer must be a decoder layer's index (an int), got "
+                    f"{type(layer).__name__}")
+  if layer < 0 or (isinstance(count, numbers.Integral) and layer >= count):
     within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
     if mtp and isinstance(count, numbers.Integral):
       within += f" (the last {mtp}: multi-token-prediction layers)"
@@ -1366,7 +1368,7 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   config = _text_config(config)
   fam = family(config)
   if layer is None:
-    raise ValueError("layer must be a decoder layer's index, got None")
+    raise TypeError("layer must be a decoder layer's index (an int), got None")
   _check_layer(config, layer)
   try:
     num_experts = int(layer_kwargs(config, layer=layer)["num_experts"])

@@ -605,8 +605,12 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   with pytest.raises(TypeError, match=r"\['gate.weight'\] \(TorchBFloat16\).*float\(\).cpu\(\).numpy"):
     hf.layer_params_from_hf(config, {**state, "gate.weight": TorchBFloat16()})
   # Decoder layer indexes: negative, not an int, past the config's layers or a per-layer list.
-  for bad in (-1, "1", 4):
-    with pytest.raises(ValueError, match=r"layer must be a decoder layer's index"):
+  for bad in (-1, 4):
+    with pytest.raises(ValueError, match=r"layer must be a decoder layer's index in \[0, 4\)"):
+      hf.layer_kwargs({**config, "num_hidden_layers": 4}, layer=bad)
+  for bad, kind in (("1", "str"), (True, "bool"), (1.0, "float")):
+    with pytest.raises(TypeError, match=rf"layer must be a decoder layer's index \(an int\), "
+                                        rf"got {kind}"):
       hf.layer_kwargs({**config, "num_hidden_layers": 4}, layer=bad)
   hunyuan = dict(MINIMAL_CONFIGS["hunyuan_v1_moe"], model_type="hunyuan_v1_moe")
   with pytest.raises(ValueError, match=r"in \[0, 2\) \(config\['num_experts'\] has 2"):
@@ -757,8 +761,11 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   del model["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
   with pytest.raises(ValueError, match=r"one by one lack \['experts.2.w3.weight'\]"):
     hf.block_state_dict(config, model, layer=0)
-  for bad in (-1, 2, True, 1.0):
+  for bad in (-1, 2):
     with pytest.raises(ValueError, match=r"layer must be a decoder layer's index in \[0, 2\)"):
+      hf.block_state_dict(config, model, layer=bad)
+  for bad in (True, 1.0):
+    with pytest.raises(TypeError, match=r"layer must be a decoder layer's index \(an int\)"):
       hf.block_state_dict(config, model, layer=bad)
   # Step-3.5/3.7's Hub layout (the decoder layer's moe.* and share_expert.*): a key of its parts
   # that is not read is refused.
@@ -788,7 +795,7 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
     hf.layer_kwargs(qwen, layer=0)
   with pytest.raises(ValueError, match=r"num_experts=0: its decoder layers are dense"):
     hf.layer_kwargs(qwen)
-  with pytest.raises(ValueError, match="layer must be a decoder layer's index, got None"):
+  with pytest.raises(TypeError, match=r"decoder layer's index \(an int\), got None"):
     hf.block_state_dict(config, model, layer=None)
   with pytest.raises(TypeError, match=r"takes \(config, state_dict, layer=...\)"):
     hf.block_state_dict(model, config, layer=1)  # the other hf functions' order, swapped
