@@ -118,7 +118,7 @@ def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) ->
   return max(1, math.ceil(min(num_pairs, capacity_factor * num_pairs / num_experts)))
 
 
-def _layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
+def layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
                           capacity, config, extras_by_expert=False):
   """The grouped layout after each expert keeps its first `capacity` pairs in pair order (token
   by token, slots in order, then the extra pairs), as Switch and MaxText drop.
@@ -202,7 +202,7 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
   if scale_input:
     x_in, ids_in, combine = scaled_inputs(x, expert_ids, scores, extra_tokens, extra_experts,
                                            extra_scores)
-    layout, kept_all, _, counts, dropped = _layout_with_capacity(
+    layout, kept_all, _, counts, dropped = layout_with_capacity(
         ids_in, e_count, impl.row_tile, None, None, capacity, config)
     kept = kept_all[:expert_ids.size, 0].reshape(expert_ids.shape)
     kept_extra = None if extra_tokens is None else jnp.where(
@@ -211,7 +211,7 @@ def _experts(x, expert_ids, scores, w1, w2, b1, b2, act, gate_up_layout, impl, c
       y = combine(mixture(x_in, jnp.ones(ids_in.shape, scores.dtype), None, layout, w1, w2, b1,
                           b2, act, gate_up_layout, impl))
   else:
-    layout, kept, kept_extra, counts, dropped = _layout_with_capacity(
+    layout, kept, kept_extra, counts, dropped = layout_with_capacity(
         expert_ids, e_count, impl.row_tile, extra_tokens, extra_experts, capacity, config,
         extras_by_expert)
     if t_count and d and num_pairs:

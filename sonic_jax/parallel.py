@@ -46,7 +46,7 @@ from sonic_jax.config import Config, check_config
 from sonic_jax.experts import mixture, scores_by_row
 from sonic_jax.layout import GroupedLayout, build_grouped_layout
 from sonic_jax.checks import check_array, check_capacity, check_moe, check_rank
-from sonic_jax.ops import MoEAux, scaled_inputs
+from sonic_jax.ops import MoEAux, expert_capacity, layout_with_capacity, scaled_inputs
 from sonic_jax.varying import like_primal, varying_axes
 
 Array = jax.Array
@@ -151,9 +151,9 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    gate_up_layout: str = "concat", b1: Array | None = None,
                    b2: Array | None = None, router_bias: Array | None = None,
                    selection_bias: Array | None = None,
-                   token_rounding: str | None = None, router_input: Array | None = None,
-                   expert_scale: Array | None = None, expert_ids: Array | None = None,
-                   backend: str = "auto",
+                   token_rounding: str | None = None, capacity_factor: float | None = None,
+                   router_input: Array | None = None, expert_scale: Array | None = None,
+                   expert_ids: Array | None = None, backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
@@ -165,7 +165,10 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   out_specs=P(), and its per-token fields as varying: take this device's rows of them, or return
   them under check_vma=False). token_rounding rounds the global routing (every device computes the
   same one), so each expert's count is a multiple of the backend's row tile wherever the expert
-  lives. The other arguments are those of `sonic_jax.moe`.
+  lives. capacity_factor drops as `sonic_jax.moe` does on the axis's tokens (each expert keeps its
+  first ceil(c * P * T_local * K / E) pairs in token order), so the result equals the single-device
+  op's on the concatenated tokens, drops included. The other arguments are those of
+  `sonic_jax.moe`.
   Placement is checked under shard_map's type check (check_vma, the default): expert weights not
   split over axis_name, or a router split over it, are refused by name. With check_vma=False
   nothing records how the inputs were split, so nothing can be checked: weights split over
@@ -178,8 +181,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   """
   p, e_local, router, act, config, impl = _prepare(
       x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
-      selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding, None,
-      backend, config)
+      selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding,
+      capacity_factor, backend, config)
   e_count = e_local * p
   r_in = x if router_input is None else router_input
   if x.shape[0] == 0:
@@ -197,10 +200,18 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   first = jax.lax.axis_index(axis_name) * e_local
   localize = lambda ids, none: jnp.where((ids >= first) & (ids < first + e_local), ids - first,
                                          none)  # `none`: another device's expert or no expert
+  # Every device holds the axis's pairs in token order, so each drops its own experts' pairs as
+  # `moe` would on the concatenated tokens (token rounding and a capacity exclude each other).
+  capacity = (None if capacity_factor is None
+              else expert_capacity(rounded.expert_ids.size, e_count, capacity_factor))
   if router.scale_input:  # each pair's token row scaled by its weight, summed with weight 1
     x_in, ids_in, combine = scaled_inputs(x_all, rounded.expert_ids, rounded.scores, None, None,
                                            None)
-    layout = build_grouped_layout(localize(ids_in, -1), e_local, impl.row_tile, config=config)
+    mine = localize(ids_in, -1)
+    layout, kept, _, _, dropped = layout_with_capacity(mine, e_local, impl.row_tile, None, None,
+                                                       capacity, config)
+    mine, kept = (a[:rounded.expert_ids.size, 0].reshape(rounded.expert_ids.shape)
+                  for a in (mine, kept))
     # ones_like, not ones: the weights vary over the axis as the ids do (shard_map's type check)
     y_partial = combine(mixture(x_in, jnp.ones_like(ids_in, rounded.scores.dtype), None, layout,
                                 w1, w2, b1, b2, act, gate_up_layout, impl))
@@ -211,19 +222,25 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
       per_expert = extra.shape[0] // e_count
       extras = tuple(jax.lax.dynamic_slice_in_dim(a, first * per_expert, e_local * per_expert)
                      for a in extras)
-    layout = build_grouped_layout(localize(rounded.expert_ids, -1), e_local, impl.row_tile,
-                                  extras[0], localize(extras[1], e_local),
-                                  extras_by_expert=extra is not None, config=config)
+    mine = localize(rounded.expert_ids, -1)
+    layout, kept, _, _, dropped = layout_with_capacity(
+        mine, e_local, impl.row_tile, extras[0], localize(extras[1], e_local), capacity, config,
+        extras_by_expert=extra is not None)
     y_partial = mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
                         gate_up_layout, impl)
   y = _sum_partials(y_partial, axis_name)
+  expert_ids, scores = rounded.expert_ids, rounded.scores
+  if capacity is not None:  # the pairs each device dropped, marked on all of them as `moe` marks
+    lost = jax.lax.psum(((mine >= 0) & (kept < 0)).astype(jnp.int32), axis_name) > 0
+    expert_ids, scores = jnp.where(lost, -1, expert_ids), jnp.where(lost, 0.0, scores)
+    dropped = jax.lax.psum(dropped, axis_name)  # each pair lives on one device
   counts = (routing_lib.expert_counts(rounded.expert_ids, e_count)
             + routing_lib.expert_counts(rounded.extra_experts[:, None], e_count))
   # Every device computed the same values from the gathered logits; shard_map types them as
   # varying, so a max (integers) or mean (losses: their gradient is shared out, not repeated)
   # over the axis marks them replicated, as the docstring says, for out_specs=P().
-  aux = MoEAux(expert_counts=jax.lax.pmax(counts, axis_name), expert_ids=rounded.expert_ids,
-               scores=rounded.scores, router_logits=logits,
+  aux = MoEAux(expert_counts=jax.lax.pmax(counts, axis_name), expert_ids=expert_ids,
+               scores=scores, router_logits=logits,
                load_balance_loss=jax.lax.pmean(
                    routing_lib.load_balance_loss(routed.probs, counts), axis_name),
                z_loss=jax.lax.pmean(routing_lib.z_loss(logits), axis_name),
@@ -231,7 +248,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                extra_experts=rounded.extra_experts, extra_scores=rounded.extra_scores,
                padded_rows=jax.lax.psum(jnp.sum(layout.group_sizes - layout.expert_counts),
                                         axis_name),
-               dropped_pairs=jnp.zeros((), jnp.int32), probs=routed.probs)
+               dropped_pairs=dropped, probs=routed.probs)
   return y, aux
 
 

@@ -1,7 +1,8 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): `moe_all_to_all` with a
 capacity that drops pairs (both transports), against a float64 oracle of the layer without exactly
-the pairs that a NumPy model of the exchange drops; the all-to-all scheme inside `lax.scan` +
-`jax.checkpoint` on a (data, ep) = (2, 4) mesh, against one device."""
+the pairs that a NumPy model of the exchange drops; `moe_all_gather` with a capacity against
+`sonic_jax.moe` with the same capacity on the concatenated tokens; the all-to-all scheme inside
+`lax.scan` + `jax.checkpoint` on a (data, ep) = (2, 4) mesh, against one device."""
 
 import os
 
@@ -91,6 +92,39 @@ def check_capacity(transport, p=4, factor=0.75):
   lost = np.take_along_axis(dropped, ids, axis=1)
   np.testing.assert_array_equal(np.asarray(kept_ids), np.where(lost, -1, ids))
   assert not np.any(np.asarray(kept_scores)[lost]) and np.all(np.asarray(kept_scores)[~lost] > 0)
+  assert max(errs) < 1e-10, errs
+
+
+def check_all_gather_capacity(routing, p=4, factor=0.75):
+  """The all-gather scheme drops as `moe` does on the axis's tokens: output, every gradient, the
+  dropped count and the aux's marks (ids -1, scores 0) equal one device's; Llama 4's router scales
+  the inputs (one pseudo-token per pair, `ops.scaled_inputs`)."""
+  x, rw, w1, w2, b1, d_y = inputs(1)
+  args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
+  kw = dict(top_k=K, routing=routing, capacity_factor=factor, backend="xla")
+
+  def loss_of(run):
+    def loss(*a):
+      y, aux = run(*a)
+      return jnp.vdot(y, jnp.asarray(d_y)), (y, aux.dropped_pairs, aux.expert_ids, aux.scores)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+  (_, ref), g_ref = loss_of(lambda x, rw, w1, w2, b1: sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw))(
+      *args)
+  mesh = jax.make_mesh((p,), ("ep",), devices=jax.devices()[:p])
+  specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
+
+  # The aux covers the axis's tokens, the same on every device: out_specs P() takes one's.
+  sharded = jax.shard_map(lambda x, rw, w1, w2, b1: moe_all_gather(x, rw, w1, w2, b1=b1,
+                                                                   axis_name="ep", **kw),
+                          mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()), check_vma=False)
+  placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  (_, out), g = loss_of(sharded)(*placed)
+  errs = [rel(out[0], ref[0])] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print("all_gather capacity", routing, int(out[1]), ["%.1e" % e for e in errs])
+  assert 0 < int(ref[1]) < T * K and int(out[1]) == int(ref[1])
+  np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(ref[2]))
+  np.testing.assert_allclose(np.asarray(out[3]), np.asarray(ref[3]), rtol=1e-12, atol=0)
   assert max(errs) < 1e-10, errs
 
 
@@ -196,5 +230,7 @@ if __name__ == "__main__":
   check_bad_arguments()
   check_capacity("dense")
   check_capacity("ragged")
+  check_all_gather_capacity("softmax_topk")
+  check_all_gather_capacity(sonic_jax.Router("sigmoid", renormalize=False, scale_input=True))
   check_scan_checkpoint_data_and_expert_parallel()
   print("OK")

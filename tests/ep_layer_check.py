@@ -13,6 +13,8 @@
 - called eagerly (no jax.jit) under `jax.set_mesh` with the default mesh, parameters as
   constructed (not placed on the mesh), on an input with batch dimensions: output and gradients;
   a mesh that cannot hold the experts is refused by name;
+- the all-gather scheme with a capacity factor under `jax.set_mesh`: output, kept ids and dropped
+  count equal one device's;
 - the parallel op inside a `jax.lax.scan` inside the user's shard_map: output and gradients;
 - without expert parallelism: expert weights split over an Explicit axis refused by name, taken
   (gradients too) over a size-1 axis; `sonic_jax.moe` with x split over d and the expert weights
@@ -222,6 +224,32 @@ def check_set_mesh(scheme):
       assert rel(y_batch, y_ref.reshape(2, T // 2, 16) + X.reshape(2, T // 2, 16)) < 1e-10
       assert rel(y_seq[0], y_ref.reshape(4, T // 4, 16)) < 1e-10
       assert rel(y_seq[1], y_ids_ref.reshape(4, T // 4, 16)) < 1e-10
+
+
+def check_all_gather_capacity():
+  """The all-gather scheme with a capacity factor, under `jax.set_mesh` on an "ep" axis of 4:
+  output, kept ids and dropped count equal one device's layer with the same capacity (the scheme
+  drops over the axis's tokens as the single-device op over all of them)."""
+  kw = dict(KW, capacity_factor=0.5)
+
+  def forward(graphdef):
+    def run(s, x):
+      y, aux = nnx.merge(graphdef, s)(x)
+      return y, aux.stats.expert_ids, aux.stats.dropped_pairs
+    return jax.jit(run)
+
+  g1, s1 = nnx.split(MoE(**kw, rngs=nnx.Rngs(0)))
+  y_ref, ids_ref, dropped_ref = forward(g1)(s1, jnp.asarray(X))
+  g2, s2 = nnx.split(MoE(**kw, expert_parallel_axis="ep", expert_parallel_scheme="all_gather",
+                         rngs=nnx.Rngs(0)))
+  mesh = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    y, ids, dropped = forward(g2)(placed_experts(s2, mesh),
+                                  jax.device_put(X, NamedSharding(mesh, P("ep"))))
+  print("all_gather capacity", int(dropped), f"{rel(y, y_ref):.1e}")
+  assert 0 < int(dropped_ref) and int(dropped) == int(dropped_ref)
+  np.testing.assert_array_equal(ids, ids_ref)
+  assert rel(y, y_ref) < 1e-10, rel(y, y_ref)
 
 
 def check_mixed_axis_types():
@@ -468,6 +496,7 @@ if __name__ == "__main__":
   for scheme in sys.argv[1:]:
     for check in (check_shard_map, check_set_mesh, check_eager, check_scan):
       check(scheme)
+  check_all_gather_capacity()
   check_mixed_axis_types()
   check_split_experts_without_parallelism()
   check_split_operands()

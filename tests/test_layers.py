@@ -309,8 +309,6 @@ def test_bad_layer_arguments():
     _layer(shared_expert_gate=True)
   with pytest.raises(ValueError, match="exclude each other"):
     _layer(capacity_factor=1.0, token_rounding="up")
-  with pytest.raises(ValueError, match="capacity_factor"):
-    _layer(expert_parallel_axis="ep", expert_parallel_scheme="all_gather", capacity_factor=1.25)
   for kwargs, match in ((dict(token_rounding="up"), "token_rounding"),
                         (dict(bias_update_rate=0.01), "bias_update_rate"),
                         (dict(routing=sonic_jax.Router(n_group=2, topk_group=1)), "n_group")):

@@ -124,8 +124,9 @@ flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one dev
 flags.DEFINE_enum("expert_parallel_scheme", "auto", ["auto", "all_to_all", "all_gather"],
                   "see sonic_jax.layers.MoE")
 flags.DEFINE_float("capacity_factor", None, "expert capacity factor (default: dropless): each "
-                   "expert keeps ceil(c*T*K/E) pairs on one device, the all-to-all's slots "
-                   "hold c times the balanced share under --expert_parallel")
+                   "expert keeps ceil(c*T*K/E) pairs of the tokens of one device (or, with the "
+                   "all-gather scheme, of the ep axis); the all-to-all's slots hold c times the "
+                   "balanced share under --expert_parallel")
 flags.DEFINE_bool("fsdp", False, "shard parameters and optimizer state by their model-width axis "
                   "too: expert tensors over data, the rest over (data, ep) (needs "
                   "--expert_parallel >= 1)")

@@ -157,8 +157,9 @@ class MoE(nnx.Module):
       slots hold the worst case), and it is the faster one on 2 GPUs (docs/decisions.md); with a
       capacity factor the all-to-all's traffic stays flat as the axis grows.
     capacity_factor: None (dropless) or a number c: on one device each expert keeps at most
-      ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText); under expert
-      parallelism (the all-to-all) each (sender, receiver) slot holds c times the balanced share.
+      ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText), as it does over the
+      expert-parallel axis's tokens with the all-gather scheme; with the all-to-all each (sender,
+      receiver) slot holds c times the balanced share.
       Dropped pairs are counted in `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
@@ -277,10 +278,6 @@ class MoE(nnx.Module):
                        f"{EXPERT_PARALLEL_SCHEMES}, got {expert_parallel_scheme!r}")
     if expert_parallel_scheme == "auto":
       expert_parallel_scheme = "all_gather" if capacity_factor is None else "all_to_all"
-    if (capacity_factor is not None and expert_parallel_axis is not None
-        and expert_parallel_scheme != "all_to_all"):
-      raise ValueError("under expert parallelism capacity_factor applies to "
-                       "expert_parallel_scheme='all_to_all' only")
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     if isinstance(token_axes, str):  # one axis name, not its letters
@@ -439,7 +436,8 @@ class MoE(nnx.Module):
     if self.expert_parallel_scheme == "all_to_all":
       return moe_all_to_all(h, router, w1, w2, axis_name=self.expert_parallel_axis,
                             capacity_factor=self.capacity_factor, **kw)
-    return moe_all_gather(h, router, w1, w2, axis_name=self.expert_parallel_axis, **kw)
+    return moe_all_gather(h, router, w1, w2, axis_name=self.expert_parallel_axis,
+                          capacity_factor=self.capacity_factor, **kw)
 
   def _routed_shard_map(self, h, experts):
     """`_routed` under a `jax.shard_map` of its own, over the mesh set with `jax.set_mesh`: tokens
