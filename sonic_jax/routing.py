@@ -323,6 +323,11 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
   one such as DeepSeek-V4's hash layers'); the weights come from these logits. A slot whose id lies
   outside [0, E) is empty: id -1 and weight 0, the token's other weights renormalised without it.
   Group-limited routing (n_group > 1) takes none: the groups would go unused.
+
+  `moe`'s routing from these pieces: its router_bias (E,) is added to the logits before this
+  (`router_logits(x, w) + router_bias`), its expert_scale (E,) multiplies each returned weight by
+  its expert's entry (`scores * expert_scale[expert_ids]`, 0 where the id is -1); then
+  `routed_experts(x, out.expert_ids, out.scores, ...)`.
   """
   from sonic_jax import checks  # checks imports this module
   checks.check_array("logits", logits)

@@ -594,3 +594,31 @@ def test_routing_helpers_name_bad_arguments():
   with pytest.raises(ValueError, match=r"mode must be one of \('down', 'up', 'nearest'\)"):
     sonic_jax.round_tokens(routed, 2, "sideways")
 
+
+
+def test_moe_routing_rebuilt_from_public_functions(rng):
+  """route's docstring: router_logits + router_bias, route, each weight times expert_scale of its
+  expert, then routed_experts, give moe's output, ids and weights (a scaled DeepSeek-style router,
+  a selection bias, Gemma 4's expert scale)."""
+  p, _ = make_problem(rng, T=40, d=16, n=8, E=8, bias=True)
+  router = Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5)
+  with jax.enable_x64(True):
+    a = {k: _f64(v) for k, v in p.items()}
+    r_bias, s_bias, scale = (_f64(v) for v in (rng.standard_normal(8) * 0.5,
+                                               rng.standard_normal(8) * 0.05,
+                                               rng.uniform(0.5, 2.0, 8)))
+
+    @jax.jit
+    def both(x, rw, w1, w2, b1):
+      y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, top_k=2, routing=router, router_bias=r_bias,
+                             selection_bias=s_bias, expert_scale=scale, backend="xla")
+      out = sonic_jax.route(sonic_jax.router_logits(x, rw) + r_bias, 2, router, s_bias)
+      scores = out.scores * jnp.where(out.expert_ids >= 0, scale[out.expert_ids], 0.0)
+      y_parts, _ = sonic_jax.routed_experts(x, out.expert_ids, scores, w1, w2, b1=b1,
+                                            backend="xla")
+      return (y, aux.expert_ids, aux.scores), (y_parts, out.expert_ids, scores)
+
+    (y, ids, scores), (y_parts, ids_parts, scores_parts) = both(
+        a["x"], a["router_weight"], a["w1"], a["w2"], a["b1"])
+  np.testing.assert_array_equal(ids_parts, ids)
+  assert rel_err(scores_parts, scores) < TOL and rel_err(y_parts, y) < TOL
