@@ -217,8 +217,10 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
     if isinstance(value, (list, tuple)):
       if layer is None:
         raise PerLayerFieldError(f"config[{name!r}] is a per-layer list {value}: pass layer=")
-      if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not (
-          0 <= layer < len(value)):
+      if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise TypeError(f"layer must be a decoder layer's index (an int), got "
+                        f"{type(layer).__name__}")
+      if not 0 <= layer < len(value):
         raise ValueError(f"layer must be a decoder layer's index in [0, {len(value)}) "
                          f"(config[{name!r}] has {len(value)} entries), got {layer!r}")
       value = value[layer]
@@ -1034,6 +1036,7 @@ def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str
   layers differ (DeepSeek-V4's hash layers have no selection bias)."""
   config = _text_config(config)
   fam = family(config)
+  _check_layer(config, layer)
   kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
   keys = (fam.router,) + _expert_keys(fam)
   keys += tuple(getattr(fam, name) for name in _AS_THEY_ARE if getattr(fam, name))

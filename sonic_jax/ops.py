@@ -119,7 +119,7 @@ def expert_capacity(num_pairs: int, num_experts: int, capacity_factor: float) ->
 
 
 def layout_with_capacity(expert_ids, num_experts, row_tile, extra_tokens, extra_experts,
-                          capacity, config, extras_by_expert=False):
+                         capacity, config, extras_by_expert=False):
   """The grouped layout after each expert keeps its first `capacity` pairs in pair order (token
   by token, slots in order, then the extra pairs), as Switch and MaxText drop.
 

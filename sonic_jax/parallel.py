@@ -14,11 +14,12 @@ devices.
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
 routes its own tokens and all-gathers their logits and the tokens of the expert axis, runs only
 its local experts on the pairs routed to them, and sends each device the partial outputs of its
-tokens (one all-to-all), which it sums in float32. Dropless and static in shape; the backward is
-the mirror image and saves what the single-device op saves (the gathered x, H and the routing),
-for P*T_local tokens. Communication per layer and device: the all-gather of x and the combine,
-2 (P-1) T_local rows of d each way in x's dtype, which beats an all-to-all while P is small
-relative to K (every token goes to K experts anyway).
+tokens (one all-to-all), which it sums in float32. Dropless by default (a capacity factor drops
+as the single-device op does) and static in shape; the backward is the mirror image and saves
+what the single-device op saves (the gathered x, H and the routing), for P*T_local tokens.
+Communication per layer and device: the all-gather of x and the combine, 2 (P-1) T_local rows of
+d each way in x's dtype, which beats an all-to-all while P is small relative to K (every token
+goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
 routing of all P*T_local tokens (from their logits) on every device; the ragged all-to-all moves
@@ -233,7 +234,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   if capacity is not None:  # the pairs each device dropped, marked on all of them as `moe` marks
     lost = jax.lax.psum(((mine >= 0) & (kept < 0)).astype(jnp.int32), axis_name) > 0
     expert_ids, scores = jnp.where(lost, -1, expert_ids), jnp.where(lost, 0.0, scores)
-    dropped = jax.lax.psum(dropped, axis_name)  # each pair lives on one device
+    dropped = jnp.sum(lost, dtype=jnp.int32)
   counts = (routing_lib.expert_counts(rounded.expert_ids, e_count)
             + routing_lib.expert_counts(rounded.extra_experts[:, None], e_count))
   # Every device computed the same values from the gathered logits; shard_map types them as

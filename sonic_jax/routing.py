@@ -327,7 +327,7 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
   `moe`'s routing from these pieces: its router_bias (E,) is added to the logits before this
   (`router_logits(x, w) + router_bias`), its expert_scale (E,) multiplies each returned weight by
   its expert's entry (`scores * expert_scale[expert_ids]`, 0 where the id is -1); then
-  `routed_experts(x, out.expert_ids, out.scores, ...)`.
+  `routed_experts(x, out.expert_ids, scores, ..., scale_input=router.scale_input)`.
   """
   from sonic_jax import checks  # checks imports this module
   checks.check_array("logits", logits)

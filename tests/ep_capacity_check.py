@@ -103,21 +103,31 @@ def check_all_gather_capacity(routing, p=4, factor=0.75):
   args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
   kw = dict(top_k=K, routing=routing, capacity_factor=factor, backend="xla")
 
-  def loss_of(run):
+  def loss_of(run):  # run: (y, (dropped count, kept ids, their weights))
     def loss(*a):
-      y, aux = run(*a)
-      return jnp.vdot(y, jnp.asarray(d_y)), (y, aux.dropped_pairs, aux.expert_ids, aux.scores)
+      y, marks = run(*a)
+      return jnp.vdot(y, jnp.asarray(d_y)), (y, *marks)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
-  (_, ref), g_ref = loss_of(lambda x, rw, w1, w2, b1: sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw))(
-      *args)
+  def single(x, rw, w1, w2, b1):
+    y, aux = sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw)
+    return y, (aux.dropped_pairs, aux.expert_ids, aux.scores)
+
+  (_, ref), g_ref = loss_of(single)(*args)
   mesh = jax.make_mesh((p,), ("ep",), devices=jax.devices()[:p])
   specs = (P("ep"), P(), P("ep"), P("ep"), P("ep"))
 
-  # The aux covers the axis's tokens, the same on every device: out_specs P() takes one's.
-  sharded = jax.shard_map(lambda x, rw, w1, w2, b1: moe_all_gather(x, rw, w1, w2, b1=b1,
-                                                                   axis_name="ep", **kw),
-                          mesh=mesh, in_specs=specs, out_specs=(P("ep"), P()), check_vma=False)
+  def local(x, rw, w1, w2, b1):
+    y, aux = moe_all_gather(x, rw, w1, w2, b1=b1, axis_name="ep", **kw)
+    # The per-token fields cover the axis's tokens (varying in shard_map's types): this device's
+    # rows; the dropped count is replicated.
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index("ep") * x.shape[0],
+                                                  x.shape[0])
+    return y, (aux.dropped_pairs, mine(aux.expert_ids), mine(aux.scores))
+
+  # Under shard_map's type check (check_vma), as a user calls it.
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=specs,
+                          out_specs=(P("ep"), (P(), P("ep"), P("ep"))))
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
   (_, out), g = loss_of(sharded)(*placed)
   errs = [rel(out[0], ref[0])] + [rel(a, b) for a, b in zip(g, g_ref)]

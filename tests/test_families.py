@@ -615,6 +615,11 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   hunyuan = dict(MINIMAL_CONFIGS["hunyuan_v1_moe"], model_type="hunyuan_v1_moe")
   with pytest.raises(ValueError, match=r"in \[0, 2\) \(config\['num_experts'\] has 2"):
     hf.layer_kwargs(hunyuan, layer=2)
+  for bad in (True, "1"):  # hf_keys reads the per-layer lists too
+    with pytest.raises(TypeError, match=r"decoder layer's index \(an int\)"):
+      hf.hf_keys(hunyuan, layer=bad)
+    with pytest.raises(TypeError, match=r"decoder layer's index \(an int\)"):
+      hf.hf_keys({**config, "num_hidden_layers": 4}, layer=bad)
   # Dense decoder layers, as transformers' decoder layers choose them.
   qwen = dict(MINIMAL_CONFIGS["qwen2_moe"], model_type="qwen2_moe", mlp_only_layers=[0],
               decoder_sparse_step=2)

@@ -43,7 +43,9 @@ def test_expert_parallel_matches_single_device():
   _run("ep_check.py", *(f"{scheme}:{case}" for scheme, cases in CASES.items() for case in cases))
 
 
-def test_all_to_all_capacity_drops_and_data_parallel_mesh():
+def test_capacity_drops_and_data_parallel_mesh():
+  """Both schemes with a capacity that drops pairs (the all-to-all's against a model of its slots,
+  the all-gather's against the single-device op), and a (data, ep) mesh under scan + checkpoint."""
   _run("ep_capacity_check.py")
 
 

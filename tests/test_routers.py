@@ -595,7 +595,6 @@ def test_routing_helpers_name_bad_arguments():
     sonic_jax.round_tokens(routed, 2, "sideways")
 
 
-
 def test_moe_routing_rebuilt_from_public_functions(rng):
   """route's docstring: router_logits + router_bias, route, each weight times expert_scale of its
   expert, then routed_experts, give moe's output, ids and weights (a scaled DeepSeek-style router,
