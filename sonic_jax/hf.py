@@ -217,9 +217,7 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
     if isinstance(value, (list, tuple)):
       if layer is None:
         raise PerLayerFieldError(f"config[{name!r}] is a per-layer list {value}: pass layer=")
-      if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise TypeError(f"layer must be a decoder layer's index (an int), got "
-                        f"{type(layer).__name__}")
+      _check_layer_type(layer)
       if not 0 <= layer < len(value):
         raise ValueError(f"layer must be a decoder layer's index in [0, {len(value)}) "
                          f"(config[{name!r}] has {len(value)} entries), got {layer!r}")
@@ -889,6 +887,12 @@ def _dense_reason(config: Mapping[str, Any], fam: Family, layer: int | None) -> 
   return _dense_layer({**config, **defaults}, layer)
 
 
+def _check_layer_type(layer) -> None:
+  if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+    raise TypeError(f"layer must be a decoder layer's index (an int), got "
+                    f"{type(layer).__name__}")
+
+
 def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   if layer is None:
     return
@@ -896,9 +900,7 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   mtp = config.get("num_nextn_predict_layers") or 0
   if isinstance(count, numbers.Integral):  # multi-token-prediction layers follow the decoder's
     count += mtp
-  if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-    raise TypeError(f"layer must be a decoder layer's index (an int), got "
-                    f"{type(layer).__name__}")
+  _check_layer_type(layer)
   if layer < 0 or (isinstance(count, numbers.Integral) and layer >= count):
     within = f" in [0, {count})" if isinstance(count, numbers.Integral) else " (>= 0)"
     if mtp and isinstance(count, numbers.Integral):
@@ -1370,8 +1372,7 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
                     "second")
   config = _text_config(config)
   fam = family(config)
-  if layer is None:
-    raise TypeError("layer must be a decoder layer's index (an int), got None")
+  _check_layer_type(layer)  # required here: _check_layer lets None through
   _check_layer(config, layer)
   try:
     num_experts = int(layer_kwargs(config, layer=layer)["num_experts"])
