@@ -141,9 +141,8 @@ The routers (`layer_kwargs`' routing, a `Router`):
       of the clamped gate times the clamped up half), one shared expert of the experts' width.
       Its first layers (mlp_layer_types "hash_moe") select by a frozen table of each token id's
       experts, gate.tid2eid (vocab, K): no selection bias there, fixed_selection=True, and the
-      caller passes layer(x, expert_ids=tid2eid[input_ids]); layer_kwargs, hf_keys,
-      layer_params_from_hf and moe_layer take layer= (hf_state_from_layer writes no tid2eid: the
-      table is the caller's, not a parameter).
+      caller passes layer(x, expert_ids=tid2eid[input_ids]); every function here takes layer=
+      (hf_state_from_layer writes no tid2eid: the table is the caller's, not a parameter).
   Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
       each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True);
