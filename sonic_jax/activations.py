@@ -215,10 +215,15 @@ class Activation:
     return act_gate * up, d_gate, d_up
 
 
-def clamped_swiglu(alpha: float = 1.702, limit: float = 7.0, up_offset: float = 1.0) -> Activation:
+def clamped_swiglu(alpha: float = 1.702, limit: float | None = 7.0,
+                   up_offset: float = 1.0) -> Activation:
   """gpt-oss's expert activation: gate = min(gate, limit), up = clip(up, -limit, limit),
-  A = gate * sigmoid(alpha * gate) * (up + up_offset). The defaults are gpt-oss's constants."""
-  alpha, limit, up_offset = float(alpha), float(limit), float(up_offset)
+  A = gate * sigmoid(alpha * gate) * (up + up_offset); limit None: no clamp. The defaults are
+  gpt-oss's constants."""
+  # Activation checks the values by field name; its name needs them as floats first.
+  as_float = lambda v: float(v) if isinstance(v, numbers.Real) and not isinstance(
+      v, (bool, np.bool_)) else v
+  alpha, limit, up_offset = as_float(alpha), as_float(limit), as_float(up_offset)
   name = "clamped_swiglu"
   if (alpha, limit, up_offset) != (1.702, 7.0, 1.0):
     name = f"clamped_swiglu(alpha={alpha}, limit={limit}, up_offset={up_offset})"
@@ -276,6 +281,8 @@ def convert_gate_up_layout(w: Array, source: str, target: str) -> Array:
   for name, layout in (("source", source), ("target", target)):
     if layout not in GATE_UP_LAYOUTS:
       raise ValueError(f"{name} must be one of {GATE_UP_LAYOUTS}, got {layout!r}")
+  if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+    raise TypeError(f"w must be an array, got {type(w).__name__}")
   if w.ndim < 1 or w.shape[-1] % 2:
     raise ValueError(f"w must have an even last dimension (gate and up columns), got shape "
                      f"{w.shape}")

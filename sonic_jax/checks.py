@@ -59,6 +59,8 @@ def check_experts(x, w1, w2, b1, b2, activation, gate_up_layout, e_count=None):
   check_rank("w1", w1, 3, f"(E, d, {'2n' if act.is_glu else 'n'}) = "
                           f"({'E' if e_count is None else e_count}, {d}, ...)")
   e_count = w1.shape[0] if e_count is None else e_count
+  if not e_count:
+    raise ValueError(f"w1 must hold at least one expert (E >= 1), got shape {tuple(w1.shape)}")
   if w1.shape[0] != e_count or w1.shape[1] != d:
     raise ValueError(f"w1 must have shape (E, d, {'2n' if act.is_glu else 'n'}) with "
                      f"E = {e_count}, d = {d}, got {tuple(w1.shape)}")

@@ -6,7 +6,11 @@ stable sort of the expert ids, so slot pairs keep token order inside an expert, 
 Expert e's rows start at a multiple of `row_tile` and are padded up to the next multiple, so every
 `row_tile` rows of the grouped buffer belong to exactly one expert: a grouped GEMM tile never
 straddles two experts and needs no masking. Padding rows carry token 0 (a
-valid gather index) and are marked invalid; they contribute nothing to outputs or gradients.
+valid gather index) and are marked invalid; they contribute nothing to outputs or gradients, with
+one exception: the Mosaic GPU weight-gradient kernels multiply the padding rows of an expert's last
+reduction step (up to 63 rows) by zeros rather than masking them, so a non-finite value in token
+0's row of x or of the output's cotangent reaches those experts' dw1 and dw2 (the xla backend
+masks them).
 
 Shapes are static: the buffer has R = round_up(P + min(E, P) * (row_tile - 1), row_tile) rows, the
 worst case over all routings, and the number of rows in use is carried as data, so there is no host
@@ -22,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sonic_jax.batching import check_whole
 from sonic_jax.config import Config, check_config
 from sonic_jax.pallas import layout_ranks, next_pow2
 
@@ -259,6 +264,8 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
       raise TypeError(f"{name} must be an int, got {value!r}")
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
+  if not isinstance(extras_by_expert, bool):
+    raise TypeError(f"extras_by_expert must be a bool, got {extras_by_expert!r}")
   if (extra_tokens is None) != (extra_experts is None):
     raise ValueError("extra_tokens and extra_experts must be given together")
   _check_ids("expert_ids", expert_ids, 2, "(T, S)")
@@ -267,6 +274,8 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
     extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
   _check_ids("extra_tokens", extra_tokens, 1, "(X,)")
   _check_ids("extra_experts", extra_experts, 1, "(X,)")
+  check_whole("build_grouped_layout", "tokens", expert_ids=expert_ids, extra_tokens=extra_tokens,
+              extra_experts=extra_experts)
   if extra_tokens.shape != extra_experts.shape:
     raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
                      f"{extra_tokens.shape} and {extra_experts.shape}")

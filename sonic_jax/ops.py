@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
-from sonic_jax.batching import split_axes, split_batch_refusal
+from sonic_jax.batching import check_whole, split_batch_refusal, whole
 from sonic_jax.checks import check_capacity, check_experts, check_float, check_moe, check_rank
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import mixture
@@ -61,45 +61,6 @@ class MoEAux(NamedTuple):
   dropped_pairs: Array | None = None
   probs: Array | None = None
   choice_ids: Array | None = None
-
-
-def _split_axes(a) -> tuple[str, ...]:
-  """The mesh axes of size > 1 that split a's first dim in its type: Explicit axes (Auto axes and
-  those a surrounding shard_map made manual are not in types); () for None or a replicated a."""
-  axes = split_axes(a)
-  return tuple(ax for ax in axes if jax.typeof(a).sharding.mesh.shape[ax] > 1) if axes else ()
-
-
-_SPLIT_REFUSALS = {
-    "experts": ("sonic_jax.moe runs every expert on each device; split experts need expert "
-                "parallelism (moe_all_gather or moe_all_to_all inside a shard_map, or the layer's "
-                "expert_parallel_axis), or replicate the weights"),
-    "tokens": ("sonic_jax.moe routes all of its tokens together. For data parallelism (each shard "
-               "routed on its own) call it inside a jax.shard_map over those axes, or call "
-               "sonic_jax.layers.MoE under jax.set_mesh, which does so; or replicate them"),
-}
-
-
-def _check_whole(what: str, **arrays):
-  """Arrays split over an Explicit mesh axis (in their type) on dim 0, their experts or tokens,
-  refused by name: `moe` runs every expert on each device (JAX would fail inside the experts'
-  loop) and routes all its tokens together (JAX would refuse the sort over them)."""
-  for name, a in arrays.items():
-    if axes := _split_axes(a):
-      raise ValueError(f"{name} is split over its {what} on the mesh axes {axes}: "
-                       f"{_SPLIT_REFUSALS[what]}")
-
-
-def whole(a):
-  """a replicated where its type splits it over Explicit mesh axes, else a as it is: x over d, the
-  expert weights over a size-1 expert axis (as `_check_whole` allows) or FSDP's other dims, the
-  router and the per-expert vectors over d or E. Every device runs all of each expert, and the
-  experts' custom_vjp returns whole gradients (the reshard's transpose splits them again)."""
-  sharding = None if a is None else jax.typeof(a).sharding
-  if sharding is None or all(p is None for p in getattr(sharding, "spec", ())):
-    return a
-  return jax.sharding.reshard(a, jax.sharding.NamedSharding(sharding.mesh,
-                                                            jax.sharding.PartitionSpec()))
 
 
 def _refuse_split_batch(x, impl, token_rounding):
@@ -287,13 +248,16 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   act = check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
   _check_routing_arrays(x, expert_ids, scores, extra_tokens, extra_experts, extra_scores)
   check_capacity(capacity_factor)
-  if scale_input and not isinstance(scale_input, bool):
+  if not isinstance(scale_input, bool):
     raise TypeError(f"scale_input must be a bool, got {type(scale_input).__name__}")
+  check_whole("routed_experts", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  check_whole("routed_experts", "tokens", x=x, expert_ids=expert_ids, scores=scores,
+              extra_tokens=extra_tokens, extra_experts=extra_experts, extra_scores=extra_scores)
   config = check_config(config)
   impl = resolve_backend(backend, config)
-  x, w1, w2 = map(jnp.asarray, (x, w1, w2))
+  x, w1, w2 = (whole(jnp.asarray(a)) for a in (x, w1, w2))
   x = _refuse_split_batch(x, impl, None)
-  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
+  b1, b2 = (None if b is None else whole(jnp.asarray(b)) for b in (b1, b2))
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
   e_count = w1.shape[0]
   expert_ids = int32_ids(expert_ids, e_count, -1)
@@ -384,8 +348,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
                   selection_bias=selection_bias, routing=router, router_bias=router_bias,
                   router_input=router_input, expert_scale=expert_scale, expert_ids=expert_ids,
                   token_rounding=token_rounding, capacity_factor=capacity_factor)
-  _check_whole("experts", w1=w1, w2=w2, b1=b1, b2=b2)
-  _check_whole("tokens", x=x, router_input=router_input, expert_ids=expert_ids)
+  check_whole("sonic_jax.moe", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  check_whole("sonic_jax.moe", "tokens", x=x, router_input=router_input, expert_ids=expert_ids)
   x, router_weight, w1, w2, b1, b2, router_bias, expert_scale = (
       None if a is None else whole(jnp.asarray(a))
       for a in (x, router_weight, w1, w2, b1, b2, router_bias, expert_scale))

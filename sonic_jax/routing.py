@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sonic_jax import precision
-from sonic_jax.batching import take_shared
+from sonic_jax.batching import check_whole, take_shared
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array, int32_ids
 from sonic_jax.pallas import rounding_select, router_topk
@@ -111,12 +111,17 @@ class Router:
     if not self.renorm_p > 0 or not self.renorm_epsilon >= 0:
       raise ValueError(f"Router.renorm_p must be > 0 and renorm_epsilon >= 0, got "
                        f"{self.renorm_p}, {self.renorm_epsilon}")
+    if not self.routed_scaling_factor > 0:
+      raise ValueError(f"Router.routed_scaling_factor must be > 0, got "
+                       f"{self.routed_scaling_factor}")
 
   def check(self, num_experts: int, top_k: int) -> None:
     """Raises a TypeError or ValueError naming the field or argument when this router cannot
     pick top_k of num_experts (top_k not an int in [1, E] included)."""
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-      raise TypeError(f"top_k must be an int, got {type(top_k).__name__}")
+      traced = " (static: close over it, or mark it static under jax.jit)" if isinstance(
+          top_k, jax.core.Tracer) else ""
+      raise TypeError(f"top_k must be an int{traced}, got {type(top_k).__name__}")
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     if self.n_group == 1:
@@ -331,6 +336,8 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
   """
   from sonic_jax import checks  # checks imports this module
   checks.check_array("logits", logits)
+  if logits.ndim < 1:
+    raise ValueError("logits must have shape (..., E), got a scalar")
   if selection_bias is not None:
     checks.check_array("selection_bias", selection_bias)
   router = get_router(routing)
@@ -369,16 +376,15 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
     # with no expert gets finite weights (then zeroed) rather than NaN.
     scores = jax.nn.softmax(picked(logits, jnp.finfo(logits.dtype).min), axis=-1)
     scores = scores if valid is None else jnp.where(valid, scores, 0.0)
-  elif router.renormalize and log_gates is not None:
-    scores = _normalised(picked(log_gates, -jnp.inf), router.renorm_p, router.renorm_epsilon)
+  elif router.renormalize and (log_gates is not None or router.renorm_p != 1.0):
+    # A p-norm of softmax probabilities underflows where p is large (sum p_i^p below the float's
+    # least), so p != 1 normalises in log space too.
+    log_v = jax.nn.log_softmax(logits, axis=-1) if log_gates is None else log_gates
+    scores = _normalised(picked(log_v, -jnp.inf), router.renorm_p, router.renorm_epsilon)
   else:
     scores = picked(probs, 0.0)
     if router.renormalize:
-      if router.renorm_p == 1.0:
-        norm = jnp.sum(scores, axis=-1, keepdims=True)
-      else:
-        norm = jnp.sum(scores ** router.renorm_p, axis=-1, keepdims=True) ** (1 / router.renorm_p)
-      norm = norm + router.renorm_epsilon
+      norm = jnp.sum(scores, axis=-1, keepdims=True) + router.renorm_epsilon
       scores = scores / (norm if valid is None else jnp.where(norm > 0, norm, 1.0))
   if router.routed_scaling_factor != 1.0:
     scores = scores * router.routed_scaling_factor
@@ -513,8 +519,8 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
                  method: str = "auto", logits: Array | None = None) -> RoundedRouting:
   """Token rounding of a softmax token-choice routing to multiples of `tile` rows per expert.
 
-  With f_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
-  round-half-to-even ("nearest") of f_e / tile, times tile, capped at T. Each expert ranks the
+  With c_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
+  round-half-to-even ("nearest") of c_e / tile, times tile, capped at T. Each expert ranks the
   tokens as SonicMoE does: its token-choice (TC) tokens first, by their score, then the
   other tokens by raw probability (ties to the lower token), and takes the first target-many. So
   rounding down drops an expert's lowest-scored TC pairs and rounding up adds its most probable
@@ -549,6 +555,7 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
     raise ValueError(f"tile must be >= 1, got {tile}")
   if method not in ROUNDING_METHODS:
     raise ValueError(f"method must be one of {ROUNDING_METHODS}, got {method!r}")
+  _check_routed(routed, logits)
   probs, ids = routed.probs, routed.expert_ids
   t_count = ids.shape[0]
   e_count = probs.shape[1]
@@ -579,6 +586,27 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
     lse = jax.nn.logsumexp(logits, axis=-1)
     extra_scores = jnp.where(used, jnp.exp(logits[token, experts] - lse[token]), 0.0)
   return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
+
+
+def _check_routed(routed: RouterOutput, logits: Array | None) -> None:
+  """round_tokens' arrays: scores and expert_ids (T, K), probs (T, E) and logits (T, E) of one T,
+  not split over their tokens on a mesh (the ranking takes all of them together)."""
+  from sonic_jax import checks  # checks imports this module
+  fields = {"routed.scores": routed.scores, "routed.probs": routed.probs}
+  if logits is not None:
+    fields["logits"] = logits
+  for name, a in fields.items():
+    checks.check_array(name, a)
+  check_integer_array("routed.expert_ids", routed.expert_ids)
+  shapes = {name: tuple(a.shape) for name, a in dict(fields, **{
+      "routed.expert_ids": routed.expert_ids}).items()}
+  t_k, t_e = shapes["routed.expert_ids"], shapes["routed.probs"]
+  if (len(t_k) != 2 or len(t_e) != 2 or shapes["routed.scores"] != t_k or t_e[0] != t_k[0]
+      or shapes.get("logits", t_e) != t_e):
+    raise ValueError(f"round_tokens takes routed.scores and routed.expert_ids (T, K), routed.probs "
+                     f"(T, E) and logits (T, E) of one T (a `route` of (T, E) logits), got "
+                     f"{shapes}")
+  check_whole("round_tokens", "tokens", **fields, **{"routed.expert_ids": routed.expert_ids})
 
 
 def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: int):
@@ -712,7 +740,9 @@ def sequence_balance_loss(probs: Array, expert_ids: Array) -> Array:
   if probs.ndim != 3 or expert_ids.ndim != 3 or probs.shape[:2] != expert_ids.shape[:2]:
     raise ValueError(f"probs must be (B, S, E) and expert_ids (B, S, K) with the same B and S, got "
                      f"{probs.shape} and {expert_ids.shape}")
-  _, seq, e_count = probs.shape
+  batch, seq, e_count = probs.shape
+  if batch == 0 or seq == 0:
+    return jnp.zeros((), probs.dtype)  # no tokens: no imbalance (as `moe`'s loss for T = 0)
   k_count = expert_ids.shape[2]
   counts = jax.vmap(lambda ids: expert_counts(ids, e_count))(expert_ids)  # (B, E)
   f = counts.astype(probs.dtype) * (e_count / max(k_count * seq, 1))
@@ -730,11 +760,22 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
   probability of e).
   The per-layer `MoEAux.load_balance_loss` differs (its f sums to 1 per layer).
   """
+  from sonic_jax import checks  # checks imports this module
   if hasattr(router_logits, "ndim"):  # one array: its rows, not a Python loop over them
-    logits = jnp.asarray(router_logits).reshape(-1, router_logits.shape[-1])
+    layers = {"router_logits": router_logits}
+  elif isinstance(router_logits, (list, tuple)) and router_logits:
+    layers = {f"router_logits[{i}]": l for i, l in enumerate(router_logits)}
   else:
-    logits = jnp.concatenate([jnp.asarray(l).reshape(-1, jnp.shape(l)[-1])
-                              for l in router_logits])
+    raise TypeError(f"router_logits must be an array or a non-empty list of arrays, one per layer, "
+                    f"got {router_logits!r:.80}")
+  for name, l in layers.items():
+    checks.check_array(name, l)
+    if l.ndim < 2:
+      raise ValueError(f"{name} must be (..., T, E) logits, got shape {tuple(l.shape)}")
+  if len({l.shape[-1] for l in layers.values()}) > 1:
+    raise ValueError(f"router_logits' layers must have one E (their last dim), got shapes "
+                     f"{[tuple(l.shape) for l in layers.values()]}")
+  logits = jnp.concatenate([jnp.asarray(l).reshape(-1, l.shape[-1]) for l in layers.values()])
   if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
     raise TypeError(f"top_k must be an int, got {top_k!r}")
   if not 1 <= top_k <= logits.shape[-1]:
@@ -744,15 +785,22 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
   probs = jax.nn.softmax(logits, axis=-1)
   ids = jax.lax.top_k(jax.lax.stop_gradient(probs), top_k)[1]
   mask = jax.nn.one_hot(ids, e_count, dtype=probs.dtype)  # (N, K, E)
+  if logits.shape[0] == 0:
+    return jnp.zeros((), logits.dtype)  # no tokens: no imbalance (as `moe`'s loss for T = 0)
   if attention_mask is None:
     tokens_per_expert = jnp.mean(mask, axis=0)
     prob_per_expert = jnp.mean(probs, axis=0)
   else:
+    if not hasattr(attention_mask, "shape"):
+      raise TypeError(f"attention_mask must be None or a (B, S) array, got "
+                      f"{type(attention_mask).__name__}")
     per_layer = attention_mask.size
-    if logits.shape[0] % per_layer:
+    if not per_layer or logits.shape[0] % per_layer:
       raise ValueError(f"attention_mask has {per_layer} tokens, which do not divide the "
                        f"{logits.shape[0]} rows of router_logits")
     m = jnp.tile(attention_mask.reshape(-1), logits.shape[0] // per_layer).astype(probs.dtype)
-    tokens_per_expert = jnp.sum(mask * m[:, None, None], axis=0) / jnp.sum(m)
-    prob_per_expert = jnp.sum(probs * m[:, None], axis=0) / jnp.sum(m)
+    # No unmasked token: the sums are 0, and so is the loss (as with no tokens), not 0 / 0.
+    tokens = jnp.where(jnp.sum(m) > 0, jnp.sum(m), 1)
+    tokens_per_expert = jnp.sum(mask * m[:, None, None], axis=0) / tokens
+    prob_per_expert = jnp.sum(probs * m[:, None], axis=0) / tokens
   return e_count * jnp.sum(tokens_per_expert * prob_per_expert[None, :])

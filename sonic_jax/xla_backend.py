@@ -137,7 +137,9 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   its kernel may return None, or the rows of its tiles in use only).
   """
   valid = layout.row_valid()[:, None]
-  d_out_rows = d_out[layout.row_token]
+  # Masked, not only multiplied by the padding rows' zero scores: token 0's row (which padding
+  # rows carry) must not reach dS, dw2 or db2 through 0 * inf.
+  d_out_rows = jnp.where(valid, d_out[layout.row_token], 0)
   d_a = grouped_matmul_t(d_out_rows, w2, layout)
   a, d_h = acts.activation_backward(h, d_a, activation, gate_up_layout)
   d_s = jnp.sum(d_a * a, axis=-1)
@@ -175,9 +177,10 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout: GroupedLayo
                  with_b2: bool):
   """dw1 = gather(x)^T dH, dw2 = A_s^T gather(dO) per expert (varlen-K); db1, db2 when used.
   d_out_rows: what `dh_projection` returned (dO[row_token] on the tiles in use), or None."""
-  x_rows = x[layout.row_token]
+  valid = layout.row_valid()[:, None]  # masked as in dh_projection (token 0 on padding rows)
+  x_rows = jnp.where(valid, x[layout.row_token], 0)
   if d_out_rows is None:
-    d_out_rows = d_out[layout.row_token]
+    d_out_rows = jnp.where(valid, d_out[layout.row_token], 0)
   dw1 = grouped_weight_grad(x_rows, d_h, layout)
   dw2 = grouped_weight_grad(a_s, d_out_rows, layout)
   db1, db2 = bias_grads(d_out_rows, d_h, row_scores, layout, with_b1, with_b2)

@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
+import sonic_jax  # noqa: E402
 from sonic_jax.layers import MoE  # noqa: E402
 
 T = 64
@@ -341,6 +342,35 @@ def check_split_operands():
   full = lambda spec, ndim: tuple(spec) + (None,) * (ndim - len(spec))
   assert [full(jax.typeof(a).sharding.spec, a.ndim) for a in g] == [
       full(specs[i], args[i].ndim) for i in (0, 2, 3, 4, 5)], g
+  # The functional pieces under the op take the same placements, and refuse split tokens or
+  # experts by name (abstractly) rather than failing inside JAX.
+  x, router, w1, w2, b1, b2 = args
+  routed = sonic_jax.route(x @ router, 2)
+  layout = sonic_jax.build_grouped_layout(routed.expert_ids, 8, 32)
+  pieces = lambda x, w1, w2, b1, b2: (
+      sonic_jax.routed_experts(x, routed.expert_ids, routed.scores, w1, w2, b1=b1, b2=b2,
+                               backend="xla")[0],
+      sonic_jax.expert_mixture(x, routed.scores, layout, w1, w2, b1=b1, b2=b2, backend="xla"))
+  y_ref = jax.jit(pieces)(*args[:1], *args[2:])
+  with jax.set_mesh(mesh):
+    y = jax.jit(pieces)(placed[0], *placed[2:])
+    errs = [rel(a, b) for a, b in zip(y, y_ref)]
+    assert max(errs) < 1e-10, errs
+    over = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    tokens = {k: over(v, P("data")) for k, v in routed._asdict().items()}
+    split_routed = sonic_jax.RouterOutput(**tokens)
+    for fn, message in (
+        (lambda: sonic_jax.routed_experts(over(x, P("data")), routed.expert_ids, routed.scores,
+                                          w1, w2), "x is split over its tokens"),
+        (lambda: sonic_jax.routed_experts(x, routed.expert_ids, routed.scores,
+                                          over(w1, P("data")), w2), "w1 is split over its experts"),
+        (lambda: sonic_jax.expert_mixture(x, tokens["scores"], layout, w1, w2),
+         "scores is split over its tokens"),
+        (lambda: sonic_jax.build_grouped_layout(tokens["expert_ids"], 8, 32),
+         "expert_ids is split over its tokens"),
+        (lambda: sonic_jax.round_tokens(split_routed, 32, "up"),
+         "routed.scores is split over its tokens")):
+      refused(lambda: jax.eval_shape(fn), message, message)
 
 
 def check_vmap_over_split_batch():

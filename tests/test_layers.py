@@ -138,6 +138,8 @@ def test_layer_gemma4_router_equals_the_functional_op(rng):
     m(x, expert_ids=ids.reshape(-1, 2))
   with pytest.raises(ValueError, match="router_norm_eps"):
     _layer(router_norm_eps=-1.0)
+  with pytest.raises(ValueError, match="router_norm_eps must be None or > 0"):
+    _layer(router_norm_eps=0.0)  # an all-zero (padding) token would route by NaN
 
 
 def test_layer_capacity_on_one_device_drops_and_counts(rng):

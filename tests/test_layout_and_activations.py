@@ -69,6 +69,7 @@ def test_layout_refuses_bad_arguments_and_never_wraps_wide_ids():
       ((ids, 0, 2), {}, ValueError, "num_experts must be >= 1"),
       ((ids, 4.0, 2), {}, TypeError, "num_experts must be an int"),
       ((ids, 4, 2.5), {}, TypeError, "row_tile must be an int"),
+      ((ids, 4, 2), dict(extras_by_expert="yes"), TypeError, "extras_by_expert must be a bool"),
       ((ids, 4, 2), dict(extra_tokens=np.zeros(2), extra_experts=np.zeros(2, np.int32)),
        TypeError, "extra_tokens must have an integer dtype")):
     with pytest.raises(exc, match=match):
@@ -221,3 +222,9 @@ def test_activation_fields_are_checked_python_values():
   with pytest.raises(ValueError, match="Activation.limit must be finite"):
     Activation("a", "silu", True, limit=float("inf"))
   assert acts.clamped_swiglu(1.5, 5) == acts.clamped_swiglu(1.5, 5.0)
+  assert acts.clamped_swiglu(limit=None).limit is None  # no clamp, as Activation allows
+  for kwargs in (dict(alpha="a"), dict(alpha=True), dict(up_offset=None)):
+    with pytest.raises(TypeError, match="Activation.(alpha|up_offset) must be a real number"):
+      acts.clamped_swiglu(**kwargs)
+  with pytest.raises(TypeError, match="w must be an array"):
+    acts.convert_gate_up_layout([1.0, 2.0], "concat", "interleaved")

@@ -283,6 +283,7 @@ def test_balance_losses_follow_their_formulas(rng):
     (dict(selection_bias_on="probs"), "selection_bias_on"),
     (dict(renorm_p=0.0), "renorm_p"),
     (dict(renorm_epsilon=float("inf")), "Router.renorm_epsilon must be finite"),
+    (dict(routed_scaling_factor=-1.0), "Router.routed_scaling_factor must be > 0"),
 ])
 def test_bad_router_fields_are_refused_by_name(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -350,6 +351,29 @@ def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
   np.testing.assert_array_equal(np.asarray(aux.extra_experts), [2, 4])
   with pytest.raises(ValueError, match="exceeds the experts"):
     sonic_jax.route(jnp.zeros((3, 8)), 3, Router(n_group=4, topk_group=1))
+  with pytest.raises(TypeError, match="scale_input must be a bool, got int"):
+    sonic_jax.routed_experts(x, jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), w1, w2,
+                             scale_input=0)
+  with pytest.raises(ValueError, match="w1 must hold at least one expert"):
+    sonic_jax.routed_experts(x, jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), w1[:0], w2[:0])
+
+
+def test_padding_rows_keep_token_0_out_of_other_experts_gradients(rng):
+  """Padding rows carry token 0 (layout.py): on the xla backend they are masked, so a NaN in token
+  0's row of x, or of the output's cotangent, reaches only the weight gradients of the experts
+  token 0 is routed to, not every expert whose rows are padded."""
+  x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((16, 16), (4, 16, 16), (4, 8, 16)))
+  ids = jnp.array([[0, 1]] + [[2, 3]] * 15)  # token 0 alone on experts 0 and 1
+  f = lambda x, w1, w2: sonic_jax.routed_experts(x, ids, jnp.ones((16, 2)), w1, w2, b2=jnp.zeros(
+      (4, 16)), backend="xla")[0]
+  nan_x = x.at[0, 0].set(jnp.nan)
+  grads = jax.jit(jax.grad(lambda w1, w2: jnp.sum(f(nan_x, w1, w2)[1:]), (0, 1)))(w1, w2)
+  y, vjp = jax.vjp(f, x, w1, w2)
+  grads += jax.jit(vjp)(jnp.zeros_like(y).at[0].set(jnp.nan))[1:]
+  for g in grads:
+    assert [bool(np.isnan(np.asarray(g[e])).any()) for e in range(4)] == [True, True, False,
+                                                                          False], g
 
 
 def test_bad_routing_arguments_are_refused_by_name(rng):
@@ -593,6 +617,59 @@ def test_routing_helpers_name_bad_arguments():
   routed = sonic_jax.route(logits, 2)
   with pytest.raises(ValueError, match=r"mode must be one of \('down', 'up', 'nearest'\)"):
     sonic_jax.round_tokens(routed, 2, "sideways")
+  with pytest.raises(ValueError, match="logits must have shape"):
+    sonic_jax.route(logits[0, 0], 1)
+  # round_tokens' arrays: one T, (T, K) and (T, E) fields, float logits of probs' shape (a wrong
+  # shape would gather other tokens' weights silently)
+  many = sonic_jax.route(jnp.tile(logits, (3, 1)), 2)
+  for bad in (dict(logits=jnp.tile(logits, (2, 1))), dict(logits=jnp.tile(logits, (3, 1))[:, :2]),
+              dict(routed=many._replace(expert_ids=many.expert_ids[:2])),
+              dict(routed=sonic_jax.route(jnp.tile(logits, (3, 1))[None], 2))):
+    with pytest.raises(ValueError, match="round_tokens takes routed.scores and routed.expert_ids"):
+      sonic_jax.round_tokens(bad.get("routed", many), 2, "up", logits=bad.get("logits"))
+  with pytest.raises(TypeError, match="logits must have a floating dtype"):
+    sonic_jax.round_tokens(many, 2, "up", logits=jnp.ones((3, 4), jnp.int32))
+  # hf_load_balancing_loss's list of layers: non-empty, arrays of one E; the mask an array
+  for bad, exc, match in (([], TypeError, "non-empty list of arrays"),
+                          (None, TypeError, "non-empty list of arrays"),
+                          ([logits, logits[:, :3]], ValueError, "must have one E"),
+                          (logits[0, 0], ValueError, r"must be \(..., T, E\) logits")):
+    with pytest.raises(exc, match=match):
+      sonic_jax.hf_load_balancing_loss(bad, 1)
+  with pytest.raises(TypeError, match="attention_mask must be None or a"):
+    sonic_jax.hf_load_balancing_loss(logits, 1, attention_mask=[[1]])
+  with pytest.raises(TypeError, match=r"top_k must be an int \(static"):
+    jax.jit(lambda k: sonic_jax.route(logits, k))(2)
+
+
+def test_balance_losses_without_tokens_are_zero():
+  """No tokens (or every token masked) is no imbalance, as `moe`'s loss is for T = 0: zero, not
+  the 0 / 0 of a mean over nothing."""
+  logits = jnp.array([[1.0, 0.0, 2.0, -1.0], [0.5, 0.1, -2.0, 1.0]])
+  losses = (sonic_jax.hf_load_balancing_loss(jnp.zeros((0, 4)), 2),
+            sonic_jax.hf_load_balancing_loss(logits, 2, attention_mask=jnp.zeros((1, 2))),
+            sonic_jax.sequence_balance_loss(jnp.zeros((2, 0, 4)), jnp.zeros((2, 0, 2), jnp.int32)),
+            sonic_jax.sequence_balance_loss(jnp.zeros((0, 3, 4)), jnp.zeros((0, 3, 2), jnp.int32)))
+  assert [float(v) for v in losses] == [0.0] * 4, losses
+  # A mask keeping every token changes nothing.
+  np.testing.assert_allclose(
+      sonic_jax.hf_load_balancing_loss(logits, 2, attention_mask=jnp.ones((1, 2))),
+      sonic_jax.hf_load_balancing_loss(logits, 2), rtol=1e-6)
+
+
+def test_p_norm_renormalisation_stays_finite():
+  """A softmax router's p-norm renormalisation (p != 1) in log space: the p-th powers of
+  near-uniform probabilities underflow for large p (inf weights by the plain formula), and for
+  small p it equals that formula."""
+  logits = jnp.array([[0.0, -0.3, 0.1, 0.05], [0.0] * 4])
+  for p in (50.0, 100.0):
+    scores = sonic_jax.route(logits, 2, Router("softmax", renorm_p=p)).scores
+    assert np.all(np.isfinite(scores)) and np.all(np.asarray(scores) <= 1.0 + 1e-6), (p, scores)
+    np.testing.assert_allclose(scores[1], [2 ** (-1 / p)] * 2, rtol=1e-5)
+  out = sonic_jax.route(logits, 2, Router("softmax", renorm_p=2.0, renorm_epsilon=1e-3))
+  picked = np.take_along_axis(np.asarray(jax.nn.softmax(logits)), np.asarray(out.expert_ids), 1)
+  want = picked / (np.linalg.norm(picked, axis=-1, keepdims=True) + 1e-3)
+  np.testing.assert_allclose(out.scores, want, rtol=1e-5)
 
 
 def test_moe_routing_rebuilt_from_public_functions(rng):

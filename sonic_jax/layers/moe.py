@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import backends
 from sonic_jax import routing as routing_lib
-from sonic_jax.batching import split_axes
+from sonic_jax.batching import split_axes, whole
 from sonic_jax.checks import check_capacity, check_rounding
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array
-from sonic_jax.ops import MoEAux, moe, whole
+from sonic_jax.ops import MoEAux, moe
 from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
 from sonic_jax.precision import dot_f32
 from sonic_jax.varying import varying_axes
@@ -114,7 +114,7 @@ class MoE(nnx.Module):
       scaling factor, Llama 4's input scaling).
     use_bias: per-expert biases b1, b2.
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
-    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon, times
+    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon (> 0), times
       a trained (d,) scale (the parameter `router_scale`) and d ** -0.5, in float32 (Gemma 4's
       router, which normalises the block's input on its own: pass that input as `router_input`).
     use_expert_scale: each pair's weight times a trained (E,) scale of its expert (the parameter
@@ -227,6 +227,9 @@ class MoE(nnx.Module):
         raise TypeError(f"{name} must be a real number, got {value!r}")
       if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if router_norm_eps is not None and not router_norm_eps > 0:
+      # rsqrt(mean(0) + 0): an all-zero token (padding) would give NaN, and the balance loss with it
+      raise ValueError(f"router_norm_eps must be None or > 0, got {router_norm_eps!r}")
     for name, value, none_ok in (("dtype", dtype, True), ("param_dtype", param_dtype, False),
                                  ("router_param_dtype", router_param_dtype, True)):
       if value is None and none_ok:
