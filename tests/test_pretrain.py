@@ -125,12 +125,20 @@ def test_flags_refused_by_name(tmp_path):
            (["--num_layers=0"], "--num_layers must be >= 1, got 0"),
            (["--tokenizer=bpe", "--vocab_size=100"], "--vocab_size (100) must be > 256"),
            (["--profile_step=2"], "--profile_step (2) must be in [0, --steps = 1]"),
+           (["--corpus_bytes=-10"], "--corpus_bytes must be >= 1, got -10"),
+           (["--weight_decay=-1"], "--weight_decay must be >= 0, got -1.0"),
+           (["--expert_parallel=-1"], "--expert_parallel must be >= 0 (0: one device), got -1"),
+           (["--corpus_dir=/nonexistent"], "--corpus_dir: no such directory: /nonexistent"),
+           (["--num_processes=2"], "--num_processes configure --distributed runs"),
+           (["--warmup=5"], "--warmup (5) must be in [0, --steps = 1)"),
            (["--attention=cudnn"], "--attention=cudnn needs an NVIDIA GPU")]
-  common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--warmup=0",
-            "--backend=xla"]
+  # The first case keeps the preset's warm-up (30 steps) for its one step; the rest pass none.
+  cases.insert(0, ([], "--warmup (30, the tiny preset's: pass --warmup) must be in"))
+  common = ["--config=tiny", f"--workdir={tmp_path / 'run'}", "--steps=1", "--backend=xla"]
   env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4")  # a (data 2, ep 2) mesh
   proc = subprocess.run([sys.executable, "-c", _REFUSE, SCRIPT,
-                         json.dumps([common + flags for flags, _ in cases])],
+                         json.dumps([common + (["--warmup=0"] if flags else []) + flags
+                                     for flags, _ in cases])],
                         capture_output=True, text=True, timeout=600, env=env)
   assert proc.returncode == 1 and cases[-1][1] in proc.stderr, proc.stderr[-2000:]
   reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
@@ -138,7 +146,8 @@ def test_flags_refused_by_name(tmp_path):
   for (flags, message), (refusal, out) in zip(cases, reports):
     assert refusal is not None and message in refusal, (flags, refusal)
     assert "corpus" not in out, out
-  assert "corpus" not in proc.stdout and not os.path.exists(tmp_path / "run")
+  assert not any(line.startswith("corpus ") for line in proc.stdout.splitlines()), proc.stdout
+  assert not os.path.exists(tmp_path / "run")
 
 
 def _free_port():
@@ -339,6 +348,7 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
                         text=True, timeout=600, env=ENV)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert "another model or tokenizer (corpus_digest: " in proc.stderr, proc.stderr[-2000:]
+  assert "(the text that --corpus_dir and --corpus_bytes choose)" in proc.stderr
   assert "BPE" not in proc.stdout
   assert (tmp_path / "tokenizer.json").read_bytes() == saved
 

@@ -30,7 +30,8 @@ import tokenizer as tokenizer_lib  # noqa: E402
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "the training run's --workdir")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
 flags.DEFINE_string("prompt", "def ", "text to continue (UTF-8 bytes)")
-flags.DEFINE_integer("tokens", 200, "tokens to generate (bytes with --tokenizer=bytes runs)")
+flags.DEFINE_integer("tokens", 200, "tokens to generate (bytes with --tokenizer=bytes runs)",
+                     lower_bound=0)
 flags.DEFINE_float("temperature", 0.8, "sampling temperature (>= 0); 0: greedy", lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_enum("backend", None, ["auto", "xla", "mosaic_gpu"],

@@ -63,27 +63,43 @@ from sharding import bytes_per_device, create_sharded  # noqa: E402
 import tokenizer as tokenizer_lib  # noqa: E402
 
 flags.DEFINE_enum("config", "tiny", list(CONFIGS), "preset; the flags below override it")
+
+
+def _preset(key):
+  """A flag's help suffix: the presets' values of the setting `key` (a model field or a run
+  setting), which the flag overrides."""
+  values = {}
+  for name, preset in CONFIGS.items():
+    value = (preset[key] if key in preset else getattr(preset["model"], key, None)
+             if key != "tokenizer" else "bytes")
+    values[name] = "none" if value is None else value
+  if len(set(values.values())) == 1:
+    return f" (every preset's: {next(iter(values.values()))})"
+  return f" (the preset's: {', '.join(f'{k} {v}' for k, v in values.items())})"
+
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "checkpoints, metrics.csv, loss.png")
-flags.DEFINE_integer("steps", None, "training steps (preset's default)")
-flags.DEFINE_integer("batch_size", None, "sequences per step")
+flags.DEFINE_integer("steps", None, "training steps" + _preset("steps"))
+flags.DEFINE_integer("batch_size", None, "sequences per step" + _preset("batch_size"))
 flags.DEFINE_integer("grad_accum", 1, "micro-batches per step, their gradients averaged (the "
                      "batch size a multiple of it)")
-flags.DEFINE_integer("seq_len", None, "tokens per sequence")
+flags.DEFINE_integer("seq_len", None, "tokens per sequence" + _preset("seq_len"))
 flags.DEFINE_enum("tokenizer", None, list(tokenizer_lib.TOKENIZERS), "bytes (256 tokens) or bpe "
-                  "(byte-level BPE trained on the training split; the preset's by default)")
+                  "(byte-level BPE trained on the training split)" + _preset("tokenizer"))
 flags.DEFINE_integer("vocab_size", None, "--tokenizer=bpe's target vocabulary, the 256 bytes "
-                     "included (the model's is the one reached, padded to a multiple of 128)")
-flags.DEFINE_integer("corpus_bytes", None, "corpus size in bytes (the preset's by default)")
+                     "included (the model's is the one reached, padded to a multiple of 128)"
+                     + _preset("vocab_size"))
+flags.DEFINE_integer("corpus_bytes", None, "corpus size in bytes" + _preset("corpus_bytes"))
 flags.DEFINE_string("corpus_dir", None, "read the corpus from the .py files under this directory "
                     "(default: the Python standard library)")
 flags.DEFINE_string("data_cache", None, "where the trained BPE and the token arrays are cached "
                     "(default: workdir/data_cache); share it between runs")
-flags.DEFINE_float("lr", None, "peak learning rate (AdamW)")
+flags.DEFINE_float("lr", None, "peak learning rate (AdamW)" + _preset("lr"))
 flags.DEFINE_integer("warmup", None, "linear warm-up steps from lr / (warmup + 1) to lr, then "
-                     "cosine decay to 10%")
+                     "cosine decay to 10%" + _preset("warmup"))
 flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay")
 flags.DEFINE_float("clip_norm", 1.0, "clip the gradient to this global norm (0: no clipping)")
-flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations")
+flags.DEFINE_integer("eval_every", None, "steps between held-out evaluations"
+                     + _preset("eval_every"))
 flags.DEFINE_integer("log_every", None, "steps between metrics rows (default: --eval_every)")
 flags.DEFINE_integer("checkpoint_every", None, "steps between checkpoints (default: --eval_every); "
                      "one is also written on SIGTERM or SIGINT and at the end; 0: none at all "
@@ -92,17 +108,20 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
                      ("num_heads", "attention heads"), ("num_experts", "experts per MoE layer E"),
                      ("expert_dim", "expert hidden width n"), ("top_k", "experts per token K"),
                      ("num_shared_experts", "always-on experts per MoE layer")):
-  flags.DEFINE_integer(_name, None, f"{_help} (the preset's by default)")
+  flags.DEFINE_integer(_name, None, _help + _preset(_name))
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
-                  "backward: none, full (keep its input) or dots (keep matmul outputs)")
+                  "backward: none, full (keep its input) or dots (keep matmul outputs)" + _preset("remat"))
 flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or the "
                   "MaxText-style baseline on jax.lax.ragged_dot (ragged_dot) or tokamax.ragged_dot "
                   "(tokamax_ragged_dot): one device, or data parallel with --expert_parallel=1, "
-                  "with or without --fsdp")
-flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)")
+                  "with or without --fsdp" + _preset("moe_impl"))
+flags.DEFINE_bool("scan_layers", None, "stack the blocks and scan over them (one block compiled)"
+                  + _preset("scan_layers"))
 flags.DEFINE_enum("attention", None, list(ATTENTIONS), "jax.nn.dot_product_attention's "
-                  "implementation: auto (cuDNN where it runs, else XLA), xla or cudnn")
-flags.DEFINE_bool("tie_embeddings", None, "output projection = input embedding transposed")
+                  "implementation: auto (cuDNN where it runs, else XLA), xla or cudnn"
+                  + _preset("attention"))
+flags.DEFINE_bool("tie_embeddings", None, "output projection = input embedding transposed"
+                  + _preset("tie_embeddings"))
 flags.DEFINE_float("peak_tflops", None, "the device's peak TFLOP/s for MFU (default: bf16 dense "
                    "peak of a known GPU; none on a CPU)")
 flags.DEFINE_integer("profile_step", 0, "trace this step (0: none) and split its device time into "
@@ -111,13 +130,15 @@ flags.DEFINE_integer("profile_step", 0, "trace this step (0: none) and split its
                      "row that covers it times only the steps after it)")
 flags.DEFINE_bool("tensorboard", True, "TensorBoard scalars under workdir/tb (needs tensorboardX)")
 flags.DEFINE_integer("eval_batches", 8, "held-out batches per evaluation")
-flags.DEFINE_enum("backend", None, ["auto", "xla", "mosaic_gpu"], "sonic_jax backend")
+flags.DEFINE_enum("backend", None, ["auto", "xla", "mosaic_gpu"],
+                  "sonic_jax backend" + _preset("backend"))
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
-                  "compute dtype; parameters stay float32")
-flags.DEFINE_float("bias_update_rate", None, "auxiliary-loss-free balancing rate (0: off)")
+                  "compute dtype; parameters stay float32" + _preset("dtype"))
+flags.DEFINE_float("bias_update_rate", None, "auxiliary-loss-free balancing rate (0: off)"
+                   + _preset("bias_update_rate"))
 flags.DEFINE_enum("token_rounding", None, ["none", "down", "up", "nearest"],
                   "tile-aware token rounding of the MoE routers while training (evaluation uses "
-                  "plain top-K)")
+                  "plain top-K)" + _preset("token_rounding"))
 flags.DEFINE_integer("expert_parallel", 0, "expert-parallel degree P (0: one device): a mesh "
                      "(devices / P data, P ep) over all devices, experts sharded over ep, the "
                      "batch over both")
@@ -164,13 +185,20 @@ def say(*args, **kwargs):
 
 
 def initialize_distributed():
+  given = {k: getattr(FLAGS, k) for k in ("coordinator_address", "num_processes", "process_id")
+           if getattr(FLAGS, k) is not None}
   if not FLAGS.distributed:
+    if given:
+      raise app.UsageError(f"--{', --'.join(given)} configure --distributed runs: pass "
+                           "--distributed too")
     return
   # CPU devices of several processes talk through gloo (GPUs through NCCL, whatever this says).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  given = {k: getattr(FLAGS, k) for k in ("coordinator_address", "num_processes", "process_id")
-           if getattr(FLAGS, k) is not None}
-  jax.distributed.initialize(**given)
+  try:
+    jax.distributed.initialize(**given)
+  except (ValueError, RuntimeError) as e:
+    raise app.UsageError(f"--distributed: {e} (outside a cluster environment that JAX detects, "
+                         "pass --coordinator_address, --num_processes and --process_id)") from e
 
 
 def settings():
@@ -221,8 +249,10 @@ def make_mesh():
           f"the run over all of them (1: data parallelism alone)")
     return None
   n = jax.device_count()
-  if p < 0 or n % p:
-    raise app.UsageError(f"--expert_parallel ({p}) must divide the {n} devices")
+  if p < 0:
+    raise app.UsageError(f"--expert_parallel must be >= 0 (0: one device), got {p}")
+  if n % p:
+    raise app.UsageError(f"--expert_parallel ({p}) must divide the number of devices ({n})")
   return jax.make_mesh((n // p, p), ("data", "ep"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
@@ -411,9 +441,18 @@ def tokenize(s, corpus):
   vocabulary (cached)."""
   train_bytes, heldout_bytes = data.split(corpus, 0.05)
   source = FLAGS.corpus_dir or "the standard library"
+  if not len(train_bytes):  # before a tokenizer is trained on nothing
+    raise app.UsageError(f"no corpus: {len(corpus)} bytes of .py source from {source} (check "
+                         f"--corpus_dir and --corpus_bytes)")
   cache = FLAGS.data_cache or os.path.join(FLAGS.workdir, "data_cache")
-  build = lambda: tokenizer_lib.build(s["tokenizer"], train_bytes, heldout_bytes,
-                                      s["vocab_size"], cache)
+
+  def build():
+    try:
+      return tokenizer_lib.build(s["tokenizer"], train_bytes, heldout_bytes, s["vocab_size"],
+                                 cache)
+    except OSError as e:
+      raise app.UsageError(f"--data_cache ({cache}): {e}") from e
+
   if jax.process_count() == 1:
     tok, train, heldout, info = build()
   else:  # the first process fills the cache; the others then load it (or, unshared, train alike)
@@ -429,9 +468,6 @@ def tokenize(s, corpus):
              f"a larger --corpus_dir gives more)" if tok.vocab_size < s["vocab_size"] else "")
     say(f"BPE: {tok.vocab_size} tokens{short}, {done} ({info['path']}); "
         f"{len(train_bytes) / len(train):.2f} bytes per token")
-  if not len(train):
-    raise app.UsageError(f"no corpus: {len(corpus)} bytes of .py source from {source} (check "
-                         f"--corpus_dir and --corpus_bytes)")
   h = data.unigram_entropy(train)
   h_byte = h * len(train) / len(train_bytes)
   kind = "BPE" if tok.kind == "bpe" else "byte"
@@ -462,13 +498,19 @@ def run():
   initialize_distributed()
   lead = jax.process_index() == 0  # the process that writes metrics, config and plots
   s = settings()
-  for k in ("steps", "batch_size", "seq_len"):
+  for k in ("steps", "batch_size", "seq_len", "corpus_bytes"):
     if s[k] < 1:
       raise app.UsageError(f"--{k} must be >= 1, got {s[k]}")
   if not 0 < s["lr"] < math.inf:
     raise app.UsageError(f"--lr must be > 0, got {s['lr']}")
   if not 0 <= s["warmup"] < s["steps"]:
-    raise app.UsageError(f"--warmup ({s['warmup']}) must be in [0, --steps = {s['steps']})")
+    given = "" if FLAGS.warmup is not None else f", the {FLAGS.config} preset's: pass --warmup"
+    raise app.UsageError(f"--warmup ({s['warmup']}{given}) must be in [0, --steps = "
+                         f"{s['steps']})")
+  if not 0 <= FLAGS.weight_decay < math.inf:
+    raise app.UsageError(f"--weight_decay must be >= 0, got {FLAGS.weight_decay}")
+  if FLAGS.corpus_dir is not None and not os.path.isdir(FLAGS.corpus_dir):
+    raise app.UsageError(f"--corpus_dir: no such directory: {FLAGS.corpus_dir}")
   for k, low in (("eval_every", 1), ("log_every", 1), ("checkpoint_every", 0)):
     if s[k] < low:
       raise app.UsageError(f"--{k} must be >= {low}, got {s[k]}")
@@ -512,7 +554,10 @@ def run():
     raise app.UsageError(f"--batch_size ({s['batch_size']}) must be a multiple of the "
                          f"{mesh.size} devices times --grad_accum ({FLAGS.grad_accum}): each "
                          f"micro-batch splits over every device")
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+  try:
+    os.makedirs(FLAGS.workdir, exist_ok=True)
+  except OSError as e:
+    raise app.UsageError(f"--workdir: {e}") from e
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   # --checkpoint_every=0 writes no checkpoint, so it makes no ckpt/ (a run there still resumes).
   ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
@@ -533,9 +578,12 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   saved = None
 
   def refuse_resume(refused):
+    # The BPE's corpus is known by its digest: say which flags choose it.
+    text = [f"{r} (the text that --corpus_dir and --corpus_bytes choose)"
+            if r.startswith("corpus_digest:") else r for r in refused]
     raise app.UsageError(
         f"--workdir={FLAGS.workdir} holds step {start} of another model or tokenizer "
-        f"({'; '.join(refused)}): pass a new --workdir, or the run's own settings")
+        f"({'; '.join(text)}): pass a new --workdir, or the run's own settings")
 
   corpus = data.load_corpus(s["corpus_bytes"], s["corpus_dir"])
   # What a BPE is trained on, wherever it was read from (the standard library differs between
