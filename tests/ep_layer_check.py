@@ -351,10 +351,9 @@ def check_split_operands():
       sonic_jax.routed_experts(x, routed.expert_ids, routed.scores, w1, w2, b1=b1, b2=b2,
                                backend="xla")[0],
       sonic_jax.expert_mixture(x, routed.scores, layout, w1, w2, b1=b1, b2=b2, backend="xla"))
-  y_ref = jax.jit(pieces)(*args[:1], *args[2:])
   with jax.set_mesh(mesh):
     y = jax.jit(pieces)(placed[0], *placed[2:])
-    errs = [rel(a, b) for a, b in zip(y, y_ref)]
+    errs = [rel(a, y_ref) for a in y]  # moe's routing is this one
     assert max(errs) < 1e-10, errs
     over = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     tokens = {k: over(v, P("data")) for k, v in routed._asdict().items()}

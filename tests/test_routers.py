@@ -367,11 +367,14 @@ def test_padding_rows_keep_token_0_out_of_other_experts_gradients(rng):
   ids = jnp.array([[0, 1]] + [[2, 3]] * 15)  # token 0 alone on experts 0 and 1
   f = lambda x, w1, w2: sonic_jax.routed_experts(x, ids, jnp.ones((16, 2)), w1, w2, b2=jnp.zeros(
       (4, 16)), backend="xla")[0]
-  nan_x = x.at[0, 0].set(jnp.nan)
-  grads = jax.jit(jax.grad(lambda w1, w2: jnp.sum(f(nan_x, w1, w2)[1:]), (0, 1)))(w1, w2)
-  y, vjp = jax.vjp(f, x, w1, w2)
-  grads += jax.jit(vjp)(jnp.zeros_like(y).at[0].set(jnp.nan))[1:]
-  for g in grads:
+
+  @jax.jit
+  def grads(x, w1, w2):
+    nan_x = jax.grad(lambda w1, w2: jnp.sum(f(x.at[0, 0].set(jnp.nan), w1, w2)[1:]), (0, 1))
+    y, vjp = jax.vjp(f, x, w1, w2)
+    return nan_x(w1, w2) + vjp(jnp.zeros_like(y).at[0].set(jnp.nan))[1:]
+
+  for g in grads(x, w1, w2):
     assert [bool(np.isnan(np.asarray(g[e])).any()) for e in range(4)] == [True, True, False,
                                                                           False], g
 
@@ -620,15 +623,21 @@ def test_routing_helpers_name_bad_arguments():
   with pytest.raises(ValueError, match="logits must have shape"):
     sonic_jax.route(logits[0, 0], 1)
   # round_tokens' arrays: one T, (T, K) and (T, E) fields, float logits of probs' shape (a wrong
-  # shape would gather other tokens' weights silently)
-  many = sonic_jax.route(jnp.tile(logits, (3, 1)), 2)
-  for bad in (dict(logits=jnp.tile(logits, (2, 1))), dict(logits=jnp.tile(logits, (3, 1))[:, :2]),
-              dict(routed=many._replace(expert_ids=many.expert_ids[:2])),
-              dict(routed=sonic_jax.route(jnp.tile(logits, (3, 1))[None], 2))):
+  # shape would gather other tokens' weights silently); traced only
+  def rounded(routed=None, logits=None):
+    many = sonic_jax.route(jnp.tile(jnp.asarray(logits_host), (3, 1)), 2)
+    return sonic_jax.round_tokens(routed(many) if routed else many, 2, "up",
+                                  logits=None if logits is None else jnp.asarray(logits))
+
+  logits_host = np.asarray(logits)
+  for bad in (dict(logits=np.tile(logits_host, (2, 1))),
+              dict(logits=np.tile(logits_host, (3, 1))[:, :2]),
+              dict(routed=lambda r: r._replace(expert_ids=r.expert_ids[:2])),
+              dict(routed=lambda r: jax.tree.map(lambda a: a[None], r))):
     with pytest.raises(ValueError, match="round_tokens takes routed.scores and routed.expert_ids"):
-      sonic_jax.round_tokens(bad.get("routed", many), 2, "up", logits=bad.get("logits"))
+      jax.eval_shape(lambda: rounded(**bad))
   with pytest.raises(TypeError, match="logits must have a floating dtype"):
-    sonic_jax.round_tokens(many, 2, "up", logits=jnp.ones((3, 4), jnp.int32))
+    jax.eval_shape(lambda: rounded(logits=np.ones((3, 4), np.int32)))
   # hf_load_balancing_loss's list of layers: non-empty, arrays of one E; the mask an array
   for bad, exc, match in (([], TypeError, "non-empty list of arrays"),
                           (None, TypeError, "non-empty list of arrays"),
@@ -646,15 +655,14 @@ def test_balance_losses_without_tokens_are_zero():
   """No tokens (or every token masked) is no imbalance, as `moe`'s loss is for T = 0: zero, not
   the 0 / 0 of a mean over nothing."""
   logits = jnp.array([[1.0, 0.0, 2.0, -1.0], [0.5, 0.1, -2.0, 1.0]])
-  losses = (sonic_jax.hf_load_balancing_loss(jnp.zeros((0, 4)), 2),
-            sonic_jax.hf_load_balancing_loss(logits, 2, attention_mask=jnp.zeros((1, 2))),
-            sonic_jax.sequence_balance_loss(jnp.zeros((2, 0, 4)), jnp.zeros((2, 0, 2), jnp.int32)),
-            sonic_jax.sequence_balance_loss(jnp.zeros((0, 3, 4)), jnp.zeros((0, 3, 2), jnp.int32)))
+  hf, seq = sonic_jax.hf_load_balancing_loss, sonic_jax.sequence_balance_loss
+  losses, (masked, unmasked) = jax.jit(lambda logits: (
+      (hf(jnp.zeros((0, 4)), 2), hf(logits, 2, attention_mask=jnp.zeros((1, 2))),
+       seq(jnp.zeros((2, 0, 4)), jnp.zeros((2, 0, 2), jnp.int32)),
+       seq(jnp.zeros((0, 3, 4)), jnp.zeros((0, 3, 2), jnp.int32))),
+      (hf(logits, 2, attention_mask=jnp.ones((1, 2))), hf(logits, 2))))(logits)
   assert [float(v) for v in losses] == [0.0] * 4, losses
-  # A mask keeping every token changes nothing.
-  np.testing.assert_allclose(
-      sonic_jax.hf_load_balancing_loss(logits, 2, attention_mask=jnp.ones((1, 2))),
-      sonic_jax.hf_load_balancing_loss(logits, 2), rtol=1e-6)
+  np.testing.assert_allclose(masked, unmasked, rtol=1e-6)  # a mask keeping every token
 
 
 def test_p_norm_renormalisation_stays_finite():
@@ -662,11 +670,12 @@ def test_p_norm_renormalisation_stays_finite():
   near-uniform probabilities underflow for large p (inf weights by the plain formula), and for
   small p it equals that formula."""
   logits = jnp.array([[0.0, -0.3, 0.1, 0.05], [0.0] * 4])
-  for p in (50.0, 100.0):
-    scores = sonic_jax.route(logits, 2, Router("softmax", renorm_p=p)).scores
+  routers = [Router("softmax", renorm_p=p) for p in (50.0, 100.0)]
+  routers.append(Router("softmax", renorm_p=2.0, renorm_epsilon=1e-3))
+  *large, out = jax.jit(lambda logits: [sonic_jax.route(logits, 2, r) for r in routers])(logits)
+  for p, scores in zip((50.0, 100.0), (r.scores for r in large)):
     assert np.all(np.isfinite(scores)) and np.all(np.asarray(scores) <= 1.0 + 1e-6), (p, scores)
     np.testing.assert_allclose(scores[1], [2 ** (-1 / p)] * 2, rtol=1e-5)
-  out = sonic_jax.route(logits, 2, Router("softmax", renorm_p=2.0, renorm_epsilon=1e-3))
   picked = np.take_along_axis(np.asarray(jax.nn.softmax(logits)), np.asarray(out.expert_ids), 1)
   want = picked / (np.linalg.norm(picked, axis=-1, keepdims=True) + 1e-3)
   np.testing.assert_allclose(out.scores, want, rtol=1e-5)
