@@ -857,11 +857,7 @@ def layer_kwargs(config: Mapping[str, Any], *, gate_up_layout: str | None = None
   """
   config = _text_config(config)
   fam = family(config)
-  _check_layer(config, layer)
-  dense = _dense_reason(config, fam, layer)
-  if dense:
-    raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
-                     f"({dense}): it has no MoE block")
+  _check_moe_layer(config, fam, layer)
   kw = fam.kwargs(config, layer)
   if kw["num_experts"] == 0:  # where _dense_layer has no layer to say it of
     raise ValueError(f"this {fam.model_type} config has num_experts=0: its decoder layers are "
@@ -884,6 +880,15 @@ def _dense_reason(config: Mapping[str, Any], fam: Family, layer: int | None) -> 
   defaults = {k: v(config) if callable(v) else v for k, v in fam.dense_layers.items()
               if config.get(k) is None}
   return _dense_layer({**config, **defaults}, layer)
+
+
+def _check_moe_layer(config: Mapping[str, Any], fam: Family, layer: int | None) -> None:
+  """A decoder layer index in range whose layer has an MoE block, else a ValueError naming it."""
+  _check_layer(config, layer)
+  dense = _dense_reason(config, fam, layer)
+  if dense:
+    raise ValueError(f"decoder layer {layer} of this {fam.model_type} config is a dense one "
+                     f"({dense}): it has no MoE block")
 
 
 def _check_layer_type(layer) -> None:
@@ -984,14 +989,10 @@ def _layout(fam: Family, gate_up_layout: str | None) -> str:
 
 
 def _param_shapes(config: Mapping[str, Any], layer: int | None) -> dict[str, tuple[int, ...]]:
-  """The shapes of the layer's parameters for this config (`PARAM_NAMES`); none where its sizes
-  differ by layer and no layer is given (the converters take such a block without one)."""
-  try:
-    kw = layer_kwargs(config, layer=layer)
-  except PerLayerFieldError:
-    if layer is not None:
-      raise
-    return {}
+  """The shapes of the layer's parameters for this config (`PARAM_NAMES`); a config whose sizes
+  differ by layer needs the layer (a PerLayerFieldError says so): unchecked, a block of the
+  wrong layer, or transposed, would convert."""
+  kw = layer_kwargs(config, layer=layer)
   d, e, n = kw["d_model"], kw["num_experts"], kw["expert_dim"]
   width = acts.get_activation(kw["activation"]).width_multiplier()
   s_dim = kw["num_shared_experts"] * (kw["shared_expert_dim"] or n)
@@ -1037,7 +1038,7 @@ def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str
   layers differ (DeepSeek-V4's hash layers have no selection bias)."""
   config = _text_config(config)
   fam = family(config)
-  _check_layer(config, layer)
+  _check_moe_layer(config, fam, layer)
   kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
   keys = (fam.router,) + _expert_keys(fam)
   keys += tuple(getattr(fam, name) for name in _AS_THEY_ARE if getattr(fam, name))
@@ -1094,6 +1095,10 @@ jax.tree_util.register_pytree_with_keys(
     lambda aux, children: LayerParams(zip(aux[0], children), aux[1]))
 
 
+def _few(keys, count=10):
+  return f"{keys[:count]}{f' and {len(keys) - count} more' if len(keys) > count else ''}"
+
+
 def _has_lists(config):
   return any(isinstance(config.get(k), (list, tuple)) for k in ("num_experts", "moe_topk"))
 
@@ -1121,8 +1126,12 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
   missing = [k for k in want if k not in sd]
   extra = [k for k in sd if k not in want]
   if missing or extra:
+    # A whole model's state dict (a real one has 10^5 keys) is named by a few and pointed at
+    # block_state_dict.
+    whole = ("; a whole model's state dict? hf.block_state_dict(config, state_dict, layer=...) "
+             "takes one layer's block out of it" if len(extra) > 2 * len(want) else "")
     raise ValueError(f"{fam.model_type} block state dict: missing keys {missing}, unexpected "
-                     f"keys {extra} (expected exactly {list(want)})")
+                     f"keys {_few(extra)} (expected exactly {list(want)}){whole}")
   want_shapes = _param_shapes(config, layer)
   try:
     out = _params_of_state(config, fam, sd, layout)
@@ -1175,11 +1184,13 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
                         gate_up_layout: str | None = None,
                         layer: int | None = None) -> dict[str, Array]:
   """The block's state dict from the layer's parameter arrays (`layer_params`): the inverse of
-  `layer_params_from_hf`, exact. gate_up_layout: the arrays' layout; by default the one `params`
-  carry (`layer_params` of a layer), else the family's. Parts absent from `params` (selection_bias,
-  say, when mapping gradients) are left out. Being a permutation of entries, it maps the layer's
-  gradients to the block's parameters' gradients too. layer: as `hf_keys` (configs with per-layer
-  lists); a ValueError names the parameters whose shapes do not fit the config."""
+  `layer_params_from_hf`, exact. gate_up_layout: the arrays' layout, required where `params` do
+  not carry one (`layer_params` of a layer does; of a State, the layer's must be passed). Parts
+  absent from `params` (selection_bias, say, when mapping gradients) are left out; a part the
+  family's block has no place for (biases for Mixtral, say) is refused, not dropped. Being a
+  permutation of entries, it maps the layer's gradients to the block's parameters' gradients
+  too. layer: as `hf_keys` (configs with per-layer lists need it); a ValueError names the
+  parameters whose shapes do not fit the config."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a mapping of the layer's parameter names to arrays, got "
                     f"{type(params).__name__} (for an MoE layer: "
@@ -1190,6 +1201,11 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   if gate_up_layout is not None and known is not None and gate_up_layout != known:
     raise ValueError(f"gate_up_layout={gate_up_layout!r}, but params hold the "
                      f"{known!r} layout (layer_params reads it from the layer)")
+  if gate_up_layout is None and known is None:
+    # The family's layout would be a guess: a layer of the other one would map its gate and up
+    # columns crosswise, silently.
+    raise ValueError("params do not say their gate/up layout (an nnx.State's, gradients say): "
+                     "pass gate_up_layout=layer.gate_up_layout, or layer_params(layer)")
   layout = _layout(fam, gate_up_layout if gate_up_layout is not None else known)
   prm = {k: np.asarray(v) for k, v in params.items() if v is not None}
   unknown = [k for k in prm if k not in PARAM_NAMES]
@@ -1198,6 +1214,16 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   for k in ("router", "w1", "w2"):
     if k not in prm:
       raise ValueError(f"params must hold {k!r}")
+  kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
+  placed = {"router", "w1", "w2", *(name for name in _AS_THEY_ARE if getattr(fam, name))}
+  placed |= {"b1", "b2"} if fam.experts == "gpt_oss" else set()
+  placed |= {"selection_bias"} if fam.selection_bias and kw.get("selection_bias") else set()
+  placed |= {"shared_in", "shared_out"} if fam.shared and kw["num_shared_experts"] else set()
+  placed |= {"shared_gate"} if fam.shared_gate and kw.get("shared_expert_gate") else set()
+  if unplaced := sorted(set(prm) - placed):
+    raise ValueError(f"the {fam.model_type} block of this config has no place for the layer's "
+                     f"{unplaced}: they would be dropped, and the block would compute something "
+                     f"else than the layer")
   _check_shapes(prm, _param_shapes(config, layer), "params")
   sd = {fam.router: _t(prm["router"])}
   p = fam.experts_prefix
@@ -1430,8 +1456,8 @@ def layer_params(module, gate_up_layout: str | None = None) -> LayerParams:
   """The parameter arrays of `module`, an `MoE` layer, or of an `nnx.State` with its names
   (gradients from `nnx.grad`, say), as NumPy arrays; parts the layer lacks are left out. Their
   gate/up layout is the layer's; a State does not say it: pass its layer's
-  (`layer.gate_up_layout`), or `hf_state_from_layer` takes the family's. (Elsewhere in this
-  module `layer` is a decoder layer's index.)"""
+  (`layer.gate_up_layout`), which `hf_state_from_layer` needs. (Elsewhere in this module `layer`
+  is a decoder layer's index.)"""
   own = getattr(module, "gate_up_layout", None)
   if gate_up_layout is not None and own is not None and gate_up_layout != own:
     raise ValueError(f"gate_up_layout={gate_up_layout!r}, but the layer's is {own!r}")
@@ -1445,12 +1471,14 @@ def layer_params(module, gate_up_layout: str | None = None) -> LayerParams:
   return out
 
 
-def load_into_layer(module, params: Mapping[str, Any]) -> None:
+def load_into_layer(module, params: Mapping[str, Any], *,
+                    gate_up_layout: str | None = None) -> None:
   """Sets the variables of `module`, an `MoE` layer, to `params` (from `layer_params_from_hf`), each
   cast to the variable's dtype (the selection bias stays float32) and placed as the variable is
-  (a sharded layer stays sharded). Raises a ValueError for a name the layer lacks, a shape that
-  differs, a part of the layer that `params` does not set, or params of another gate/up layout
-  than a GLU layer's."""
+  (a sharded layer stays sharded). gate_up_layout: the layout of params' w1 and b1 columns where
+  params do not carry one (a plain dict), required then for a GLU layer. Raises a ValueError for
+  a name the layer lacks, a shape that differs, a part of the layer that `params` does not set,
+  or params of another gate/up layout than a GLU layer's."""
   import jax
   present = {n for n in PARAM_NAMES if _variable(module, n) is not None}
   unknown = sorted(set(params) - present)
@@ -1458,22 +1486,29 @@ def load_into_layer(module, params: Mapping[str, Any]) -> None:
   if unknown or unset:
     raise ValueError(f"params and the layer differ: the layer has no {unknown}; params do not "
                      f"set {unset}")
+  values = {name: np.asarray(value) for name, value in params.items()}
+  for name, value in values.items():
+    if tuple(value.shape) != tuple(_variable(module, name)[...].shape):
+      raise ValueError(f"{name}: the layer's shape is {tuple(_variable(module, name)[...].shape)}"
+                       f", params give {tuple(value.shape)}")
   known = getattr(params, "gate_up_layout", None)
-  if (known is not None and acts.get_activation(module.activation).is_glu
-      and known != module.gate_up_layout):
-    raise ValueError(f"params hold w1 in the {known!r} gate/up layout, the layer takes "
-                     f"{module.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
-                     f"{module.gate_up_layout!r})")
-  for name, value in params.items():
+  if gate_up_layout is not None and known is not None and gate_up_layout != known:
+    raise ValueError(f"gate_up_layout={gate_up_layout!r}, but params hold the {known!r} layout")
+  known = known if known is not None else gate_up_layout
+  if acts.get_activation(module.activation).is_glu:
+    if known is None:
+      raise ValueError(f"params do not say their gate/up layout (a plain mapping): pass "
+                       f"gate_up_layout= (the layer takes {module.gate_up_layout!r}), or "
+                       f"layer_params_from_hf's result")
+    if known != module.gate_up_layout:
+      raise ValueError(f"params hold w1 in the {known!r} gate/up layout, the layer takes "
+                       f"{module.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
+                       f"{module.gate_up_layout!r})")
+  for name, value in values.items():
     var = _variable(module, name)
-    old = var[...]
-    value = np.asarray(value)
-    if tuple(value.shape) != tuple(old.shape):
-      raise ValueError(f"{name}: the layer's shape is {tuple(old.shape)}, params give "
-                       f"{tuple(value.shape)}")
     # Placed as the old value is: an assignment into a variable sharded on an explicit mesh
     # would run a program on one device.
-    var.set_value(jax.device_put(value.astype(old.dtype), old.sharding))
+    var.set_value(jax.device_put(value.astype(var[...].dtype), var[...].sharding))
 
 
 def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = None, *,

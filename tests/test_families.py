@@ -171,7 +171,7 @@ def _value_and_grads(layer, x, cot, r):
   ids = r["expert_ids"].reshape(x.shape[:-1] + (-1,)) if "expert_ids" in r else None
   f = _value_and_grads_program(graph, jax.default_backend() == "cpu")
   (_, (y, logits)), (g_params, g_x) = f(params, rest, x, cot, ids)
-  return y, logits, g_x, hf.layer_params(g_params)
+  return y, logits, g_x, hf.layer_params(g_params, gate_up_layout=layer.gate_up_layout)
 
 
 def _errors(config, r, y, logits, g_x, g_params, gate_up_layout=None):
@@ -460,12 +460,13 @@ def test_layer_to_hf_to_layer_is_exact(model_type, layout):
   """No torch needed: a layer built from a hand-written config, its (random) parameters to the
   block's state dict and back, exactly; the state dict has exactly the family's keys."""
   config = dict(MINIMAL_CONFIGS[model_type], model_type=model_type)
+  index = 1 if model_type == "hunyuan_v1_moe" else None  # its sizes differ by layer
   layer = _random_layer(config, gate_up_layout=layout, use_bias=model_type == "gpt_oss",
-                        layer=1 if model_type == "hunyuan_v1_moe" else None)
+                        layer=index)
   params = hf.layer_params(layer)
-  state = hf.hf_state_from_layer(config, params, gate_up_layout=layout)
+  state = hf.hf_state_from_layer(config, params, gate_up_layout=layout, layer=index)
   assert set(state) == set(hf.hf_keys(config))
-  again = hf.layer_params_from_hf(config, state, gate_up_layout=layout)
+  again = hf.layer_params_from_hf(config, state, gate_up_layout=layout, layer=index)
   assert set(again) == set(params)
   for k in params:
     assert np.array_equal(again[k], params[k]), k
@@ -524,7 +525,8 @@ def test_deepseek_v4_layers_of_both_kinds():
   legacy.update(num_hash_layers=1, num_hidden_layers=2)
   for layer in (0, 1):
     assert hf.layer_kwargs(legacy, layer=layer) == hf.layer_kwargs(config, layer=layer)
-    state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=layer)))
+    state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=layer)),
+                                   layer=layer)
     assert ("gate.e_score_correction_bias" in state) == (layer == 1)
     assert set(state) == set(hf.hf_keys(config, layer=layer))
     table = {"gate.tid2eid": np.zeros((64, 2), np.int64)} if layer == 0 else {}
@@ -577,7 +579,17 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_params_from_hf(config, {**state, "gate.weight": np.zeros(128)})
   with pytest.raises(ValueError, match=r"params: shapes .*'w1'"):
     hf.hf_state_from_layer(config, {**hf.layer_params(_random_layer(config)),
-                                    "w1": np.zeros((3, 5, 7))})
+                                    "w1": np.zeros((3, 5, 7))}, gate_up_layout="concat")
+  # Nothing guessed or dropped: a State's layout, parts the block has no place for (the layer's
+  # biases for this family), a whole model's state dict (named by a few keys)
+  params = hf.layer_params(_random_layer(config))
+  with pytest.raises(ValueError, match="params do not say their gate/up layout"):
+    hf.hf_state_from_layer(config, dict(params))
+  with pytest.raises(ValueError, match=r"has no place for the layer's \['b1', 'b2'\]"):
+    hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, use_bias=True)))
+  with pytest.raises(ValueError, match="and 20 more.*a whole model's state dict"):
+    hf.layer_params_from_hf(config, {**state, **{f"model.layers.{i}.w": np.zeros(2)
+                                                 for i in range(30)}})
   with pytest.raises(ValueError, match="hidden size must be a whole number, got 32.7"):
     hf.layer_kwargs({**config, "hidden_size": 32.7})
   with pytest.raises(ValueError, match="none of the fields \\('hidden_size',\\)"):
@@ -589,6 +601,12 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
   with pytest.raises(ValueError, match="no \\['b1'\\]"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "b1": np.zeros((4, 32))})
+  # A plain mapping says no layout: named, or refused for a GLU layer.
+  with pytest.raises(ValueError, match="params do not say their gate/up layout"):
+    hf.load_into_layer(layer, dict(hf.layer_params(layer)))
+  with pytest.raises(ValueError, match="params hold w1 in the 'interleaved' gate/up layout"):
+    hf.load_into_layer(layer, dict(hf.layer_params(layer)), gate_up_layout="interleaved")
+  hf.load_into_layer(layer, dict(hf.layer_params(layer)), gate_up_layout="concat")
   # Arrays that are not weights, by key: quantized, integer, NumPy's raw bytes of a bfloat16, and
   # a torch bfloat16 tensor (which NumPy cannot take).
   down = state["experts.down_proj"]
@@ -615,6 +633,13 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   hunyuan = dict(MINIMAL_CONFIGS["hunyuan_v1_moe"], model_type="hunyuan_v1_moe")
   with pytest.raises(ValueError, match=r"in \[0, 2\) \(config\['num_experts'\] has 2"):
     hf.layer_kwargs(hunyuan, layer=2)
+  # Its converters need the layer too: unchecked, a block of the other layer would convert.
+  layer1 = hf.layer_params(_random_layer(hunyuan, layer=1))
+  with pytest.raises(ValueError, match="per-layer list .*pass layer="):
+    hf.hf_state_from_layer(hunyuan, layer1)
+  with pytest.raises(ValueError,
+                     match=r"shapes that do not fit .*'router': \(\(32, 6\), \(32, 4\)"):
+    hf.hf_state_from_layer(hunyuan, layer1, layer=0)
   for bad in (True, "1"):  # hf_keys reads the per-layer lists too
     with pytest.raises(TypeError, match=r"decoder layer's index \(an int\)"):
       hf.hf_keys(hunyuan, layer=bad)
@@ -633,6 +658,8 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
                         (ernie, 0, "moe_layer_interval=1, moe_layer_start_index=1")):
     with pytest.raises(ValueError, match=f"decoder layer {layer} .* is a dense one \\({why}"):
       hf.layer_kwargs(c, layer=layer)
+    with pytest.raises(ValueError, match=f"decoder layer {layer} .* is a dense one \\({why}"):
+      hf.hf_keys(c, layer=layer)
   assert hf.layer_kwargs(qwen, layer=1) == hf.layer_kwargs(qwen)
   assert hf.layer_kwargs(v3, layer=1) == hf.layer_kwargs(v3)
   assert hf.layer_kwargs(llama4, layer=3) == hf.layer_kwargs(llama4)
