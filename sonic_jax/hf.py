@@ -1391,7 +1391,11 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Step-3.5/3.7's decoder-layer `moe.*`
   and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
   ValueError names keys under the block's modules that are not read (quantization scales, say),
-  an index outside the config's layers, and why a layer has no MoE block (a dense layer)."""
+  an index outside the config's layers, and why a layer has no MoE block (a dense layer).
+  Known limit: the decoder layers are looked for under the family's prefix and multimodal_prefix
+  only; released checkpoints that root them elsewhere (Step-3.5/3.7's "model.layers.{i}.",
+  DeepSeek-OCR-2's, MiniMax-M3-VL's and Kimi-K2.5's language-model wrappers, DeepSeek-V4's
+  "layers.{i}.ffn.") are not found: move their keys under the family's prefix first."""
   if not _names_a_model(config) and _names_a_model(state_dict):
     raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
                     "second")
