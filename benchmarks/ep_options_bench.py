@@ -15,7 +15,8 @@ compared under the same clocks, which XLA_FLAGS set per process cannot give. Eac
 also traced once and GPU 0's time split into communication and computation
 (`ep_bench.overlap_split`). The defaults compare NCCL with XLA's memcpy peer copies, the choice
 that docs/decisions.md records. Printed last: per configuration and sample length, each step's
-milliseconds and the single-device step over it.
+milliseconds and the single-device step over it. Its results back decisions, not a table: they
+stay out of benchmarks/results/ (the report refuses them there).
 """
 
 from __future__ import annotations

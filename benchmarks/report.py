@@ -49,6 +49,9 @@ def load(results_dir=RESULTS):
   found = {kind: [] for kind in KINDS}
   for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
     m = _NAME.match(os.path.basename(path))
+    if m is not None and m["kind"] == "ep" and os.path.basename(path).endswith("_ep_options.json"):
+      raise ValueError(f"{path}: ep_options_bench's results back a decision (docs/decisions.md), "
+                       "no table: they stay out of the results directory")
     if m is None:
       raise ValueError(f"{path}: results files are named <device>_<date>_<kind>[_detail].json "
                        f"with a kind of {KINDS}")
@@ -342,7 +345,9 @@ METHOD = """\
   step); backward = (forward+backward) − forward.
 - **FLOPs.** The SonicMoE paper's counts for a GLU: forward 6·T·K·d·n, backward 12·T·K·d·n,
   forward+backward 18·T·K·d·n; the uniform upper bound and token rounding count the pairs they
-  compute. The per-kernel rooflines are max(FLOPs / GEMM rate, bytes / copy rate) with the GEMM
+  compute. The kernel table's per-kernel TF/s and rooflines count the rows each GEMM computes,
+  padding rows included (2-3% more than the pairs on this grid); its forward and backward sums
+  use the paper's counts. Rooflines are max(FLOPs / GEMM rate, bytes / copy rate) with the GEMM
   rate and copy bandwidth measured in the same run.
 - **Memory.** "residual MiB": the bytes autodiff keeps from the forward for the backward, not
   counting the layer's inputs (x, weights); SonicMoE's: the device memory its forward leaves
@@ -364,7 +369,8 @@ METHOD = """\
   bound: their run's command in the table's run list, with `.whl`); SonicMoE and sonic_jax on one
   GPU: `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table
   as its runs were timed: `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels'
-  compiled tests and its table, about 7 minutes on an H100: `bash benchmarks/token_rounding_gpu.sh`;
+  compiled tests and its table, about 7 minutes on an H100:
+  `bash benchmarks/token_rounding_gpu.sh --role_times`;
   the pretraining example with and without rounding: `python -m benchmarks.pretrain_bench
   --config=h100 --steps=150 --log_every=25 "--common=--warmup=20 --tensorboard=false"
   --baseline=top-K --run=top-K=--token_rounding=none --run=nearest=--token_rounding=nearest

@@ -478,6 +478,10 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
   _write(results, "h100_latest_layer.json", {})
   with pytest.raises(ValueError, match="results files are named"):
     report.load(str(results))
+  os.remove(results / "h100_latest_layer.json")
+  _write(results, "h200x2_2026-11-29_ep_options.json", {})  # not an "ep" table's
+  with pytest.raises(ValueError, match="ep_options_bench's results back a decision"):
+    report.load(str(results))
 
 
 def test_benchmarks_md_is_generated_from_the_results_files(tmp_path):

@@ -3,9 +3,9 @@
 # tree (another commit's files) and in the working tree, alternating, so that both see the same
 # GPU, clocks and load (timings compare only within one machine and one call).
 #
-#   bash tools/ab_trees.sh prepare REF     # here: REF's sonic_jax, benchmarks, tools, tests and
-#                                          # pyproject.toml into .cache/ab_base (git-ignored;
-#                                          # pass it to the device call's carry)
+#   bash tools/ab_trees.sh prepare REF     # here: REF's sonic_jax, benchmarks, tools, tests,
+#                                          # examples and pyproject.toml into .cache/ab_base
+#                                          # (git-ignored; pass it to the device call's carry)
 #   bash tools/ab_trees.sh run [--rounds=N] -- CMD ARGS...
 #                                          # on the GPU machine: CMD in both trees, N rounds
 #
@@ -24,7 +24,7 @@ case "${1:-}" in
   prepare)
     ref=${2:?"prepare needs a commit, e.g. main"}
     rm -rf "$base" && mkdir -p "$base"
-    git archive "$ref" sonic_jax benchmarks tools tests pyproject.toml | tar -x -C "$base"
+    git archive "$ref" sonic_jax benchmarks tools tests examples pyproject.toml | tar -x -C "$base"
     rm -rf "$base/benchmarks/results"
     echo "$ref ($(git rev-parse --short "$ref")) in $base: carry it to the device call"
     ;;
@@ -54,7 +54,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
