@@ -1272,6 +1272,22 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
 # Module names standing for "mlp" in the block's prefix: Mixtral's, MiniMax's and Kimi-Linear's
 # block_sparse_moe, DeepSeek-V4's ffn.
 _HUB_MODULES = (".block_sparse_moe.", ".ffn.")
+# Where released checkpoints root their decoder layers, beside the family's own prefixes: Step-3.7
+# and DeepSeek-OCR-2 under "model.layers.", MiniMax-M3-VL and Kimi-K2.5 under their language
+# model's "language_model.model.layers.", DeepSeek-V4 under "layers." (transformers moves each to
+# the model's own prefix when it loads them).
+_HUB_ROOTS = ("model.", "model.language_model.", "language_model.model.", "")
+
+
+def _rooted(prefixes: list[str]) -> list[str]:
+  """prefixes, then each under the other `_HUB_ROOTS` (its part before "layers.{i}." replaced),
+  without repeats."""
+  out = list(prefixes)
+  for p in prefixes:
+    at = p.find("layers.")
+    if at >= 0 and p[:at] in _HUB_ROOTS:
+      out += [root + p[at:] for root in _HUB_ROOTS if root + p[at:] not in out]
+  return out
 # (Hub name, in-memory name), relative to the module that holds the experts: Granite's, Aria's,
 # DeepSeek-V4's and the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE. Each
 # renames only into a key the family reads that the checkpoint lacks.
@@ -1392,10 +1408,10 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
   ValueError names keys under the block's modules that are not read (quantization scales, say),
   an index outside the config's layers, and why a layer has no MoE block (a dense layer).
-  Known limit: the decoder layers are looked for under the family's prefix and multimodal_prefix
-  only; released checkpoints that root them elsewhere (Step-3.5/3.7's "model.layers.{i}.",
-  DeepSeek-OCR-2's, MiniMax-M3-VL's and Kimi-K2.5's language-model wrappers, DeepSeek-V4's
-  "layers.{i}.ffn.") are not found: move their keys under the family's prefix first."""
+  The decoder layers are looked for under the family's prefixes, then under the roots released
+  checkpoints use ("model.layers.{i}." for Step-3.7 and DeepSeek-OCR-2,
+  "language_model.model.layers.{i}." for MiniMax-M3-VL and Kimi-K2.5, "layers.{i}." for
+  DeepSeek-V4), the first with the block's keys taken."""
   if not _names_a_model(config) and _names_a_model(state_dict):
     raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
                     "second")
@@ -1410,8 +1426,9 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   want = set(_expert_keys(fam) + (fam.router, fam.selection_bias, fam.shared_gate, fam.lookup)
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
-  prefixes = own + [p.replace(".mlp.", hub) for p in own if p.endswith(".mlp.")
-                    for hub in _HUB_MODULES]
+  rooted = _rooted(own)
+  prefixes = rooted + [p.replace(".mlp.", hub) for p in rooted if p.endswith(".mlp.")
+                       for hub in _HUB_MODULES]
   # The block's modules (experts., gate., shared_expert., ...): a key under one of them that is
   # not read (a quantized checkpoint's scales) is refused, not dropped.
   modules = tuple({k.split(".")[0] + "." for k in want})
@@ -1432,7 +1449,7 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
             f"checkpoint (its scales) is dequantized by loading the model with transformers, "
             f"then taking its state_dict()")
       return out
-  for prefix in (p[:-len("mlp.")] for p in own
+  for prefix in (p[:-len("mlp.")] for p in rooted
                  if p.endswith(".mlp.") and fam.model_type in _HUB_LAYER_NAMES):
     mine = [k[len(prefix):] for k in names if k.startswith(prefix)]
     out, unread = _from_hub_layer(mine, lambda k, prefix=prefix: state_dict[prefix + k], fam,

@@ -766,6 +766,29 @@ def test_hub_checkpoint_loads_as_the_in_memory_block(references, case):
     np.testing.assert_array_equal(block[k], v, err_msg=k)
 
 
+@pytest.mark.parametrize("model_type,root,module", [
+    ("deepseek_ocr2", "model.layers.1.", "mlp"),  # DeepSeek-OCR-2's language model
+    ("minimax_m3_vl", "language_model.model.layers.1.", "block_sparse_moe"),
+    ("kimi_k25", "language_model.model.layers.1.", "mlp"),
+    ("deepseek_v4", "layers.1.", "ffn")])
+def test_block_state_dict_finds_released_checkpoints_roots(model_type, root, module):
+  """Released checkpoints root their decoder layers otherwise than the model transformers builds
+  (which moves them on loading): the block is found there too."""
+  text = dict(MINIMAL_CONFIGS["deepseek_v3"], first_k_dense_replace=0, n_group=1, topk_group=1)
+  config = {"deepseek_ocr2": dict(text, model_type="deepseek_ocr2_text"),
+            "minimax_m3_vl": dict(MINIMAL_CONFIGS["minimax_m3_vl"], model_type="minimax_m3_vl"),
+            "kimi_k25": dict(model_type="kimi_k25", text_config=dict(text,
+                                                                     model_type="deepseek_v3")),
+            "deepseek_v4": dict(model_type="deepseek_v4", hidden_size=32, n_routed_experts=4,
+                                moe_intermediate_size=16, num_experts_per_tok=2,
+                                mlp_layer_types=["moe", "moe"])}[model_type]
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=1)),
+                                 layer=1)
+  block = hf.block_state_dict(config, {f"{root}{module}.{k}": v for k, v in state.items()},
+                              layer=1)
+  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+
+
 def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   config = dict(MINIMAL_CONFIGS["mixtral"], model_type="mixtral", num_hidden_layers=2)
   state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
@@ -809,9 +832,11 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
          "moe.router_bias": state["gate.e_score_correction_bias"],
          **{f"share_expert.{k}_proj.weight": state[f"shared_experts.{k}_proj.weight"]
             for k in ("gate", "up", "down")}}
+  # Under its released checkpoint's root (model.layers.) and its multimodal model's.
+  for root in ("model.layers.3.", "model.language_model.layers.3."):
+    block = hf.block_state_dict(step, {root + k: v for k, v in hub.items()}, layer=3)
+    assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
   hub = {f"model.language_model.layers.3.{k}": v for k, v in hub.items()}
-  block = hf.block_state_dict(step, hub, layer=3)
-  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
   hub["model.language_model.layers.3.moe.gate_proj.weight_scale_inv"] = np.zeros(3)
   with pytest.raises(ValueError, match=r"keys not read \['moe.gate_proj.weight_scale_inv'\]"):
     hf.block_state_dict(step, hub, layer=3)
