@@ -116,25 +116,9 @@ def row_summary(row):
           f"{row['fwdbwd_ms']:.3f} ms)  residuals {row.get('residual_bytes', 0) / 2**20:.0f} MiB")
 
 
-def _method(run):
-  """The layer run's timing method: its record's "timing"; files without one timed their rows
-  as their "do_bench" entries say (do_bench where present, interleaved samples otherwise)."""
-  rec = record(run)
-  if rec.get("timing"):
-    return rec["timing"]
-  return "do_bench" if any("do_bench" in r for c in run["configs"] for r in c["rows"]) \
-      else "interleaved"
-
-
 def _rows(run):
-  """[(config, row)] of a layer run, a row's figures those of the run's timing method."""
-  out = []
-  for res in run["configs"]:
-    for row in res["rows"]:
-      if "do_bench" in row and "timing" not in record(run):
-        row = {**row, **row["do_bench"]}
-      out.append((tuple(res["config"]), row))
-  return out
+  """[(config, row)] of a layer run."""
+  return [(tuple(res["config"]), row) for res in run["configs"] for row in res["rows"]]
 
 
 def merge_layer(runs, hidden=HIDDEN):
@@ -189,8 +173,8 @@ def layer_table(runs, with_published=True, hidden=HIDDEN):
           f"{_ms(row.get('fwdbwd_ms'))} | {'–' if res is None else f'{res / 2**20:.0f}'} | "
           f"{ratio('fwd_tflops')} | {ratio('bwd_tflops')} | {where} |")
   legend = "\n".join(
-      f"{runs_legend([(labels[id(r)], r)])}; timing {_method(r)}, data "
-      f"{record(r).get('data', 'unit')}, router weights {record(r).get('router_dtype', 'float32')}"
+      f"{runs_legend([(labels[id(r)], r)])}; timing {record(r)['timing']}, data "
+      f"{record(r)['data']}, router weights {record(r)['router_dtype']}"
       for r in used)
   return f"{legend}\n\n" + "\n".join(lines)
 
@@ -215,8 +199,8 @@ def readme_table(runs):
         memory.append("–")
         continue
       rec = record(run)
-      sources.setdefault(f"{label}: {rec['device']}, {_method(run)}, data "
-                         f"{rec.get('data', 'unit')}", set()).add(rec["date"][:10])
+      sources.setdefault(f"{label}: {rec['device']}, {rec['timing']}, data "
+                         f"{rec['data']}", set()).add(rec["date"][:10])
       speeds.append(" / ".join(_tf(row[k]) for k in ("fwd_tflops", "bwd_tflops", "fwdbwd_tflops")))
       res = row.get("residual_bytes")
       memory.append("–" if res is None else f"{res / 2**20:.0f}")
@@ -356,8 +340,9 @@ METHOD = """\
   "sonicmoe" draws SonicMoE's benchmark's scales (x and dO ~ 0.2·N(0, 1), every weight of std
   0.02); "unit" draws x and dO ~ N(0, 1) and weights of std 1/√fan-in.
 - **Runs.** Each table lists the runs its rows come from (device, versions, date, command, results
-  file) and each row names its run; a run's command is written with every flag that reproduces
-  it under the benchmarks' current defaults. Baselines measured in the same run as sonic_jax's rows
+  file) and each row names its run; a run's command is the one it ran, under the scripts'
+  defaults of its date (where a later default differs, or a run was assembled otherwise, its
+  notes say how). Baselines measured in the same run as sonic_jax's rows
   share its run label; rows of different runs come from different processes, possibly on different
   GPUs of one kind, which differ by a few percent, and the ratios to SonicMoE compare across runs
   where the labels differ. "SonicMoE (paper)" is read off the paper's Fig. 14.

@@ -380,7 +380,8 @@ def _layer_run(date, rows, timing_method="do_bench", **env):
   """A layer results dict of one configuration of the paper's grid."""
   return {"environment": {"device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "date": date,
                           "command": f"python -m benchmarks.moe_bench  # {date}",
-                          "timing": timing_method, "data": "sonicmoe", **env},
+                          "timing": timing_method, "data": "sonicmoe", "router_dtype": "bfloat16",
+                          **env},
           "configs": [{"config": [32768, 4096, 1024, 64, 4], "rows": rows}]}
 
 
@@ -405,12 +406,8 @@ def test_report_renders_the_tables_from_results_files(tmp_path):
       timing_method="interleaved"))
   _write(results, "h100_2026-01-02_layer_sonicmoe.json", _layer_run(
       "2026-01-02", [_row("sonicmoe", 400.0, 500.0)], sonicmoe="0.1.2.post1", torch="2.11"))
-  # A file without "timing" whose rows hold their do_bench figures under "do_bench".
-  do_bench = {k: v for k, v in _row("", 440.0, 550.0).items() if k != "name"}
-  legacy = _layer_run("2026-01-03 10:00 UTC", [{**_row("sonic_jax[mosaic_gpu]", 1.0, 1.0),
-                                                "do_bench": do_bench}])
-  del legacy["environment"]["timing"]
-  _write(results, "h100_2026-01-03_layer.json", legacy)
+  _write(results, "h100_2026-01-03_layer.json", _layer_run(
+      "2026-01-03 10:00 UTC", [_row("sonic_jax[mosaic_gpu]", 440.0, 550.0)]))
   kernels = {name: {"ms": 1.0, "roofline_ms": 0.5, "tflops": 100.0, "gbps": 1.0}
              for name in report.FWD_KERNELS + report.BWD_KERNELS}
   _write(results, "h100_2026-01-04_kernels.json", {
