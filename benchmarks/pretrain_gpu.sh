@@ -1,5 +1,5 @@
 #!/bin/bash
-# The pretraining comparison on one machine of several GPUs (nvidia-h100-x4): pretrain_bench with
+# The pretraining comparison on one machine of 4 Hopper GPUs (H100 or H200): pretrain_bench with
 # its arguments, results in $OUT. The corpus is the .py source of the image's site-packages
 # (torch, transformers, ...), its first $CORPUS_BYTES (default 256 MiB); $COMMON adds flags to
 # every run (a --common among the arguments would replace the corpus flags). The BPE and token
@@ -14,7 +14,8 @@
 #       --append=.cache/bench/<the first call's results file>
 # The wheels in .whl (tokamax, tensorboardX) are installed when present.
 set -eo pipefail
-export PYTHONPATH=$PWD
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" > /dev/null; then
   source benchmarks/wheels.sh install
 fi

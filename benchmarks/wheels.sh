@@ -12,7 +12,7 @@
 # With .sonic, `install` also restores SonicMoE's compiled-kernel caches from
 # .sonic/cache/sonic_cache.tgz (a call on a cold machine compiles for minutes) and defines
 # `save_sonic_cache DIR`, which writes them to DIR/sonic_cache.tgz: copy that file to
-# .sonic/cache/ to keep the next call warm. gpu_bench.sh, sonic_same_gpu.sh and
+# .sonic/cache/ to keep the next call warm. gpu_bench.sh, sonic_same_gpu.sh, pretrain_gpu.sh and
 # tools/ncu_compare.sh source it.
 
 _wheels_ignore() {  # FOLDER: at the repository root, ignored by git (this clone only)
@@ -74,12 +74,14 @@ case "${1:-}" in
         .sonic/*.whl
       export PYTHONPATH="/tmp/site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}"
       # SonicMoE's kernel caches live in /tmp/$USER (quack_cache, cutlass_python_cache).
-      mkdir -p /tmp/root
-      [ -f .sonic/cache/sonic_cache.tgz ] && tar xzf .sonic/cache/sonic_cache.tgz -C /tmp/root
+      mkdir -p "/tmp/${USER:-root}"
+      [ -f .sonic/cache/sonic_cache.tgz ] && tar xzf .sonic/cache/sonic_cache.tgz \
+        -C "/tmp/${USER:-root}"
     fi
     export PYTHONPATH="/tmp/site:${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
     save_sonic_cache() {
-      tar czf "$1/sonic_cache.tgz" -C /tmp/root quack_cache cutlass_python_cache 2>/dev/null
+      tar czf "$1/sonic_cache.tgz" -C "/tmp/${USER:-root}" quack_cache cutlass_python_cache \
+        2>/dev/null
     } ;;
   *)
     echo "usage: bash benchmarks/wheels.sh tokamax|sonicmoe;" \
