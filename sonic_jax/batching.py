@@ -45,26 +45,29 @@ _SPLIT_REFUSALS = {
                 "expert_parallel_axis), or replicate the weights"),
     "tokens": ("{fn} takes all of its tokens together (one routing, one grouping of their pairs "
                "by expert). For data parallelism (each shard routed on its own) call it inside a "
-               "jax.shard_map over those axes, or call sonic_jax.layers.MoE under jax.set_mesh, "
-               "which does so; or replicate them"),
+               "jax.shard_map over those axes (sonic_jax.layers.MoE under jax.set_mesh does so), "
+               "or replicate them"),
 }
 
 
-def check_whole(fn: str, what: str, **arrays):
-  """Arrays split over an Explicit mesh axis of size > 1 (in their type) on dim 0, their experts
-  or tokens (`what`), refused by name: the function `fn` runs every expert on each device (JAX
-  would fail inside the experts' loop) and sorts its tokens' pairs all together (JAX would refuse
-  the sort). Auto axes and those a surrounding shard_map made manual are not in types."""
+def unsplit(fn: str, what: str, **arrays) -> tuple:
+  """The arrays, each `whole`, in order; refused by name where an Explicit mesh axis of size > 1
+  (in their type) splits their dim 0, their experts or tokens (`what`): the function `fn` runs
+  every expert on each device (JAX would fail inside the experts' loop) and sorts its tokens'
+  pairs all together (JAX would refuse the sort). A size-1 axis splits nothing: replicated. Auto
+  axes and those a surrounding shard_map made manual are not in types."""
   for name, a in arrays.items():
     axes = split_axes(a)
     if axes := tuple(ax for ax in axes if jax.typeof(a).sharding.mesh.shape[ax] > 1):
       raise ValueError(f"{name} is split over its {what} on the mesh axes {axes}: "
                        + _SPLIT_REFUSALS[what].format(fn=fn))
+  return tuple(whole(a) for a in arrays.values())
 
 
 def whole(a):
-  """a replicated where its type splits it over Explicit mesh axes, else a as it is: x over d, the
-  expert weights over a size-1 expert axis (as `check_whole` allows) or FSDP's other dims, the
+  """a replicated where its type splits it over Explicit mesh axes, else a as it is (NumPy arrays
+  too): x over d, the expert weights over a size-1 expert axis (as `unsplit` allows) or FSDP's
+  other dims, the
   router and the per-expert vectors over d or E. Every device runs all of each expert, and the
   experts' custom_vjp returns whole gradients (the reshard's transpose splits them again)."""
   sharding = None if a is None else jax.typeof(a).sharding

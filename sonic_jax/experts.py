@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from sonic_jax import activations as acts
 from sonic_jax.backends import Backend, resolve_backend
-from sonic_jax.batching import check_whole, whole
+from sonic_jax.batching import unsplit
 from sonic_jax.checks import check_array, check_experts, check_rank
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import GroupedLayout
@@ -59,8 +59,9 @@ def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2
   """
   act = check_experts(x, w1, w2, b1, b2, activation, gate_up_layout)
   check_array("scores", scores)
-  check_whole("expert_mixture", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
-  check_whole("expert_mixture", "tokens", x=x, scores=scores, extra_scores=extra_scores)
+  w1, w2, b1, b2 = unsplit("expert_mixture", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  x, scores, extra_scores = unsplit("expert_mixture", "tokens", x=x, scores=scores,
+                                    extra_scores=extra_scores)
   config = check_config(config)  # used to resolve a backend given by name
   impl = backend if isinstance(backend, Backend) else resolve_backend(backend, config)
   if not isinstance(layout, GroupedLayout):
@@ -88,8 +89,8 @@ def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
   if extra_scores is not None:
     extra_scores = jnp.asarray(extra_scores).astype(scores.dtype) if num_extra else None
-  x, w1, w2 = (whole(jnp.asarray(a)) for a in (x, w1, w2))
-  b1, b2 = (None if b is None else whole(jnp.asarray(b)) for b in (b1, b2))
+  x, w1, w2 = map(jnp.asarray, (x, w1, w2))
+  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   if not (x.shape[0] and x.shape[1] and rows):  # no tokens, d = 0 or no pairs: nothing to run
     return jnp.zeros_like(x)
   return mixture(x, scores, extra_scores, layout, w1, w2, b1, b2, act, gate_up_layout, impl)

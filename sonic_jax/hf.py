@@ -141,8 +141,9 @@ The routers (`layer_kwargs`' routing, a `Router`):
       of the clamped gate times the clamped up half), one shared expert of the experts' width.
       Its first layers (mlp_layer_types "hash_moe") select by a frozen table of each token id's
       experts, gate.tid2eid (vocab, K): no selection bias there, fixed_selection=True, and the
-      caller passes layer(x, expert_ids=tid2eid[input_ids]); every function here takes layer=
-      (hf_state_from_layer writes no tid2eid: the table is the caller's, not a parameter).
+      caller passes layer(x, expert_ids=tid2eid[input_ids]); every function here that takes a
+      config takes layer= (hf_state_from_layer writes no tid2eid: the table is the caller's, not
+      a parameter).
   Gemma 4        Router("softmax") (softmax over E, top-K, renormalised) on the router's own
       input, RMS-normalised (router_norm_eps = rms_norm_eps) times router.scale (d,) and d^-1/2,
       each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True);
@@ -1038,17 +1039,30 @@ def hf_keys(config: Mapping[str, Any], *, layer: int | None = None) -> tuple[str
   layers differ (DeepSeek-V4's hash layers have no selection bias)."""
   config = _text_config(config)
   fam = family(config)
-  _check_moe_layer(config, fam, layer)
-  kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
+  parts = _block_parts(config, fam, layer)
   keys = (fam.router,) + _expert_keys(fam)
   keys += tuple(getattr(fam, name) for name in _AS_THEY_ARE if getattr(fam, name))
-  if kw.get("selection_bias"):
+  if "selection_bias" in parts:
     keys += (fam.selection_bias,)
-  if kw["num_shared_experts"]:
+  if "shared_in" in parts:
     keys += _shared_keys(fam)
-    if kw["shared_expert_gate"]:
-      keys += (fam.shared_gate,)
+  if "shared_gate" in parts:
+    keys += (fam.shared_gate,)
   return keys
+
+
+def _block_parts(config: Mapping[str, Any], fam: Family, layer: int | None) -> set[str]:
+  """The layer's parameters that decoder layer `layer`'s block holds (`PARAM_NAMES`); the layer
+  checked (`_check_moe_layer`). Without a layer, a config of per-layer lists answers for layer 0:
+  which parts exist does not vary by layer there."""
+  _check_moe_layer(config, fam, layer)
+  kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
+  parts = {"router", "w1", "w2", *(name for name in _AS_THEY_ARE if getattr(fam, name))}
+  parts |= {"b1", "b2"} if fam.experts == "gpt_oss" else set()
+  parts |= {"selection_bias"} if kw.get("selection_bias") else set()
+  if kw["num_shared_experts"]:
+    parts |= {"shared_in", "shared_out"} | ({"shared_gate"} if kw["shared_expert_gate"] else set())
+  return parts
 
 
 # Weights are floating point, at least 16 bits: 8-bit ones are quantized (with scales to apply).
@@ -1214,13 +1228,7 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   for k in ("router", "w1", "w2"):
     if k not in prm:
       raise ValueError(f"params must hold {k!r}")
-  kw = fam.kwargs(config, 0 if layer is None and _has_lists(config) else layer)
-  placed = {"router", "w1", "w2", *(name for name in _AS_THEY_ARE if getattr(fam, name))}
-  placed |= {"b1", "b2"} if fam.experts == "gpt_oss" else set()
-  placed |= {"selection_bias"} if fam.selection_bias and kw.get("selection_bias") else set()
-  placed |= {"shared_in", "shared_out"} if fam.shared and kw["num_shared_experts"] else set()
-  placed |= {"shared_gate"} if fam.shared_gate and kw.get("shared_expert_gate") else set()
-  if unplaced := sorted(set(prm) - placed):
+  if unplaced := sorted(set(prm) - _block_parts(config, fam, layer)):
     raise ValueError(f"the {fam.model_type} block of this config has no place for the layer's "
                      f"{unplaced}: they would be dropped, and the block would compute something "
                      f"else than the layer")
@@ -1461,7 +1469,7 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
       return out
   dense = _dense_reason(config, fam, layer)
   raise ValueError(f"no {fam.model_type} MoE block under {' or '.join(map(repr, own))} (or a Hub "
-                   f"checkpoint's name for it) in the state dict"
+                   f"checkpoint's root or name for it: {_few(rooted, 4)}) in the state dict"
                    + (f": decoder layer {layer} is a dense one ({dense})" if dense else ""))
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sonic_jax.batching import check_whole
+from sonic_jax.batching import unsplit
 from sonic_jax.config import Config, check_config
 from sonic_jax.pallas import layout_ranks, next_pow2
 
@@ -274,8 +274,9 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
     extra_tokens = extra_experts = jnp.zeros((0,), jnp.int32)
   _check_ids("extra_tokens", extra_tokens, 1, "(X,)")
   _check_ids("extra_experts", extra_experts, 1, "(X,)")
-  check_whole("build_grouped_layout", "tokens", expert_ids=expert_ids, extra_tokens=extra_tokens,
-              extra_experts=extra_experts)
+  expert_ids, extra_tokens, extra_experts = unsplit(
+      "build_grouped_layout", "tokens", expert_ids=expert_ids, extra_tokens=extra_tokens,
+      extra_experts=extra_experts)
   if extra_tokens.shape != extra_experts.shape:
     raise ValueError(f"extra_tokens and extra_experts must both be (X,), got shapes "
                      f"{extra_tokens.shape} and {extra_experts.shape}")

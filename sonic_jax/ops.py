@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from sonic_jax import activations as acts
 from sonic_jax import routing as routing_lib
 from sonic_jax.backends import resolve_backend
-from sonic_jax.batching import check_whole, split_batch_refusal, whole
+from sonic_jax.batching import split_batch_refusal, unsplit, whole
 from sonic_jax.checks import check_capacity, check_experts, check_float, check_moe, check_rank
 from sonic_jax.config import Config, check_config
 from sonic_jax.experts import mixture
@@ -250,14 +250,15 @@ def routed_experts(x: Array, expert_ids: Array, scores: Array, w1: Array, w2: Ar
   check_capacity(capacity_factor)
   if not isinstance(scale_input, bool):
     raise TypeError(f"scale_input must be a bool, got {type(scale_input).__name__}")
-  check_whole("routed_experts", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
-  check_whole("routed_experts", "tokens", x=x, expert_ids=expert_ids, scores=scores,
-              extra_tokens=extra_tokens, extra_experts=extra_experts, extra_scores=extra_scores)
+  w1, w2, b1, b2 = unsplit("routed_experts", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  x, expert_ids, scores, extra_tokens, extra_experts, extra_scores = unsplit(
+      "routed_experts", "tokens", x=x, expert_ids=expert_ids, scores=scores,
+      extra_tokens=extra_tokens, extra_experts=extra_experts, extra_scores=extra_scores)
   config = check_config(config)
   impl = resolve_backend(backend, config)
-  x, w1, w2 = (whole(jnp.asarray(a)) for a in (x, w1, w2))
+  x, w1, w2 = map(jnp.asarray, (x, w1, w2))
   x = _refuse_split_batch(x, impl, None)
-  b1, b2 = (None if b is None else whole(jnp.asarray(b)) for b in (b1, b2))
+  b1, b2 = (None if b is None else jnp.asarray(b) for b in (b1, b2))
   scores = jnp.asarray(scores).astype(jnp.promote_types(scores.dtype, jnp.float32))
   e_count = w1.shape[0]
   expert_ids = int32_ids(expert_ids, e_count, -1)
@@ -348,8 +349,9 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
                   selection_bias=selection_bias, routing=router, router_bias=router_bias,
                   router_input=router_input, expert_scale=expert_scale, expert_ids=expert_ids,
                   token_rounding=token_rounding, capacity_factor=capacity_factor)
-  check_whole("sonic_jax.moe", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
-  check_whole("sonic_jax.moe", "tokens", x=x, router_input=router_input, expert_ids=expert_ids)
+  w1, w2, b1, b2 = unsplit("sonic_jax.moe", "experts", w1=w1, w2=w2, b1=b1, b2=b2)
+  x, router_input, expert_ids = unsplit("sonic_jax.moe", "tokens", x=x, router_input=router_input,
+                                        expert_ids=expert_ids)
   x, router_weight, w1, w2, b1, b2, router_bias, expert_scale = (
       None if a is None else whole(jnp.asarray(a))
       for a in (x, router_weight, w1, w2, b1, b2, router_bias, expert_scale))

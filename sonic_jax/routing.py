@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sonic_jax import precision
-from sonic_jax.batching import check_whole, take_shared
+from sonic_jax.batching import take_shared, unsplit
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array, int32_ids
 from sonic_jax.pallas import rounding_select, router_topk
@@ -555,7 +555,7 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
     raise ValueError(f"tile must be >= 1, got {tile}")
   if method not in ROUNDING_METHODS:
     raise ValueError(f"method must be one of {ROUNDING_METHODS}, got {method!r}")
-  _check_routed(routed, logits)
+  routed, logits = _check_routed(routed, logits)
   probs, ids = routed.probs, routed.expert_ids
   t_count = ids.shape[0]
   e_count = probs.shape[1]
@@ -588,9 +588,9 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   return RoundedRouting(scores, kept_ids, extra_tokens, extra_experts, extra_scores, probs)
 
 
-def _check_routed(routed: RouterOutput, logits: Array | None) -> None:
-  """round_tokens' arrays: scores and expert_ids (T, K), probs (T, E) and logits (T, E) of one T,
-  not split over their tokens on a mesh (the ranking takes all of them together)."""
+def _check_routed(routed: RouterOutput, logits: Array | None):
+  """(routed, logits), checked: scores and expert_ids (T, K), probs (T, E) and logits (T, E) of
+  one T, not split over their tokens on a mesh (the ranking takes all of them together)."""
   from sonic_jax import checks  # checks imports this module
   fields = {"routed.scores": routed.scores, "routed.probs": routed.probs}
   if logits is not None:
@@ -606,7 +606,10 @@ def _check_routed(routed: RouterOutput, logits: Array | None) -> None:
     raise ValueError(f"round_tokens takes routed.scores and routed.expert_ids (T, K), routed.probs "
                      f"(T, E) and logits (T, E) of one T (a `route` of (T, E) logits), got "
                      f"{shapes}")
-  check_whole("round_tokens", "tokens", **fields, **{"routed.expert_ids": routed.expert_ids})
+  scores, probs, ids, logits = unsplit("round_tokens", "tokens", **{
+      "routed.scores": routed.scores, "routed.probs": routed.probs,
+      "routed.expert_ids": routed.expert_ids, "logits": logits})
+  return RouterOutput(scores, ids, probs), logits
 
 
 def _select_by_kernel(routed: RouterOutput, tile: int, mode: str, per_expert: int):
@@ -763,8 +766,9 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
   from sonic_jax import checks  # checks imports this module
   if hasattr(router_logits, "ndim"):  # one array: its rows, not a Python loop over them
     layers = {"router_logits": router_logits}
-  elif isinstance(router_logits, (list, tuple)) and router_logits:
-    layers = {f"router_logits[{i}]": l for i, l in enumerate(router_logits)}
+  elif not isinstance(router_logits, (str, bytes, Mapping)) and hasattr(router_logits, "__iter__") \
+      and (listed := list(router_logits)):
+    layers = {f"router_logits[{i}]": l for i, l in enumerate(listed)}
   else:
     raise TypeError(f"router_logits must be an array or a non-empty list of arrays, one per layer, "
                     f"got {router_logits!r:.80}")

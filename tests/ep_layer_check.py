@@ -370,6 +370,17 @@ def check_split_operands():
         (lambda: sonic_jax.round_tokens(split_routed, 32, "up"),
          "routed.scores is split over its tokens")):
       refused(lambda: jax.eval_shape(fn), message, message)
+  # A size-1 axis splits nothing: the same placements taken (traced only).
+  one = jax.make_mesh((1, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+  with jax.set_mesh(one):
+    over = lambda a: jax.device_put(a, NamedSharding(one, P("data")))
+    tokens = {k: over(v) for k, v in routed._asdict().items()}
+    jax.eval_shape(lambda: (
+        sonic_jax.routed_experts(over(x), tokens["expert_ids"], tokens["scores"], w1, w2),
+        sonic_jax.expert_mixture(over(x), tokens["scores"], layout, w1, w2),
+        sonic_jax.build_grouped_layout(tokens["expert_ids"], 8, 32),
+        sonic_jax.round_tokens(sonic_jax.RouterOutput(**tokens), 32, "up"),
+        sonic_jax.moe(over(x), router, w1, w2, top_k=2, expert_ids=tokens["expert_ids"])))
 
 
 def check_vmap_over_split_batch():

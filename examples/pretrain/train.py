@@ -70,8 +70,12 @@ def _preset(key):
   setting), which the flag overrides."""
   values = {}
   for name, preset in CONFIGS.items():
-    value = (preset[key] if key in preset else getattr(preset["model"], key, None)
-             if key != "tokenizer" else "bytes")
+    # Run settings are the preset's own entries (none: the tokenizer's bytes, no BPE target);
+    # the rest are model fields.
+    if key in ("tokenizer", "vocab_size") or key in preset:
+      value = preset.get(key, "bytes" if key == "tokenizer" else None)
+    else:
+      value = getattr(preset["model"], key)
     values[name] = "none" if value is None else value
   if len(set(values.values())) == 1:
     return f" (every preset's: {next(iter(values.values()))})"
