@@ -530,6 +530,11 @@ def check_eager(scheme):
     refused(lambda: jax.eval_shape(lambda: MoE(16, 6, 8, 2, expert_parallel_axis="ep",
                                                backend="xla", rngs=nnx.Rngs(0))(x)),
             "num_experts=6", "6 experts over 4 devices")
+  if scheme == "all_gather":  # on Auto axes too, parameters made before the mesh (on one device)
+    layer = MoE(**KW, expert_parallel_axis="ep", expert_parallel_scheme=scheme, rngs=nnx.Rngs(0))
+    with jax.set_mesh(jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,))):
+      y = layer(x)[0]
+    assert rel(y, y_ref) < 1e-10, rel(y, y_ref)
 
 
 if __name__ == "__main__":

@@ -519,12 +519,17 @@ class MoE(nnx.Module):
     # Under jit: called (or differentiated) eagerly, a shard_map runs its body op by op on every
     # device, far slower than compiling it (docs/decisions.md). An eager call compiles it anew
     # (`local` is a new closure each call); inside the caller's jit XLA inlines the nested call.
-    mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
-                                   out_specs=(tokens, stats_specs), check_vma=False))
-    # parameters as stored may be unplaced: put each where it goes
-    h = _constrain(h, tokens, mesh)
-    return (h, *mapped(h, *(None if v is None else _constrain(v, spec, mesh)
-                            for v, spec in zip(experts, specs))))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) + specs,
+                           out_specs=(tokens, stats_specs), check_vma=False)
+
+    def placed_and_mapped(h, *experts):
+      # Parameters as stored may be unplaced: each is put where it goes, inside the jit (eagerly,
+      # a constraint on an Auto axis refuses an array committed to one device).
+      h = _constrain(h, tokens, mesh)
+      return (h, *mapped(h, *(None if v is None else _constrain(v, spec, mesh)
+                              for v, spec in zip(experts, specs))))
+
+    return jax.jit(placed_and_mapped)(h, *experts)
 
   def update_selection_bias(self, expert_counts: Array) -> None:
     """Auxiliary-loss-free balancing step: bias_e += rate * sign(mean load - load_e).
