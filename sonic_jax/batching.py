@@ -67,9 +67,9 @@ def unsplit(fn: str, what: str, **arrays) -> tuple:
 def whole(a):
   """a replicated where its type splits it over Explicit mesh axes, else a as it is (NumPy arrays
   too): x over d, the expert weights over a size-1 expert axis (as `unsplit` allows) or FSDP's
-  other dims, the
-  router and the per-expert vectors over d or E. Every device runs all of each expert, and the
-  experts' custom_vjp returns whole gradients (the reshard's transpose splits them again)."""
+  other dims, the router and the per-expert vectors over d or E. Every device runs all of each
+  expert, and the experts' custom_vjp returns whole gradients (the reshard's transpose splits
+  them again)."""
   sharding = None if a is None else jax.typeof(a).sharding
   if sharding is None or all(p is None for p in getattr(sharding, "spec", ())):
     return a

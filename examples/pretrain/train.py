@@ -114,7 +114,8 @@ for _name, _help in (("d_model", "model width d"), ("num_layers", "transformer b
                      ("num_shared_experts", "always-on experts per MoE layer")):
   flags.DEFINE_integer(_name, None, _help + _preset(_name))
 flags.DEFINE_enum("remat", None, list(REMATS), "rematerialise each block's activations in the "
-                  "backward: none, full (keep its input) or dots (keep matmul outputs)" + _preset("remat"))
+                  "backward: none, full (keep its input) or dots (keep matmul outputs)"
+                  + _preset("remat"))
 flags.DEFINE_enum("moe_impl", None, list(MOE_IMPLS), "the MoE layer: sonic_jax, or the "
                   "MaxText-style baseline on jax.lax.ragged_dot (ragged_dot) or tokamax.ragged_dot "
                   "(tokamax_ragged_dot): one device, or data parallel with --expert_parallel=1, "

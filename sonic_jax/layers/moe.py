@@ -114,9 +114,10 @@ class MoE(nnx.Module):
       scaling factor, Llama 4's input scaling).
     use_bias: per-expert biases b1, b2.
     use_router_bias: a trainable (E,) bias of the router's logits (gpt-oss).
-    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon (> 0), times
-      a trained (d,) scale (the parameter `router_scale`) and d ** -0.5, in float32 (Gemma 4's
-      router, which normalises the block's input on its own: pass that input as `router_input`).
+    router_norm_eps: None, or the router sees its input RMS-normalised with this epsilon (> 0),
+      times a trained (d,) scale (the parameter `router_scale`) and d ** -0.5, in float32 (Gemma
+      4's router, which normalises the block's input on its own: pass that input as
+      `router_input`).
     use_expert_scale: each pair's weight times a trained (E,) scale of its expert (the parameter
       `expert_scale`, ones at init; Gemma 4's per-expert scale).
     fixed_selection: every call gives its selection as `expert_ids` (DeepSeek-V4's hash-routed
