@@ -1296,6 +1296,8 @@ def _rooted(prefixes: list[str]) -> list[str]:
     if at >= 0 and p[:at] in _HUB_ROOTS:
       out += [root + p[at:] for root in _HUB_ROOTS if root + p[at:] not in out]
   return out
+
+
 # (Hub name, in-memory name), relative to the module that holds the experts: Granite's, Aria's,
 # DeepSeek-V4's and the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE. Each
 # renames only into a key the family reads that the checkpoint lacks.
@@ -1516,10 +1518,11 @@ def load_into_layer(module, params: Mapping[str, Any], *,
     raise ValueError(f"params and the layer differ: the layer has no {unknown}; params do not "
                      f"set {unset}")
   values = {name: np.asarray(value) for name, value in params.items()}
+  olds = {name: _variable(module, name)[...] for name in values}
   for name, value in values.items():
-    if tuple(value.shape) != tuple(_variable(module, name)[...].shape):
-      raise ValueError(f"{name}: the layer's shape is {tuple(_variable(module, name)[...].shape)}"
-                       f", params give {tuple(value.shape)}")
+    if tuple(value.shape) != tuple(olds[name].shape):
+      raise ValueError(f"{name}: the layer's shape is {tuple(olds[name].shape)}, params give "
+                       f"{tuple(value.shape)}")
   known = getattr(params, "gate_up_layout", None)
   if gate_up_layout is not None and known is not None and gate_up_layout != known:
     raise ValueError(f"gate_up_layout={gate_up_layout!r}, but params hold the {known!r} layout")
@@ -1534,10 +1537,10 @@ def load_into_layer(module, params: Mapping[str, Any], *,
                        f"{module.gate_up_layout!r}: layer_params_from_hf(..., gate_up_layout="
                        f"{module.gate_up_layout!r})")
   for name, value in values.items():
-    var = _variable(module, name)
     # Placed as the old value is: an assignment into a variable sharded on an explicit mesh
     # would run a program on one device.
-    var.set_value(jax.device_put(value.astype(var[...].dtype), var[...].sharding))
+    _variable(module, name).set_value(jax.device_put(value.astype(olds[name].dtype),
+                                                     olds[name].sharding))
 
 
 def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = None, *,
