@@ -5,12 +5,12 @@ rounding adds them: an expert may take more tokens than the slots hold), are gro
 stable sort of the expert ids, so slot pairs keep token order inside an expert, extras follow).
 Expert e's rows start at a multiple of `row_tile` and are padded up to the next multiple, so every
 `row_tile` rows of the grouped buffer belong to exactly one expert: a grouped GEMM tile never
-straddles two experts and needs no masking. Padding rows carry token 0 (a
-valid gather index) and are marked invalid; they contribute nothing to outputs or gradients, with
-one exception: the Mosaic GPU weight-gradient kernels multiply the padding rows of an expert's last
-reduction step (up to 63 rows) by zeros rather than masking them, so a non-finite value in token
-0's row of x or of the output's cotangent reaches those experts' dw1 and dw2 (the xla backend
-masks them).
+straddles two experts and needs no masking. Padding rows carry the token of their expert's
+first row (a valid gather index, 0 past the rows in use) and are marked invalid; they contribute
+nothing to outputs or gradients. (The Mosaic GPU weight-gradient kernels multiply the padding rows
+of an expert's last reduction step by zeros rather than masking them: a non-finite value in a
+token's row then reaches, as NaN, only the gradients of experts it is routed to, which its own
+rows reach anyway.)
 
 Shapes are static: the buffer has R = round_up(P + min(E, P) * (row_tile - 1), row_tile) rows, the
 worst case over all routings, and the number of rows in use is carried as data, so there is no host
@@ -60,7 +60,8 @@ class GroupedLayout(NamedTuple):
   (T, S) shape, tile-indexed arrays R // row_tile entries.
   """
 
-  row_token: Array  # (R,) int32: token whose x row feeds this grouped row (0 for padding)
+  row_token: Array  # (R,) int32: token whose x row feeds this grouped row (padding: the token of
+  # its expert's first row; 0 past the rows in use)
   row_pair: Array  # (R,) int32: flat pair index t*S+s of this row (T*S+x for extra pair x), -1
   # for padding
   row_expert: Array  # (R,) int32: expert of this row's tile (E for tiles past the used rows)
@@ -314,15 +315,6 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
     flat = jnp.where((flat >= 0) & (flat < e_count), flat, e_count)  # E sorts last: 'no expert'
     pair_row, row_pair, counts = _rows_by_sort(flat, e_count, row_tile, rows)
   group_sizes = _round_up(counts, row_tile)
-  if num_extra:
-    pair_token = jnp.concatenate([
-        jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
-        jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
-    row_token = jnp.where(row_pair >= 0, pair_token[jnp.maximum(row_pair, 0)], 0)
-  else:  # slot pairs only: the token is the pair index over S, no gather
-    row_token = jnp.maximum(row_pair, 0) // slots
-  row_token = row_token.astype(jnp.int32)
-
   num_tiles = jnp.sum(group_sizes) // row_tile
   tile_ends = jnp.cumsum(group_sizes) // row_tile  # tile t belongs to the first e with t < end_e
   tiles = jnp.arange(rows // row_tile, dtype=jnp.int32)
@@ -332,6 +324,23 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   # (jnp.repeat with a static length builds its indices by a cumsum that XLA constant-folds
   # slowly at these sizes.)
   row_expert = jnp.broadcast_to(tile_expert[:, None], (rows // row_tile, row_tile)).reshape(rows)
+
+  # A padding row reads the pair of its expert's first row: the Mosaic GPU weight gradients
+  # multiply the padding rows of an expert's last reduction step by zero rather than masking
+  # them, so a non-finite row can then only reach the gradient of an expert it is routed to.
+  group_start = jnp.minimum(tile_ends * row_tile - group_sizes, rows - 1)
+  first_pair = row_pair[group_start]
+  row_source = jnp.where(row_pair >= 0, row_pair,
+                         jnp.where(row_expert < e_count,
+                                   first_pair[jnp.minimum(row_expert, e_count - 1)], -1))
+  if num_extra:
+    pair_token = jnp.concatenate([
+        jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
+        jnp.where(extra_used, jnp.clip(extra_tokens, 0, num_tokens - 1), 0).astype(jnp.int32)])
+    row_token = jnp.where(row_source >= 0, pair_token[jnp.maximum(row_source, 0)], 0)
+  else:  # slot pairs only: the token is the pair index over S, no gather
+    row_token = jnp.maximum(row_source, 0) // slots
+  row_token = row_token.astype(jnp.int32)
 
   return GroupedLayout(
       row_token=row_token,

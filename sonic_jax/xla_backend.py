@@ -137,8 +137,8 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
   its kernel may return None, or the rows of its tiles in use only).
   """
   valid = layout.row_valid()[:, None]
-  # Masked, not only multiplied by the padding rows' zero scores: token 0's row (which padding
-  # rows carry) must not reach dS, dw2 or db2 through 0 * inf.
+  # Masked, not only multiplied by the padding rows' zero scores: the row padding reads must not
+  # reach dS, dw2 or db2 through 0 * inf.
   d_out_rows = jnp.where(valid, d_out[layout.row_token], 0)
   d_a = grouped_matmul_t(d_out_rows, w2, layout)
   a, d_h = acts.activation_backward(h, d_a, activation, gate_up_layout)
@@ -177,7 +177,7 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout: GroupedLayo
                  with_b2: bool):
   """dw1 = gather(x)^T dH, dw2 = A_s^T gather(dO) per expert (varlen-K); db1, db2 when used.
   d_out_rows: what `dh_projection` returned (dO[row_token] on the tiles in use), or None."""
-  valid = layout.row_valid()[:, None]  # masked as in dh_projection (token 0 on padding rows)
+  valid = layout.row_valid()[:, None]  # masked as in dh_projection
   x_rows = jnp.where(valid, x[layout.row_token], 0)
   if d_out_rows is None:
     d_out_rows = jnp.where(valid, d_out[layout.row_token], 0)

@@ -669,6 +669,30 @@ def test_weight_grad_stops_at_the_last_real_row(rng, compiled):
   assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("compiled", MODES)
+def test_weight_grad_padding_reads_its_experts_token(rng, compiled):
+  """The reduction's last step multiplies its padding rows by zero (the grouped rhs is zero
+  there), and the gathered lhs reads each padding row from a token of the row's own expert
+  (layout.py): a NaN in one token's row reaches only its expert's gradient, not every padded
+  expert's."""
+  from sonic_jax.mosaic_gpu import weight_grad as wg
+  m, n, scale = (128, 256, 1) if not compiled else (512, 512, 8)
+  counts = [c * scale for c in (40, 65, 0, 100)]  # every expert with rows pads its last step
+  ids = np.array(_routing_with_counts(rng, counts))
+  ids[[0, np.argmax(ids[:, 0] == 3)], 0] = 3, ids[0, 0]  # token 0 is expert 3's
+  layout = build_grouped_layout(jnp.asarray(ids), len(counts), 128)
+  valid = np.asarray(layout.row_valid())[:, None]
+  rhs = jnp.asarray(np.where(valid, rng.standard_normal((layout.num_rows, n)), 0), jnp.bfloat16)
+  lhs = jnp.asarray(rng.standard_normal((sum(counts), m)), jnp.bfloat16).at[0, 5].set(jnp.nan)
+  with kernel_mode(compiled):
+    got = np.asarray(jax.jit(lambda a, b: wg.weight_grad(a, b, layout))(lhs, rhs), np.float32)
+  assert np.isnan(got[3]).any()
+  assert np.all(np.isfinite(got[:3]))
+  zeroed = lambda v: jnp.where(valid, v, 0)
+  want = xla_backend.grouped_weight_grad(zeroed(lhs[layout.row_token]), zeroed(rhs), layout)
+  assert rel_err(got[:3], want[:3]) < 1e-2
+
+
 # (role, variant): every role in 2-CTA clusters, and the row-band tile walk (with and without
 # clusters) for the roles whose tables use it.
 WALK_CASES = ([(role, "cluster") for role in ["up", "down", "dh", "dx"]]

@@ -358,10 +358,10 @@ def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
     sonic_jax.routed_experts(x, jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), w1[:0], w2[:0])
 
 
-def test_padding_rows_keep_token_0_out_of_other_experts_gradients(rng):
-  """Padding rows carry token 0 (layout.py): on the xla backend they are masked, so a NaN in token
-  0's row of x, or of the output's cotangent, reaches only the weight gradients of the experts
-  token 0 is routed to, not every expert whose rows are padded."""
+def test_a_nan_in_token_0_reaches_only_its_experts_gradients(rng):
+  """A NaN in token 0's row of x, or of the output's cotangent, reaches only the weight gradients
+  of the experts token 0 is routed to, not every expert whose rows are padded (the xla backend
+  masks padding rows; the Mosaic GPU form is `test_weight_grad_padding_reads_its_experts_token`)."""
   x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                for s in ((16, 16), (4, 16, 16), (4, 8, 16)))
   ids = jnp.array([[0, 1]] + [[2, 3]] * 15)  # token 0 alone on experts 0 and 1

@@ -169,7 +169,8 @@ def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1, wi
   if _falls_back("weight gradient", reason):
     return xla_backend.weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout, with_b1,
                                     with_b2)
-  # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking.
+  # Padding rows of dH and A_s are zero (score 0), so the gathered x and dO need no masking: their
+  # rows there are a token of the same expert (layout.py), which reaches that gradient anyway.
   dw1 = _int32(wgrad.weight_grad)(x, d_h, layout, wg_config)
   dw2 = dw2_gathering_d_out(d_out, a_s, layout, wg_config)
   db2_rows = None  # db2 alone needs the dO rows: dH gathered them for its own bias term
