@@ -6,14 +6,14 @@ r"""Autotuning: measures kernel configurations of the `mosaic_gpu` backend, writ
       --fields=num_stages --repeats=1 --out=/tmp/table.json          # a CPU run (interpret mode)
 
 On a GPU machine: `PYTHONPATH=$PWD python3 -m benchmarks.autotune --out=$OUT/tuned_configs.json`.
-The table written is in the packaged format ({"device", "jax", "date", "command", "entries",
-"trials"}): pass it per call as `sonic_jax.Config(tuning=TuningTable.load(path))`
+The table written has the packaged format's keys ({"device", "jax", "date", "entries"}) and this
+run's "command" and "trials": pass it per call as `sonic_jax.Config(tuning=TuningTable.load(path))`
 (`moe_bench --tuning=path` times the layer with it), or copy it over
 sonic_jax/mosaic_gpu/tuned_configs.json to ship it. It holds this run's entries and the packaged
-table's (or --base's) for the problems this run does not measure; --nomerge: this run's only.
-Each entry records where it came from. One this run measured has its time ("ms", and the
-starting configuration's "start_ms"), "date" and "command"; the packaged table's older entries
-have the "date" and "commit" that last changed them.
+table's (or --base's) for the problems this run does not measure; --nomerge: this run's only. Each
+entry records where it came from. One this run measured has its time ("ms", and the starting
+configuration's "start_ms"), "date" and "command"; the packaged table's older entries have the
+"date" and "commit" that last changed them.
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, weight_grad on the
 varlen-K kernel), through the backend's own entry points, a coordinate search from the defaults

@@ -97,9 +97,9 @@ def default_variants(warps=(), chunks=()):
   return variants
 
 
-def main(argv, variants=None):
+def main(argv):
   del argv
-  variants = variants or default_variants(FLAGS.warps, FLAGS.chunks)
+  variants = default_variants(FLAGS.warps, FLAGS.chunks)
   results = []
   for case in FLAGS.case or DEFAULT_CASES:
     t, e, k = (int(v) for v in case.split(","))

@@ -172,6 +172,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import numbers
+import types
 from typing import Any, Callable, Mapping
 
 import jax
@@ -196,9 +197,11 @@ PARAM_NAMES = ("router", "w1", "w2", "b1", "b2", "router_bias", "selection_bias"
 _AS_THEY_ARE = ("router_bias", "router_scale", "expert_scale")
 
 # transformers' hidden_act -> the layer's GLU activation (the experts compute act(gate) * up).
-GLU_OF_HIDDEN_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu",
-                     "gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh",
-                     "relu": "reglu"}
+# The registries are read-only, as routing's and activations' are: a conversion must not change
+# with a process-wide assignment.
+GLU_OF_HIDDEN_ACT = types.MappingProxyType({
+    "silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+    "gelu_new": "geglu_tanh", "relu": "reglu"})
 
 _MISSING = object()
 
@@ -776,16 +779,17 @@ def _families():
           for f in fams}
 
 
-FAMILIES: dict[str, Family] = _families()
+FAMILIES: Mapping[str, Family] = types.MappingProxyType(_families())
 
 
 # A multimodal config's model_type -> the model_type of its text_config (the language model's).
-WRAPPERS = {"gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
-            "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
-            "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text", "glm5_next": "glm5_next_text",
-            "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
-            "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
-            "aria": "aria_text", "dots3_note": "dots3_note_text"}
+WRAPPERS = types.MappingProxyType({
+    "gemma4": "gemma4_text", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
+    "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text", "glm5_next": "glm5_next_text",
+    "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
+    "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
+    "aria": "aria_text", "dots3_note": "dots3_note_text"})
 
 
 def _names_a_model(config) -> bool:
@@ -1510,7 +1514,6 @@ def load_into_layer(module, params: Mapping[str, Any], *,
   params do not carry one (a plain dict), required then for a GLU layer. Raises a ValueError for
   a name the layer lacks, a shape that differs, a part of the layer that `params` does not set,
   or params of another gate/up layout than a GLU layer's."""
-  import jax
   present = {n for n in PARAM_NAMES if _variable(module, n) is not None}
   unknown = sorted(set(params) - present)
   unset = sorted(present - set(params))

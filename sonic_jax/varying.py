@@ -17,9 +17,7 @@ Array = jax.Array
 
 def varying_axes(a) -> frozenset:
   """The manual axes over which shard_map types `a` as varying (empty without its check)."""
-  aval = jax.typeof(a)  # jax 0.11 keeps the varying axes in manual_axis_type, earlier in vma
-  vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
-  return frozenset(getattr(aval, "vma", ()) if vma is None else vma)
+  return frozenset(jax.typeof(a).manual_axis_type.varying)
 
 
 def like_primal(ct: Array | None, primal) -> Array | None:

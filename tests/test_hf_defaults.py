@@ -145,3 +145,10 @@ def test_absent_dense_layer_fields_read_as_transformers_defaults(model_type):
   full = {**full, **FAMILIES[model_type]["at_96_layers"]}
   minimal = {**minimal, "num_hidden_layers": 96}
   assert [_is_dense(minimal, i) for i in range(96)] == [_is_dense(full, i) for i in range(96)]
+
+
+def test_the_registries_are_read_only():
+  """A process-wide assignment cannot change what a config converts to."""
+  for registry in (hf.FAMILIES, hf.WRAPPERS, hf.GLU_OF_HIDDEN_ACT):
+    with pytest.raises(TypeError):
+      registry["mixtral"] = None

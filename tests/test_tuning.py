@@ -82,7 +82,7 @@ def test_tables_load_from_files_and_are_hashable(tmp_path):
   path.write_text(json.dumps({"entries": [_entry("up", 768, 512, 128, grid_tile_width=2)]}))
   a, b = tuning.TuningTable.load(str(path)), tuning.TuningTable.load(str(path))
   assert a == b and hash(sonic_jax.Config(tuning=a)) == hash(sonic_jax.Config(tuning=b))
-  assert [e.to_dict() for e in a.entries] == [_entry("up", 768, 512, 128, grid_tile_width=2)]
+  assert a.entries == (tuning.Entry("up", H100, 768, 512, 128, (("grid_tile_width", 2),)),)
   for entry in tuning.packaged().entries:
     assert entry.role in tuning.ROLES
 

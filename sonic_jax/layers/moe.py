@@ -155,8 +155,8 @@ class MoE(nnx.Module):
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
       "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
       "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
-      slots hold the worst case), and it is the faster one on 2 GPUs (docs/decisions.md); with a
-      capacity factor the all-to-all's traffic stays flat as the axis grows.
+      slots hold the worst case), and it is the faster one on 2 and 4 GPUs (docs/decisions.md);
+      with a capacity factor the all-to-all's traffic stays flat as the axis grows.
     capacity_factor: None (dropless) or a number c: on one device each expert keeps at most
       ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText), as it does over the
       expert-parallel axis's tokens with the all-gather scheme; with the all-to-all each (sender,

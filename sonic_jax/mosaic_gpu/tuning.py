@@ -73,10 +73,6 @@ class Entry:
       raise ValueError(f"tuned config {where} ({made.role}): {e}") from None
     return made
 
-  def to_dict(self) -> dict[str, Any]:
-    return {"role": self.role, "device": self.device, "d": self.d, "n": self.n, "E": self.E,
-            "config": dict(self.fields)}
-
   def same_problem(self, other: "Entry") -> bool:
     """Whether both entries are for the same role, GPU and problem."""
     return (self.role, self.device, self.d, self.n, self.E) == (

@@ -10,8 +10,8 @@ One Pallas (Triton) program per block of tokens, everything in registers, no ato
 the (bt, E) matrix of how often each token picked each expert, an exclusive prefix sum down its
 tokens (pairs of e in earlier tokens of the block), and for each slot that matrix's entry at the
 slot's expert plus the earlier slots of the same token with the same expert (repeated ids happen
-only in hand-made routings; top-K never repeats). It replaces the layout's radix sort and about a
-dozen small XLA kernels around it.
+only in hand-made routings; top-K never repeats). Where it applies (`layout.build_grouped_layout`'s
+"block_ranks") it stands in for the layout's radix sort and about a dozen small XLA kernels.
 
 Ids outside [0, E) count nowhere (their rank is meaningless; the layout masks them). Uses Pallas's
 Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where it is

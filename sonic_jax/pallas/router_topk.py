@@ -3,8 +3,8 @@
 XLA's GPU top-K reads the (T, E) routing values at a small fraction of HBM bandwidth (on an H100
 about 30% of the whole routing-metadata pass at T = 32768, E = 256, K = 16). Here one Pallas (Triton)
 program takes a block of tokens, keeps their E values in registers and picks the K experts one at a
-time on order-preserving int32 keys, so the values are read once from HBM. By default a key packs
-the value's upper bits with the expert id (one max per pick gives both), and a program in which two
+time on order-preserving int32 keys, so the values are read once from HBM. A key packs the
+value's upper bits with the expert id (one max per pick gives both), and a program in which two
 of a row's K + 1 largest values come too close for that falls back to the exact selection (max,
 then the lowest id holding it, then that expert drops out): `_select_ids_packed`. It uses Pallas's
 Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where it is
@@ -206,8 +206,8 @@ def logits_top_k(x: jax.Array, w: jax.Array, k: int, bias: jax.Array | None = No
   One Pallas (Triton) program per block of tokens runs the router GEMM over d in steps of
   LOGITS_BLOCK_D and selects the top-k from the logits in its registers: one kernel instead of a
   GEMM and the top-K kernel, and the logits are not read back. x is read once; every program reads
-  all of w (from L2). A program takes `logits_block_tokens(E)` tokens on 4 warps, its GEMM loop
-  pipelined 3 deep (docs/decisions.md).
+  all of w (from L2). A program takes `logits_block_tokens(E)` tokens on 4 warps
+  (docs/decisions.md), its GEMM loop pipelined 3 deep.
   """
   reason = logits_supports(x, w, k)
   if reason is not None:
