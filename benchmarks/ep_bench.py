@@ -12,16 +12,13 @@ benchmarks/results/.
 With P devices (all of `jax.devices()`, or --devices), each configuration gives the work of one
 device: T_local tokens per device, E experts in all (E/P per device), K per token. The run opens
 with a correctness check of the dropless schemes against the single-device op at a small float32
-size (on GPUs the ragged transport runs the native ragged-all-to-all, which the CPU tests cannot
-reach).
-Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
+size. Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
 configuration's programs timed in alternating rounds, a sample --sample_ms (200) of back-to-back
 calls, the sustained rate a training loop sees):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
-- over P devices, P*T_local tokens: `moe_all_to_all` with the dense transport, dropless
-  (`all_to_all`) and at capacity factor 1.25 (with its dropped pairs), with the ragged transport
-  (`all_to_all ragged`), and `moe_all_gather`;
+- over P devices, P*T_local tokens: `moe_all_to_all` dropless (`all_to_all`) and at capacity
+  factor 1.25 (with its dropped pairs), and `moe_all_gather`;
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
   receives over the links / time): each exchange (balanced routing), the all-gather of x and the
   combine (the all-to-all of the partial outputs and their float32 sum);
@@ -58,10 +55,8 @@ DEFAULT_CONFIGS = [(16384, 1536, 512, 64, 4), (16384, 4096, 1024, 64, 4), (8192,
 CAPACITY_FACTOR = 1.25
 # name: (layer, keyword arguments)
 SCHEMES = {
-    "all_to_all": (moe_all_to_all, dict(transport="dense")),
-    f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(transport="dense",
-                                                             capacity_factor=CAPACITY_FACTOR)),
-    "all_to_all ragged": (moe_all_to_all, dict(transport="ragged")),
+    "all_to_all": (moe_all_to_all, {}),
+    f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(capacity_factor=CAPACITY_FACTOR)),
     "all_gather": (moe_all_gather, {}),
 }
 
@@ -176,13 +171,6 @@ def check_against_single_device(devices, backend, runs, options=None, cfg=(256, 
   return errs
 
 
-def _balanced_plan(p, e_local, rows_per_device, slot_rows):
-  """The exchange plan of a perfectly balanced routing: every device sends rows/P to each."""
-  counts = np.full((p, p * e_local), rows_per_device // (p * e_local), np.int32)
-  return [exchange.exchange_plan(jnp.asarray(counts), jnp.int32(me), slot_rows)[0]
-          for me in range(p)]
-
-
 def overlap_split(events, is_communication):
   """Milliseconds of a traced step on one GPU, from its stream events [(start_ns, duration_ns,
   name)]: span (first start to last end), communication (the union of the collective kernels'
@@ -271,7 +259,6 @@ def run_config(cfg, devices, backend, runs, options=None, profile=False):
                  "dropped_pairs": int(dropped),
                  "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12,
                  "layer": "all_gather" if fn is moe_all_gather else "all_to_all",
-                 "transport": kw.get("transport"),
                  "capacity_factor": kw.get("capacity_factor")}
     if profile and fn is moe_all_gather:
       res[name]["profile"] = profile_step(compiled[(name, "fwdbwd")], placed)
@@ -280,27 +267,20 @@ def run_config(cfg, devices, backend, runs, options=None, profile=False):
   # (all-gather) over the links: (P-1)/P of what it holds.
   frac = (p - 1) / p
   put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-  rows = t_local * k  # the pairs of a device
 
-  def a2a_time(transport, slot_rows):
-    plans = _balanced_plan(p, e // p, rows, slot_rows)
-    stacked = jax.tree.map(lambda *a: put(jnp.stack(a), P("ep")), *plans)
-
-    def move(v, plan):
-      return exchange.exchange(v, jax.tree.map(lambda a: a[0], plan), "ep", transport)
-
-    fn = jax.shard_map(move, mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"),
-                       check_vma=False)
-    args = (put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")), stacked)
-    return _time_all({"": (fn, args)}, options)[""]
+  def a2a_time(slot_rows):
+    fn = jax.shard_map(lambda v: exchange.exchange(v, "ep"), mesh=mesh, in_specs=P("ep"),
+                       out_specs=P("ep"), check_vma=False)
+    return _time_all({"": (fn, (put(jnp.zeros((p * p * slot_rows, d), dtype), P("ep")),))},
+                     options)[""]
 
   gbps = lambda b, t: b / t / 1e9 if p > 1 else None
   for name, (fn, kw) in runs.items():
     if fn is not moe_all_to_all:
       continue
     slot_rows = slot_capacity(t_local, k, 0, p, e // p, kw.get("capacity_factor"))
-    t = a2a_time(kw["transport"], slot_rows)
-    moved = (rows if kw["transport"] == "ragged" else p * slot_rows) * frac * d * itemsize
+    t = a2a_time(slot_rows)
+    moved = p * slot_rows * frac * d * itemsize
     # Dispatch and combine, each once more (transposed) in the backward.
     res[name].update(slot_rows=slot_rows, exchange_ms=t * 1e3, exchange_gbps=gbps(moved, t),
                      communication_ms=4 * t * 1e3)
@@ -355,16 +335,15 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
   bw = r["exchange_gbps"]
   if bw is None:
     return None
-  if r["transport"] == "ragged":
-    rows = t_local * k
-  else:
-    rows = devices * slot_capacity(t_local, k, 0, devices, e // devices, r["capacity_factor"])
+  rows = devices * slot_capacity(t_local, k, 0, devices, e // devices, r["capacity_factor"])
   per_way = rows * d * item * ((frac - cross) / bw + cross / min(bw, inter_node_gbps)) / 1e9
   return res["single_fwdbwd_ms"] + 4 * per_way * 1e3
 
 
 def scheme_names(res):
-  return [k for k, v in res.items() if isinstance(v, dict) and "fwdbwd_ms" in v]
+  """The schemes of `SCHEMES` that a configuration's results hold (a results file may hold a
+  scheme that `SCHEMES` does not, measured and removed: docs/decisions.md)."""
+  return [k for k, v in res.items() if k in SCHEMES and isinstance(v, dict) and "fwdbwd_ms" in v]
 
 
 def table(results, inter_node_gbps):
@@ -411,7 +390,6 @@ def main(_):
           if not FLAGS.schemes or any(picked(n, k) for n in FLAGS.schemes)}
   os.makedirs(FLAGS.out, exist_ok=True)
   out = grid.run_record("ep_bench", devices, backend=backend,
-                        native_ragged_all_to_all=exchange.native_ragged_all_to_all(),
                         inter_node_gbps_assumed=FLAGS.inter_node_gbps,
                         xla_flags=os.environ.get("XLA_FLAGS", ""), compiler_options=options,
                         timing=f"a configuration's programs in alternating rounds, "

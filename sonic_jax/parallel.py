@@ -5,10 +5,9 @@ single-device `sonic_jax.moe` in output and gradients:
 
 `moe_all_to_all` is the dispatch scheme for any expert-parallel degree: every device routes its own
 tokens, sends each (token, expert) row to the device that holds the expert with one all-to-all
-(`sonic_jax.exchange`: dense `jax.lax.all_to_all` of fixed-size slots, or
-`jax.lax.ragged_all_to_all`), runs its local experts on what it received and returns each result
-row the same way; the sender sums its tokens' K rows. Communication per layer: T_local*K rows of
-d each way (ragged; the dense transport moves whole slots, P*S rows), (P-1)/P of them crossing
+(`sonic_jax.exchange`: `jax.lax.all_to_all` of fixed-size slots), runs its local experts on what
+it received and returns each result row the same way; the sender sums its tokens' K rows.
+Communication per layer: the whole slots, P*S rows of d each way, (P-1)/P of them crossing
 devices.
 
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
@@ -22,11 +21,10 @@ d each way in x's dtype, which beats an all-to-all while P is small relative to 
 goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
-routing of all P*T_local tokens (from their logits) on every device; the ragged all-to-all moves
-(P-1)/P*K*T_local (balanced routing), the dense one (P-1)*S with S = c*K*T_local/P at a capacity
-factor c, and T_local*min(K, E_local) when dropless. So all-gather moves less while P < K (ragged)
-or P < c*K (dense with a capacity factor; dropless dense moves at least as much), and all-to-all
-wins beyond; it also keeps the routing, the row gathers and the saved activations per device
+routing of all P*T_local tokens (from their logits) on every device; the all-to-all moves (P-1)*S
+with S = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless. So
+all-gather moves less while P < c*K (dropless, the all-to-all moves at least as much), and
+all-to-all wins beyond; it also keeps the routing, the row gathers and the saved activations per device
 independent of P (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
 """
 
@@ -382,7 +380,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                    b2: Array | None = None, router_bias: Array | None = None,
                    selection_bias: Array | None = None,
                    token_rounding: str | None = None, capacity_factor: float | None = None,
-                   transport: str = "auto", router_input: Array | None = None,
+                   router_input: Array | None = None,
                    expert_scale: Array | None = None, expert_ids: Array | None = None,
                    backend: str = "auto",
                    config: Config | None = None) -> tuple[Array, MoEAux]:
@@ -397,8 +395,6 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
   fit: they add nothing to their token's output, their aux expert id is -1 and score 0, and
   `aux.dropped_pairs` counts them.
-  transport: "auto" (= "dense"), "dense" (`jax.lax.all_to_all` of whole slots) or "ragged"
-  (`jax.lax.ragged_all_to_all` of the pairs only); see `sonic_jax.exchange`.
   token_rounding rounds the routing of the whole axis's tokens (their (T_local, E) logits are
   all-gathered for it), so the result equals the single-device op.
   Returns this device's y (T_local, d) and the aux of this device's tokens, with the axis-wide
@@ -416,7 +412,6 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
       x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
       selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding,
       capacity_factor, backend, config)
-  transport = exchange.resolve_transport(transport)
   e_count, t_local = e_local * p, x.shape[0]
   r_in = x if router_input is None else router_input
   if t_local == 0:
@@ -440,13 +435,13 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
                                rounded.extra_experts, config=config)
   counts = jax.lax.all_gather(pairs.expert_counts, axis_name)  # (P, E)
   slot_rows = slot_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
-  dispatch, combine = exchange.exchange_plan(counts, me, slot_rows)
+  dispatch = exchange.exchange_plan(counts, me, slot_rows)
   send = exchange.slot_layout(pairs, p, slot_rows)
 
-  move = lambda rows, plan: exchange.exchange(rows, plan, axis_name, transport)
+  move = lambda rows: exchange.exchange(rows, axis_name)
   extra_scores = routing_lib.extra_scores_or_none(rounded)
-  x_recv = move(_rows_of_pairs(x, send), dispatch)
-  s_recv = move(scores_by_row(rounded.scores, extra_scores, send)[:, None], dispatch)
+  x_recv = move(_rows_of_pairs(x, send))
+  s_recv = move(scores_by_row(rounded.scores, extra_scores, send)[:, None])
   experts = build_grouped_layout(dispatch.row_expert[:, None], e_local, impl.row_tile,
                                  config=config)
   if router.scale_input:  # Llama 4: the received row scaled by its weight, the output by 1
@@ -454,7 +449,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     s_recv = jnp.ones_like(s_recv)
   # (P*S, d): each received row times its score
   y_recv = mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout, impl)
-  y = _sum_pairs(move(y_recv, combine), send)
+  y = _sum_pairs(move(y_recv), send)
 
   total = jax.lax.psum(pairs.expert_counts, axis_name)  # counts.sum(0), typed replicated
   # Without rounding, routed holds this device's tokens: the mean averages P_e over the axis;

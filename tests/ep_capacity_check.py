@@ -1,5 +1,5 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): `moe_all_to_all` with a
-capacity that drops pairs (both transports), against a float64 oracle of the layer without exactly
+capacity that drops pairs, against a float64 oracle of the layer without exactly
 the pairs that a NumPy model of the exchange drops; `moe_all_gather` with a capacity against
 `sonic_jax.moe` with the same capacity on the concatenated tokens; the all-to-all scheme inside
 `lax.scan` + `jax.checkpoint` on a (data, ep) = (2, 4) mesh, against one device."""
@@ -53,7 +53,7 @@ def dropped_by_model(ids, p, slot_rows):
   return dropped
 
 
-def check_capacity(transport, p=4, factor=0.75):
+def check_capacity(p=4, factor=0.75):
   x, rw, w1, w2, b1, d_y = inputs(0)
   args = [jnp.asarray(a) for a in (x, rw, w1, w2, b1)]
   ids = oracle.select_experts(x, rw, K)
@@ -71,7 +71,7 @@ def check_capacity(transport, p=4, factor=0.75):
 
   def local(x, rw, w1, w2, b1):
     y, aux = moe_all_to_all(x, rw, w1, w2, b1=b1, axis_name="ep", top_k=K,
-                            capacity_factor=factor, transport=transport, backend="xla")
+                            capacity_factor=factor, backend="xla")
     return y, aux.dropped_pairs, aux.expert_ids, aux.scores
 
   sharded = jax.shard_map(local, mesh=mesh, in_specs=specs,
@@ -86,7 +86,7 @@ def check_capacity(transport, p=4, factor=0.75):
       jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(*placed)
   errs = [rel(y, y_ref)] + [rel(a, g_ref[k]) for a, k in zip(g, ("x", "router_weight", "w1",
                                                                    "w2", "b1"))]
-  print("capacity", transport, int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
+  print("capacity", int(n_dropped), int(dropped.sum()), ["%.1e" % e for e in errs])
   assert int(n_dropped) == int(dropped.sum())
   # The aux marks exactly the dropped pairs, as `moe` marks its capacity's.
   lost = np.take_along_axis(dropped, ids, axis=1)
@@ -238,8 +238,7 @@ def check_bad_arguments():
 
 if __name__ == "__main__":
   check_bad_arguments()
-  check_capacity("dense")
-  check_capacity("ragged")
+  check_capacity()
   check_all_gather_capacity("softmax_topk")
   check_all_gather_capacity(sonic_jax.Router("sigmoid", renormalize=False, scale_input=True))
   check_scan_checkpoint_data_and_expert_parallel()

@@ -20,8 +20,7 @@ from sonic_jax.parallel import moe_all_gather, moe_all_to_all  # noqa: E402
 
 T, d, n, E, K = 64, 32, 16, 8, 2
 SCHEMES = {"all_gather": moe_all_gather,
-           "all_to_all_dense": functools.partial(moe_all_to_all, transport="dense"),
-           "all_to_all_ragged": functools.partial(moe_all_to_all, transport="ragged")}
+           "all_to_all": moe_all_to_all}
 ROUTERS = {  # family routers: groups, a selection bias on the scores, scaling; input scaling
     "deepseek_v3": sonic_jax.Router("sigmoid", renorm_epsilon=1e-20, n_group=4, topk_group=2,
                                     group_score="top2_sum", routed_scaling_factor=2.5),
@@ -130,8 +129,8 @@ def check(scheme_name, routing, mode=None):
   args, extra, fixed, dy = inputs(routing, mode)
   (_, y_ref), g_ref = reference(mode)(args, extra, fixed, dy)
   # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight; a family
-  # router's case and rounding up all eight alone (the transport does not depend on the router;
-  # rounding over a pair of devices: the ragged transport's case with rounding to nearest)
+  # router's case and rounding up all eight alone (the exchange does not depend on the router;
+  # rounding over a pair of devices: each scheme's skewed case with rounding to nearest)
   for shards in ((8,) if mode in ROUTERS or mode == "up" else (1, 2, 8) if routing == "skew"
                  else (2, 8)):
     run, place = sharded(scheme_name, mode, shards)

@@ -197,8 +197,9 @@ def test_token_rounding_bench(tmp_path, monkeypatch):
 
 
 def test_ep_bench_and_ep_options_bench(tmp_path):
-  """ep_bench, two of the schemes (each scheme's own correctness: test_parallel.py): checked
-  against one device, timed, tabulated. Then ep_options_bench, two option sets beside the
+  """ep_bench, the schemes "all_to_all" picks (dropless and with a capacity) and all_gather (each
+  scheme's own correctness: test_parallel.py): the dropless ones checked against one device, all
+  timed, tabulated. Then ep_options_bench, two option sets beside the
   single-device step, two sample lengths: timed, tabulated; each set's optimized HLO written."""
   from benchmarks import ep_bench, ep_options_bench
   # Both scripts in one process, so that the persistent compilation cache gives ep_options_bench
@@ -207,20 +208,19 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
   devices = "--xla_force_host_platform_device_count=2"
   out = tmp_path / "ep_options"
   _run([["benchmarks.ep_bench", "--thiek=128,32,16,4,2", "--backend=xla", "--repeats=2",
-         "--sample_ms=5", "--schemes=all_to_all ragged,all_gather", f"--out={tmp_path / 'ep'}"],
+         "--sample_ms=5", "--schemes=all_to_all,all_gather", f"--out={tmp_path / 'ep'}"],
         ["benchmarks.ep_options_bench", "--thiek=128,32,16,4,2", "--backend=xla", "--repeats=2",
          "--sample_ms=1,2", "--hlo", "--option_set=nccl:",
          "--option_set=memcpy:xla_gpu_use_memcpy_local_p2p=true", f"--out={out}"]],
        env={"XLA_FLAGS": devices})
   name, res = _results(tmp_path / "ep")
   assert name.startswith("cpux2_") and name.endswith("_ep.json") and res["devices"] == 2
-  assert set(res["check_max_rel_err"]) == {"all_to_all ragged", "all_gather"}
+  assert set(res["check_max_rel_err"]) == {"all_to_all", "all_gather"}
   assert max(res["check_max_rel_err"].values()) < 1e-5  # every scheme equals one device
   (r,) = res["results"]
-  assert "all_to_all" not in r and "all_to_all c=1.25" not in r
-  for scheme in ("all_to_all ragged", "all_gather"):
+  for scheme in ("all_to_all", "all_to_all c=1.25", "all_gather"):
     assert r[scheme]["fwdbwd_ms"] > 0 and r[scheme]["communication_ms"] > 0, scheme
-  assert r["all_to_all ragged"]["dropped_pairs"] == 0
+  assert r["all_to_all"]["dropped_pairs"] == 0
   assert r["all_gather"]["combine_ms"] > 0 and r["all_gather"]["profile"] is None  # no GPU trace
   assert "| 128,32,16,4,2 | 2 |" in ep_bench.table(res["results"], res["inter_node_gbps_assumed"])
   assert res["xla_flags"] == devices and res["compiler_options"] == ep_bench.MEMCPY_P2P

@@ -1,11 +1,10 @@
 """The all-to-all exchange plan (sonic_jax.exchange) against a plain-NumPy model of the exchange.
 
 The model: every sender lists its pairs sorted by expert; its slot for receiver j holds the first S
-of those routed to j's experts; receiver j's buffer is the senders' slots in device order. The
-plan's offsets and sizes are run through `jax.lax.ragged_all_to_all`'s documented semantics (its
-pseudocode, in NumPy) on labelled rows, and through a dense all-to-all of whole slots: both must
-give the model's receive buffers and local experts, and the combine plan must bring every surviving
-row back to where it came from. `slot_layout` must put every pair in the model's slot row.
+of those routed to j's experts; receiver j's buffer is the senders' slots in device order. Labelled
+rows go through an all-to-all of whole slots (in NumPy): the receive buffers must be the model's,
+and the plan must name each received row's local expert and count the dropped pairs.
+`slot_layout` must put every pair in the model's slot row.
 """
 
 import jax.numpy as jnp
@@ -33,19 +32,6 @@ def model_slots(counts, slot_rows):
       per_receiver.append(rows[:slot_rows])
     slots.append(per_receiver)
   return slots
-
-
-def run_ragged(operands, plans):
-  """ragged_all_to_all's documented semantics: sender i's slice j goes to device j at the
-  offset that i's output_offsets[j] names."""
-  p = len(operands)
-  outs = [np.full_like(operands[0], -1) for _ in range(p)]
-  for i, plan in enumerate(plans):
-    for j in range(p):
-      n, src, dst = int(plan.send_sizes[j]), int(plan.input_offsets[j]), int(plan.output_offsets[j])
-      outs[j][dst:dst + n] = operands[i][src:src + n]
-      assert int(plans[j].recv_sizes[i]) == n  # the receiver expects what is sent
-  return outs
 
 
 def run_dense(operands, slot_rows):
@@ -79,12 +65,10 @@ def test_exchange_plan_matches_numpy_model(p, e_local, capacity_kind):
         rows = np.asarray(model[i][j], np.int64).reshape(-1, 3)
         buf[j * slot_rows:j * slot_rows + len(rows)] = rows
       sends.append(buf)
-    ragged = run_ragged(sends, [d for d, _ in plans])
     dense = run_dense(sends, slot_rows)
     dropped = int(counts.sum()) - sum(len(model[i][j]) for i in range(p) for j in range(p))
     for j in range(p):
-      np.testing.assert_array_equal(ragged[j], dense[j])
-      row_expert = np.asarray(plans[j][0].row_expert)
+      row_expert = np.asarray(plans[j].row_expert)
       for i in range(p):
         got = dense[j][i * slot_rows:(i + 1) * slot_rows]
         want = np.asarray(model[i][j], np.int64).reshape(-1, 3)
@@ -93,15 +77,9 @@ def test_exchange_plan_matches_numpy_model(p, e_local, capacity_kind):
         experts = row_expert[i * slot_rows:(i + 1) * slot_rows]
         np.testing.assert_array_equal(experts[:len(want)], want[:, 2] - j * e_local)
         assert np.all(experts[len(want):] == e_local)
-    for d, _ in plans:
-      assert int(d.dropped) == dropped
+    for plan in plans:
+      assert int(plan.dropped) == dropped
     assert (dropped == 0) == (capacity_kind == "worst" or slot_rows >= worst)
-
-    # Combine: every receiver sends its buffer back; rows return to their sender's slot rows.
-    back = run_ragged(ragged, [c for _, c in plans])
-    for i in range(p):
-      np.testing.assert_array_equal(back[i], sends[i])
-      np.testing.assert_array_equal(run_dense(dense, slot_rows)[i], sends[i])
 
 
 @pytest.mark.parametrize("p,capacity_factor", [(2, None), (4, None), (4, 0.5)])
@@ -139,7 +117,7 @@ def test_slot_capacity():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(transport="nccl"), "transport"), (dict(capacity_factor=-1.0), "capacity_factor"),
+    (dict(capacity_factor=-1.0), "capacity_factor"),
     (dict(router_e=6), "router_weight"), (dict(w1_d=8), "w1")])
 def test_moe_all_to_all_bad_arguments(kwargs, match):
   import jax
