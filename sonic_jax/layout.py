@@ -328,11 +328,13 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
   # A padding row reads the pair of its expert's first row: the Mosaic GPU weight gradients
   # multiply the padding rows of an expert's last reduction step by zero rather than masking
   # them, so a non-finite row can then only reach the gradient of an expert it is routed to.
-  group_start = jnp.minimum(tile_ends * row_tile - group_sizes, rows - 1)
-  first_pair = row_pair[group_start]
-  row_source = jnp.where(row_pair >= 0, row_pair,
-                         jnp.where(row_expert < e_count,
-                                   first_pair[jnp.minimum(row_expert, e_count - 1)], -1))
+  row_source = row_pair
+  if rows:  # (no rows, no padding: nothing to gather from)
+    group_start = jnp.minimum(tile_ends * row_tile - group_sizes, rows - 1)
+    first_pair = row_pair[group_start]
+    row_source = jnp.where(row_pair >= 0, row_pair,
+                           jnp.where(row_expert < e_count,
+                                     first_pair[jnp.minimum(row_expert, e_count - 1)], -1))
   if num_extra:
     pair_token = jnp.concatenate([
         jnp.arange(num_slot_pairs, dtype=jnp.int32) // slots,
