@@ -50,9 +50,9 @@ def test_config_is_frozen_and_hashable():
 
 def test_the_op_takes_a_config_per_call_and_refuses_anything_else():
   args = _args()
-  y_default, _ = sonic_jax.moe(*args, top_k=2)
-  y, _ = sonic_jax.moe(*args, top_k=2, config=sonic_jax.Config(layout_kernel_max_experts=0))
-  assert jnp.allclose(y, y_default)
+  run = jax.jit(lambda *a, config=None: sonic_jax.moe(*a, top_k=2, config=config)[0],
+                static_argnames="config")
+  assert jnp.allclose(run(*args, config=sonic_jax.Config(layout_kernel_max_experts=0)), run(*args))
   with pytest.raises(TypeError, match="config must be a sonic_jax.Config"):
     sonic_jax.moe(*args, top_k=2, config={"gather_sum_kernel": False})
 

@@ -40,6 +40,10 @@ def kernel_mode(compiled: bool, num_cores: int = 2, detect_races: bool = True):
 
 MODES = [pytest.param(False, id="interpret"), pytest.param(True, id="compiled", marks=pytest.mark.gpu)]
 
+# The tests' layouts as one compiled program each: eagerly, each of the layout's ops is an XLA
+# compile of its own for every new shape.
+_layout = jax.jit(build_grouped_layout, static_argnums=(1, 2))
+
 
 def _cases_in_modes(names, cases, compiled_only=()):
   """pytest params (*case, compiled) for `names` (a parametrize string): every case compiled on
@@ -110,7 +114,7 @@ def test_up_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
   x, w1, b1, ids = _problem(rng, T, d, n, E, K, activation, skew)
   b1 = b1 if bias else None
   act = acts.get_activation(activation)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   with kernel_mode(compiled):
     h, a = jax.jit(lambda *args: up.up_projection(*args, layout, act, gate_up_layout))(x, w1, b1)
   h_ref, a_ref = xla_backend.up_projection(x, w1, b1, layout, act, gate_up_layout)
@@ -125,7 +129,7 @@ def test_down_projection_matches_reference(rng, compiled, bias):
   from sonic_jax.mosaic_gpu import down_projection as down
   T, n, d, E = (90, 128, 256, 3) if not compiled else (4000, 512, 1024, 16)
   ids = jnp.asarray(rng.integers(0, E, (T, 2)), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   a = jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
   b2 = jnp.asarray(rng.standard_normal((E, d)), jnp.bfloat16) if bias else None
@@ -156,7 +160,7 @@ def test_pingpong_schedule_matches_reference(rng, compiled, decoupled, activatio
     GroupedGemmConfig(schedule="pingpong", cluster_m=2)
   _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew)
   act = acts.get_activation(activation)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)), jnp.bfloat16)
   d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
@@ -203,7 +207,7 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
   with pytest.raises(ValueError, match="grid_band"):
     GroupedGemmConfig(grid_band="k")
   # A pingpong dH reads H into registers: the interleaved layout's pair words need SMEM.
-  layout = build_grouped_layout(jnp.zeros((64, 2), jnp.int32), 2, 128)
+  layout = _layout(jnp.zeros((64, 2), jnp.int32), 2, 128)
   spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
   with pytest.raises(ValueError, match="concat"):
     jax.eval_shape(lambda g, h, s, w: dh.dh_projection(
@@ -228,7 +232,8 @@ def _with_modes(cases, compiled_only=()):
     LAYER_CASES,
     # on the GPU also swiglu with biases (interpreted: the token-rounding layer test, the same
     # layer with extra and dropped pairs), a non-GLU activation (interpreted: the gather-sum layer
-    # test) and SonicMoE's own layout with biases (CI's interpreter time goes elsewhere)
+    # test), SonicMoE's own layout with biases (CI's interpreter time goes elsewhere), and the
+    # clamped SwiGLU and GELU-tanh GLU (interpreted: their up and dH kernels against the reference)
     compiled_only=[("swiglu", True, jnp.bfloat16, "concat"),
                    ("relu", False, jnp.bfloat16, "concat"),
                    ("swiglu", True, jnp.bfloat16, "interleaved"),
@@ -396,7 +401,7 @@ def test_interpreter_warns_when_the_cpu_pool_is_too_small(monkeypatch):
   assert interpret.cpu_client_threads() == 2
   if ON_GPU:
     return
-  layout = build_grouped_layout(jnp.zeros((128, 1), jnp.int32), 1, 128)
+  layout = _layout(jnp.zeros((128, 1), jnp.int32), 1, 128)
   a, w2 = jnp.zeros((layout.num_rows, 128), jnp.bfloat16), jnp.zeros((1, 128, 256), jnp.bfloat16)
   trace = lambda: jax.eval_shape(lambda a, w2: down.down_projection(a, w2, None, layout), a, w2)
   with kernel_mode(False), pytest.warns(RuntimeWarning, match="PJRT_NPROC=16"):
@@ -509,7 +514,7 @@ def test_dh_projection_matches_reference(rng, compiled, T, d, n, E, K, activatio
     T, d, E = T * 40, d * 4, E * 4
   act = acts.get_activation(activation)
   _, _, _, ids = _problem(rng, T, d, n, E, K, activation, skew)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   rows = layout.num_rows
   h = jnp.asarray(rng.standard_normal((rows, act.width_multiplier() * n)), jnp.bfloat16)
   d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
@@ -539,7 +544,7 @@ def test_dh_wide_tile_h_loads_agree(rng, compiled, activation):
   T, d, n, E = (90, 64, 256, 3) if not compiled else (3600, 256, 512, 12)
   act = acts.get_activation(activation)
   _, _, _, ids = _problem(rng, T, d, n, E, 2, activation, skew=True)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   h = jnp.asarray(rng.standard_normal((layout.num_rows, act.width_multiplier() * n)), jnp.bfloat16)
   d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(d), jnp.bfloat16)
@@ -571,7 +576,7 @@ def test_dx_projection_matches_reference(rng, compiled, width):
   from sonic_jax.mosaic_gpu import dx_projection as dx
   T, d, E = (90, 256, 3) if not compiled else (4000, 1024, 16)
   ids = jnp.asarray(rng.integers(0, E, (T, 2)), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   d_h = jnp.asarray(rng.standard_normal((layout.num_rows, width)), jnp.bfloat16)
   w1 = jnp.asarray(rng.standard_normal((E, d, width)) / np.sqrt(width), jnp.bfloat16)
   with kernel_mode(compiled):
@@ -599,7 +604,7 @@ def test_weight_grad_matches_reference(rng, compiled, m, n, skew, cluster, block
   if compiled:
     m, n = m * 4, n * 2
   _, _, _, ids = _problem(rng, T, 64, 128, E, 2, "swiglu", skew)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   valid = layout.row_valid()[:, None]
   # The grouped operand is zero on padding rows (as dH and A_s are); the gathered one is not.
   lhs = jnp.asarray(rng.standard_normal((T, m)), jnp.bfloat16)
@@ -649,7 +654,7 @@ def test_weight_grad_stops_at_the_last_real_row(rng, compiled):
   from sonic_jax.mosaic_gpu import weight_grad as wg
   m, n, scale = (128, 256, 1) if not compiled else (512, 512, 8)
   counts = [c * scale for c in SKIP_COUNTS]
-  layout = build_grouped_layout(_routing_with_counts(rng, counts), len(counts), 128)
+  layout = _layout(_routing_with_counts(rng, counts), len(counts), 128)
   skipped = _rows_past_the_reduction(layout)[:, None]
   valid = np.asarray(layout.row_valid())[:, None]
   assert skipped.any()
@@ -680,7 +685,7 @@ def test_weight_grad_padding_reads_its_experts_token(rng, compiled):
   counts = [c * scale for c in (40, 65, 0, 100)]  # every expert with rows pads its last step
   ids = np.array(_routing_with_counts(rng, counts))
   ids[[0, np.argmax(ids[:, 0] == 3)], 0] = 3, ids[0, 0]  # token 0 is expert 3's
-  layout = build_grouped_layout(jnp.asarray(ids), len(counts), 128)
+  layout = _layout(jnp.asarray(ids), len(counts), 128)
   valid = np.asarray(layout.row_valid())[:, None]
   rhs = jnp.asarray(np.where(valid, rng.standard_normal((layout.num_rows, n)), 0), jnp.bfloat16)
   lhs = jnp.asarray(rng.standard_normal((sum(counts), m)), jnp.bfloat16).at[0, 5].set(jnp.nan)
@@ -735,7 +740,7 @@ def test_walk_variants_equal_default(rng, compiled, role, variant):
     d = 128
   x, w1, _, _ = _problem(rng, T, d, n, E, 2, "swiglu")
   ids = jnp.asarray(rng.permutation(np.repeat(np.arange(E), counts)).reshape(T, 2), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   assert int(layout.num_tiles) % 2 == 1
   act = acts.get_activation("swiglu")
   w2 = jnp.asarray(rng.standard_normal((E, n, d)) / np.sqrt(n), jnp.bfloat16)
@@ -770,7 +775,7 @@ def _lowering_cases():
   from sonic_jax.mosaic_gpu.grouped_gemm import GroupedGemmConfig
   E, d, n, T = 4, 256, 256, 1000
   ids = jnp.asarray(np.random.default_rng(0).integers(0, E, (T, 2)), jnp.int32)
-  layout = build_grouped_layout(ids, E, 128)
+  layout = _layout(ids, E, 128)
   R, bf = layout.num_rows, jnp.bfloat16
   spec = lambda *shape, dtype=bf: jax.ShapeDtypeStruct(shape, dtype)
   dh_specs = lambda width: (spec(T, d), spec(R, width), spec(R, dtype=jnp.float32), spec(E, n, d))
@@ -865,7 +870,7 @@ def test_backend_lowers_under_x64():
   from sonic_jax.experts import expert_mixture
   from sonic_jax.mosaic_gpu.backend import make_backend
   E, d, n, T = 4, 256, 256, 256
-  layout = build_grouped_layout(jnp.asarray(np.arange(2 * T).reshape(T, 2) % E, jnp.int32), E,
+  layout = _layout(jnp.asarray(np.arange(2 * T).reshape(T, 2) % E, jnp.int32), E,
                                 128)
   impl = make_backend(XLA, sonic_jax.Config())
   swiglu = acts.get_activation("swiglu")
@@ -893,7 +898,7 @@ def test_dw2_gathering_d_out_matches_reference(rng, compiled, n):
   from sonic_jax.mosaic_gpu import weight_grad as wg
   T, E, d = (120, 4, 128) if not compiled else (3000, 8, 512)
   ids = np.stack([rng.integers(0, E - 1, T), rng.integers(0, E - 1, T)], 1)  # the last: empty
-  layout = build_grouped_layout(jnp.asarray(ids, jnp.int32), E, 128)
+  layout = _layout(jnp.asarray(ids, jnp.int32), E, 128)
   d_out = jnp.asarray(rng.standard_normal((T, d)), jnp.bfloat16)
   a_s = jnp.where(layout.row_valid()[:, None],
                   jnp.asarray(rng.standard_normal((layout.num_rows, n)), jnp.bfloat16), 0)

@@ -1,4 +1,5 @@
-"""Expert parallelism (sonic_jax.parallel) on 8 CPU devices: equals the single-device op
+"""Expert parallelism (sonic_jax.parallel, the layer's expert_parallel_axis) on 8 or 4 CPU
+devices: equals the single-device op. Each script's docstring lists its checks
 (`benchmarks/ep_bench.py` checks the schemes against one GPU on GPUs)."""
 
 import os
@@ -41,14 +42,17 @@ def test_expert_parallel_matches_single_device():
 
 
 def test_capacity_drops_and_data_parallel_mesh():
-  """Both schemes with a capacity that drops pairs (the all-to-all's against a model of its slots,
-  the all-gather's against the single-device op), and a (data, ep) mesh under scan + checkpoint."""
+  """Arguments the ops refuse by name; both schemes with a capacity that drops pairs (the
+  all-to-all's against a model of its slots, the all-gather's against the single-device op, with
+  softmax and with Llama 4's router), and a (data, ep) mesh under scan + checkpoint."""
   _run("ep_capacity_check.py")
 
 
 def test_flax_layer_matches_single_device():
-  """Both schemes (one process: they share the single-device references): under a user's
-  shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the layer adding its
-  own shard_map; eagerly under set_mesh with unplaced parameters. Then, without expert
-  parallelism: split operands of `moe`, and the layer data parallel under set_mesh."""
+  """The layer, both schemes (one process: they share the single-device references): under a
+  user's shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the layer
+  adding its own shard_map; eagerly under set_mesh with unplaced parameters; inside a lax.scan;
+  the all-gather scheme with a capacity. Then mixed axis types refused, and without expert
+  parallelism: split expert weights refused, split operands of `moe`, `moe` vmapped over a split
+  batch, the layer data parallel under set_mesh, the sequence-wise balance loss."""
   _run("ep_layer_check.py", "all_to_all", "all_gather")

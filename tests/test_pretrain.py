@@ -1,6 +1,9 @@
 """The example pretraining script: the tiny configuration learns the corpus on a CPU and resumes;
 SIGTERM checkpoints and exits, a resumed run never repeats a metrics row; sample.py generates from
-a checkpoint; the BPE tokenizer, the attention choice and the OLMoE-shaped preset's counts."""
+a checkpoint; the BPE tokenizer and a BPE run, the attention choice, the OLMoE-shaped preset's
+counts, the flags refused before any work; the sharding rules and sharded training (expert
+parallel with FSDP and gradient accumulation, two processes; the ragged_dot baseline) tracking one
+device; the baseline layer and the output projection's backward against references."""
 
 import csv
 import importlib

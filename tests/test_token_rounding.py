@@ -185,6 +185,7 @@ def test_layer_rounds_in_training_and_uses_top_k_in_eval(rng):
       x.reshape(-1, 32), layer.router[...], layer.w1[...], layer.w2[...])
   np.testing.assert_allclose(np.asarray(y_eval).reshape(-1, 32), np.asarray(y_plain), rtol=1e-6,
                              atol=1e-6)
+  assert np.all(np.isfinite(np.asarray(y_train)))
   assert not np.allclose(np.asarray(y_train), np.asarray(y_eval))
   layer.train()
   assert call(layer, x)[1].stats.extra_tokens.shape[0] > 0
