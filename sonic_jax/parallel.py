@@ -24,8 +24,8 @@ Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d a
 routing of all P*T_local tokens (from their logits) on every device; the all-to-all moves (P-1)*S
 with S = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless. So
 all-gather moves less while P < c*K (dropless, the all-to-all moves at least as much), and
-all-to-all wins beyond; it also keeps the routing, the row gathers and the saved activations per device
-independent of P (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
+all-to-all wins beyond; it also keeps the routing, the row gathers and the saved activations per
+device independent of P (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
 """
 
 from __future__ import annotations

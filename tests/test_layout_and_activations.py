@@ -44,6 +44,7 @@ def test_grouped_layout_invariants(rng, row_tile, kind, method):
     assert np.all(np.diff(pairs) > 0)
     np.testing.assert_array_equal(lay.row_token[real], pairs // S)
     assert np.all(lay.row_pair[rows[counts[e]:]] == -1)
+    assert np.all(lay.row_token[rows[counts[e]:]] == pairs[:1] // S)  # padding: its first token
     assert np.all(lay.row_expert[rows] == e)
   # Every tile belongs to one expert; tiles past the used ones are marked E.
   np.testing.assert_array_equal(lay.row_expert.reshape(-1, row_tile), lay.tile_expert[:, None]
