@@ -12,16 +12,16 @@ benchmarks/results/.
 With P devices (all of `jax.devices()`, or --devices), each configuration gives the work of one
 device: T_local tokens per device, E experts in all (E/P per device), K per token. The run opens
 with a correctness check of the dropless schemes against the single-device op at a small float32
-size. Then, measured forward and forward+backward (median of repeated samples after warm-up, all of a
-configuration's programs timed in alternating rounds, a sample --sample_ms (200) of back-to-back
-calls, the sustained rate a training loop sees):
+size. Then, measured forward and forward+backward (median of repeated samples after warm-up, all
+of a configuration's programs timed in alternating rounds, a sample --sample_ms (200) of
+back-to-back calls, the sustained rate a training loop sees):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
 - over P devices, P*T_local tokens: `moe_all_to_all` dropless (`all_to_all`) and at capacity
   factor 1.25 (with its dropped pairs), and `moe_all_gather`;
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
-  receives over the links / time): each exchange (balanced routing), the all-gather of x and the
-  combine (the all-to-all of the partial outputs and their float32 sum);
+  receives over the links / time): each exchange (whole slots, whatever the routing), the
+  all-gather of x and the combine (the all-to-all of the partial outputs and their float32 sum);
 - (--profile, on by default) one traced training step of `moe_all_gather`, GPU 0's time split into
   communication (NCCL kernels and copies between GPUs), computation and communication hidden under
   computation.
@@ -78,7 +78,7 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
                      "(400 Gb/s InfiniBand NDR), for the extrapolation to several nodes")
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
-                    "its first word (all_to_all: its three variants); default: all")
+                    "its first word (all_to_all: its two variants); default: all")
   flags.DEFINE_bool("memcpy_p2p", None, "compile the sharded programs with XLA's "
                     "xla_gpu_use_memcpy_local_p2p: copies between the GPUs of this process "
                     "(all-to-alls, collective permutes) by the copy engines instead of NCCL "
@@ -342,8 +342,8 @@ def extrapolate(res, scheme, devices, inter_node_gbps):
 
 
 def scheme_names(res):
-  """The schemes of `SCHEMES` that a configuration's results hold (a results file may hold a
-  scheme that `SCHEMES` does not, measured and removed: docs/decisions.md)."""
+  """The schemes of `SCHEMES` that a configuration's results hold (benchmarks/results/ files
+  also hold "all_to_all ragged", a transport docs/decisions.md records, which `SCHEMES` lacks)."""
   return [k for k, v in res.items() if k in SCHEMES and isinstance(v, dict) and "fwdbwd_ms" in v]
 
 

@@ -14,7 +14,6 @@ import pytest
 from cases import export_for_h100
 from oracle import rel_err
 from sonic_jax import xla_backend
-from sonic_jax.layout import build_grouped_layout
 from sonic_jax.mosaic_gpu import gather_sum as gs
 from test_mosaic_gpu import MODES, _layout, kernel_mode
 

@@ -101,6 +101,14 @@ def test_counting_sort_places_extras_grouped_by_expert(rng, compiled, t, s, e, j
   want = build(ids, e, row_tile, tokens, experts, extras_by_expert=True, method="sort")
   for name, a, b in zip(got._fields, got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  # Padding rows read the token of their expert's first row (an extra pair's where it has no
+  # slot pairs), rows past the used tiles token 0.
+  row_token, row_pair = np.asarray(got.row_token), np.asarray(got.row_pair)
+  sizes = np.asarray(got.group_sizes)
+  for first, size in zip(np.cumsum(sizes) - sizes, sizes):
+    pad = np.arange(first, first + size)[row_pair[first:first + size] < 0]
+    assert np.all(row_token[pad] == row_token[first])
+  assert np.all(row_token[sizes.sum():] == 0)
   # The entry naming another expert is unused; the others are where the plain sort puts them.
   if e > 1:
     assert int(got.extra_token[0]) == t

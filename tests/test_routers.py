@@ -358,15 +358,19 @@ def test_routed_experts_without_pairs_and_route_checks_its_router(rng):
     sonic_jax.routed_experts(x, jnp.zeros((6, 1), jnp.int32), jnp.ones((6, 1)), w1[:0], w2[:0])
 
 
-def test_a_nan_in_token_0_reaches_only_its_experts_gradients(rng):
-  """A NaN in token 0's row of x, or of the output's cotangent, reaches only the weight gradients
-  of the experts token 0 is routed to, not every expert whose rows are padded (the xla backend
-  masks padding rows; the Mosaic GPU form is `test_weight_grad_padding_reads_its_experts_token`)."""
+def test_the_xla_backend_masks_padding_rows(rng):
+  """The xla backend masks padding rows in its gradients, whatever token they read: on a layout
+  whose padding rows all read token 0 (`build_grouped_layout` gives them a token of their own
+  expert), a NaN in token 0's row of x, or of the output's cotangent, reaches only the weight
+  gradients of the experts token 0 is routed to (the Mosaic GPU kernels' padding:
+  `test_weight_grad_padding_reads_its_experts_token`)."""
   x, w1, w2 = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                for s in ((16, 16), (4, 16, 16), (4, 8, 16)))
   ids = jnp.array([[0, 1]] + [[2, 3]] * 15)  # token 0 alone on experts 0 and 1
-  f = lambda x, w1, w2: sonic_jax.routed_experts(x, ids, jnp.ones((16, 2)), w1, w2, b2=jnp.zeros(
-      (4, 16)), backend="xla")[0]
+  layout = sonic_jax.build_grouped_layout(ids, 4, 32)
+  layout = layout._replace(row_token=jnp.where(layout.row_valid(), layout.row_token, 0))
+  f = lambda x, w1, w2: sonic_jax.expert_mixture(x, jnp.ones((16, 2)), layout, w1, w2,
+                                                 b2=jnp.zeros((4, 16)), backend="xla")
 
   @jax.jit
   def grads(x, w1, w2):
