@@ -501,8 +501,8 @@ class RoundedRouting(NamedTuple):
   probs: Array  # (T, E) router probabilities (softmax over all E)
 
 
-def extra_pairs_per_expert(mode: str, tile: int, num_tokens: int | None = None) -> int:
-  """Static bound J on the pairs that rounding adds to one expert (at most T when given)."""
+def extra_pairs_per_expert(mode: str, tile: int, num_tokens: int) -> int:
+  """Static bound J on the pairs that rounding adds to one expert (at most T, the tokens)."""
   return rounding_select.added_bound(mode, tile, num_tokens)
 
 

@@ -96,11 +96,10 @@ def order_bits(v):
   return jnp.where(bits < 0, 0, bits)
 
 
-def added_bound(mode: str, tile: int, num_tokens: int | None = None) -> int:
+def added_bound(mode: str, tile: int, num_tokens: int) -> int:
   """The most pairs the mode can add to one expert: its target is at most tile - 1 ("up") or
   tile // 2 ("nearest") past its TC count, and at most T."""
-  bound = {"down": 0, "up": tile - 1, "nearest": tile // 2}[mode]
-  return bound if num_tokens is None else min(bound, num_tokens)
+  return min({"down": 0, "up": tile - 1, "nearest": tile // 2}[mode], num_tokens)
 
 
 def target_count(counts, tile: int, mode: str, num_tokens: int):
