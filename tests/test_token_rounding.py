@@ -306,6 +306,26 @@ def test_selection_target_rounds_half_to_even():
                                   np.minimum(want(np.arange(400) / 32) * 32, 390).astype(int))
 
 
+def test_without_the_triton_lowering_the_kernel_paths_say_so(monkeypatch):
+  """Where Pallas's Triton lowering is missing (`sonic_jax.pallas.TRITON_AVAILABLE`), asking for
+  a Pallas kernel names why it cannot run, and "auto" takes the XLA paths."""
+  from sonic_jax import layout
+  from sonic_jax.pallas import layout_ranks, rounding_select, router_topk
+  for module in (layout_ranks, rounding_select, router_topk):
+    monkeypatch.setattr(module, "AVAILABLE", False)
+  missing = "Triton lowering is not available"
+  ids = jnp.zeros((8, 2), jnp.int32)
+  with pytest.raises(ValueError, match=missing):
+    layout.build_grouped_layout(ids, 4, 32, method="block_ranks")
+  routed = routing_lib.route(jnp.zeros((8, 4)), 2, "softmax_topk")
+  with pytest.raises(ValueError, match=missing):
+    routing_lib.round_tokens(routed, 32, "nearest", "kernel")
+  assert missing in routing_lib.fused_top_k_unsupported(
+      jnp.zeros((8, 16), jnp.bfloat16), jnp.zeros((16, 4), jnp.bfloat16), 2, "softmax_topk",
+      gpu_only=False)
+  assert routing_lib.round_tokens(routed, 32, "nearest").expert_ids.shape == (8, 2)
+
+
 def test_selection_kernel_refusals_and_lowering():
   from cases import export_for_h100
   from sonic_jax.pallas import rounding_select
