@@ -17,14 +17,14 @@ of a configuration's programs timed in alternating rounds, a sample --sample_ms 
 back-to-back calls, the sustained rate a training loop sees):
 - `single`: `sonic_jax.moe` on one device with T_local tokens and all E experts: the same pairs per
   device as the sharded layers (T_local*K on average) without communication;
-- over P devices, P*T_local tokens: `moe_all_to_all` dropless (`all_to_all`) and at capacity
-  factor 1.25 (with its dropped pairs), and `moe_all_gather`;
+- over P devices, P*T_local tokens: `moe_all_to_all` and `moe_all_gather`, each dropless and at
+  capacity factor 1.25 (with its dropped pairs);
 - the collectives alone at the layers' sizes, with their bandwidth (bytes each device sends or
   receives over the links / time): each exchange (whole slots, whatever the routing), the
   all-gather of x and the combine (the all-to-all of the partial outputs and their float32 sum);
-- (--profile, on by default) one traced training step of `moe_all_gather`, GPU 0's time split into
-  communication (NCCL kernels and copies between GPUs), computation and communication hidden under
-  computation.
+- (--profile, on by default) one traced training step of the dropless `moe_all_gather`, GPU 0's
+  time split into communication (NCCL kernels and copies between GPUs), computation and
+  communication hidden under computation.
 At P = 2 (--memcpy_p2p's default) the sharded programs compile with XLA's
 `xla_gpu_use_memcpy_local_p2p` (copies between the GPUs by their copy engines), at other P
 without it (NCCL's kernels): the faster transport at each P measured (docs/decisions.md).
@@ -58,6 +58,7 @@ SCHEMES = {
     "all_to_all": (moe_all_to_all, {}),
     f"all_to_all c={CAPACITY_FACTOR}": (moe_all_to_all, dict(capacity_factor=CAPACITY_FACTOR)),
     "all_gather": (moe_all_gather, {}),
+    f"all_gather c={CAPACITY_FACTOR}": (moe_all_gather, dict(capacity_factor=CAPACITY_FACTOR)),
 }
 
 # The compiler option the layer's expert parallelism is measured with at P = 2 (docs/design.md).
@@ -78,7 +79,8 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
                      "(400 Gb/s InfiniBand NDR), for the extrapolation to several nodes")
   flags.DEFINE_string("out", "bench_out", "output folder")
   flags.DEFINE_list("schemes", None, f"schemes to run, of {list(SCHEMES)}, each by its name or "
-                    "its first word (all_to_all: its two variants); default: all")
+                    "its first word (all_to_all or all_gather: dropless and with a capacity); "
+                    "default: all")
   flags.DEFINE_bool("memcpy_p2p", None, "compile the sharded programs with XLA's "
                     "xla_gpu_use_memcpy_local_p2p: copies between the GPUs of this process "
                     "(all-to-alls, collective permutes) by the copy engines instead of NCCL "
@@ -261,7 +263,7 @@ def run_config(cfg, devices, backend, runs, options=None, profile=False):
                  "fwdbwd_tflops_per_device": 3 * flops_per_device / t_fb / 1e12,
                  "layer": "all_gather" if fn is moe_all_gather else "all_to_all",
                  "capacity_factor": kw.get("capacity_factor")}
-    if profile and fn is moe_all_gather:
+    if profile and fn is moe_all_gather and not kw.get("capacity_factor"):
       res[name]["profile"] = profile_step(compiled[(name, "fwdbwd")], placed)
 
   # The collectives alone, at the layers' sizes. Bytes each device sends (all-to-all) or receives

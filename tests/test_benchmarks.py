@@ -197,9 +197,9 @@ def test_token_rounding_bench(tmp_path, monkeypatch):
 
 
 def test_ep_bench_and_ep_options_bench(tmp_path):
-  """ep_bench, the schemes "all_to_all" picks (dropless and with a capacity) and all_gather (each
-  scheme's own correctness: test_parallel.py): the dropless ones checked against one device, all
-  timed, tabulated. Then ep_options_bench, two option sets beside the
+  """ep_bench, every scheme ("all_to_all" and "all_gather" pick each dropless and with a
+  capacity; each scheme's own correctness: test_parallel.py): the dropless ones checked against
+  one device, all timed, tabulated. Then ep_options_bench, two option sets beside the
   single-device step, two sample lengths: timed, tabulated; each set's optimized HLO written."""
   from benchmarks import ep_bench, ep_options_bench
   # Both scripts in one process, so that the persistent compilation cache gives ep_options_bench
@@ -218,7 +218,7 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
   assert set(res["check_max_rel_err"]) == {"all_to_all", "all_gather"}
   assert max(res["check_max_rel_err"].values()) < 1e-5  # every scheme equals one device
   (r,) = res["results"]
-  for scheme in ("all_to_all", "all_to_all c=1.25", "all_gather"):
+  for scheme in ("all_to_all", "all_to_all c=1.25", "all_gather", "all_gather c=1.25"):
     assert r[scheme]["fwdbwd_ms"] > 0 and r[scheme]["communication_ms"] > 0, scheme
   assert r["all_to_all"]["dropped_pairs"] == 0
   assert r["all_gather"]["combine_ms"] > 0 and r["all_gather"]["profile"] is None  # no GPU trace
