@@ -382,6 +382,12 @@ def test_expert_parallel_axis_needs_a_mesh_or_shard_map():
 
 
 def test_expert_parallel_auto_scheme():
-  assert _layer(expert_parallel_axis="ep").expert_parallel_scheme == "all_gather"
+  """"auto" moves fewer rows: all-gather when dropless or while P < c * K, all-to-all beyond."""
+  from sonic_jax.parallel import resolve_scheme
+  assert resolve_scheme("auto", 64, 4) == "all_gather"
+  assert [resolve_scheme("auto", p, 4, 1.25) for p in (2, 4, 5, 8)] == ["all_gather"] * 2 + [
+      "all_to_all"] * 2
+  assert resolve_scheme("auto", 8, 8, 1.25) == "all_gather"
+  assert resolve_scheme("all_to_all", 2, 4) == "all_to_all"
   layer = _layer(expert_parallel_axis="ep", capacity_factor=1.25)
-  assert layer.expert_parallel_scheme == "all_to_all" and layer.capacity_factor == 1.25
+  assert layer.expert_parallel_scheme == "auto" and layer.capacity_factor == 1.25

@@ -20,7 +20,7 @@ from sonic_jax.checks import check_capacity, check_rounding
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array
 from sonic_jax.ops import MoEAux, moe
-from sonic_jax.parallel import EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all
+from sonic_jax.parallel import moe_all_gather, moe_all_to_all, resolve_scheme
 from sonic_jax.precision import dot_f32
 from sonic_jax.varying import varying_axes
 
@@ -153,10 +153,11 @@ class MoE(nnx.Module):
       give them): a shard_map of its own routes each shard's tokens on its own, experts
       replicated, its aux as above. Otherwise the whole call's tokens are routed together.
     expert_parallel_scheme: "auto" (default), "all_to_all" (`sonic_jax.parallel.moe_all_to_all`) or
-      "all_gather" (`moe_all_gather`). "auto" is "all_to_all" when a capacity_factor is given and
-      "all_gather" otherwise: dropless, the gather scheme moves fewer bytes (all-to-all's dropless
-      slots hold the worst case), and it is the faster one on 2 and 4 GPUs (docs/decisions.md);
-      with a capacity factor the all-to-all's traffic stays flat as the axis grows.
+      "all_gather" (`moe_all_gather`). "auto" (`sonic_jax.parallel.resolve_scheme`, at each call,
+      from the expert axis's size P) is the scheme that moves fewer rows: "all_gather" when
+      dropless (all-to-all's dropless slots hold the worst case) or while P < capacity_factor *
+      top_k, "all_to_all" beyond, whose traffic stays flat as the axis grows; the all-gather is
+      the faster one on 2 and 4 GPUs (docs/decisions.md). The attribute keeps the name given.
     capacity_factor: None (dropless) or a number c: on one device each expert keeps at most
       ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText), as it does over the
       expert-parallel axis's tokens with the all-gather scheme; with the all-to-all each (sender,
@@ -277,11 +278,7 @@ class MoE(nnx.Module):
     if excluded:
       raise ValueError(f"fixed_selection=True (a given selection) takes no {excluded}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
-    if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
-      raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
-                       f"{EXPERT_PARALLEL_SCHEMES}, got {expert_parallel_scheme!r}")
-    if expert_parallel_scheme == "auto":
-      expert_parallel_scheme = "all_gather" if capacity_factor is None else "all_to_all"
+    resolve_scheme(expert_parallel_scheme, 1, top_k, capacity_factor)  # refuses a bad name
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     if isinstance(token_axes, str):  # one axis name, not its letters
@@ -426,6 +423,11 @@ class MoE(nnx.Module):
     # the scale whole, as the shared experts' weights (FSDP may split it over the token axis)
     return r * whole(self.router_scale[...]).astype(wide) * r.shape[-1] ** -0.5
 
+  def _scheme(self) -> str:
+    """The expert-parallel scheme over the bound expert axis (inside a shard_map over it)."""
+    devices = jax.lax.axis_size(self.expert_parallel_axis)
+    return resolve_scheme(self.expert_parallel_scheme, devices, self.top_k, self.capacity_factor)
+
   def _routed(self, h, router, w1, w2, b1, b2, router_bias, selection_bias, router_input,
               expert_scale, expert_ids):
     """The routed experts on tokens h (T, d): one device, or this device's part of the axis."""
@@ -437,7 +439,7 @@ class MoE(nnx.Module):
               backend=self.backend, config=self.config)
     if self.expert_parallel_axis is None:
       return moe(h, router, w1, w2, capacity_factor=self.capacity_factor, **kw)
-    if self.expert_parallel_scheme == "all_to_all":
+    if self._scheme() == "all_to_all":
       return moe_all_to_all(h, router, w1, w2, axis_name=self.expert_parallel_axis,
                             capacity_factor=self.capacity_factor, **kw)
     return moe_all_gather(h, router, w1, w2, axis_name=self.expert_parallel_axis,
@@ -498,7 +500,7 @@ class MoE(nnx.Module):
 
     def local(h, *experts):
       y, st = self._routed(h, *experts)
-      if axis is not None and self.expert_parallel_scheme == "all_gather":  # aux of the axis
+      if axis is not None and self._scheme() == "all_gather":  # aux of the axis
         mine = lambda a: jax.lax.dynamic_slice_in_dim(
             a, jax.lax.axis_index(axis) * h.shape[0], h.shape[0], axis=0)
         st = st._replace(expert_ids=mine(st.expert_ids), scores=mine(st.scores),
