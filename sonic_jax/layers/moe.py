@@ -20,7 +20,8 @@ from sonic_jax.checks import check_capacity, check_rounding
 from sonic_jax.config import Config, check_config
 from sonic_jax.layout import check_integer_array
 from sonic_jax.ops import MoEAux, moe
-from sonic_jax.parallel import moe_all_gather, moe_all_to_all, resolve_scheme
+from sonic_jax.parallel import (EXPERT_PARALLEL_SCHEMES, moe_all_gather, moe_all_to_all,
+                                resolve_scheme)
 from sonic_jax.precision import dot_f32
 from sonic_jax.varying import varying_axes
 
@@ -278,7 +279,9 @@ class MoE(nnx.Module):
     if excluded:
       raise ValueError(f"fixed_selection=True (a given selection) takes no {excluded}")
     self.token_rounding, self.deterministic = token_rounding, deterministic
-    resolve_scheme(expert_parallel_scheme, 1, top_k, capacity_factor)  # refuses a bad name
+    if expert_parallel_scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
+      raise ValueError(f"expert_parallel_scheme must be 'auto' or one of "
+                       f"{EXPERT_PARALLEL_SCHEMES}, got {expert_parallel_scheme!r}")
     self.expert_parallel_axis = expert_parallel_axis
     self.expert_parallel_scheme, self.capacity_factor = expert_parallel_scheme, capacity_factor
     if isinstance(token_axes, str):  # one axis name, not its letters
