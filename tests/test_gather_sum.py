@@ -145,7 +145,7 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
   """By default the kernel runs the forward's weighted sum at S >= 16 slots and d >= 4096 only;
   the backward's unweighted sum, fewer slots and a narrower d stay XLA's; the Config's thresholds
   and switch move that line. Token rounding's extra pairs are folded into slot 0 first: no slot
-  is added."""
+  is added (without Pallas's Triton lowering, not at all: XLA's sum adds them)."""
   import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
   calls = []
@@ -175,6 +175,9 @@ def test_backend_aggregation_takes_the_kernel_where_the_config_says(monkeypatch)
                                                     gather_sum_kernel_min_d=2048)) == "kernel"
   assert choice(8, 16, 4096, config=sonic_jax.Config(gather_sum_kernel=False)) == "xla"
   assert len(calls) == 3
+  # Without Pallas's Triton lowering nothing folds the extras: XLA's sum adds them.
+  monkeypatch.setattr(mosaic_backend.extras_sum, "AVAILABLE", False)
+  assert choice(8, 16, 4096, extras=True) == "xla"
 
 
 @pytest.mark.parametrize("compiled", MODES)
