@@ -36,7 +36,6 @@ single GPU's, the communication share, the hidden share, and the layers extrapol
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
@@ -402,11 +401,9 @@ def main(_):
                         results=[])
   print("correctness vs one device (max rel err of output and gradients):",
         out["check_max_rel_err"], flush=True)
-  path = os.path.join(FLAGS.out, grid.results_name(out, "ep"))
   for cfg in configs:
     out["results"].append(run_config(cfg, devices, backend, runs, options, FLAGS.profile))
-    with open(path, "w") as f:
-      json.dump(out, f, indent=1)
+    path = grid.write_record(out, FLAGS.out, "ep")  # after each configuration
     print(table(out["results"][-1:], FLAGS.inter_node_gbps), flush=True)
   print(f"wrote {path}")
 

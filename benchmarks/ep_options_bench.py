@@ -129,12 +129,10 @@ def main(_):
                         option_sets=option_sets, xla_flags=os.environ.get("XLA_FLAGS", ""),
                         results=[])
   os.makedirs(FLAGS.out, exist_ok=True)
-  path = os.path.join(FLAGS.out, grid.results_name(out, "ep_options"))
   for cfg in configs:
     out["results"].append(run_config(cfg, devices, backend, FLAGS.scheme, option_sets,
                                      sample_ms))
-    with open(path, "w") as f:
-      json.dump(out, f, indent=1)
+    path = grid.write_record(out, FLAGS.out, "ep_options")  # after each configuration
     r = out["results"][-1]
     for name, prof in r["profiles"].items():
       if prof:
