@@ -231,6 +231,14 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
   return default
 
 
+def _number(config: Mapping[str, Any], name: str, default: float) -> float:
+  """config[name] as a float (`default` where absent); anything but a real number is refused."""
+  value = config.get(name, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"config[{name!r}] must be a number, got {value!r}")
+  return float(value)
+
+
 def _glu(config: Mapping[str, Any], name: str = "hidden_act") -> str:
   act = config.get(name, "silu")
   if act not in GLU_OF_HIDDEN_ACT:
@@ -505,8 +513,8 @@ def _hunyuan(c, layer):
 
 def _swiglu_oai(c):
   """gpt-oss's clamped SwiGLU from swiglu_alpha and swiglu_limit (by name at its defaults)."""
-  act = acts.clamped_swiglu(alpha=float(c.get("swiglu_alpha", 1.702)),
-                            limit=float(c.get("swiglu_limit", 7.0)))
+  act = acts.clamped_swiglu(alpha=_number(c, "swiglu_alpha", 1.702),
+                            limit=_number(c, "swiglu_limit", 7.0))
   return "clamped_swiglu" if act == acts.ACTIVATIONS["clamped_swiglu"] else act
 
 
@@ -1144,10 +1152,12 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
   missing = [k for k in want if k not in sd]
   extra = [k for k in sd if k not in want]
   if missing or extra:
-    # A whole model's state dict (a real one has 10^5 keys) is named by a few and pointed at
-    # block_state_dict.
+    # A whole model's state dict (a real one has 10^5 keys), or one block's keys with their
+    # model's prefix, is named by a few and pointed at block_state_dict.
+    prefixed = any(k.endswith("." + w) for k in extra for w in want)
     whole = ("; a whole model's state dict? hf.block_state_dict(config, state_dict, layer=...) "
-             "takes one layer's block out of it" if len(extra) > 2 * len(want) else "")
+             "takes one layer's block out of it" if len(extra) > 2 * len(want) or prefixed
+             else "")
     raise ValueError(f"{fam.model_type} block state dict: missing keys {missing}, unexpected "
                      f"keys {_few(extra)} (expected exactly {list(want)}){whole}")
   want_shapes = _param_shapes(config, layer)
@@ -1394,11 +1404,27 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set
                        f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (a checkpoint in "
                        f"several files: read them all)")
     gate, up, down = ([np.asarray(get(per[name][e])) for e in range(count)] for name in names)
+    for name, arrays in zip(names, (gate, up, down)):
+      _check_experts_agree(fam.model_type, [per[name][e] for e in range(count)], arrays)
+    if gate[0].shape[1:] != up[0].shape[1:]:
+      raise ValueError(f"{fam.model_type} block: {per[names[0]][0]} {gate[0].shape} and "
+                       f"{per[names[1]][0]} {up[0].shape} differ in their input width")
     out[fused[0]] = np.stack([np.concatenate([g, u], axis=0) for g, u in zip(gate, up)])
     out[fused[1]] = np.stack(down)
     used.update(k for found in per.values() for k in found.values())
     break
   return out, used
+
+
+def _check_experts_agree(model_type, keys, arrays):
+  """Refuses, by key, the experts stored one by one whose tensor's shape is not the others' (a
+  transposed or truncated tensor) before they are stacked."""
+  shapes = [a.shape for a in arrays]
+  common = max(set(shapes), key=shapes.count)
+  odd = [f"{k} {shape}" for k, shape in zip(keys, shapes) if shape != common]
+  if odd:
+    raise ValueError(f"{model_type} block: experts stored one by one differ in shape: "
+                     f"{_few(odd)}, the others' is {common}")
 
 
 def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,
@@ -1556,8 +1582,9 @@ def moe_layer(config: Mapping[str, Any], state_dict: Mapping[str, Any] | None = 
   checkpoint's memory; the auxiliary losses' coefficients are the layer's defaults,
   not the config's (router_aux_loss_coef and the like, whose loss formulas differ by family), so
   a fine-tuning run passes its own. gate_up_layout, bias_update_rate, layer: as `layer_kwargs`
-  (layer also picks the block's weights in `state_dict`). rngs: default `nnx.Rngs(0)` (the
-  initial values are overwritten when a state dict is given)."""
+  (layer also sets the keys the block's state dict holds: `layer_params_from_hf`). state_dict: the
+  block's, keys relative to it (`block_state_dict` takes it out of a whole model's). rngs: default
+  `nnx.Rngs(0)` (the initial values are overwritten when a state dict is given)."""
   from flax import nnx
   from sonic_jax.layers import MoE
   kw = layer_kwargs(config, gate_up_layout=gate_up_layout, bias_update_rate=bias_update_rate,

@@ -596,6 +596,9 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
     hf.layer_kwargs({k: v for k, v in config.items() if k != "hidden_size"})
   with pytest.raises(TypeError, match="config must be a dict"):
     hf.moe_layer("mixtral")
+  oai = dict(MINIMAL_CONFIGS["gpt_oss"], model_type="gpt_oss", swiglu_limit=None)
+  with pytest.raises(ValueError, match=r"config\['swiglu_limit'\] must be a number, got None"):
+    hf.layer_kwargs(oai)
   layer = _random_layer(config)
   with pytest.raises(ValueError, match="shape"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
@@ -860,6 +863,25 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   few = {k: v for k, v in model.items() if ".experts.3." not in k}
   with pytest.raises(ValueError, match=r"lack \['experts.3.w1.weight'.*several files"):
     hf.block_state_dict(config, few, layer=1)
+  # One expert's tensor transposed, or all gates against all ups: named by key before stacking.
+  odd = dict(model)
+  odd["model.layers.1.block_sparse_moe.experts.2.w3.weight"] = np.asarray(
+      model["model.layers.1.block_sparse_moe.experts.2.w3.weight"]).T
+  with pytest.raises(ValueError, match=r"differ in shape: \['experts.2.w3.weight \(32, 16\)'\], "
+                                       r"the others' is \(16, 32\)"):
+    hf.block_state_dict(config, odd, layer=1)
+  for i in range(e):
+    key = f"model.layers.1.block_sparse_moe.experts.{i}.w1.weight"
+    odd[key] = np.asarray(model[key]).T
+    odd[key.replace("w1", "w3")] = model[key.replace("w1", "w3")]
+  with pytest.raises(ValueError, match=r"experts.0.w1.weight \(32, 16\) and experts.0.w3.weight "
+                                       r"\(16, 32\) differ in their input width"):
+    hf.block_state_dict(config, odd, layer=1)
+  # One block's keys with the model's prefix left on: pointed at block_state_dict.
+  prefixed = {f"model.layers.1.block_sparse_moe.{k}": v
+              for k, v in hf.block_state_dict(config, model, layer=1).items()}
+  with pytest.raises(ValueError, match=r"a whole model's state dict\? hf.block_state_dict"):
+    hf.layer_params_from_hf(config, prefixed, layer=1)
 
 
 # --- on the Hopper kernels, bfloat16 -------------------------------------------------------------
