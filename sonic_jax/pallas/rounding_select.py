@@ -12,13 +12,13 @@ the keys above it and the first ties in token order (a prefix sum). XLA's `lax.t
 T) matrix is a segmented sort of all of it, and ranking the TC pairs a three-key sort.
 
 Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability), where
-bits (`order_bits`) is a float32's bit pattern with -0.0 (any negative) as 0; floats >= 0 order as
-their bit patterns do, so one array holds both regions (key < 0: TC) and each region's order, and
-XLA's reference ranks by the same bits. Outputs: `keep_tc` (E, T) int8, 1 where a TC pair is kept,
-and `added` (E, J) int32, the tokens the expert adds in increasing order, T past its last. It uses
-Pallas's Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE` is False where
-it is gone, and rounding uses the XLA path. Reference: `sonic_jax.routing.round_tokens` with
-method="xla".
+bits (`order_bits`) is a float32's bit pattern with -0.0 (any negative) and NaN as 0; floats >= 0
+order as their bit patterns do, so one array holds both regions (key < 0: TC) and each region's
+order, and XLA's reference ranks by the same bits. Outputs: `keep_tc` (E, T) int8, 1 where a TC
+pair is kept, and `added` (E, J) int32, the tokens the expert adds in increasing order, T past its
+last. It uses Pallas's Triton lowering, deprecated in jax 0.11 but present in 0.11.2; `AVAILABLE`
+is False where it is gone, and rounding uses the XLA path. Reference:
+`sonic_jax.routing.round_tokens` with method="xla".
 """
 
 from __future__ import annotations
@@ -89,11 +89,13 @@ def num_warps(num_tokens: int) -> int:
 def order_bits(v):
   """Integer bit patterns of floats (int64 for float64, else int32 of float32), ordered as the
   values are for v >= 0; -0.0 (and any negative) is 0. Integer ops, so subnormals keep their order
-  where XLA flushes them to zero."""
+  where XLA flushes them to zero. NaN is 0 too: a NaN's bits rank above +inf's, so a token with
+  NaN probabilities (a NaN in its row of x) would be every expert's first to add and its TC pairs
+  the last to drop, spreading its NaN to every expert's weight gradients."""
   wide = v.dtype == jnp.float64
-  bits = lax.bitcast_convert_type(v.astype(jnp.float64 if wide else jnp.float32),
-                                  jnp.int64 if wide else jnp.int32)
-  return jnp.where(bits < 0, 0, bits)
+  v = v.astype(jnp.float64 if wide else jnp.float32)
+  bits = lax.bitcast_convert_type(v, jnp.int64 if wide else jnp.int32)
+  return jnp.where((bits < 0) | jnp.isnan(v), 0, bits)
 
 
 def added_bound(mode: str, tile: int, num_tokens: int) -> int:
