@@ -74,16 +74,26 @@ def test_tiny_config_learns_and_resumes(tmp_path):
   assert {"config", "model", "optimizer"} <= set(os.listdir(tmp_path / "ckpt" / "80"))
   events = os.listdir(tmp_path / "tb")
   assert events and all(e.startswith("events.out.tfevents") for e in events)
-  # Another model in the same workdir is refused before anything is written; with nothing left
-  # to train, the run says so and keeps the saved configuration (the checkpoint's). One process.
+  # Another model in the same workdir is refused before anything is written, as are a workdir
+  # whose ckpt is a file and one whose checkpoint another program wrote (here a step's folder
+  # holding a stray file); with nothing left to train, the run says so and keeps the saved
+  # configuration (the checkpoint's). One process.
+  (tmp_path / "file").mkdir()
+  (tmp_path / "file" / "ckpt").write_text("x")
+  (tmp_path / "other" / "ckpt" / "10").mkdir(parents=True)
+  (tmp_path / "other" / "ckpt" / "10" / "x").write_text("x")
   cases = [cmd[2:4] + ["--steps=90", "--backend=xla", "--d_model=64"],
+           [cmd[2], f"--workdir={tmp_path / 'file'}", "--backend=xla"],
+           [cmd[2], f"--workdir={tmp_path / 'other'}", "--backend=xla"],
            cmd[2:] + ["--eval_every=20"]]
   proc = subprocess.run([sys.executable, "-c", _REFUSE, SCRIPT, json.dumps(cases)],
                         capture_output=True, text=True, timeout=600, env=ENV)
   assert proc.returncode == 0 and "nothing to train: the run is at step 80" in proc.stdout, (
       proc.stderr[-2000:])
-  (refusal, _), = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
-  assert "holds step 80 of another model or tokenizer (model.d_model: 128 -> 64)" in refusal
+  refusals = [json.loads(line)[0] for line in proc.stdout.splitlines() if line.startswith("[")]
+  assert "holds step 80 of another model or tokenizer (model.d_model: 128 -> 64)" in refusals[0]
+  assert f"--workdir: {tmp_path / 'file' / 'ckpt'} is not a directory" in refusals[1]
+  assert "its checkpoint of step 10 holds no configuration that train.py wrote" in refusals[2]
   assert json.loads((tmp_path / "config.json").read_text()) == config
 
 
@@ -313,9 +323,9 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   tokens), the tokenizer saved with the run, sample.py loading the model alone from the latest
   checkpoint, its config from inside it, and decoding with the tokenizer (the cache that a resume
   loads: test_bpe_tokenizer_round_trips_deterministic_and_cached); a step without a checkpoint is
-  refused naming those there are. The model's blocks are stacked,
-  scanned and rematerialised; it trains with token rounding and evaluates (and samples) with
-  top-K routing."""
+  refused naming those there are, one that train.py did not write too. The model's blocks are
+  stacked, scanned and rematerialised; it trains with token rounding and evaluates (and samples)
+  with top-K routing."""
   cmd = [sys.executable, SCRIPT, "--config=tiny", f"--workdir={tmp_path}", "--steps=40",
          "--eval_every=40", "--warmup=5", "--backend=xla", "--tokenizer=bpe", "--vocab_size=512",
          "--corpus_bytes=400000", "--plot=false", "--tensorboard=false", "--remat=dots",
@@ -354,6 +364,13 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   assert "(the text that --corpus_dir and --corpus_bytes choose)" in proc.stderr
   assert "BPE" not in proc.stdout
   assert (tmp_path / "tokenizer.json").read_bytes() == saved
+  # A step's folder that train.py did not write (here holding a stray file): refused by sample.py.
+  (tmp_path / "ckpt" / "7").mkdir()
+  (tmp_path / "ckpt" / "7" / "x").write_text("x")
+  proc = subprocess.run([sys.executable, SAMPLE, f"--workdir={tmp_path}", "--step=7"],
+                        capture_output=True, text=True, timeout=600, env=ENV)
+  assert proc.returncode == 1 and "step 7 in" in proc.stderr, proc.stderr[-2000:]
+  assert "holds no configuration that train.py wrote" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_shard_spec_rules():

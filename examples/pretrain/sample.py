@@ -56,7 +56,11 @@ def load_model(workdir, step=None, backend=None, attention="auto"):
   elif step not in ckpt.all_steps():
     raise app.UsageError(f"no checkpoint of step {step} in {workdir}/ckpt (it holds steps "
                          f"{sorted(ckpt.all_steps())})")
-  config = ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  try:
+    config = ckpt.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+  except (KeyError, ValueError, OSError) as e:  # another program's checkpoint, or a partial one
+    raise app.UsageError(f"the checkpoint of step {step} in {workdir}/ckpt holds no configuration "
+                         f"that train.py wrote ({type(e).__name__}: {e})") from e
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   model_cfg = {k: v for k, v in config["model"].items() if k in fields}
   # One device: no expert-parallel mesh axis; no token rounding (evaluation routes top-K).

@@ -563,9 +563,12 @@ def run():
     os.makedirs(FLAGS.workdir, exist_ok=True)
   except OSError as e:
     raise app.UsageError(f"--workdir: {e}") from e
+  ckpt_dir = os.path.abspath(os.path.join(FLAGS.workdir, "ckpt"))
+  if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):  # orbax would train, then hang
+    raise app.UsageError(f"--workdir: {ckpt_dir} is not a directory")
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   # --checkpoint_every=0 writes no checkpoint, so it makes no ckpt/ (a run there still resumes).
-  ckpt = ocp.CheckpointManager(os.path.abspath(os.path.join(FLAGS.workdir, "ckpt")),
+  ckpt = ocp.CheckpointManager(ckpt_dir,
                                item_names=("model", "optimizer", "config"),
                                options=ocp.CheckpointManagerOptions(
                                    max_to_keep=2, create=bool(s["checkpoint_every"])))
@@ -595,7 +598,13 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   # Python versions): a resume on other text is refused.
   s["corpus_digest"] = hashlib.sha256(corpus.tobytes()).hexdigest()[:16]
   if start:  # refused before the tokenizer's work, which would write into this workdir
-    saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    try:
+      saved = ckpt.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+          "config"]
+    except (KeyError, ValueError, OSError) as e:  # another program's checkpoint, or a partial one
+      raise app.UsageError(
+          f"--workdir={FLAGS.workdir}: its checkpoint of step {start} holds no configuration "
+          f"that train.py wrote ({type(e).__name__}: {e}): pass a new --workdir") from e
     _, refused = refused_changes(saved, run_config(s), s, vocab_known=False)
     if refused:
       refuse_resume(refused)
@@ -611,11 +620,16 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   if min(len(train), len(heldout)) <= s["seq_len"] + 1:
     raise app.UsageError(f"--seq_len ({s['seq_len']}) needs more tokens than the corpus's "
                          f"{len(heldout)} held-out ones: raise --corpus_bytes")
+  routing = "".join(f", {name} {value}" for name, value in (
+      ("token rounding", cfg.token_rounding), ("capacity factor", cfg.capacity_factor))
+                     if value is not None)
+  accum = f" in {FLAGS.grad_accum} micro-batches" if FLAGS.grad_accum > 1 else ""
   say(f"{jax.devices()[0].device_kind}; {attention} attention; model d={cfg.d_model}, "
       f"{cfg.num_layers} layers, {cfg.num_heads} heads, E={cfg.num_experts} experts of "
-      f"n={cfg.expert_dim}, K={cfg.top_k}, vocabulary {cfg.vocab_size}, "
-      f"{active_params(cfg) / 1e6:.1f}M active parameters ({FLAGS.workdir}/config.json has every "
-      f"setting); {s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens, lr {s['lr']:g}")
+      f"n={cfg.expert_dim}, K={cfg.top_k}{routing}, vocabulary {cfg.vocab_size}, "
+      f"{active_params(cfg) / 1e6:.1f}M active parameters (every setting goes to "
+      f"{FLAGS.workdir}/config.json); {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
+      f"tokens{accum}, lr {s['lr']:g}")
   # The warm-up's first update already moves the weights: lr / (warmup + 1), not 0.
   schedule = optax.warmup_cosine_decay_schedule(s["lr"] / (s["warmup"] + 1), s["lr"], s["warmup"],
                                                 s["steps"], end_value=0.1 * s["lr"])
