@@ -75,8 +75,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
     "dh": [_WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80)),
            ("wide_h_loads", ("staged", "registers")),
            # Pingpong: a warpgroup a whole 128 x 128 tile, its epilogue under the other's mainloop.
-           (("schedule", "block_n", "cluster_m", "num_stages"),
-            (("pingpong", 128, 1, 4), ("pingpong", 128, 1, 6)))],
+           (("schedule", "block_n", "num_stages"), (("pingpong", 128, 4), ("pingpong", 128, 6)))],
     "dx": [_CLUSTER, _WALK, ("num_stages", (3, 4))],
     "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4)), ("indices_before_wait", (False,))],
 }

@@ -202,6 +202,11 @@ def test_pingpong_takes_whole_tiles_and_halved_blocks():
       config(pingpong)
   with pytest.raises(ValueError, match="block_n=128"):
     dh.DhProjectionConfig(gemm=pingpong, block_n=256)
+  # The roles that gather their rows run unclustered.
+  with pytest.raises(ValueError, match=r"dH runs unclustered \(cluster_m=1\), got cluster_m=2"):
+    dh.DhProjectionConfig(gemm=GroupedGemmConfig(cluster_m=2))
+  with pytest.raises(ValueError, match=r"up-projection runs unclustered \(cluster_m=1\)"):
+    up.UpProjectionConfig(GroupedGemmConfig(cluster_m=2))
   with pytest.raises(ValueError, match="schedule"):
     GroupedGemmConfig(schedule="alternate")
   with pytest.raises(ValueError, match="grid_band"):
@@ -699,9 +704,9 @@ def test_weight_grad_padding_reads_its_experts_token(rng, compiled):
   assert rel_err(got[:3], want[:3]) < 1e-2
 
 
-# (role, variant): every role in 2-CTA clusters, and the row-band tile walk (with and without
-# clusters) for the roles whose tables use it.
-WALK_CASES = ([(role, "cluster") for role in ["up", "down", "dh", "dx"]]
+# (role, variant): the roles that run 2-CTA clusters (not those that gather their rows: up, dH),
+# and the row-band tile walk (with and without clusters).
+WALK_CASES = ([(role, "cluster") for role in ["down", "dx"]]
               + [(role, "m_band") for role in ["up", "down", "dh", "dx"]]
               + [("dx", "m_band+cluster")])
 # Bands of 3 (not a power of two: planar_snake's branchless path) over 8 row tiles or 4 tile pairs
@@ -709,9 +714,9 @@ WALK_CASES = ([(role, "cluster") for role in ["up", "down", "dh", "dx"]]
 WALK_VARIANTS = {"cluster": {"cluster_m": 2}, "m_band": {"grid_band": "m", "grid_tile_width": 3},
                  "m_band+cluster": {"grid_band": "m", "grid_tile_width": 3, "cluster_m": 2}}
 # Interpreted, a subset: the walk is the core's (`grouped_gemm`'s tile loop), the same for every
-# role, so each variant at least once, over a gathered A (up, dH), a plain one (down) and a
+# role, so each variant at least once, over a gathered A (dH), a plain one (down) and a
 # transposed B (dX); compiled, every case.
-WALK_INTERPRETED = [("up", "cluster"), ("down", "cluster"), ("down", "m_band"), ("dh", "m_band"),
+WALK_INTERPRETED = [("down", "cluster"), ("down", "m_band"), ("dh", "m_band"),
                     ("dx", "m_band+cluster")]
 WALK_PARAMS = ([pytest.param(role, variant, False, id=f"{role}-{variant}-interpret")
                 for role, variant in WALK_INTERPRETED]
@@ -820,31 +825,23 @@ def _lowering_cases():
   cases["weight_grad-128x128-cluster"] = (
       lambda a, b: wgrad.weight_grad(a, b, layout, wgrad.WeightGradConfig(
           block_n=128, cluster=2)), (spec(T, d), spec(R, n)))
-  # 2-CTA clusters with B multicast, in each role of the core (gathered and TMA A operands).
+  # 2-CTA clusters with B multicast, in the roles that run them.
   cluster = GroupedGemmConfig(cluster_m=2)
-  cases["up-swiglu-cluster"] = (
-      lambda x, w, b: up.up_projection(x, w, b, layout, swiglu, "concat",
-                                       config=up.UpProjectionConfig(cluster)),
-      (spec(T, d), spec(E, d, 2 * n), spec(E, 2 * n)))
   cases["down-cluster"] = (
       lambda a, w, b: down.down_projection(a, w, b, layout, down.DownProjectionConfig(cluster)),
       (spec(R, n), spec(E, n, d), spec(E, d)))
-  cases["dh-swiglu-cluster"] = (
-      lambda a, h, s, w: dh.dh_projection(a, h, s, w, layout, swiglu,
-                                          config=dh.DhProjectionConfig(gemm=cluster)),
-      dh_specs(2 * n))
   cases["dx-cluster"] = (lambda g, w: dx.dx_projection(g, w, layout, dx.DxProjectionConfig(cluster)),
                          (spec(R, 2 * n), spec(E, d, 2 * n)))
   return cases
 
 
 LOWERING_CASES = [
-    "up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq", "up-swiglu-cluster",
+    "up-swiglu", "up-swiglu-interleaved", "up-gelu", "up-relu_sq",
     "up-clamped_swiglu-interleaved", "up-geglu_tanh", "dh-clamped_swiglu-interleaved-128",
     "dh-clamped_swiglu", "dh-geglu_tanh",
     "down", "down-cluster", "dx", "dx-cluster",
     "dh-swiglu", "dh-gelu", "dh-relu_sq", "dh-swiglu-interleaved-128", "dh-swiglu-interleaved-256",
-    "dh-swiglu-wide-staged", "dh-swiglu-wide-registers", "dh-swiglu-pingpong", "dh-swiglu-cluster",
+    "dh-swiglu-wide-staged", "dh-swiglu-wide-registers", "dh-swiglu-pingpong",
     "weight_grad", "weight_grad-transposed", "weight_grad-indices_after_wait",
     "weight_grad-128x128-cluster"]
 

@@ -51,6 +51,9 @@ def test_bad_tables_are_refused():
     _table(_entry("weight_grad", 768, 256, 8, grid_tile_width=2))
   with pytest.raises(ValueError, match="not tunable"):  # the core's field, not the varlen-K one's
     _table(_entry("weight_grad", 768, 256, 8, cluster_m=2))
+  for role in ("up", "dh"):  # the roles that gather their rows run unclustered
+    with pytest.raises(ValueError, match="not tunable"):
+      _table(_entry(role, 768, 256, 8, cluster_m=2))
   with pytest.raises(ValueError, match="not tunable"):  # dH's own field, on another role
     _table(_entry("dx", 768, 256, 8, wide_h_loads="registers"))
   with pytest.raises(ValueError, match="lacks"):

@@ -45,6 +45,8 @@ class DhProjectionConfig:
   wide_h_loads: str = "staged"
 
   def __post_init__(self):
+    if self.gemm.cluster_m != 1:  # slower, cooperative or pingpong (docs/decisions.md, "dH")
+      raise ValueError(f"dH runs unclustered (cluster_m=1), got cluster_m={self.gemm.cluster_m}")
     if self.gemm.schedule == "pingpong" and self.block_n != PREFETCH_BLOCK_N:
       raise ValueError(f"a pingpong dH takes block_n={PREFETCH_BLOCK_N} (a warpgroup holds a whole "
                        f"tile's rows), got {self.block_n}")

@@ -30,10 +30,13 @@ GEMM_FIELDS = ("num_stages", "grid_tile_width", "grid_band", "memory_registers",
                "schedule")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster", "indices_before_wait")
 DH_FIELDS = ("wide_h_loads", "block_n")  # DhProjectionConfig's own, next to the GEMM fields
-# Only dH runs the pingpong schedule: the other GEMM roles take the cooperative one only.
+# Only dH runs the pingpong schedule: the other GEMM roles take the cooperative one only. The
+# roles that gather their rows (up, dH) run unclustered: 2-CTA clusters measured slower there.
 COOPERATIVE_FIELDS = tuple(f for f in GEMM_FIELDS if f != "schedule")
-ROLE_FIELDS = {"up": COOPERATIVE_FIELDS, "down": COOPERATIVE_FIELDS, "dh": GEMM_FIELDS + DH_FIELDS,
-               "dx": COOPERATIVE_FIELDS, "weight_grad": WEIGHT_GRAD_FIELDS}
+GATHERING_FIELDS = tuple(f for f in COOPERATIVE_FIELDS if f != "cluster_m")
+ROLE_FIELDS = {"up": GATHERING_FIELDS, "down": COOPERATIVE_FIELDS,
+               "dh": GATHERING_FIELDS + ("schedule",) + DH_FIELDS, "dx": COOPERATIVE_FIELDS,
+               "weight_grad": WEIGHT_GRAD_FIELDS}
 PACKAGED = os.path.join(os.path.dirname(__file__), "tuned_configs.json")
 
 

@@ -43,6 +43,9 @@ class UpProjectionConfig:
     if self.gemm.schedule != "cooperative":  # a 128 x 128 warpgroup tile reads more per FLOP
       raise ValueError(f"the up-projection runs the cooperative schedule only, got "
                        f"{self.gemm.schedule!r}")
+    if self.gemm.cluster_m != 1:  # no kernel gain, slower in the layer (docs/decisions.md)
+      raise ValueError(f"the up-projection runs unclustered (cluster_m=1), got "
+                       f"cluster_m={self.gemm.cluster_m}")
 
 
 def supports(x, w1, activation: acts.Activation, gate_up_layout: str) -> str | None:
