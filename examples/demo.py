@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +28,7 @@ FLAGS = flags.FLAGS
 
 
 def main(_):
+  logging.set_verbosity(logging.WARNING)  # absl's INFO default would print JAX's backend probing
   T, d, n, E, K = FLAGS.tokens, FLAGS.d, FLAGS.n, FLAGS.experts, FLAGS.top_k
   dtype = jnp.dtype(FLAGS.dtype)
   glu = sonic_jax.ACTIVATIONS[FLAGS.activation].is_glu
