@@ -234,7 +234,7 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = _MISSING, layer:
 def _number(config: Mapping[str, Any], name: str, default: float) -> float:
   """config[name] as a float (`default` where absent); anything but a real number is refused."""
   value = config.get(name, default)
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise ValueError(f"config[{name!r}] must be a number, got {value!r}")
   return float(value)
 
@@ -1155,9 +1155,9 @@ def layer_params_from_hf(config: Mapping[str, Any], state_dict: Mapping[str, Any
     # A whole model's state dict (a real one has 10^5 keys), or one block's keys with their
     # model's prefix, is named by a few and pointed at block_state_dict.
     prefixed = any(k.endswith("." + w) for k in extra for w in want)
-    whole = ("; a whole model's state dict? hf.block_state_dict(config, state_dict, layer=...) "
-             "takes one layer's block out of it" if len(extra) > 2 * len(want) or prefixed
-             else "")
+    whole = ("; a whole model's state dict, or one block's keys with their model's prefix? "
+             "hf.block_state_dict(config, state_dict, layer=...) takes one layer's block out of it"
+             if len(extra) > 2 * len(want) or prefixed else "")
     raise ValueError(f"{fam.model_type} block state dict: missing keys {missing}, unexpected "
                      f"keys {_few(extra)} (expected exactly {list(want)}){whole}")
   want_shapes = _param_shapes(config, layer)
@@ -1420,11 +1420,15 @@ def _check_experts_agree(model_type, keys, arrays):
   """Refuses, by key, the experts stored one by one whose tensor's shape is not the others' (a
   transposed or truncated tensor) before they are stacked."""
   shapes = [a.shape for a in arrays]
-  common = max(set(shapes), key=shapes.count)
-  odd = [f"{k} {shape}" for k, shape in zip(keys, shapes) if shape != common]
-  if odd:
+  common = max(sorted(set(shapes)), key=shapes.count)
+  if len(set(shapes)) == 1:
+    return
+  if 2 * shapes.count(common) > len(shapes):  # the odd ones, against the most experts' shape
+    odd = [f"{k} {shape}" for k, shape in zip(keys, shapes) if shape != common]
     raise ValueError(f"{model_type} block: experts stored one by one differ in shape: "
                      f"{_few(odd)}, the others' is {common}")
+  raise ValueError(f"{model_type} block: experts stored one by one differ in shape: "
+                   f"{_few([f'{k} {shape}' for k, shape in zip(keys, shapes)])}")
 
 
 def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *,

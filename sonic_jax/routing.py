@@ -522,8 +522,9 @@ def round_tokens(routed: RouterOutput, tile: int, mode: str,
   With c_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
   round-half-to-even ("nearest") of c_e / tile, times tile, capped at T. Each expert ranks the
   tokens as SonicMoE does: its token-choice (TC) tokens first, by their score, then the
-  other tokens by raw probability (ties to the lower token; a NaN score or probability ranks as 0,
-  so a token whose row of x holds a NaN is never added and is its TC experts' first to drop), and
+  other tokens by raw probability (ties to the lower token; a NaN score or probability ranks below
+  every number, so a token whose row of x holds a NaN is the first of its TC experts' to drop and
+  the last any other adds: only an expert that takes all T tokens adds it), and
   takes the first target-many. So
   rounding down drops an expert's lowest-scored TC pairs and rounding up adds its most probable
   non-TC tokens; kept TC pairs keep their score, added pairs get their raw softmax probability (both

@@ -599,6 +599,7 @@ def test_converters_refuse_a_state_dict_that_does_not_fit():
   oai = dict(MINIMAL_CONFIGS["gpt_oss"], model_type="gpt_oss", swiglu_limit=None)
   with pytest.raises(ValueError, match=r"config\['swiglu_limit'\] must be a number, got None"):
     hf.layer_kwargs(oai)
+  assert hf.layer_kwargs(dict(oai, swiglu_limit=np.float32(7.0)))["activation"] == "clamped_swiglu"
   layer = _random_layer(config)
   with pytest.raises(ValueError, match="shape"):
     hf.load_into_layer(layer, {**hf.layer_params(layer), "w2": np.zeros((4, 8, 32))})
@@ -870,6 +871,11 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   with pytest.raises(ValueError, match=r"differ in shape: \['experts.2.w3.weight \(32, 16\)'\], "
                                        r"the others' is \(16, 32\)"):
     hf.block_state_dict(config, odd, layer=1)
+  # Half of them transposed: no shape is the others', so every key is named with its shape.
+  key = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+  with pytest.raises(ValueError, match=r"differ in shape: \['experts.0.w3.weight \(16, 32\)', "
+                                       r"'experts.1.w3.weight \(16, 32\)', 'experts.2.w3"):
+    hf.block_state_dict(config, {**odd, key: np.asarray(model[key]).T}, layer=1)
   for i in range(e):
     key = f"model.layers.1.block_sparse_moe.experts.{i}.w1.weight"
     odd[key] = np.asarray(model[key]).T
@@ -880,7 +886,7 @@ def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
   # One block's keys with the model's prefix left on: pointed at block_state_dict.
   prefixed = {f"model.layers.1.block_sparse_moe.{k}": v
               for k, v in hf.block_state_dict(config, model, layer=1).items()}
-  with pytest.raises(ValueError, match=r"a whole model's state dict\? hf.block_state_dict"):
+  with pytest.raises(ValueError, match=r"with their model's prefix\? hf.block_state_dict"):
     hf.layer_params_from_hf(config, prefixed, layer=1)
 
 

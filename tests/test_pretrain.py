@@ -333,6 +333,7 @@ def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "BPE: 512 tokens, trained in" in proc.stdout
+  assert "K=2, token rounding nearest, vocabulary 512," in proc.stdout, proc.stdout
   model = json.loads((tmp_path / "config.json").read_text())["model"]
   assert (model["remat"], model["scan_layers"], model["token_rounding"]) == ("dots", True,
                                                                              "nearest")

@@ -298,20 +298,34 @@ def test_selection_ranks_signed_zeros_and_subnormals_alike(a, b, second):
 
 
 def test_a_nan_token_ranks_last_and_stays_in_its_experts(rng):
-  """A token whose probabilities and scores are NaN (a NaN in its row of x) ranks as one whose
-  are 0, in both selections: never added, its TC pairs the first to drop. Through `moe` rounding
-  up, its NaN reaches the weight gradients of its own experts only."""
+  """A token whose probabilities and scores are NaN (a NaN in its row of x) ranks last in both
+  selections, as one whose are 0 would where no other is: not added while other tokens are left,
+  its TC pairs the first to drop. Through `moe` rounding up, its NaN reaches the weight gradients
+  of its own experts only."""
+
+  def selected(logits, k, modes):
+    routed = route(jnp.asarray(logits, jnp.float32), k, "softmax_topk")
+    as_row = lambda value: routed._replace(probs=routed.probs.at[3].set(value),
+                                           scores=routed.scores.at[3].set(value))
+    for mode in modes:
+      want = round_tokens(as_row(0.0), TILE, mode, "xla")
+      for method in ("xla", "kernel"):
+        got = round_tokens(as_row(jnp.nan), TILE, mode, method)
+        for name in ("expert_ids", "extra_tokens", "extra_experts"):
+          np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                        np.asarray(getattr(want, name)), err_msg=(mode, name))
+    return got
+
+  # Adding: 64 tokens, K = 2 of 8 experts, every expert short of its tile.
   t, e, k = 64, 8, 2
-  routed = route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), k, "softmax_topk")
-  as_row = lambda value: routed._replace(probs=routed.probs.at[3].set(value),
-                                         scores=routed.scores.at[3].set(value))
-  for mode in ("down", "up"):  # "nearest" takes one or the other per expert
-    want = round_tokens(as_row(0.0), TILE, mode, "xla")
-    for method in ("xla", "kernel"):
-      got = round_tokens(as_row(jnp.nan), TILE, mode, method)
-      for name in ("expert_ids", "extra_tokens", "extra_experts"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
-                                      np.asarray(getattr(want, name)), err_msg=(mode, name))
+  got = selected(rng.normal(size=(t, e)), k, ["up"])
+  assert 3 not in np.asarray(got.extra_tokens)
+  # Dropping part of a TC set: 39 tokens (token 3 among them) choose expert 0 and 41 expert 1;
+  # rounding down or to nearest keeps 32 of each, token 3's pair first out.
+  logits = 0.1 * rng.normal(size=(80, 2)) + np.where(np.arange(80)[:, None] < 39, [2, 0], [0, 2])
+  for mode in ("down", "nearest"):
+    ids = np.asarray(selected(logits, 1, [mode]).expert_ids[:, 0])
+    assert ids[3] == -1 and np.sum(ids[:39] == 0) == 32, (mode, ids)
   p, _ = make_problem(rng, t, 32, 16, e, k)
   x, rw, w1, w2 = (jnp.asarray(p[name], jnp.float32) for name in ARG_NAMES[:4])
   x = x.at[3, 5].set(jnp.nan)

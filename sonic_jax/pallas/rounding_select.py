@@ -12,7 +12,7 @@ the keys above it and the first ties in token order (a prefix sum). XLA's `lax.t
 T) matrix is a segmented sort of all of it, and ranking the TC pairs a three-key sort.
 
 Keys, int32 (E, T): a TC pair's is -bits(score) - 1, every other pair's bits(probability), where
-bits (`order_bits`) is a float32's bit pattern with -0.0 (any negative) and NaN as 0; floats >= 0
+bits (`order_bits`) is 1 + a float32's bit pattern, -0.0 (any negative) 1 and NaN 0; floats >= 0
 order as their bit patterns do, so one array holds both regions (key < 0: TC) and each region's
 order, and XLA's reference ranks by the same bits. Outputs: `keep_tc` (E, T) int8, 1 where a TC
 pair is kept, and `added` (E, J) int32, the tokens the expert adds in increasing order, T past its
@@ -87,15 +87,16 @@ def num_warps(num_tokens: int) -> int:
 
 
 def order_bits(v):
-  """Integer bit patterns of floats (int64 for float64, else int32 of float32), ordered as the
-  values are for v >= 0; -0.0 (and any negative) is 0. Integer ops, so subnormals keep their order
-  where XLA flushes them to zero. NaN is 0 too: a NaN's bits rank above +inf's, so a token with
-  NaN probabilities (a NaN in its row of x) would be every expert's first to add and its TC pairs
-  the last to drop, spreading its NaN to every expert's weight gradients."""
+  """Non-negative integers (int64 for float64, else int32 of float32) ordered as the values are:
+  1 + a float's bit pattern for v >= 0, -0.0 (and any negative) 1, NaN 0. Integer ops, so
+  subnormals keep their order where XLA flushes them to zero. NaN ranks below every number: its
+  bits rank above +inf's, so a token with NaN probabilities (a NaN in its row of x) would be every
+  expert's first to add and its TC pairs the last to drop, spreading its NaN to every expert's
+  weight gradients."""
   wide = v.dtype == jnp.float64
   v = v.astype(jnp.float64 if wide else jnp.float32)
   bits = lax.bitcast_convert_type(v, jnp.int64 if wide else jnp.int32)
-  return jnp.where((bits < 0) | jnp.isnan(v), 0, bits)
+  return jnp.where(jnp.isnan(v), 0, jnp.maximum(bits, 0) + 1)
 
 
 def added_bound(mode: str, tile: int, num_tokens: int) -> int:
