@@ -398,12 +398,12 @@ def _normalised(log_v: Array, p: float, epsilon: float) -> Array:
   """v / (||v||_p + epsilon) along the last axis, from log v (-inf for v = 0), in log space: gates
   that all underflow (sigmoid or sqrt-softplus of logits below about -88 in float32) keep finite
   weights and gradients, where the division's gradient overflows (1 / norm^2). A row of zeros
-  gives zeros."""
+  gives zeros; a row with a NaN, NaNs (as the softmax's would), not a silent zero."""
   log_norm = jax.nn.logsumexp(p * log_v, axis=-1, keepdims=True) / p
   if epsilon:
     log_norm = jnp.logaddexp(log_norm, jnp.log(jnp.asarray(epsilon, log_v.dtype)))
-  finite = jnp.isfinite(log_norm)  # -inf: every entry 0 and no epsilon
-  return jnp.where(finite, jnp.exp(log_v - jnp.where(finite, log_norm, 0.0)), 0.0)
+  empty = log_norm == -jnp.inf  # every entry 0 and no epsilon
+  return jnp.where(empty, 0.0, jnp.exp(log_v - jnp.where(empty, 0.0, log_norm)))
 
 
 def _log_softplus(logits: Array) -> Array:
@@ -809,5 +809,7 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
     # No unmasked token: the sums are 0, and so is the loss (as with no tokens), not 0 / 0.
     tokens = jnp.where(jnp.sum(m) > 0, jnp.sum(m), 1)
     tokens_per_expert = jnp.sum(mask * m[:, None, None], axis=0) / tokens
-    prob_per_expert = jnp.sum(probs * m[:, None], axis=0) / tokens
+    # A masked token's row is left out, not multiplied by 0: a NaN there (padding) stays out.
+    prob_per_expert = jnp.sum(jnp.where(m[:, None] != 0, probs * m[:, None], 0),
+                              axis=0) / tokens
   return e_count * jnp.sum(tokens_per_expert * prob_per_expert[None, :])

@@ -392,17 +392,22 @@ def test_layer_kwargs_read_the_config(references, case):
 
 def test_hf_load_balancing_loss_equals_transformers(references):
   """sonic_jax.hf_load_balancing_loss against transformers' load_balancing_loss_func, over two
-  layers' router logits, without and with an attention mask (a Mixtral block's logits)."""
+  layers' router logits, without and with an attention mask (a Mixtral block's logits); a NaN in
+  a masked token's logits stays out of the masked loss."""
   r = references.get("mixtral")
   logits = r["router_logits"]
   layers = [logits, 0.5 * logits]
   k = int(r["top_k"])
   both = jax.jit(lambda layers, mask: (hf_load_balancing_loss(layers, k),
                                        hf_load_balancing_loss(layers, k, attention_mask=mask)))
+  mask = jnp.asarray(r["lb_mask"])
+  padded = int(np.flatnonzero(np.asarray(mask).reshape(-1) == 0)[0])
   with jax.enable_x64(True):
-    plain, masked = both(layers, jnp.asarray(r["lb_mask"]))
+    plain, masked = both(layers, mask)
+    _, masked_nan = both([jnp.asarray(l).at[padded].set(jnp.nan) for l in layers], mask)
   assert rel_err(plain, r["lb_loss"]) < TOL
   assert rel_err(masked, r["lb_loss_masked"]) < TOL
+  assert rel_err(masked_nan, r["lb_loss_masked"]) < TOL
   assert not np.isclose(float(r["lb_loss"]), float(r["lb_loss_masked"]))
 
 

@@ -265,6 +265,11 @@ def test_selection_bias_update_moves_towards_balance():
   stacked.update_selection_bias(jnp.array([[10, 0, 5, 5], [1, 1, 1, 5]]))
   np.testing.assert_allclose(stacked.selection_bias[...],
                              [[-0.1, 0.1, 0, 0], [0.1, 0.1, 0.1, -0.1]])
+  # A layer whose counts are not all finite keeps its bias; the others still move.
+  stacked.update_selection_bias(jnp.array([[np.nan, 0, 5, 5], [1, 1, 1, np.inf]]))
+  stacked.update_selection_bias(jnp.array([[10, 0, 5, 5], [np.inf, 1, 1, 5]]))
+  np.testing.assert_allclose(stacked.selection_bias[...],
+                             [[-0.2, 0.2, 0, 0], [0.1, 0.1, 0.1, -0.1]])
 
 
 def test_linen_bridge(rng):

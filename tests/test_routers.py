@@ -488,7 +488,8 @@ def test_fixed_selection_weighted_by_the_router(rng):
 def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spec):
   """float32 logits far below zero (sigmoid gates near 1e-20, sqrt-softplus ones underflowing to
   0): the renormalised weights and their gradients match the float64 oracle, and the balance
-  loss's gradient is finite, where dividing by the gates' sum gave NaN."""
+  loss's gradient is finite, where dividing by the gates' sum gave NaN. A token's NaN logits give
+  it NaN weights, as a softmax's would, not zeros; the other tokens' stay as they were."""
   logits = (rng.standard_normal((6, 8)) + np.array([[-30], [-45], [-60], [-90], [-110], [0]]))
   cotangent = rng.standard_normal((6, 2))
   ids, weights = route_reference(logits, 2, **spec)
@@ -511,6 +512,11 @@ def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spe
       sonic_jax.routing.route(lg, 2, router).probs, jnp.full((8,), 2)))(
           jnp.asarray(logits, jnp.float32))
   assert np.isfinite(np.asarray(balance)).all()
+  nan_row = jax.jit(lambda lg: sonic_jax.routing.route(lg, 2, router).scores)(
+      jnp.asarray(logits, jnp.float32).at[2].set(jnp.nan))
+  assert np.isnan(np.asarray(nan_row[2])).all()
+  others = lambda a: np.delete(np.asarray(a), 2, axis=0)
+  np.testing.assert_array_equal(others(nan_row), others(w))
 
 
 def test_expert_mixture_checks_its_layout_and_equals_routed_experts(rng):

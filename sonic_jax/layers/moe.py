@@ -543,7 +543,8 @@ class MoE(nnx.Module):
     Call it after the optimizer step with the step's `aux.stats.expert_counts` (summed over layers'
     micro-batches or devices as you see fit): shape (E,), or (L, E) on layers stacked by
     `nnx.vmap` / `nnx.scan` (each layer's row against its own mean). A no-op when bias_update_rate
-    is 0.
+    is 0, and for a row holding a count that is not finite (float counts averaged from a NaN, say:
+    its mean and signs would be NaN, which the selection then ranks above or below every expert).
     """
     if self.selection_bias is None:
       return
@@ -555,7 +556,8 @@ class MoE(nnx.Module):
                        f"got {tuple(expert_counts.shape)}")
     counts = jax.lax.stop_gradient(expert_counts).astype(jnp.float32)
     step = self.bias_update_rate * jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
-    self.selection_bias[...] = bias + step
+    finite = jnp.all(jnp.isfinite(counts), axis=-1, keepdims=True)
+    self.selection_bias[...] = bias + jnp.where(finite, step, 0.0)
 
 
 # Flax's Module metaclass shows MoE(*args, **kwargs) to help(), inspect and IDEs: give them the
