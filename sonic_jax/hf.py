@@ -1420,9 +1420,9 @@ def _check_experts_agree(model_type, keys, arrays):
   """Refuses, by key, the experts stored one by one whose tensor's shape is not the others' (a
   transposed or truncated tensor) before they are stacked."""
   shapes = [a.shape for a in arrays]
-  common = max(sorted(set(shapes)), key=shapes.count)
   if len(set(shapes)) == 1:
     return
+  common = max(sorted(set(shapes)), key=shapes.count)
   if 2 * shapes.count(common) > len(shapes):  # the odd ones, against the most experts' shape
     odd = [f"{k} {shape}" for k, shape in zip(keys, shapes) if shape != common]
     raise ValueError(f"{model_type} block: experts stored one by one differ in shape: "
