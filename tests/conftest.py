@@ -1,3 +1,4 @@
+import importlib
 import os
 import shutil
 import sys
@@ -38,12 +39,16 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+  """Off a GPU, the GPU-only tests skip. The tests marked `slow` run first: a long test that
+  starts late keeps one xdist worker busy after the others have finished (pyproject.toml's
+  `--dist=worksteal` moves the short tests to whichever worker is free)."""
   import jax
   on_gpu = jax.default_backend() == "gpu"
   skip = pytest.mark.skip(reason="needs a GPU")
   for item in items:
     if "gpu" in item.keywords and not on_gpu:
       item.add_marker(skip)
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the same order
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +72,24 @@ def _xla_effort(request):
   jax.config.update("jax_disable_most_optimizations", before)
   if optimized:
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _absl_flags():
+  """The absl flags a test defines (importing the example's scripts or a tool) are removed after
+  it: other scripts define flags of the same names, and absl refuses a second definition in the
+  worker that later imports one of them."""
+  try:
+    from absl import flags
+    for module in ("absl.app", "absl.logging"):  # their own flags, defined as they load, stay
+      importlib.import_module(module)
+  except ImportError:
+    yield
+    return
+  before = set(flags.FLAGS)
+  yield
+  for name in set(flags.FLAGS) - before:
+    delattr(flags.FLAGS, name)
 
 
 @pytest.fixture

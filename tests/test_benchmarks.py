@@ -128,6 +128,7 @@ def test_moe_bench(tmp_path, monkeypatch, timing_flags):
   assert cfg["expert_counts"]["mean"] == 128 * 2 / 4 and cfg["padded_rows"] >= 0
 
 
+@pytest.mark.slow
 def test_kernel_bench_interpreted(tmp_path, monkeypatch):
   # The interpreter's threads: PJRT_NPROC, which conftest.py sets before JAX starts.
   _main("benchmarks.kernel_bench", ["--interpret", "--thiek=128,256,128,2,1", "--repeats=1",
@@ -177,6 +178,7 @@ def test_rounding_select_bench_checks_and_ranks_variants():
   assert set(bench.default_variants(["16"], ["8192"])) == {"kernel", "warps=16", "chunk=8192"}
 
 
+@pytest.mark.slow
 def test_token_rounding_bench(tmp_path, monkeypatch):
   _main("benchmarks.token_rounding_bench", [
       "--thiek=512,32,16,8,2", "--backend=xla", "--repeats=2", "--modes=up", "--role_times",
@@ -196,6 +198,7 @@ def test_token_rounding_bench(tmp_path, monkeypatch):
   assert len(roles) == 2 + 2 and roles[3].startswith("| 512,32,16,8,2 | token rounding (up) |")
 
 
+@pytest.mark.slow
 def test_ep_bench_and_ep_options_bench(tmp_path):
   """ep_bench, every scheme ("all_to_all" and "all_gather" pick each dropless and with a
   capacity; each scheme's own correctness: test_parallel.py): the dropless ones checked against
@@ -244,6 +247,7 @@ def test_ep_bench_and_ep_options_bench(tmp_path):
     ep_options_bench.parse_option_set("a:x")
 
 
+@pytest.mark.slow
 def test_pretrain_bench(tmp_path, monkeypatch):
   """One run of the example (one device): its medians, profile split and table. --append adds a
   run that fails, recorded with its error, to that file (every run of that call failed: exit
@@ -331,6 +335,7 @@ def test_ep_bench_overlap_split():
                    "hidden_ms": 2.0}
 
 
+@pytest.mark.slow
 def test_autotune_writes_a_table_that_loads(tmp_path, monkeypatch):
   from sonic_jax.mosaic_gpu import tuning
   out = tmp_path / "table.json"

@@ -134,6 +134,7 @@ def _small_f64_problem(rng, bias):
   return {k: None if v is None else jnp.asarray(v, jnp.float64) for k, v in p.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [False, True])
 def test_check_grads_float64(rng, bias):
   """Reverse mode against finite differences; with the biases and a per-expert scale (the

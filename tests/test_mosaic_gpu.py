@@ -249,6 +249,7 @@ def test_moe_layer_against_oracle(rng, compiled, activation, bias, dtype, gate_u
   _check_layer(rng, compiled, activation, bias, dtype, gate_up_layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", MODES)
 def test_moe_layer_aggregation_kernel_against_oracle(rng, compiled, monkeypatch):
   """A Config whose thresholds take the gather-sum kernel for the forward's weighted sum at K = 2

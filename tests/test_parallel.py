@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -29,8 +31,9 @@ CASES = {"all_to_all": ["random", "skew", "skew:nearest", "random:up", "random:l
                         "empty", "replicated", "data_axis", "tuple_axis"]}
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_single_device():
-  """2 and 8 shards (1 too with skewed routing; 8 alone with a family router or rounding up),
+  """2 and 8 shards (1 too with skewed top-K routing; 8 alone with a family router or rounding up),
   float64: output and the gradients of x, router, w1, w2, b1 (a case's third field: a token
   rounding mode, or a family router with router and selection biases, a router input and a
   per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
@@ -41,6 +44,7 @@ def test_expert_parallel_matches_single_device():
   _run("ep_check.py", *(f"{scheme}:{case}" for scheme, cases in CASES.items() for case in cases))
 
 
+@pytest.mark.slow
 def test_capacity_drops_and_data_parallel_mesh():
   """Arguments the ops refuse by name; both schemes with a capacity that drops pairs (the
   all-to-all's against a model of its slots, the all-gather's against the single-device op, with
@@ -48,6 +52,7 @@ def test_capacity_drops_and_data_parallel_mesh():
   _run("ep_capacity_check.py")
 
 
+@pytest.mark.slow
 def test_flax_layer_matches_single_device():
   """The layer, both schemes (one process: they share the single-device references): under a
   user's shard_map; in a plain jit program under jax.set_mesh on a (data, ep) mesh, the layer

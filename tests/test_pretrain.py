@@ -24,6 +24,7 @@ SAMPLE = os.path.join(ROOT, "examples", "pretrain", "sample.py")
 ENV = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
 
 
+@pytest.mark.slow
 def test_tiny_config_learns_and_resumes(tmp_path):
   """The tiny preset, 80 steps: SIGTERM at step 40's metrics line: the finished step is logged and
   checkpointed and the process exits 0; the resumed run (a setting changed, reported) drops rows
@@ -170,6 +171,7 @@ def _free_port():
     return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sharded_training_tracks_one_device(tmp_path):
   """On 4 CPU devices, 6 steps: expert parallelism with FSDP and two accumulated micro-batches
   ((data 2, ep 2) mesh, the layers' own shard_map; parameters and optimizer state also sharded
@@ -318,6 +320,7 @@ def test_bpe_tokenizer_round_trips_deterministic_and_cached(tmp_path):
   assert [tok_lib.padded_vocab(v) for v in (256, 500, 39366, 50304)] == [256, 512, 39424, 50304]
 
 
+@pytest.mark.slow
 def test_bpe_run_trains_reports_per_byte_and_samples(tmp_path):
   """--tokenizer=bpe end to end: losses per token and per byte (the byte counts of the evaluated
   tokens), the tokenizer saved with the run, sample.py loading the model alone from the latest

@@ -46,6 +46,7 @@ sys.exit(f"failed: {failed}" if failed else 0)
 """
 
 
+@pytest.mark.slow
 def test_readme_quickstarts_and_docs_snippets_run(tmp_path):
   """Each quickstart and docs/ snippet as a script of its own, all in one fresh process (four CPU
   devices)."""
