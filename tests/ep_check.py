@@ -1,5 +1,5 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
-against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed
+against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed top-K
 routing; 8 alone with rounding up, or with a family router, its own router input and a per-expert
 scale, and DeepSeek-V4's with a fixed selection); each command-line argument is one case."""
 
@@ -128,11 +128,11 @@ def check(scheme_name, routing, mode=None):
   router (or neither)."""
   args, extra, fixed, dy = inputs(routing, mode)
   (_, y_ref), g_ref = reference(mode)(args, extra, fixed, dy)
-  # one shard (no exchange; each scheme's skewed cases take it), a pair, all eight; a family
+  # one shard (no exchange; the skewed top-K case takes it), a pair, all eight; a family
   # router's case and rounding up all eight alone (the exchange does not depend on the router;
   # rounding over a pair of devices: each scheme's skewed case with rounding to nearest)
-  for shards in ((8,) if mode in ROUTERS or mode == "up" else (1, 2, 8) if routing == "skew"
-                 else (2, 8)):
+  for shards in ((8,) if mode in ROUTERS or mode == "up" else
+                 (1, 2, 8) if routing == "skew" and mode is None else (2, 8)):
     run, place = sharded(scheme_name, mode, shards)
     (_, y), g = run(place(args), extra, fixed, dy)
     errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
@@ -162,6 +162,19 @@ def check_no_tokens(scheme_name):
   print(scheme_name, "no tokens")
 
 
+@functools.cache
+def single_reference():
+  """<y, dy> of the single-device op (top-K, no aux losses) and its gradients: the placements'
+  reference, in float64 and in bfloat16 (jit specializes it per dtype)."""
+  kw, _ = options(None)
+
+  def loss(args, dy):
+    x, rw, w1, w2, b1 = args
+    return jnp.vdot(sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw)[0], dy)
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
 def check_placement(scheme_name, placement):
   """x placed otherwise than split over one "ep" axis, under shard_map's type check, against the
   single device (no aux losses: they are per data shard or per copy): "replicated", x replicated
@@ -178,10 +191,6 @@ def check_placement(scheme_name, placement):
   kw, _ = options(None)
   scheme = SCHEMES[scheme_name]
 
-  def single(args):
-    x, rw, w1, w2, b1 = args
-    return sonic_jax.moe(x, rw, w1, w2, b1=b1, **kw)[0]
-
   axis, both = "ep", P(("data", "ep"))
   if placement == "replicated":
     mesh, x_spec, w_spec, copies = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2]), P(), \
@@ -193,10 +202,10 @@ def check_placement(scheme_name, placement):
   specs = [x_spec, P(), w_spec, w_spec, w_spec]
   mapped = jax.shard_map(lambda a: scheme(*a[:4], b1=a[4], axis_name=axis, **kw)[0], mesh=mesh,
                          in_specs=(specs,), out_specs=both if copies == 1 else P("ep"))
-  value_and_grad = lambda f, dy: jax.jit(jax.value_and_grad(lambda a: jnp.vdot(f(a), dy)))
-  v_ref, g_ref = value_and_grad(single, dy)(args)
+  v_ref, g_ref = single_reference()(args, dy)
   placed = [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  v, g = value_and_grad(mapped, jnp.concatenate([dy] * copies))(placed)
+  v, g = jax.jit(jax.value_and_grad(lambda a, dy: jnp.vdot(mapped(a), dy)))(
+      placed, jnp.concatenate([dy] * copies))
   # the output through <y, dy>: every copy's equals one device's
   errs = [rel(v, copies * v_ref)] + [rel(a, copies * b) for a, b in zip(g, g_ref)]
   print(scheme_name, placement, ["%.1e" % e for e in errs])
