@@ -12,8 +12,8 @@ run's "command" and "trials": pass it per call as `sonic_jax.Config(tuning=Tunin
 sonic_jax/mosaic_gpu/tuned_configs.json to ship it. It holds this run's entries and the packaged
 table's (or --base's) for the problems this run does not measure; --nomerge: this run's only. Each
 entry records where it came from. One this run measured has its time ("ms", and the starting
-configuration's "start_ms"), "date" and "command"; the packaged table's older entries have the
-"date" and "commit" that last changed them.
+configuration's "start_ms"), "date" and "command"; the packaged table's entries have the "date"
+and "commit" that last changed them, and about half of them their times (docs/kernels.md).
 
 Per configuration and role (up, down, dh, dx on the grouped-GEMM core, weight_grad on the
 varlen-K kernel), through the backend's own entry points, a coordinate search from the defaults
@@ -75,7 +75,7 @@ SEARCH = {  # role: [(field or fields, candidate values)], searched one step at 
     "dh": [_WALK, ("num_stages", (3, 4)), ("memory_registers", (40, 56, 80)),
            ("wide_h_loads", ("staged", "registers")),
            # Pingpong: a warpgroup a whole 128 x 128 tile, its epilogue under the other's mainloop.
-           (("schedule", "block_n", "num_stages"), (("pingpong", 128, 4), ("pingpong", 128, 6)))],
+           (("schedule", "num_stages"), (("pingpong", 4), ("pingpong", 6)))],
     "dx": [_CLUSTER, _WALK, ("num_stages", (3, 4))],
     "weight_grad": [("cluster", (2,)), ("num_stages", (3, 4)), ("indices_before_wait", (False,))],
 }

@@ -56,6 +56,8 @@ def test_bad_tables_are_refused():
       _table(_entry(role, 768, 256, 8, cluster_m=2))
   with pytest.raises(ValueError, match="not tunable"):  # dH's own field, on another role
     _table(_entry("dx", 768, 256, 8, wide_h_loads="registers"))
+  with pytest.raises(ValueError, match="not tunable"):  # dH's column block follows its schedule
+    _table(_entry("dh", 768, 256, 8, block_n=128))
   with pytest.raises(ValueError, match="lacks"):
     _table({"role": "up", "config": {}})
   with pytest.raises(ValueError, match="role must be one of"):
@@ -132,12 +134,9 @@ def test_a_pingpong_dh_entry_is_for_the_concat_layout(monkeypatch):
   from sonic_jax.mosaic_gpu import dh_projection as dh
   monkeypatch.setattr(tuning, "target_device", lambda: type("D", (), {"device_kind": H100}))
   config = sonic_jax.Config(tuning=_table(
-      _entry("dh", 256, 256, 4, schedule="pingpong", num_stages=6, block_n=128)))
+      _entry("dh", 256, 256, 4, schedule="pingpong", num_stages=6)))
   concat = mosaic_backend.role_configs(256, 256, 4, True, "concat", config).dh
   interleaved = mosaic_backend.role_configs(256, 256, 4, True, "interleaved", config).dh
   assert concat.gemm == GroupedGemmConfig(schedule="pingpong", num_stages=6)
-  assert concat.block_n == 128
+  assert concat.block_n == 128  # the narrow block: a pingpong warpgroup holds a whole tile
   assert interleaved == dh.DhProjectionConfig(block_n=256)
-  # A pingpong entry without block_n takes the narrow block a pingpong warpgroup holds whole
-  config = sonic_jax.Config(tuning=_table(_entry("dh", 256, 256, 4, schedule="pingpong")))
-  assert mosaic_backend.role_configs(256, 256, 4, True, "concat", config).dh.block_n == 128

@@ -101,8 +101,8 @@ def role_configs(d: int, n: int, num_experts: int, glu: bool, gate_up_layout: st
   else:
     # pingpong's warpgroups each hold a whole tile: its column block is the narrow one
     block_n = dh.PREFETCH_BLOCK_N if dh_gemm.schedule == "pingpong" else dh.default_block_n(n)
-    dh_config = dh.DhProjectionConfig(dh_gemm, **{
-        "block_n": block_n, **{k: v for k, v in dh_fields.items() if k in tuning.DH_FIELDS}})
+    dh_config = dh.DhProjectionConfig(dh_gemm, block_n=block_n, **{
+        k: v for k, v in dh_fields.items() if k in tuning.DH_FIELDS})
   return RoleConfigs(
       up=up.UpProjectionConfig(gemm(fields("up", width))),
       down=down.DownProjectionConfig(gemm(fields("down", n))),

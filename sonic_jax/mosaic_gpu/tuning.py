@@ -29,7 +29,7 @@ ROLES = ("up", "down", "dh", "dx", "weight_grad")
 GEMM_FIELDS = ("num_stages", "grid_tile_width", "grid_band", "memory_registers", "cluster_m",
                "schedule")
 WEIGHT_GRAD_FIELDS = ("num_stages", "cluster", "indices_before_wait")
-DH_FIELDS = ("wide_h_loads", "block_n")  # DhProjectionConfig's own, next to the GEMM fields
+DH_FIELDS = ("wide_h_loads",)  # DhProjectionConfig's own, next to the GEMM fields
 # Only dH runs the pingpong schedule: the other GEMM roles take the cooperative one only. The
 # roles that gather their rows (up, dH) run unclustered: 2-CTA clusters measured slower there.
 COOPERATIVE_FIELDS = tuple(f for f in GEMM_FIELDS if f != "schedule")
