@@ -30,13 +30,13 @@ def _explicit_mesh(a) -> bool:
   return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def split_axes(a, dim: int = 0) -> tuple[str, ...]:
-  """The mesh axes that split dim `dim` of a in its type (Explicit axes; those of size 1 too:
+def split_axes(a) -> tuple[str, ...]:
+  """The mesh axes that split a's leading dim in its type (Explicit axes; those of size 1 too:
   JAX's gather batching fails on them as well); () for None or a replicated a."""
   spec = () if a is None else tuple(getattr(jax.typeof(a).sharding, "spec", ()))
-  if dim >= len(spec) or spec[dim] is None:
+  if not spec or spec[0] is None:
     return ()
-  return spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+  return spec[0] if isinstance(spec[0], tuple) else (spec[0],)
 
 
 _SPLIT_REFUSALS = {
