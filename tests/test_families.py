@@ -385,9 +385,13 @@ def _expected_kwargs(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_layer_kwargs_read_the_config(references, case):
+  """The layer's keywords from the config; its family names the model type and the block class
+  that the reference builds."""
   config = _config(references.get(case))
   assert hf.layer_kwargs(config) == _expected_kwargs(case)
-  assert hf.family(config).model_type == hf_reference.CASES[case].model_type
+  family = hf.family(config)
+  assert family.model_type == hf_reference.CASES[case].model_type
+  assert hf_reference.CASES[case].block in family.block, (family.block, case)
 
 
 def test_hf_load_balancing_loss_equals_transformers(references):
