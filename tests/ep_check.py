@@ -1,7 +1,8 @@
 """Run in a fresh process with 8 CPU devices (see test_parallel.py): the expert-parallel op
 against the single-device op, output and gradients, for 2 and 8 shards (and 1 with skewed top-K
-routing; 8 alone with rounding up, or with a family router, its own router input and a per-expert
-scale, and DeepSeek-V4's with a fixed selection); each command-line argument is one case."""
+routing); with token rounding or a family router (its own router input and a per-expert scale,
+and DeepSeek-V4's with a fixed selection) for one count: 8, or 2 for the all-to-all rounding to
+nearest; each command-line argument is one case."""
 
 import functools
 import os
@@ -129,10 +130,13 @@ def check(scheme_name, routing, mode=None):
   args, extra, fixed, dy = inputs(routing, mode)
   (_, y_ref), g_ref = reference(mode)(args, extra, fixed, dy)
   # one shard (no exchange; the skewed top-K case takes it), a pair, all eight; a family
-  # router's case and rounding up all eight alone (the exchange does not depend on the router;
-  # rounding over a pair of devices: each scheme's skewed case with rounding to nearest)
-  for shards in ((8,) if mode in ROUTERS or mode == "up" else
-                 (1, 2, 8) if routing == "skew" and mode is None else (2, 8)):
+  # router's case and rounding up all eight alone (the exchange does not depend on the router);
+  # rounding to nearest over a pair in the all-to-all, over all eight in the all-gather
+  if mode is None:
+    counts = (1, 2, 8) if routing == "skew" else (2, 8)
+  else:
+    counts = (2,) if mode == "nearest" and scheme_name == "all_to_all" else (8,)
+  for shards in counts:
     run, place = sharded(scheme_name, mode, shards)
     (_, y), g = run(place(args), extra, fixed, dy)
     errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]

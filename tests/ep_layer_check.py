@@ -286,29 +286,40 @@ def check_split_experts_without_parallelism():
   jax.eval_shape(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(X))[0])), layer)
 
 
+SCAN_ARGS = [jnp.asarray(np.random.default_rng(5).standard_normal(shape) * 0.5) for shape in
+             ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16))]  # x, router, w1, w2
+
+
+def scan_layers(run):
+  """Two layers of shared weights in a `jax.lax.scan`."""
+  return lambda x, router, w1, w2: jax.lax.scan(
+      lambda h, _: (run(h, router, w1, w2), None), x, None, length=2)[0]
+
+
+def scan_grads(forward):
+  loss = lambda *a: (lambda y: (jnp.vdot(y, D_Y), y))(forward(*a))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+
+
+@functools.cache
+def scan_reference():
+  from sonic_jax import moe  # pylint: disable=import-outside-toplevel
+  return scan_grads(scan_layers(lambda h, r, w1, w2: moe(h, r, w1, w2, top_k=2,
+                                                         backend="xla")[0]))(*SCAN_ARGS)
+
+
 def check_scan(scheme):
   """The parallel op inside a `jax.lax.scan` (two layers of shared weights) inside the user's
   shard_map: output and every gradient against `sonic_jax.moe` in the same scan, float64."""
-  from sonic_jax import moe, parallel  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(5)
-  args = [jnp.asarray(rng.standard_normal(shape) * 0.5) for shape in
-          ((T, 16), (16, 8), (8, 16, 16), (8, 8, 16))]  # x, router, w1, w2
+  from sonic_jax import parallel  # pylint: disable=import-outside-toplevel
   op = getattr(parallel, f"moe_{scheme}")
-
-  def layers(run):
-    return lambda x, router, w1, w2: jax.lax.scan(
-        lambda h, _: (run(h, router, w1, w2), None), x, None, length=2)[0]
-
-  def grads(forward):
-    loss = lambda *a: (lambda y: (jnp.vdot(y, D_Y), y))(forward(*a))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
-
-  one = layers(lambda h, r, w1, w2: moe(h, r, w1, w2, top_k=2, backend="xla")[0])
   sharded = jax.shard_map(
-      layers(lambda h, r, w1, w2: op(h, r, w1, w2, axis_name="ep", top_k=2, backend="xla")[0]),
+      scan_layers(lambda h, r, w1, w2: op(h, r, w1, w2, axis_name="ep", top_k=2,
+                                          backend="xla")[0]),
       mesh=jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,)),
       in_specs=(P("ep"), P(), P("ep"), P("ep")), out_specs=P("ep"))
-  ((_, y_ref), g_ref), ((_, y), g) = grads(one)(*args), grads(sharded)(*args)
+  (_, y_ref), g_ref = scan_reference()
+  (_, y), g = scan_grads(sharded)(*SCAN_ARGS)
   errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
   print("scan", scheme, ["%.1e" % e for e in errs])
   assert max(errs) < 1e-10, errs

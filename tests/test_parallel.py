@@ -33,7 +33,7 @@ CASES = {"all_to_all": ["random", "skew", "skew:nearest", "random:up", "random:l
 
 @pytest.mark.slow
 def test_expert_parallel_matches_single_device():
-  """2 and 8 shards (1 too with skewed top-K routing; 8 alone with a family router or rounding up),
+  """2 and 8 shards (1 too with skewed top-K routing; one count with a family router or rounding),
   float64: output and the gradients of x, router, w1, w2, b1 (a case's third field: a token
   rounding mode, or a family router with router and selection biases, a router input and a
   per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
