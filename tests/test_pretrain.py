@@ -128,7 +128,7 @@ def test_flags_refused_by_name(tmp_path):
   cases = [(["--d_model=132", "--num_heads=4"], "an even head"),
            (["--expert_parallel=2", "--batch_size=4", "--grad_accum=4"], "times --grad_accum (4)"),
            (["--dtype=bf16"], "flag --dtype=bf16: value should be one of"),
-           (["--top_k=9"], "the model: top_k must be in [1, E=8], got 9"),
+           (["--top_k=9"], "the model: --top_k must be in [1, E=8], got 9"),
            (["--memcpy_p2p", "--distributed"], "not with --distributed"),
            (["--backend=mosaic_gpu"], "--backend=mosaic_gpu needs an sm90 (Hopper) GPU"),
            (["--log_every=0"], "--log_every must be >= 1, got 0"),

@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -546,7 +547,10 @@ def run():
     nnx.eval_shape(lambda: TransformerLM(dataclasses.replace(s["model"], vocab_size=256),
                                          rngs=nnx.Rngs(0)))
   except (ValueError, TypeError) as e:
-    raise app.UsageError(f"the model: {e}") from e
+    # The model's checks name its fields; those that flags of the same names set read as flags.
+    names = [f.name for f in dataclasses.fields(s["model"]) if "_" in f.name and f.name in FLAGS]
+    reason = re.sub(r"\b(%s)\b" % "|".join(names), r"--\1", str(e)) if names else str(e)
+    raise app.UsageError(f"the model: {reason}") from e
   mesh = make_mesh()
   for flag in ("fsdp", "distributed"):
     if getattr(FLAGS, flag) and mesh is None:
