@@ -176,13 +176,21 @@ def test_bfloat16_layer_runs_every_gemm_on_bfloat16_operands(rng):
 
 
 def test_sharding_metadata_on_every_parameter():
-  m = _layer(use_bias=True, num_shared_experts=1)
-  specs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
-  names = {k: tuple(v.out_sharding) for k, v in specs.items()}
-  assert names["w1"] == ("expert", "embed", "mlp")
-  assert names["w2"] == ("expert", "mlp", "embed")
-  assert names["router"] == ("embed", None)
-  assert names["b1"] == ("expert", "mlp") and names["shared_in"] == ("embed", "mlp")
+  """The logical axis names, the defaults and a caller's own (None: an axis left unnamed)."""
+  def names(**kw):
+    m = _layer(use_bias=True, num_shared_experts=1, **kw)
+    specs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
+    return {k: tuple(v.out_sharding) for k, v in specs.items()}
+
+  default = names()
+  assert default["w1"] == ("expert", "embed", "mlp")
+  assert default["w2"] == ("expert", "mlp", "embed")
+  assert default["router"] == ("embed", None)
+  assert default["b1"] == ("expert", "mlp") and default["shared_in"] == ("embed", "mlp")
+  own = names(expert_axis="e", embed_axis=None, mlp_axis="ff")
+  assert own["w1"] == ("e", None, "ff") and own["w2"] == ("e", "ff", None)
+  assert own["router"] == (None, None) and own["b2"] == ("e", None)
+  assert own["shared_in"] == (None, "ff") and own["shared_out"] == ("ff", None)
 
 
 def test_signature_is_the_constructors():
