@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,16 @@ def _axis_size(axis_name):
 def _axis_names(axis_name) -> set:
   """The mesh axes `axis_name` names (one, or a tuple of them)."""
   return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+
+def _as_axis_name(axis_name):
+  """A list of axes as the tuple JAX's collectives and this module's checks take."""
+  return tuple(axis_name) if isinstance(axis_name, list) else axis_name
+
+
+def _mixture(x, *args):
+  """`mixture`, or zeros for rows 0 wide (d = 0): no expert has work, as in `sonic_jax.moe`."""
+  return jnp.zeros_like(x) if x.shape[1] == 0 else mixture(x, *args)
 
 
 def _check_router(router_weight, p, e_local, axis_name):
@@ -163,7 +174,8 @@ def _no_tokens(x, router_input, router_weight, router_bias, top_k, e_count):
       dropped_pairs=none, probs=jnp.zeros((0, e_count), logits.dtype))
 
 
-def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
+def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *,
+                   axis_name: str | Sequence[str],
                    top_k: int, activation: str | acts.Activation = "swiglu",
                    routing: str | routing_lib.Router = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
@@ -177,7 +189,9 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
 
   Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
   sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
-  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)). A tuple
+  axis_name lists its axes in the order of the expert weights' in_specs (P(("data", "ep")) with
+  axis_name=("data", "ep")): device i is the i-th in that order, which the op cannot check.
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
   identical on every device of the axis; shard_map types its counts and losses as replicated, for
   out_specs=P(), and its per-token fields as varying: take this device's rows of them, or return
@@ -197,6 +211,7 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   the combine, one all-to-all of the partial outputs (x's dtype), which each token's owner sums in
   float32. The backward moves the same bytes the other way.
   """
+  axis_name = _as_axis_name(axis_name)
   p, e_local, router, act, config, impl = _prepare(
       x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
       selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding,
@@ -244,8 +259,8 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     layout, kept, _, _, dropped = layout_with_capacity(
         mine, e_local, impl.row_tile, extras[0], localize(extras[1], e_local), capacity, config,
         extras_by_expert=extra is not None)
-    y_partial = mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
-                        gate_up_layout, impl)
+    y_partial = _mixture(x_all, rounded.scores, extras[2], layout, w1, w2, b1, b2, act,
+                         gate_up_layout, impl)
   y = _sum_partials(y_partial, axis_name)
   expert_ids, scores = rounded.expert_ids, rounded.scores
   if capacity is not None:  # the pairs each device dropped, marked on all of them as `moe` marks
@@ -296,7 +311,7 @@ def _sum_partials(y_partial: Array, axis_name: str) -> Array:
   order. Differentiable: autodiff transposes it into an all-to-all of P copies of the cotangent,
   the bytes of its all-gather."""
   p = jax.lax.axis_size(axis_name)
-  parts = y_partial.reshape(p, -1, *y_partial.shape[1:])
+  parts = y_partial.reshape(p, y_partial.shape[0] // p, *y_partial.shape[1:])  # d may be 0
   received = jax.lax.all_to_all(parts, axis_name, 0, 0)  # [i]: device i's partial of my rows
   acc = acts.compute_dtype(y_partial.dtype)
   return jnp.sum(received.astype(acc), axis=0).astype(y_partial.dtype)
@@ -356,14 +371,18 @@ _sum_pairs.defvjp(_sum_pairs_fwd, _sum_pairs_bwd)
 
 
 def slot_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
-                  num_local_experts: int, capacity_factor: float | None) -> int:
+                  num_local_experts: int, capacity_factor: float | None, *,
+                  distinct_experts: bool = True) -> int:
   """S, the rows of one (sender, receiver) slot of `moe_all_to_all`'s exchange buffers (P*S rows).
 
   None: the dropless worst case, all of a sender's pairs routed to one device:
-  T_local * min(K, E_local) + X. A factor c: ceil(c * T_local * K / P), c times the balanced share,
-  at most the worst case; pairs beyond a full slot are dropped and counted.
+  T_local * min(K, E_local) + X, a token's K experts being distinct (as top-K routing picks them);
+  T_local * K + X with distinct_experts=False (a given selection, `expert_ids`, may name one expert
+  more than once). A factor c: ceil(c * T_local * K / P), c times the balanced share, at most the
+  worst case; pairs beyond a full slot are dropped and counted.
   """
-  worst = num_tokens * min(top_k, num_local_experts) + num_extra
+  per_token = min(top_k, num_local_experts) if distinct_experts else top_k
+  worst = num_tokens * per_token + num_extra
   if capacity_factor is None:
     return max(1, worst)
   check_capacity(capacity_factor)
@@ -392,7 +411,8 @@ def _local_rounding(logits, top_k, routing, selection_bias, token_rounding, tile
   return local_rounded, routed
 
 
-def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis_name: str,
+def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *,
+                   axis_name: str | Sequence[str],
                    top_k: int, activation: str | acts.Activation = "swiglu",
                    routing: str | routing_lib.Router = "softmax_topk",
                    gate_up_layout: str = "concat", b1: Array | None = None,
@@ -408,7 +428,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
 
   Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
   sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
-  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)).
+  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)); a tuple
+  axis_name lists its axes in the order of the expert weights' in_specs, as for `moe_all_gather`.
   capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
   so nothing is ever dropped; a number c sizes them at c times the balanced share
   (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
@@ -427,6 +448,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   nothing records how the inputs were split, so nothing can be checked: weights split over
   another axis then give a wrong answer.
   """
+  axis_name = _as_axis_name(axis_name)
   p, e_local, router, act, config, impl = _prepare(
       x, router_weight, w1, w2, b1, b2, axis_name, top_k, activation, routing, gate_up_layout,
       selection_bias, router_bias, router_input, expert_scale, expert_ids, token_rounding,
@@ -453,7 +475,8 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
   pairs = build_grouped_layout(rounded.expert_ids, e_count, 1, rounded.extra_tokens,
                                rounded.extra_experts, config=config)
   counts = jax.lax.all_gather(pairs.expert_counts, axis_name)  # (P, E)
-  slot_rows = slot_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor)
+  slot_rows = slot_capacity(t_local, top_k, pairs.num_extra, p, e_local, capacity_factor,
+                            distinct_experts=expert_ids is None)
   dispatch = exchange.exchange_plan(counts, me, slot_rows)
   send = exchange.slot_layout(pairs, p, slot_rows)
 
@@ -467,7 +490,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *, axis
     x_recv = (x_recv.astype(s_recv.dtype) * s_recv).astype(x.dtype)
     s_recv = jnp.ones_like(s_recv)
   # (P*S, d): each received row times its score
-  y_recv = mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout, impl)
+  y_recv = _mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout, impl)
   y = _sum_pairs(move(y_recv), send)
 
   total = jax.lax.psum(pairs.expert_counts, axis_name)  # counts.sum(0), typed replicated

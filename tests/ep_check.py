@@ -179,6 +179,48 @@ def single_reference():
   return jax.jit(jax.value_and_grad(loss))
 
 
+def check_given_selection_and_zero_width(scheme_name):
+  """A given selection naming one expert twice for a token (every token's pairs [0, 0], E_local =
+  1 < K): every pair kept, the output and gradients the single device's (the all-to-all's
+  dropless slots hold K pairs a token then, not min(K, E_local)); axis_name as a list. Then
+  d = 0: the output (T_local, 0), as the single-device op gives, and its gradients' shapes."""
+  scheme = SCHEMES[scheme_name]
+  rng = np.random.default_rng(7)
+  t, d, n, e = 8, 8, 4, 2
+  args = [jnp.asarray(rng.standard_normal(shape)) for shape in
+          ((t, d), (d, e), (e, d, 2 * n), (e, n, d))]
+  ids = jnp.zeros((t, K), jnp.int32).at[::2, 1].set(1)  # even tokens [0, 1], odd ones [0, 0]
+  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+  specs = (P("ep"), P(), P("ep"), P("ep"))
+  loss = lambda y, dropped: (jnp.sum(y ** 2), dropped)
+
+  def single(args):
+    y, aux = sonic_jax.moe(*args, top_k=K, expert_ids=ids, backend="xla")
+    return loss(y, aux.dropped_pairs)
+
+  def local(x, rw, w1, w2, ids):
+    y, aux = scheme(x, rw, w1, w2, axis_name=["ep"], top_k=K, expert_ids=ids, backend="xla")
+    return y, jax.lax.psum(aux.dropped_pairs, "ep")
+
+  mapped = jax.shard_map(local, mesh=mesh, in_specs=(*specs, P("ep")), out_specs=(P("ep"), P()))
+  (v_ref, dropped_ref), g_ref = jax.jit(jax.value_and_grad(single, has_aux=True))(args)
+  ids_placed = jax.device_put(ids, jax.NamedSharding(mesh, P("ep")))
+  (v, dropped), g = jax.jit(jax.value_and_grad(lambda a: loss(*mapped(*a, ids_placed)),
+                                               has_aux=True))(
+      [jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip(args, specs)])
+  errs = [rel(v, v_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+  print(scheme_name, "repeated ids", int(dropped), ["%.1e" % e for e in errs])
+  assert int(dropped) == int(dropped_ref) == 0 and max(errs) < 1e-10, (dropped, errs)
+
+  zero = [jax.device_put(jnp.zeros(shape), jax.NamedSharding(mesh, s)) for shape, s in
+          zip(((t, 0), (0, e), (e, 0, 2 * n), (e, n, 0)), specs)]
+  f = jax.shard_map(lambda *a: scheme(*a, axis_name="ep", top_k=K, backend="xla")[0], mesh=mesh,
+                    in_specs=specs, out_specs=P("ep"))
+  y, grads = jax.jit(lambda a: (f(*a), jax.grad(lambda b: jnp.sum(f(*b)))(a)))(zero)
+  assert y.shape == (t, 0) and [a.shape for a in grads] == [a.shape for a in zero], y.shape
+  print(scheme_name, "d = 0")
+
+
 def check_placement(scheme_name, placement):
   """x placed otherwise than split over one "ep" axis, under shard_map's type check, against the
   single device (no aux losses: they are per data shard or per copy): "replicated", x replicated
@@ -217,11 +259,14 @@ def check_placement(scheme_name, placement):
 
 
 if __name__ == "__main__":
-  # Each argument one case: "scheme:routing[:mode]", "scheme:empty", or "scheme:replicated",
-  # "scheme:data_axis", "scheme:data_axis_bf16" or "scheme:tuple_axis" (`check_placement`).
+  # Each argument one case: "scheme:routing[:mode]", "scheme:empty", "scheme:given_ids", or
+  # "scheme:replicated", "scheme:data_axis", "scheme:data_axis_bf16" or "scheme:tuple_axis"
+  # (`check_placement`).
   for case in sys.argv[1:]:
     if case.endswith(":empty"):
       check_no_tokens(case.split(":")[0])
+    elif case.endswith(":given_ids"):
+      check_given_selection_and_zero_width(case.split(":")[0])
     elif case.endswith((":replicated", ":data_axis", ":data_axis_bf16", ":tuple_axis")):
       check_placement(*case.split(":"))
     else:

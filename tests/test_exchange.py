@@ -110,6 +110,8 @@ def test_slot_capacity():
   assert slot_capacity(64, 2, 0, 4, 2, None) == 64 * 2
   assert slot_capacity(64, 8, 0, 4, 2, None) == 64 * 2  # a token reaches <= E_local experts here
   assert slot_capacity(64, 2, 10, 4, 2, None) == 64 * 2 + 10
+  # a given selection may name one expert more than once: K pairs a token can reach a device
+  assert slot_capacity(64, 8, 10, 4, 2, None, distinct_experts=False) == 64 * 8 + 10
   assert slot_capacity(64, 2, 0, 4, 2, 1.25) == 40
   assert slot_capacity(64, 2, 0, 4, 2, 100.0) == 64 * 2  # never above the worst case
   with pytest.raises(ValueError, match="capacity_factor"):

@@ -26,9 +26,10 @@ def _run(script, *args):
 # depend on the router's mode, so not every product is run. One process for all: the schemes'
 # cases share the single-device programs, and a scheme's cases its sharded ones.
 CASES = {"all_to_all": ["random", "skew", "skew:nearest", "random:up", "random:llama4",
-                        "random:deepseek_v4", "empty", "replicated", "data_axis", "data_axis_bf16"],
+                        "random:deepseek_v4", "empty", "given_ids", "replicated", "data_axis",
+                        "data_axis_bf16"],
          "all_gather": ["skew:nearest", "random:deepseek_v3", "skew:llama4", "random:deepseek_v4",
-                        "empty", "replicated", "data_axis", "tuple_axis"]}
+                        "empty", "given_ids", "replicated", "data_axis", "tuple_axis"]}
 
 
 @pytest.mark.slow
@@ -37,7 +38,8 @@ def test_expert_parallel_matches_single_device():
   float64: output and the gradients of x, router, w1, w2, b1 (a case's third field: a token
   rounding mode, or a family router with router and selection biases, a router input and a
   per-expert scale, whose gradients are compared too; DeepSeek-V4's with a fixed selection),
-  under shard_map's replication check; "empty": no tokens on any device; "replicated": x
+  under shard_map's replication check; "empty": no tokens on any device; "given_ids": a given
+  selection naming one expert twice for a token, axis_name as a list, and d = 0; "replicated": x
   replicated over the axis rather than split; "data_axis": a (data, ep) mesh, the expert weights
   replicated over data (in bfloat16 too); "tuple_axis": the experts over both,
   axis_name=("data", "ep")."""
