@@ -180,8 +180,8 @@ def single_reference():
 
 
 def check_given_selection_and_zero_width(scheme_name):
-  """A given selection naming one expert twice for a token (every token's pairs [0, 0], E_local =
-  1 < K): every pair kept, the output and gradients the single device's (the all-to-all's
+  """A given selection naming one expert twice for a token (the odd tokens' pairs [0, 0], E_local
+  = 1 < K): every pair kept, the output and gradients the single device's (the all-to-all's
   dropless slots hold K pairs a token then, not min(K, E_local)); axis_name as a list. Then
   d = 0: the output (T_local, 0), as the single-device op gives, and its gradients' shapes."""
   scheme = SCHEMES[scheme_name]
