@@ -22,7 +22,8 @@ goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
 routing of all P*T_local tokens (from their logits) on every device; the all-to-all moves (P-1)*S
-with S = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless. So
+with S = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless
+(T_local*K for a given expert_ids, which may name an expert twice for a token). So
 all-gather moves less while P < c*K (dropless, the all-to-all moves at least as much), and
 all-to-all wins beyond; it also keeps the routing, the row gathers and the saved activations per
 device independent of P (all-gather's grow with P). `python -m benchmarks.ep_bench` measures both.
