@@ -1,3 +1,8 @@
+"""The suite's shared setup (docs/testing.md): on a CPU, enough threads for the Mosaic GPU
+interpreter, one compilation cache for the run, unoptimized XLA compiles and the GPU-only tests
+skipped; the tests marked `slow` scheduled first; the absl flags a test defines removed after
+it; an `rng` fixture seeded from each test's name."""
+
 import importlib
 import os
 import shutil
