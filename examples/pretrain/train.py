@@ -548,6 +548,8 @@ def run():
                                          rngs=nnx.Rngs(0)))
   except (ValueError, TypeError) as e:
     # The model's checks name its fields; those that flags of the same names set read as flags.
+    # Only names with an underscore: the checks of the others already write them as flags
+    # (--dtype, --attention=cudnn, --backend=mosaic_gpu), which a second "--" would break.
     names = [f.name for f in dataclasses.fields(s["model"]) if "_" in f.name and f.name in FLAGS]
     reason = re.sub(r"\b(%s)\b" % "|".join(names), r"--\1", str(e)) if names else str(e)
     raise app.UsageError(f"the model: {reason}") from e
