@@ -3,12 +3,12 @@
 Forward: up-projection with the activation epilogue, down-projection, and the weighted gather-sum
 where it is faster than XLA's (`Config.gather_sum_kernel*`). Backward: the dH role
 (dA' = dO w2^T with the activation-gradient, A_s and dS epilogue), the varlen-K weight gradients
-(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1
-gather the rows of x as they load their operands, dH and dw2 those of dO: no gathered copy is ever
-written. The backward's dX sum, the bias gradients and the dS bias term run on the xla path, on
-the same layout and with the same residuals. A role whose shape or dtype its kernel does not take
-(each kernel module's `supports`) falls back to the xla role, with a `FallbackWarning` that names
-the role and the reason.
+(dw1 = x_rows^T dH, dw2 = A_s^T dO_rows) and the dX role (dH w1^T). The up-projection and dw1 gather
+the rows of x as they load their operands, dH and dw2 those of dO: no gathered copy is written, but
+for dO's rows with a b2 bias (its dS term and db2 gather them in XLA). The backward's dX sum, the
+bias gradients and the dS bias term run on the xla path, on the same layout and with the same
+residuals. A role whose shape or dtype its kernel does not take (each kernel module's `supports`)
+falls back to the xla role, with a `FallbackWarning` that names the role and the reason.
 
 Each role's kernel configuration comes from the tuning table (`Config.tuning`, default the
 packaged one); `role_configs` says which one a problem gets.
