@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_bench.sh [moe_bench flags...]
 # sonic_jax's rows of BENCHMARKS.md's layer table, the paper's 12 configurations on one H100:
 #   bash benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=
-# With the tokamax baseline: `bash benchmarks/wheels.sh tokamax` on a CPU machine beforehand,
-# then carry .whl with the call (installed here by `source benchmarks/wheels.sh install`).
+# With the tokamax baseline: `bash benchmarks/wheels.sh tokamax` on a CPU machine beforehand, then
+# copy .whl to the GPU host with the tree (installed here by `source benchmarks/wheels.sh install`).
 # Writes $OUT/bench/<device>_<date>_layer.json (for benchmarks/results/) and the log beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."

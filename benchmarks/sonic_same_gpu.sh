@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# SonicMoE and sonic_jax on the same GPU in one device call, both timed as SonicMoE's benchmark
+# SonicMoE and sonic_jax on the same GPU in one run, both timed as SonicMoE's benchmark
 # times (triton's do_bench method) on SonicMoE's input scales:
 #   bash benchmarks/sonic_same_gpu.sh ["T,d,n,E,K T,d,n,E,K ..."] [seconds for SonicMoE, 330]
 # Default: the paper's 12 configurations. Beforehand, on a CPU machine: `bash benchmarks/wheels.sh
-# sonicmoe` (the ignored folder .sonic), and carry .sonic with the call. SonicMoE compiles its
-# kernels on its opening calls, which can take more than 400 s on an H100 without caches: the call
-# writes the caches to $OUT/sonic_cache.tgz; put that file in .sonic/cache/ for the next call (a
-# call of one configuration fills them before a long one). SonicMoE runs at the start, for at most
-# the given seconds (benchmarks/sonicmoe_bench.py: $OUT/<device>_<date>_layer_sonicmoe.json); then
-# benchmarks.moe_bench times sonic_jax's layer on the configurations SonicMoE finished
-# ($OUT/<device>_<date>_layer.json). Copy both into benchmarks/results/ for BENCHMARKS.md.
+# sonicmoe` (the ignored folder .sonic), and copy .sonic to the GPU host with the tree. SonicMoE
+# compiles its kernels on its opening calls, which can take more than 400 s on an H100 without
+# caches: the run writes the caches to $OUT/sonic_cache.tgz; put that file in .sonic/cache/ for the
+# next run (a run of one configuration fills them before a long one). SonicMoE runs at the start,
+# for at most the given seconds (benchmarks/sonicmoe_bench.py:
+# $OUT/<device>_<date>_layer_sonicmoe.json); then benchmarks.moe_bench times sonic_jax's layer on
+# the configurations SonicMoE finished ($OUT/<device>_<date>_layer.json). Copy both into
+# benchmarks/results/ for BENCHMARKS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 configs="${1:-}"

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-bench_out}"
 mkdir -p "$out"
-# (pytest-xdist, as in the GPU image and `.[test]`, runs the tests as two processes.)
+# (pytest-xdist, in the GPU host's Python as in `.[test]`, runs the tests as two processes.)
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 python3 -m pytest -m gpu -n 2 -q -p no:cacheprovider \
   tests/test_token_rounding.py tests/test_gather_sum.py tests/test_layout_ranks.py 2>&1 | tail -5
 tests=$?

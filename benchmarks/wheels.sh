@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The packages that the GPU machines (no network) lack, bundled in git-ignored folders of the
-# repository that travel with a device call:
+# repository, copied to the GPU host with the tree:
 #   bash benchmarks/wheels.sh tokamax      # CPU machine with network: ./.whl, the tokamax baseline
 #                                          # (tokamax 0.0.17, its dependencies, jax-triton 0.3.1)
 #   bash benchmarks/wheels.sh sonicmoe     # CPU machine with network: ./.sonic, SonicMoE
 #                                          # 0.1.2.post1 (quack-kernels, the CUTLASS DSL
-#                                          # re-packed as tar.xz to fit a call's 64 MiB; 54 MB)
+#                                          # re-packed as tar.xz: 54 MB)
 #   source benchmarks/wheels.sh install    # GPU machine, repository root: installs what .whl and
 #                                          # .sonic hold under /tmp/site and exports PYTHONPATH
-# The GPU image has jax 0.11.2, flax, optax, absl-py, torch 2.11, triton 3.6 and cuda-bindings.
-# With .sonic, `install` also restores SonicMoE's compiled-kernel caches from
-# .sonic/cache/sonic_cache.tgz (a call on a cold machine compiles for minutes) and defines
-# `save_sonic_cache DIR`, which writes them to DIR/sonic_cache.tgz: copy that file to
-# .sonic/cache/ to keep the next call warm. gpu_bench.sh, sonic_same_gpu.sh, pretrain_gpu.sh and
-# tools/ncu_compare.sh source it.
+# The GPU host's Python already has jax 0.11.2, flax, optax, absl-py, torch 2.11, triton 3.6 and
+# cuda-bindings. With .sonic, `install` also restores SonicMoE's compiled-kernel caches from
+# .sonic/cache/sonic_cache.tgz (without them a fresh machine compiles for minutes) and defines
+# `save_sonic_cache DIR`, which writes them to DIR/sonic_cache.tgz: copy that file to .sonic/cache/
+# for the next run. gpu_bench.sh, sonic_same_gpu.sh, pretrain_gpu.sh and tools/ncu_compare.sh source
+# it.
 
 _wheels_ignore() {  # FOLDER: at the repository root, ignored by git (this clone only)
   cd "$(git rev-parse --show-toplevel)" || return 1
@@ -24,7 +24,7 @@ _wheels_ignore() {  # FOLDER: at the repository root, ignored by git (this clone
   grep -qx "/$1/" "$exclude" || echo "/$1/" >> "$exclude"
 }
 
-_wheels_download() {  # FOLDER PACKAGE==VERSION...: wheels for the GPU image's Python 3.12
+_wheels_download() {  # FOLDER PACKAGE==VERSION...: wheels for the GPU host's Python 3.12
   local dir="$1" py=python3
   shift
   PYENV_VERSION=3.12.1 python3 --version >/dev/null 2>&1 && py="env PYENV_VERSION=3.12.1 python3"

@@ -1,5 +1,6 @@
-"""Indexing a shared operand by a batched routing, under `jax.vmap` of a batch split over an
-Explicit mesh axis.
+"""Operands split over Explicit mesh axes: replicated for a call (`whole`) or refused by name
+(`unsplit`, from `split_axes`), and indexing a shared operand by a batched routing under
+`jax.vmap` of a batch split over an Explicit mesh axis (`take_shared`, `split_batch_refusal`).
 
 Vmapping the op over a batch whose leading axis an Explicit mesh axis splits batches its routing
 (expert ids, tiles' experts) but not the weights, biases and per-expert vectors it indexes. JAX

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# An A/B of two versions of the code on one machine in one call: the same command run in a base
+# An A/B of two versions of the code on one machine in one run: the same command run in a base
 # tree (another commit's files) and in the working tree, alternating, so that both see the same
-# GPU, clocks and load (timings compare only within one machine and one call).
+# GPU, clocks and load (timings compare only within one machine and one run).
 #
 #   bash tools/ab_trees.sh prepare REF     # here: REF's sonic_jax, benchmarks, tools, tests,
 #                                          # examples and pyproject.toml into .cache/ab_base
-#                                          # (git-ignored; pass it to the device call's carry)
+#                                          # (git-ignored: copy it to the GPU host)
 #   bash tools/ab_trees.sh run [--rounds=N] -- CMD ARGS...
 #                                          # on the GPU machine: CMD in both trees, N rounds
 #
@@ -26,7 +26,7 @@ case "${1:-}" in
     rm -rf "$base" && mkdir -p "$base"
     git archive "$ref" sonic_jax benchmarks tools tests examples pyproject.toml | tar -x -C "$base"
     rm -rf "$base/benchmarks/results"
-    echo "$ref ($(git rev-parse --short "$ref")) in $base: carry it to the device call"
+    echo "$ref ($(git rev-parse --short "$ref")) in $base: copy it to the GPU host"
     ;;
   run)
     shift
@@ -34,7 +34,7 @@ case "${1:-}" in
     if [[ "${1:-}" == --rounds=* ]]; then rounds=${1#--rounds=}; shift; fi
     [[ "${1:-}" == -- ]] && shift
     (( $# )) || { echo "run needs a command after --" >&2; exit 2; }
-    [[ -d $base/sonic_jax ]] || { echo "$base is missing: run 'prepare REF' and carry it" >&2
+    [[ -d $base/sonic_jax ]] || { echo "$base is missing: run 'prepare REF' and copy it here" >&2
                                   exit 2; }
     out=${OUT:-ab_out}
     one() {  # tree name, tree root, round (0: the warm-up)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Nsight Compute's counters for the GEMM kernels of the forward or the training step, SonicMoE's
-# and sonic_jax's, on one GPU in one device call, SonicMoE's input scales. From the repository
+# and sonic_jax's, on one GPU in one run, SonicMoE's input scales. From the repository
 # root of a GPU machine:
 #   bash tools/ncu_compare.sh "T,d,n,E,K T,d,n,E,K" [impls, default sonicmoe,concat,interleaved]
 #       [phase: forward | step]
-# An impl is sonicmoe (needs .sonic: `bash benchmarks/wheels.sh sonicmoe` on a CPU machine, carried
-# with the call), or a sonic_jax gate/up layout, concat or interleaved, optionally LAYOUT@TABLE to
+# An impl is sonicmoe (needs .sonic: `bash benchmarks/wheels.sh sonicmoe` on a CPU machine, copied
+# to the GPU host), or a sonic_jax gate/up layout, concat or interleaved, optionally LAYOUT@TABLE to
 # run with that tuning table (e.g. concat@/tmp/table.json from benchmarks.autotune), and
 # optionally +MODE to route with that token rounding (e.g. concat+nearest).
 # Each run calls the forward (or the step) 3 times (tools/ncu_forward.py) and profiles the last
