@@ -121,7 +121,7 @@ def _forward(x, scores, extra_scores, layout, w1, w2, b1, b2, activation, gate_u
 def _backward(activation, gate_up_layout, backend, residuals, d_y):
   x, h, scores, extra_scores, layout, w1, w2, b1, b2 = residuals
   row_scores = scores_by_row(scores, extra_scores, layout)
-  # d_y_rows: the dO rows in grouped order if the dH role gathered them into HBM, else None.
+  # d_y_rows: the dO rows in grouped order if the dH role wrote them to HBM, else None.
   d_h, a_s, d_s_rows, d_y_rows = backend.dh_projection(d_y, h, row_scores, w2, b2, layout,
                                                        activation, gate_up_layout)
   dw1, dw2, db1, db2 = backend.weight_grads(x, d_y, d_y_rows, d_h, a_s, row_scores, layout,

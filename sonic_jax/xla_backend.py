@@ -133,8 +133,8 @@ def dh_projection(d_out, h, row_scores, w2, b2, layout: GroupedLayout,
 
   dS_r = <dA'_r, A_r> (+ <dO_t, b2_e>) equals <dO_t, Y_r> without Y having been stored.
   Returns dH (R, .), A_s (R, n) in H's dtype, dS (R,) float32 and the gathered dO rows (R, d) that
-  it read, or None: `weight_grads` takes them for dw2 (a backend whose dH gathers the rows inside
-  its kernel may return None, or the rows of its tiles in use only).
+  it read, or None: `weight_grads` takes them for dw2 and db2 (a backend whose dH kernel gathers
+  the rows as it loads them returns None, or rows it gathered for the b2 term).
   """
   valid = layout.row_valid()[:, None]
   # Masked, not only multiplied by the padding rows' zero scores: the row padding reads must not
@@ -176,7 +176,7 @@ def bias_grads(d_out_rows, d_h, row_scores, layout: GroupedLayout, with_b1: bool
 def weight_grads(x, d_out, d_out_rows, d_h, a_s, row_scores, layout: GroupedLayout, with_b1: bool,
                  with_b2: bool):
   """dw1 = gather(x)^T dH, dw2 = A_s^T gather(dO) per expert (varlen-K); db1, db2 when used.
-  d_out_rows: what `dh_projection` returned (dO[row_token] on the tiles in use), or None."""
+  d_out_rows: what `dh_projection` returned (dO[row_token]), or None: then gathered here."""
   valid = layout.row_valid()[:, None]  # masked as in dh_projection
   x_rows = jnp.where(valid, x[layout.row_token], 0)
   if d_out_rows is None:
