@@ -42,6 +42,7 @@ def test_tiny_config_learns_and_resumes(tmp_path):
       break
   out = "".join(lines) + proc.stdout.read()
   assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+  assert "step 1 (compiled, then run) took " in out, out
   (stopped,) = [int(l.split()[-2].rstrip(";")) for l in out.splitlines() if "SIGTERM" in l]
   assert 40 < stopped < 80 and os.path.isdir(tmp_path / "ckpt" / str(stopped)), out
   with open(tmp_path / "metrics.csv") as f:

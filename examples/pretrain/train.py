@@ -721,6 +721,8 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
     window_bytes.append(int(tok.token_bytes[targets].sum()))
     inputs, targets = put(inputs), put(targets)
+    if window_t0 is None:
+      first_t0 = time.perf_counter()
     if step + 1 == FLAGS.profile_step:
       jax.block_until_ready(window)
       window.append(profile(model, optimizer, inputs, targets))
@@ -730,6 +732,7 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
       if window_t0 is None:
         jax.block_until_ready(window[-1])
         window_t0 = time.perf_counter()
+        say(f"step {step + 1} (compiled, then run) took {window_t0 - first_t0:.1f} s")
       else:
         window_steps += 1
     done = step + 1
