@@ -713,28 +713,28 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
   flops_per_token = model_flops_per_token(cfg, s["seq_len"])
   peak = peak_flops()
   # Step outputs stay on the device and the loop never waits for a step: the host syncs only at
-  # log steps, and a window's time runs from the end of its first step (which compiles after a
-  # start) to that sync.
+  # log steps and after the step that compiles train_step, and a window's time runs from the end
+  # of its first step (the compiling or profiled one, after a start) to that sync.
   window, window_t0, window_steps = [], None, 0
+  compiled = False
   stopping = False
   for step in range(start, s["steps"]):
     inputs, targets = data.batch(train, s["batch_size"], s["seq_len"], FLAGS.seed, step)
     window_bytes.append(int(tok.token_bytes[targets].sum()))
     inputs, targets = put(inputs), put(targets)
-    if window_t0 is None:
-      first_t0 = time.perf_counter()
     if step + 1 == FLAGS.profile_step:
       jax.block_until_ready(window)
       window.append(profile(model, optimizer, inputs, targets))
       window_t0, window_steps = time.perf_counter(), 0  # the window times the steps after it
+    elif not compiled:  # the window times the steps after this one
+      t0 = time.perf_counter()
+      window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
+      jax.block_until_ready(window[-1])
+      window_t0, window_steps, compiled = time.perf_counter(), 0, True
+      say(f"step {step + 1} (compiled, then run) took {window_t0 - t0:.1f} s")
     else:
       window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
-      if window_t0 is None:
-        jax.block_until_ready(window[-1])
-        window_t0 = time.perf_counter()
-        say(f"step {step + 1} (compiled, then run) took {window_t0 - first_t0:.1f} s")
-      else:
-        window_steps += 1
+      window_steps += 1
     done = step + 1
     latest = window[-1]  # the last step's outputs, checked before a checkpoint
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
