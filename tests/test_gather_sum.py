@@ -35,11 +35,24 @@ def _problem(rng, r, d, t, s, used):
 SHAPES = [(300, 512, 37, 3, None), (64, 128, 9, 1, gs.GatherSumConfig(128, 2)),
           (200, 768, 21, 8, gs.GatherSumConfig(256, 4)), (90, 384, 13, 2, None),
           (40, 256, 1, 4, None)]
+# Interpreted, each shape in one output dtype, both among the shapes (the dtype is only the staging
+# buffer's and the final cast's); compiled, both.
+_DTYPE_INTERPRETED = (jnp.bfloat16, jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32)
 
 
-@pytest.mark.parametrize("compiled", MODES)
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("r,d,t,s,config", SHAPES)
+def _params():
+  params = []
+  for i, (shape, interpreted) in enumerate(zip(SHAPES, _DTYPE_INTERPRETED)):
+    name = "-".join(map(str, shape[:4])) + ("-None" if shape[4] is None else f"-config{i}")
+    for dtype in (jnp.bfloat16, jnp.float32):
+      if dtype == interpreted:
+        params.append(pytest.param(*shape, dtype, False, id=f"{name}-{dtype.__name__}-interpret"))
+      params.append(pytest.param(*shape, dtype, True, id=f"{name}-{dtype.__name__}-compiled",
+                                 marks=pytest.mark.gpu))
+  return params
+
+
+@pytest.mark.parametrize("r,d,t,s,config,out_dtype,compiled", _params())
 def test_gather_sum_matches_reference(rng, compiled, out_dtype, r, d, t, s, config):
   if compiled:
     r, t = r * 40, t * 200
