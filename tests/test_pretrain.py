@@ -175,12 +175,12 @@ def _free_port():
 @pytest.mark.slow
 def test_sharded_training_tracks_one_device(tmp_path):
   """On 4 CPU devices, 6 steps: expert parallelism with FSDP and two accumulated micro-batches
-  ((data 2, ep 2) mesh, the layers' own shard_map; parameters and optimizer state also sharded
-  over data), run as two processes of two devices each (--distributed: what several hosts run),
-  and the ragged_dot baseline MoE layer (same initialisation and math) data parallel with FSDP
-  and its first step profiled, each follow the one-device run: same data and init; the load-balance loss
-  is per data shard and micro-batch, so close, not bitwise. The first process alone writes
-  metrics and prints. The one-device run logs every step: the warm-up's learning rates."""
+  ((data 2, ep 2) mesh, the layers' own shard_map; parameters and optimizer state also sharded over
+  data), run as two processes of two devices each (--distributed: what several hosts run), and the
+  ragged_dot baseline MoE layer (same initialisation and math) data parallel with FSDP and its first
+  step profiled, each follow the one-device run: same data and init; the load-balance loss is per
+  data shard and micro-batch, so close, not bitwise. The first process alone writes metrics and
+  prints. The one-device run logs every step: the warm-up's learning rates."""
   losses, outs = {}, {}
   port = _free_port()
   # Checkpoints and TensorBoard scalars (test_tiny_config_learns_and_resumes) in the multi-process
