@@ -761,9 +761,9 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
 
   router_logits: a sequence of (T, E) logits, one per layer (`aux.stats.router_logits`), or
   one (T, E) or (L, T, E) array; attention_mask: optional (B, S) with B * S = T, 0 for padding
-  tokens. As in transformers, the token counts and the mean probabilities are summed over layers
-  before they multiply: E * sum_{k, e} (fraction of tokens whose k-th choice is e) * (mean
-  probability of e).
+  tokens. As in transformers, the layers' tokens are pooled (their logits concatenated) before the
+  fractions and means multiply: E * sum_{k, e} (fraction of all layers' tokens whose k-th choice
+  is e) * (mean probability of e over them); L equal layers give one layer's loss.
   The per-layer `MoEAux.load_balance_loss` differs (its f sums to 1 per layer).
   """
   from sonic_jax import checks  # checks imports this module
