@@ -15,7 +15,7 @@ from cases import export_for_h100
 from oracle import rel_err
 from sonic_jax import xla_backend
 from sonic_jax.mosaic_gpu import gather_sum as gs
-from test_mosaic_gpu import MODES, _layout, kernel_mode
+from test_mosaic_gpu import MODES, _cases_in_modes, _layout, kernel_mode
 
 
 def _problem(rng, r, d, t, s, used):
@@ -35,24 +35,16 @@ def _problem(rng, r, d, t, s, used):
 SHAPES = [(300, 512, 37, 3, None), (64, 128, 9, 1, gs.GatherSumConfig(128, 2)),
           (200, 768, 21, 8, gs.GatherSumConfig(256, 4)), (90, 384, 13, 2, None),
           (40, 256, 1, 4, None)]
-# Interpreted, each shape in one output dtype, both among the shapes (the dtype is only the staging
-# buffer's and the final cast's); compiled, both.
+# Each shape in both output dtypes, interpreted in one, both among the shapes (the dtype is only the
+# staging buffer's and the final cast's).
 _DTYPE_INTERPRETED = (jnp.bfloat16, jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32)
+CASES = [(*shape, dtype) for shape in SHAPES for dtype in (jnp.bfloat16, jnp.float32)]
+NAMES = "r,d,t,s,config,out_dtype"
 
 
-def _params():
-  params = []
-  for i, (shape, interpreted) in enumerate(zip(SHAPES, _DTYPE_INTERPRETED)):
-    name = "-".join(map(str, shape[:4])) + ("-None" if shape[4] is None else f"-config{i}")
-    for dtype in (jnp.bfloat16, jnp.float32):
-      if dtype == interpreted:
-        params.append(pytest.param(*shape, dtype, False, id=f"{name}-{dtype.__name__}-interpret"))
-      params.append(pytest.param(*shape, dtype, True, id=f"{name}-{dtype.__name__}-compiled",
-                                 marks=pytest.mark.gpu))
-  return params
-
-
-@pytest.mark.parametrize("r,d,t,s,config,out_dtype,compiled", _params())
+@pytest.mark.parametrize(f"{NAMES},compiled", _cases_in_modes(
+    NAMES, CASES, [i for i, c in enumerate(CASES)
+                   if c[-1] != _DTYPE_INTERPRETED[SHAPES.index(c[:-1])]]))
 def test_gather_sum_matches_reference(rng, compiled, out_dtype, r, d, t, s, config):
   if compiled:
     r, t = r * 40, t * 200

@@ -18,15 +18,17 @@ MODES = [pytest.param(False, id="interpret"), pytest.param(True, id="compiled", 
 # E at the kernel's limit, more token blocks (69) than the layout's block prefix sums in one level.
 SHAPES = [(300, 8, 64), (100, 6, 200), (70, 16, 256), (129, 1, 1), (40, 4, 1024), (1, 2, 3),
           (1100, 2, 512)]
-# The layouts' (T, S, E, row tile): interpreted, each shape with one row tile, both tiles among the
-# shapes (the tile enters only each expert's first row, `layout._rows_by_block_ranks`, which the
-# kernel's ranks are added to); compiled, every shape with both.
-_TILE_INTERPRETED = dict(zip(SHAPES, (128, 1, 1, 128, 128, 1, 128)))
-LAYOUT_CASES = [(*shape, tile) for shape in SHAPES for tile in (1, 128)
-                if ON_GPU or _TILE_INTERPRETED[shape] == tile]
-EXTRAS_CASES = [(*shape, tile) for shape, tiles in (((300, 2, 8, 16), (1,)), ((129, 1, 1, 4), (1,)),
-                                                    ((70, 4, 100, 3), (32,)), ((5, 2, 3, 1), (32,)))
-                for tile in ((1, 32) if ON_GPU else tiles)]
+# The layouts' (T, S, E, row tile): compiled, every shape with both tiles; interpreted, each shape
+# with the one given, both among the shapes (the tile enters only each expert's first row,
+# `layout._rows_by_block_ranks`, which the kernel's ranks are added to). Likewise with extras.
+def _with_tiles(shapes_and_tiles, tiles):
+  return [(*shape, tile) for shape, interpreted in shapes_and_tiles for tile in tiles
+          if ON_GPU or tile == interpreted]
+
+
+LAYOUT_CASES = _with_tiles(zip(SHAPES, (128, 1, 1, 128, 128, 1, 128)), (1, 128))
+EXTRAS_CASES = _with_tiles((((300, 2, 8, 16), 1), ((129, 1, 1, 4), 1), ((70, 4, 100, 3), 32),
+                            ((5, 2, 3, 1), 32)), (1, 32))
 
 
 def _ids(rng, t, s, e, kind):

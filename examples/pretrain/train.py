@@ -726,15 +726,15 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
       jax.block_until_ready(window)
       window.append(profile(model, optimizer, inputs, targets))
       window_t0, window_steps = time.perf_counter(), 0  # the window times the steps after it
-    elif not compiled:  # the window times the steps after this one
+    else:
       t0 = time.perf_counter()
       window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
-      jax.block_until_ready(window[-1])
-      window_t0, window_steps, compiled = time.perf_counter(), 0, True
-      say(f"step {step + 1} (compiled, then run) took {window_t0 - t0:.1f} s")
-    else:
-      window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
-      window_steps += 1
+      if compiled:
+        window_steps += 1
+      else:  # the window times the steps after this one
+        jax.block_until_ready(window[-1])
+        window_t0, window_steps, compiled = time.perf_counter(), 0, True
+        say(f"step {step + 1} (compiled, then run) took {window_t0 - t0:.1f} s")
     done = step + 1
     latest = window[-1]  # the last step's outputs, checked before a checkpoint
     if sys.stdout.isatty():  # a progress bar on terminals; logs get the metrics lines only
