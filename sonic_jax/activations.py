@@ -129,6 +129,8 @@ _FUNCTIONS = {
 class Activation:
   """An expert activation: frozen and hashable (a static value under `jax.jit`).
 
+  name: its label in messages and part of its identity (equal activations share a jit trace); the
+    presets' is their key in `ACTIVATIONS`, `clamped_swiglu`'s names its parameters.
   function: the elementwise function, one of "silu" (g * sigmoid(alpha * g)), "gelu" (exact erf
     form), "gelu_tanh" (tanh approximation), "relu", "relu_sq".
   is_glu: A = function(gate) * (up + up_offset) on the two halves of H, else A = function(H).

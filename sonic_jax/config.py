@@ -23,11 +23,14 @@ class Config:
     "topk_softmax", ...; no selection bias on the scores, no group limit, no router_bias), with x
     and the router weight in one 16-bit dtype (a float32 router weight never takes it), runs the
     router GEMM and the top-K selection as one Pallas kernel up to this many experts E (it reads
-    the whole weight per program, so it loses to two kernels at large E); 0: never.
+    the whole weight per program, so it loses to two kernels at large E) where the kernel takes
+    the problem: E a power of two in [2, 256], d a multiple of 64, K <= 32 (a larger value does
+    not lift these); 0: never.
   layout_kernel_max_experts: on a GPU, the grouped layout of a routing (top-K, or token
     rounding's with its extra pairs) comes from a block-rank counting kernel up to this many
-    experts (E rounded up to a power of two; its work per pair grows with E), else from a sort of
-    the expert ids; 0: never.
+    experts (E rounded up to a power of two; its work per pair grows with E) where the kernel
+    takes the routing (E <= 1024, at most 32 slots per token), else from a sort of the expert
+    ids; 0: never.
   gather_sum_kernel: the mosaic_gpu backend's forward aggregation y_t = sum_k s_tk Y[row(t, k)]
     runs the Mosaic GPU gather-sum kernel where the token has at least
     `gather_sum_kernel_min_slots` slots and d >= `gather_sum_kernel_min_d` (it wins on large row

@@ -1,13 +1,13 @@
 """The all-to-all exchange of (token, expert) rows between the devices of an expert-parallel axis.
 
-Every device's send buffer has P slots of S rows, slot j for device j (which holds experts
+Every device's send buffer has P slots of C rows, slot j for device j (which holds experts
 [j*E_local, (j+1)*E_local)): the device's pairs routed there, sorted by expert, then zero rows. A
-slot keeps at most S pairs (the slot capacity); the pairs beyond it are dropped and counted. The
+slot keeps at most C pairs (the slot capacity); the pairs beyond it are dropped and counted. The
 receive buffer has the same shape, slot i holding what device i sent. From the all-gathered
 per-expert counts C (P senders x E experts) every device computes its own `ExchangePlan`.
 
-One `jax.lax.all_to_all` of the (P*S, d) buffer moves it: every slot travels whole, padding
-included (S*d per device pair, whatever the routing). XLA's ragged all-to-all, which would move
+One `jax.lax.all_to_all` of the (P*C, d) buffer moves it: every slot travels whole, padding
+included (C*d per device pair, whatever the routing). XLA's ragged all-to-all, which would move
 only each slot's pairs, ran at about 1% of its bandwidth between GPUs on jax 0.11.2
 (docs/decisions.md, "Expert parallelism").
 """
@@ -27,7 +27,7 @@ Array = jax.Array
 class ExchangePlan(NamedTuple):
   """What a receiving device knows of the rows the dispatch brings it."""
 
-  row_expert: Array  # (P*S,) int32: local expert of each received row, E_local if none
+  row_expert: Array  # (P*C,) int32: local expert of each received row, E_local if none
   dropped: Array  # () int32: pairs of the whole axis that did not fit their slot
 
 
@@ -35,7 +35,7 @@ def exchange_plan(counts: Array, me: Array, slot_rows: int) -> ExchangePlan:
   """The receive side of device `me`'s dispatch, from the all-gathered counts.
 
   counts: (P, E) int32, counts[i, e] = pairs of sender i routed to expert e (E = P * E_local).
-  slot_rows: S, the rows of one slot. Sender i's slot for j holds its first min(S, n_ij) pairs for
+  slot_rows: C, the rows of one slot. Sender i's slot for j holds its first min(C, n_ij) pairs for
   j's experts in expert order (so a full slot drops its highest local experts' last pairs); slot i
   of the receive buffer is sender i's slot for `me`. The combine sends every received slot back to
   the slot it came from.
@@ -56,9 +56,9 @@ def exchange_plan(counts: Array, me: Array, slot_rows: int) -> ExchangePlan:
 
 
 def slot_layout(pairs: GroupedLayout, num_devices: int, slot_rows: int) -> GroupedLayout:
-  """The sender's send buffer as a layout of P*S rows: `pairs` is its pairs in expert order (a
+  """The sender's send buffer as a layout of P*C rows: `pairs` is its pairs in expert order (a
   grouped layout with a row tile of 1); the pairs of device j's experts move to slot j, those past
-  its S rows (and pairs routed nowhere) to no row."""
+  its C rows (and pairs routed nowhere) to no row."""
   e_count = pairs.num_experts
   e_local = e_count // num_devices
   rows = num_devices * slot_rows
@@ -86,6 +86,6 @@ def slot_layout(pairs: GroupedLayout, num_devices: int, slot_rows: int) -> Group
 
 
 def exchange(buffer: Array, axis_name: str) -> Array:
-  """Sends slot j of `buffer` (P*S rows) to device j; returns the receive buffer of P*S rows whose
+  """Sends slot j of `buffer` (P*C rows) to device j; returns the receive buffer of P*C rows whose
   slot i is what device i sent. Differentiable: the transpose is the exchange back."""
   return jax.lax.all_to_all(buffer, axis_name, 0, 0, tiled=True)

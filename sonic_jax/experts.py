@@ -51,8 +51,8 @@ def expert_mixture(x: Array, scores: Array, layout: GroupedLayout, w1: Array, w2
 
   x (T, d); scores (T, S) float weights of the layout's slot pairs; the layout built from (T, S)
   expert ids over w1's E experts with the backend's `row_tile`
-  (`sonic_jax.backends.resolve_backend(backend, config).row_tile`: 32 for the xla path on a CPU,
-  128 on a GPU); w1, w2, b1, b2, activation, gate_up_layout: as `sonic_jax.moe`; extra_scores
+  (`sonic_jax.backends.resolve_backend(backend, config).row_tile`: 32 for the xla backend on a
+  CPU, 128 elsewhere); w1, w2, b1, b2, activation, gate_up_layout: as `sonic_jax.moe`; extra_scores
   (X,): the weights of the layout's extra pairs (required when it has some). backend: a name of
   `sonic_jax.BACKENDS` (resolved with `config`, a `sonic_jax.Config`) or a resolved `Backend`.
   Differentiable in x, scores, extra_scores, w1, w2, b1 and b2.

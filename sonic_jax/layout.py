@@ -56,22 +56,35 @@ def grouped_rows(num_pairs: int, num_experts: int, row_tile: int) -> int:
 class GroupedLayout(NamedTuple):
   """Where every (token, slot) pair sits in the expert-grouped buffer.
 
-  Row-indexed arrays have R entries (R = `grouped_rows(...)`), pair-indexed arrays have the routing's
-  (T, S) shape, tile-indexed arrays R // row_tile entries.
+  Row-indexed arrays have R entries, R = round_up(N + min(E, N) * (row_tile - 1), row_tile) for N
+  = T * S + X pairs (`sonic_jax.layout.grouped_rows`, the worst case over routings); pair-indexed
+  arrays have the routing's (T, S) shape; tile-indexed arrays R // row_tile entries.
+
+  Attributes:
+    row_token: (R,) int32, the token whose x row feeds this grouped row (a padding row: the token
+      of its expert's first row; 0 past the rows in use).
+    row_pair: (R,) int32, the flat pair index t * S + s of this row (T * S + x for extra pair x),
+      -1 for padding.
+    row_expert: (R,) int32, the expert of this row's tile (E for tiles past the used rows).
+    pair_row: (T, S) int32, the grouped row of each pair, R for pairs routed nowhere.
+    group_sizes: (E,) int32, rows per expert including padding (multiples of row_tile).
+    expert_counts: (E,) int32, real pairs per expert.
+    tile_expert: (R // row_tile,) int32, the expert of each tile, E past the used tiles.
+    num_tiles: () int32, tiles in use, sum(group_sizes) // row_tile.
+    extra_row: (X,) int32, the grouped row of each extra pair, R for unused entries.
+    extra_token: (X,) int32, the token of each extra pair, T for unused entries.
   """
 
-  row_token: Array  # (R,) int32: token whose x row feeds this grouped row (padding: the token of
-  # its expert's first row; 0 past the rows in use)
-  row_pair: Array  # (R,) int32: flat pair index t*S+s of this row (T*S+x for extra pair x), -1
-  # for padding
-  row_expert: Array  # (R,) int32: expert of this row's tile (E for tiles past the used rows)
-  pair_row: Array  # (T, S) int32: grouped row of each pair, R for pairs routed nowhere
-  group_sizes: Array  # (E,) int32: rows per expert including padding (multiples of row_tile)
-  expert_counts: Array  # (E,) int32: real pairs per expert
-  tile_expert: Array  # (R // row_tile,) int32: expert of each tile, E past the used tiles
-  num_tiles: Array  # () int32: tiles in use, sum(group_sizes) // row_tile
-  extra_row: Array  # (X,) int32: grouped row of each extra pair, R for unused entries
-  extra_token: Array  # (X,) int32: token of each extra pair, T for unused entries
+  row_token: Array
+  row_pair: Array
+  row_expert: Array
+  pair_row: Array
+  group_sizes: Array
+  expert_counts: Array
+  tile_expert: Array
+  num_tiles: Array
+  extra_row: Array
+  extra_token: Array
 
   @property
   def num_rows(self) -> int:
@@ -244,7 +257,11 @@ def build_grouped_layout(expert_ids: Array, num_experts: int, row_tile: int,
                          extra_tokens: Array | None = None,
                          extra_experts: Array | None = None, *, extras_by_expert: bool = False,
                          method: str = "auto", config: Config | None = None) -> GroupedLayout:
-  """Builds the grouped layout for `expert_ids` (T, S); ids outside [0, E) mean 'no expert'.
+  """Builds the grouped layout (a `GroupedLayout`) for `expert_ids` (T, S) integer over
+  num_experts = E experts; ids outside [0, E) mean 'no expert'. row_tile: rows per tile of the
+  grouped GEMMs, every expert's rows padded to a multiple of it; `expert_mixture` needs its
+  backend's (`sonic_jax.backends.resolve_backend(backend, config).row_tile`). config: a
+  `sonic_jax.Config` (its layout_kernel_max_experts; None: the defaults).
 
   extra_tokens, extra_experts: optional (X,) int32 (token, expert) pairs beyond the slots; an expert
   id outside [0, E) or a token outside [0, T) marks an unused entry. A token may appear in any

@@ -300,7 +300,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     w2: (E, n, d).
     top_k: K, the experts per token, 1 <= K <= E.
     activation: a name in `sonic_jax.ACTIVATIONS` ("swiglu", "geglu", "geglu_tanh", "reglu",
-      "clamped_swiglu": act(gate) * up; "gelu" (exact erf form), "gelu_tanh", "relu", "relu_sq",
+      act(gate) * up; "clamped_swiglu": gpt-oss's, both halves clamped and 1 added to up (see
+      `sonic_jax.clamped_swiglu`); "gelu" (exact erf form), "gelu_tanh", "relu", "relu_sq",
       "silu") or an `Activation` such as `sonic_jax.clamped_swiglu(alpha, limit)`.
     routing: a `sonic_jax.Router` (scores, renormalisation, groups, scaling, input scaling) or a
       preset name: "softmax_topk", "topk_softmax", "topk_softmax_raw", "sigmoid_topk",
@@ -314,7 +315,8 @@ def moe(x: Array, router_weight: Array, w1: Array, w2: Array, *, top_k: int,
     token_rounding: None (plain top-K), or "down", "up", "nearest": SonicMoE's tile-aware token
       rounding for training (`sonic_jax.routing.round_tokens`), which moves every expert's token
       count to a multiple of the backend's row tile so that its grouped GEMMs compute no padding
-      rows. Needs a softmax router without groups or input scaling. The pairs it adds are in
+      rows. Needs a softmax router without groups or input scaling, and no capacity_factor (a
+      ValueError otherwise). The pairs it adds are in
       `aux.extra_*`; dropped slot pairs get expert id -1 and score 0. An expert with fewer than
       half a tile of tokens keeps none under "nearest" (and under "down", fewer than a tile):
       with few tokens (T * K / E well under the tile, as in small CPU runs) most pairs drop, and

@@ -7,7 +7,7 @@ single-device `sonic_jax.moe` in output and gradients:
 tokens, sends each (token, expert) row to the device that holds the expert with one all-to-all
 (`sonic_jax.exchange`: `jax.lax.all_to_all` of fixed-size slots), runs its local experts on what
 it received and returns each result row the same way; the sender sums its tokens' K rows.
-Communication per layer: the whole slots, P*S rows of d each way, (P-1)/P of them crossing
+Communication per layer: the whole slots, P*C rows of d each way, (P-1)/P of them crossing
 devices.
 
 `moe_all_gather` is the gather-based scheme, for small expert-parallel degrees: every device
@@ -21,8 +21,8 @@ d each way in x's dtype, which beats an all-to-all while P is small relative to 
 goes to K experts anyway).
 
 Which wins: per device and direction, all-gather moves (P-1)*T_local rows of d and computes the
-routing of all P*T_local tokens (from their logits) on every device; the all-to-all moves (P-1)*S
-with S = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless
+routing of all P*T_local tokens (from their logits) on every device; the all-to-all moves (P-1)*C
+with C = c*K*T_local/P at a capacity factor c, and T_local*min(K, E_local) when dropless
 (T_local*K for a given expert_ids, which may name an expert twice for a token). So
 all-gather moves less while P < c*K (dropless, the all-to-all moves at least as much), and
 all-to-all wins beyond; it also keeps the routing, the row gathers and the saved activations per
@@ -67,8 +67,7 @@ def resolve_scheme(scheme: str, num_devices: int, top_k: int,
   all-gather scheme is the faster one (docs/decisions.md). The two drop different pairs: per
   expert over the axis's tokens, or per (sender, receiver) slot."""
   if scheme not in ("auto",) + EXPERT_PARALLEL_SCHEMES:
-    raise ValueError(f"expert_parallel_scheme must be 'auto' or one of {EXPERT_PARALLEL_SCHEMES}, "
-                     f"got {scheme!r}")
+    raise ValueError(f"scheme must be 'auto' or one of {EXPERT_PARALLEL_SCHEMES}, got {scheme!r}")
   if scheme != "auto":
     return scheme
   if capacity_factor is None or num_devices < capacity_factor * top_k:
@@ -189,10 +188,11 @@ def moe_all_gather(x: Array, router_weight: Array, w1: Array, w2: Array, *,
   """`sonic_jax.moe` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
-  sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
-  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)). A tuple
-  axis_name lists its axes in the order of the expert weights' in_specs (P(("data", "ep")) with
-  axis_name=("data", "ep")): device i is the i-th in that order, which the op cannot check.
+  sharded as x); router_weight (d, E) and router_bias, selection_bias, expert_scale (E,)
+  replicated; w1, w2, b1, b2 hold this device's E_local = E / P experts (device i holds experts
+  [i*E_local, (i+1)*E_local)). A tuple axis_name lists its axes in the order of the expert
+  weights' in_specs (P(("data", "ep")) with axis_name=("data", "ep")): device i is the i-th in
+  that order, which the op cannot check.
   Returns this device's y (T_local, d) and the aux of the whole routing (all gathered tokens,
   identical on every device of the axis; shard_map types its counts and losses as replicated, for
   out_specs=P(), and its per-token fields as varying: take this device's rows of them, or return
@@ -374,7 +374,10 @@ _sum_pairs.defvjp(_sum_pairs_fwd, _sum_pairs_bwd)
 def slot_capacity(num_tokens: int, top_k: int, num_extra: int, num_devices: int,
                   num_local_experts: int, capacity_factor: float | None, *,
                   distinct_experts: bool = True) -> int:
-  """S, the rows of one (sender, receiver) slot of `moe_all_to_all`'s exchange buffers (P*S rows).
+  """C, the rows of one (sender, receiver) slot of `moe_all_to_all`'s exchange buffers (P*C rows),
+  at least 1: num_tokens is T_local (the sender's tokens), top_k K, num_extra X (token rounding's
+  extra-pair entries), num_devices P (the expert axis's size), num_local_experts E_local and
+  capacity_factor c or None.
 
   None: the dropless worst case, all of a sender's pairs routed to one device:
   T_local * min(K, E_local) + X, a token's K experts being distinct (as top-K routing picks them);
@@ -428,9 +431,10 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *,
   inside `jax.shard_map`.
 
   Per device: x (T_local, d) — this device's tokens (router_input and expert_ids, if given,
-  sharded as x); router_weight (d, E) and expert_scale (E,) replicated; w1, w2, b1, b2 hold this
-  device's E_local = E / P experts (device i holds experts [i*E_local, (i+1)*E_local)); a tuple
-  axis_name lists its axes in the order of the expert weights' in_specs, as for `moe_all_gather`.
+  sharded as x); router_weight (d, E) and router_bias, selection_bias, expert_scale (E,)
+  replicated; w1, w2, b1, b2 hold this device's E_local = E / P experts (device i holds experts
+  [i*E_local, (i+1)*E_local)); a tuple axis_name lists its axes in the order of the expert
+  weights' in_specs, as for `moe_all_gather`.
   capacity_factor: None (default) sizes the exchange's (sender, receiver) slots for the worst case,
   so nothing is ever dropped; a number c sizes them at c times the balanced share
   (`slot_capacity`), which bounds memory and traffic for large P, and drops the pairs that do not
@@ -441,7 +445,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *,
   Returns this device's y (T_local, d) and the aux of this device's tokens, with the axis-wide
   expert_counts, load-balance and z losses, padded_rows and dropped_pairs.
 
-  Saved for the backward per device: the received x rows (P*S, d) and their H, the scores and
+  Saved for the backward per device: the received x rows (P*C, d) and their H, the scores and
   integer metadata; the exchange's backward is the exchange back. The other arguments are those of
   `sonic_jax.moe`.
   Placement is checked under shard_map's type check (check_vma, the default): expert weights not
@@ -490,7 +494,7 @@ def moe_all_to_all(x: Array, router_weight: Array, w1: Array, w2: Array, *,
   if router.scale_input:  # Llama 4: the received row scaled by its weight, the output by 1
     x_recv = (x_recv.astype(s_recv.dtype) * s_recv).astype(x.dtype)
     s_recv = jnp.ones_like(s_recv)
-  # (P*S, d): each received row times its score
+  # (P*C, d): each received row times its score
   y_recv = _mixture(x_recv, s_recv, None, experts, w1, w2, b1, b2, act, gate_up_layout, impl)
   y = _sum_pairs(move(y_recv), send)
 

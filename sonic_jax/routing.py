@@ -171,11 +171,19 @@ def get_router(routing: str | Router) -> Router:
 
 class RouterOutput(NamedTuple):
   """A token-choice routing (`route`): each token's K experts, their weights, and the per-token
-  distribution over all E that the balance losses use."""
+  distribution over all E that the balance losses use. T stands for the logits' leading dims.
 
-  scores: Array  # (T, K) float32 (float64 for float64 logits), the weight of each selected expert
-  expert_ids: Array  # (T, K) int32
-  probs: Array  # (T, E), the per-expert probabilities that the load-balance loss uses
+  Attributes:
+    scores: (T, K) float32 (float64 for float64 logits), the weight of each selected expert; 0 in
+      an empty slot.
+    expert_ids: (T, K) int32, the selected experts; -1 in an empty slot (a given `expert_ids`
+      entry outside [0, E)).
+    probs: (T, E), the per-expert probabilities that the load-balance loss uses.
+  """
+
+  scores: Array
+  expert_ids: Array
+  probs: Array
 
 
 def router_logits(x: Array, router_weight: Array) -> Array:
@@ -314,6 +322,10 @@ def route(logits: Array, top_k: int, routing: str | Router = "softmax_topk",
           selection_bias: Array | None = None, expert_ids: Array | None = None) -> RouterOutput:
   """Selects K experts per token and their weights, as `routing` (a `Router` or the name of one
   of `ROUTINGS`) says.
+
+  logits: (..., E) floating, any leading dims (the tokens), computed in float32 (float64 for
+  float64 logits). top_k: K, 1 <= K <= E. Returns a `RouterOutput`: scores and expert_ids
+  (..., K), probs (..., E).
 
   selection_bias (E,), optional: added to the selection values (`Router.selection_bias_on`) for
   choosing the experts only; the weights come from the unbiased scores (DeepSeek-V3's
@@ -489,16 +501,25 @@ class RoundedRouting(NamedTuple):
   """A routing after token rounding: the K slots of token choice, minus the pairs rounding dropped,
   plus X = E * J extra (token, expert) pairs that rounding added, J = `extra_pairs_per_expert`:
   entries [e * J, (e + 1) * J) are expert e's, its added tokens in increasing order, then unused
-  entries."""
+  entries. The weights are as `round_tokens` gives them; `moe` and the parallel ops scale them
+  further (`route_tokens`) by the router's routed_scaling_factor and expert_scale where those
+  apply.
 
-  # Weights as `round_tokens` gives them; `route_tokens` scales them further by the router's
-  # routed_scaling_factor and expert_scale where those apply.
-  scores: Array  # (T, K) float32: kept pairs keep their token-choice score, dropped pairs 0
-  expert_ids: Array  # (T, K) int32: -1 where the pair was dropped
-  extra_tokens: Array  # (X,) int32: token of each added pair, T for unused entries
-  extra_experts: Array  # (X,) int32: expert of each added pair, E for unused entries
-  extra_scores: Array  # (X,) float32: the added pair's raw router probability, 0 when unused
-  probs: Array  # (T, E) router probabilities (softmax over all E)
+  Attributes:
+    scores: (T, K) float32, kept pairs' token-choice scores, 0 for dropped pairs.
+    expert_ids: (T, K) int32, -1 where the pair was dropped.
+    extra_tokens: (X,) int32, the token of each added pair, T for unused entries.
+    extra_experts: (X,) int32, the expert of each added pair, E for unused entries.
+    extra_scores: (X,) float32, the added pair's raw router probability, 0 when unused.
+    probs: (T, E), the router probabilities (softmax over all E).
+  """
+
+  scores: Array
+  expert_ids: Array
+  extra_tokens: Array
+  extra_experts: Array
+  extra_scores: Array
+  probs: Array
 
 
 def extra_pairs_per_expert(mode: str, tile: int, num_tokens: int) -> int:
@@ -518,6 +539,9 @@ def _rounding_kernel_unsupported(num_tokens: int, num_experts: int, per_expert: 
 def round_tokens(routed: RouterOutput, tile: int, mode: str,
                  method: str = "auto", logits: Array | None = None) -> RoundedRouting:
   """Token rounding of a softmax token-choice routing to multiples of `tile` rows per expert.
+
+  tile: the row tile each expert's count is rounded to, the grouped GEMMs' (`row_tile` of the
+  backend and of `build_grouped_layout`; `moe` passes its backend's).
 
   With c_e the token-choice count of expert e, its target is floor ("down"), ceil ("up") or
   round-half-to-even ("nearest") of c_e / tile, times tile, capped at T. Each expert ranks the
@@ -764,6 +788,8 @@ def hf_load_balancing_loss(router_logits, top_k: int, attention_mask: Array | No
   tokens. As in transformers, the layers' tokens are pooled (their logits concatenated) before the
   fractions and means multiply: E * sum_{k, e} (fraction of all layers' tokens whose k-th choice
   is e) * (mean probability of e over them); L equal layers give one layer's loss.
+  top_k: K, the experts each token chose (the model's num_experts_per_tok), 1 <= K <= E.
+  Returns a () scalar, float32 (float64 for float64 logits); 0 with no tokens, or none unmasked.
   The per-layer `MoEAux.load_balance_loss` differs (its f sums to 1 per layer).
   """
   from sonic_jax import checks  # checks imports this module

@@ -402,5 +402,7 @@ def test_expert_parallel_auto_scheme():
       "all_to_all"] * 2
   assert resolve_scheme("auto", 8, 8, 1.25) == "all_gather"
   assert resolve_scheme("all_to_all", 2, 4) == "all_to_all"
+  with pytest.raises(ValueError, match="scheme must be 'auto' or one of"):
+    resolve_scheme("ring", 2, 4)
   layer = _layer(expert_parallel_axis="ep", capacity_factor=1.25)
   assert layer.expert_parallel_scheme == "auto" and layer.capacity_factor == 1.25

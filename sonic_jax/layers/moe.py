@@ -125,8 +125,8 @@ class MoE(nnx.Module):
       layers; a call without refuses).
     num_shared_experts: always-on experts (DeepSeek/Qwen-MoE style), one dense MLP of width
       num_shared_experts * shared_expert_dim (default expert_dim) added to the routed output.
-    shared_expert_gate: the shared output is multiplied by sigmoid(x @ w_g), a learned scalar gate
-      per token (Qwen2-MoE, Qwen3-Next).
+    shared_expert_gate: the shared output is multiplied by sigmoid(x @ shared_gate), a learned
+      scalar gate per token (the parameter `shared_gate`, (d, 1); Qwen2-MoE, Qwen3-Next).
     load_balance_coef, z_loss_coef: weights of the auxiliary losses in `aux.loss`.
     balance_loss: "batch" (Switch: E * sum_e f_e P_e over all the call's tokens) or "sequence"
       (DeepSeek-V2/V3, MaxText: the same per sequence, averaged; x must be (B, S, d); not with
@@ -135,8 +135,8 @@ class MoE(nnx.Module):
     bias_update_rate: > 0 enables auxiliary-loss-free balancing: a `SelectionBias` that moves the
       selection, updated by `update_selection_bias` outside the gradient.
     token_rounding: None, "down", "up" or "nearest": tile-aware token rounding while training
-      (`sonic_jax.moe`); evaluation (`deterministic=True`, e.g. after `model.eval()`) routes with
-      plain top-K.
+      (`sonic_jax.moe`; not with a capacity_factor); evaluation (`deterministic=True`, e.g. after
+      `model.eval()`) routes with plain top-K.
     deterministic: evaluation mode (NNX's `model.eval()` / `model.train()` set it).
     expert_parallel_axis: a mesh axis name: experts are sharded over it. Either call the layer
       inside your own `jax.shard_map` (or `nnx.shard_map`) that binds that axis, with the expert
@@ -159,11 +159,11 @@ class MoE(nnx.Module):
       dropless (all-to-all's dropless slots hold the worst case) or while P < capacity_factor *
       top_k, "all_to_all" beyond, whose traffic stays flat as the axis grows; the all-gather is
       the faster one on 2 and 4 GPUs (docs/decisions.md). The attribute keeps the name given.
-    capacity_factor: None (dropless) or a number c: on one device each expert keeps at most
-      ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText), as it does over the
-      expert-parallel axis's tokens with the all-gather scheme; with the all-to-all each (sender,
-      receiver) slot holds c times the balanced share.
-      Dropped pairs are counted in `aux.stats.dropped_pairs`.
+    capacity_factor: None (dropless) or a finite number c > 0: on one device each expert keeps at
+      most ceil(c * T * K / E) pairs, the first in token order (Switch, MaxText), as it does over
+      the expert-parallel axis's tokens with the all-gather scheme; with the all-to-all each
+      (sender, receiver) slot holds c times the balanced share. Dropped pairs are counted in
+      `aux.stats.dropped_pairs`.
     init_std: std of the expert weights' normal init (router_init_std for the router, default the
       same). dtype: compute dtype (default: x's); param_dtype: storage dtype of the parameters.
       The router weight is used as stored (not cast to `dtype`): float32 storage keeps the router
@@ -334,7 +334,8 @@ class MoE(nnx.Module):
     Gemma 4 routes on the block's input and runs the experts on another normalisation of it.
     expert_ids: optional (..., K) integer, x's leading dims: a fixed selection whose weights the
     router computes (DeepSeek-V4's hash-routed layers: `tid2eid[input_ids]`); not while token
-    rounding trains."""
+    rounding trains, nor with a selection bias (bias_update_rate > 0) or group-limited routing
+    (a `Router` with n_group > 1), which only move a selection."""
     for name, a in (("x", x), ("router_input", router_input)):
       if (a is not None or name == "x") and not (hasattr(a, "shape") and hasattr(a, "dtype")):
         raise TypeError(f"{name} must be an array, got {type(a).__name__}")
