@@ -32,8 +32,9 @@ def tokamax_version():
     return "(version unknown)"
 
 
-def tokamax_moe(x, router_weight, w1, w2, *, top_k, implementation="mosaic"):
-  """SwiGLU (concat layout) MoE layer from tokamax.ragged_dot. Returns y (T, d)."""
+def tokamax_moe(x, router_weight, w1, w2, *, top_k):
+  """SwiGLU (concat layout) MoE layer from tokamax.ragged_dot (its Mosaic GPU implementation).
+  Returns y (T, d)."""
   import tokamax
   t_count, _ = x.shape
   e_count = router_weight.shape[1]
@@ -46,9 +47,9 @@ def tokamax_moe(x, router_weight, w1, w2, *, top_k, implementation="mosaic"):
   token = order // top_k
   group_sizes = jnp.bincount(flat, length=e_count).astype(jnp.int32)
   xs = x[token]
-  h = tokamax.ragged_dot(xs, w1, group_sizes, implementation=implementation)
+  h = tokamax.ragged_dot(xs, w1, group_sizes, implementation="mosaic")
   a = (jax.nn.silu(h[:, :n].astype(jnp.float32)) * h[:, n:].astype(jnp.float32)).astype(x.dtype)
-  y = tokamax.ragged_dot(a, w2, group_sizes, implementation=implementation)
+  y = tokamax.ragged_dot(a, w2, group_sizes, implementation="mosaic")
   y = y * scores.reshape(-1)[order][:, None].astype(y.dtype)
   return jnp.zeros((t_count, x.shape[1]), x.dtype).at[token].add(y)
 

@@ -84,8 +84,8 @@ def _define_flags():  # only when run as a script: benchmarks.report imports `ta
                     "xla_gpu_use_memcpy_local_p2p: copies between the GPUs of this process "
                     "(all-to-alls, collective permutes) by the copy engines instead of NCCL "
                     "kernels, which leaves the SMs to the expert kernels; default: at P = 2 only")
-  flags.DEFINE_bool("profile", True, "trace one training step of each all_gather run and split "
-                    "GPU 0's time into communication, computation and their overlap")
+  flags.DEFINE_bool("profile", True, "trace one training step of each dropless all_gather run "
+                    "and split GPU 0's time into communication, computation and their overlap")
 
 
 def _time_all(calls, options, compiled_out=None, plain=()):

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh [kernel_bench flags...]       # e.g. --thiek=32768,4096,1024,64,4
 # The tests run as four pytest processes sharing the GPU (compiling is most of their time), each
 # with 18% of its memory. Writes $OUT/pytest_gpu.txt (pytest's output), then
-# $OUT/<device>_<date>_kernels.json (for benchmarks/results/) and $OUT/kernels.txt.
+# $OUT/<device>_<date>_kernels.json (for benchmarks/results/) and $OUT/kernels.txt; exits non-zero
+# when the tests or the kernel table fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -17,4 +18,5 @@ status=$?
 tail -40 "$out/pytest_gpu.txt"
 python3 -m benchmarks.kernel_bench --out="$out" "$@" 2>&1 | grep -Ev "^[IW][0-9]{4} " \
   | tee "$out/kernels.txt"
-exit $status
+bench=$?
+exit $(( status || bench ))

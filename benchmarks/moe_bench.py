@@ -102,7 +102,7 @@ def _measure(name, fwd, fwd_sets, fb_sets, flops):
       t_fwd, info_fwd = timing.time_do_bench(c_fwd, fwd_sets[0])
       t_fb, info_fb = timing.time_do_bench(c_fb, fb_sets[0])
       row.update(fwd_calls=info_fwd["calls"], fwdbwd_calls=info_fb["calls"],
-                 per_call=info_fwd["per_call"])
+                 per_call=info_fwd["per_call"], fwdbwd_per_call=info_fb["per_call"])
       samples = info_fwd["samples_s"], info_fb["samples_s"]
     else:  # alternating rounds: backward = fwd+bwd - fwd without the clocks' drift between them
       times = timing.time_interleaved({"fwd": (c_fwd, fwd_sets), "fwdbwd": (c_fb, fb_sets)},

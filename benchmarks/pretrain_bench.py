@@ -275,7 +275,8 @@ def main(_):
   all_names = [r["name"] for r in out["runs"]] + names
   if out["baseline"] is not None and out["baseline"] not in all_names:
     raise app.UsageError(f"--baseline={out['baseline']!r} is not a run ({all_names})")
-  path = os.path.join(FLAGS.out, grid.results_name(out, "pretrain"))
+  path = os.path.join(FLAGS.out, os.path.basename(FLAGS.append) if FLAGS.append
+                      else grid.results_name(out, "pretrain"))
   with tempfile.TemporaryDirectory() as data_cache:  # one tokenizer for all runs
     for name, extra in runs:
       with tempfile.TemporaryDirectory() as workdir:

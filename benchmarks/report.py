@@ -314,7 +314,8 @@ METHOD = """\
 
 - **Timing.** Compilation is excluded (the layer table's JSON records its time). Each figure is
   the median of repeated runs after warm-up, by one of two methods (the layer table's run list
-  names each run's; the other tables use *interleaved*: the kernel table times each program alone,
+  names each run's; the other tables but the pretraining ones, which take the medians of the
+  example's own metrics rows, use *interleaved*: the kernel table times each program alone,
   the token-rounding table and the expert-parallel runs whose legend says so a configuration's
   programs in alternating rounds):
   *do_bench* times as triton's `do_bench(warmup=5, rep=200)`, the method of SonicMoE's own
@@ -330,7 +331,7 @@ METHOD = """\
 - **FLOPs.** The SonicMoE paper's counts for a GLU: forward 6·T·K·d·n, backward 12·T·K·d·n,
   forward+backward 18·T·K·d·n; the uniform upper bound and token rounding count the pairs they
   compute. The kernel table's per-kernel TF/s and rooflines count the rows each GEMM computes,
-  padding rows included (2-3% more than the pairs on this grid); its forward and backward sums
+  padding rows included (2.2-4.4% more than the pairs on this grid); its forward and backward sums
   use the paper's counts. Rooflines are max(FLOPs / GEMM rate, bytes / copy rate) with the GEMM
   rate and copy bandwidth measured in the same run.
 - **Memory.** "residual MiB": the bytes autodiff keeps from the forward for the backward, not
@@ -351,7 +352,9 @@ METHOD = """\
   host without it):
   sonic_jax's layer rows, the 12 configurations on one H100 in 4.5 minutes: `bash
   benchmarks/gpu_bench.sh --backends=mosaic_gpu --baselines=` (the tokamax layer and the upper
-  bound: their run's command in the table's run list, with `.whl`); SonicMoE and sonic_jax on one
+  bound: the moe_bench flags of their run's command in the table's run list, through
+  `gpu_bench.sh` with `.whl`, which installs tokamax: without it moe_bench leaves its rows out);
+  SonicMoE and sonic_jax on one
   GPU: `bash benchmarks/sonic_same_gpu.sh` (with `.sonic`); the compiled tests and the kernel table
   as its runs were timed: `bash benchmarks/gpu_check.sh --data=unit`; token rounding's kernels'
   compiled tests and its table, about 7 minutes on an H100:
@@ -441,11 +444,12 @@ def benchmarks_md(found):
                  "SwiGLU in the same run: a ratio above 1 is the option's cost.\n\n"
                  + options_table(run) + "\n")
   if found["ep"]:
-    from benchmarks.ep_bench import table as ep_table
+    from benchmarks.ep_bench import SCHEMES, table as ep_table
     latest = {record(r).get("devices", 1): r for r in found["ep"]}  # per device count
     runs = [latest[p] for p in sorted(latest, reverse=True)]
     labelled = [(f"P = {record(r).get('devices', 1)}", r) for r in runs]
-    max_err = max(max(r["check_max_rel_err"].values()) for r in runs)
+    # over the schemes the tables show (older files also checked a transport since removed)
+    max_err = max(v for r in runs for k, v in r["check_max_rel_err"].items() if k in SCHEMES)
     legend = runs_legend(labelled).split("\n")
     for i, (_, r) in enumerate(labelled):  # how each run timed, and the XLA options it ran with
       rec = record(r)
@@ -465,8 +469,8 @@ def benchmarks_md(found):
                  "exchanges (or the all-gather of x and the combine) alone at the layer's sizes; "
                  "\"comm share\" is four exchanges (or two all-gathers and combines) over the "
                  "step; \"hidden\" is the share of a traced step's communication on GPU 0 (NCCL "
-                 "kernels and copies between GPUs) that ran while a kernel did (traced for "
-                 "all_gather only). "
+                 "kernels and copies between GPUs) that ran while a kernel did (traced for the "
+                 "dropless all_gather only). "
                  "Before timing, every dropless scheme matched the single-device op at float32 "
                  f"(max relative error {max_err:.1e}). The extrapolation keeps the measured "
                  "compute and bandwidths, 8 GPUs a node, and "

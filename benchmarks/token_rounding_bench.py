@@ -72,8 +72,7 @@ def _time(fn, *args):
 
 def role_times(impl, act, x, w1, w2, d_y, layout):
   """ms of each GEMM role alone on `layout`, through the backend's entry points; the grouped
-  operands (A, dH, H) 0.2 N(0, 1) (SonicMoE's benchmark's scale), zero on padding rows (the
-  measured times did not change with random ones there)."""
+  operands (A, dH, H) 0.2 N(0, 1) (SonicMoE's benchmark's scale), zero on padding rows."""
   n = w2.shape[1]
   valid = layout.row_valid()
   keys = jax.random.split(jax.random.key(1), 3)

@@ -15,15 +15,6 @@
 # for the next run. gpu_bench.sh, sonic_same_gpu.sh, pretrain_gpu.sh and tools/ncu_compare.sh source
 # it.
 
-_wheels_ignore() {  # FOLDER: at the repository root, ignored by git (this clone only)
-  cd "$(git rev-parse --show-toplevel)" || return 1
-  mkdir -p "$(git rev-parse --git-path info)"
-  local exclude
-  exclude=$(git rev-parse --git-path info/exclude)
-  touch "$exclude"
-  grep -qx "/$1/" "$exclude" || echo "/$1/" >> "$exclude"
-}
-
 _wheels_download() {  # FOLDER PACKAGE==VERSION...: wheels for the GPU host's Python 3.12
   local dir="$1" py=python3
   shift
@@ -39,14 +30,12 @@ _wheels_download() {  # FOLDER PACKAGE==VERSION...: wheels for the GPU host's Py
 case "${1:-}" in
   tokamax)
     (set -euo pipefail
-     _wheels_ignore .whl
      _wheels_download .whl tokamax==0.0.17 einshape==1.0 immutabledict==4.3.1 pydantic==2.14.3 \
        pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 qwix==0.1.8 \
        tensorboardX==2.6.5 jax-triton==0.3.1
      du -sh .whl) ;;
   sonicmoe)
     (set -euo pipefail
-     _wheels_ignore .sonic
      tmp=$(mktemp -d)
      trap 'rm -rf "$tmp"' EXIT
      _wheels_download "$tmp" sonic-moe==0.1.2.post1 quack-kernels==0.4.1 \

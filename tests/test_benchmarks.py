@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -273,13 +274,17 @@ def test_pretrain_bench(tmp_path, monkeypatch):
   assert summary["tokens_per_s_per_device"] == 5.0  # first row and nan left out
   assert summary["heldout_curve"] == [[2, 5.0], [6, 3.0]] and summary["steps"] == 8
 
-  # --append continues the file: its runs, baseline and command stay, this command is added.
+  # --append continues the file under its own name (results/ holds renamed ones): its runs,
+  # baseline and command stay, this command is added.
   later = tmp_path / "later"
+  renamed = name.replace("_pretrain", "_pretrain_memory")
+  shutil.copy(tmp_path / name, tmp_path / renamed)
   with pytest.raises(SystemExit, match="every run failed"):  # this call's one run: exit status 1
     _main("benchmarks.pretrain_bench", ["--config=tiny", "--run=broken=--top_k=99",
-                                        f"--append={tmp_path / name}", f"--out={later}"],
+                                        f"--append={tmp_path / renamed}", f"--out={later}"],
           monkeypatch)
-  _, more = _results(later)
+  written, more = _results(later)
+  assert written == renamed
   assert [r["name"] for r in more["runs"]] == ["one", "broken"]
   assert "error" in more["runs"][1]  # a failing run is recorded
   text = bench.table(more)

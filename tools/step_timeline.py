@@ -91,8 +91,9 @@ def main(_):
       json.dump(r, f, indent=1)
     print(f"{r['config']}: span {r['span_us']:.0f} us, kernels {r['kernels_us']:.0f} us, "
           f"idle {r['idle_us']:.0f} us over {r['num_events']} events"
-          + (f" ({FLAGS.calls} calls: per call span {r['span_us'] / FLAGS.calls:.0f} us, idle "
-             f"{r['idle_us'] / FLAGS.calls:.0f} us)" if FLAGS.calls > 1 else ""))
+          + (f" ({FLAGS.calls} calls: per call span {r['span_us'] / FLAGS.calls:.0f} us, kernels "
+             f"{r['kernels_us'] / FLAGS.calls:.0f} us, idle {r['idle_us'] / FLAGS.calls:.0f} us)"
+             if FLAGS.calls > 1 else ""))
     for g, a, b in r["largest_gaps"]:
       print(f"  gap {g:8.1f} us  after {a}  before {b}")
     for name, t in r["by_kernel_us"]:
