@@ -180,7 +180,8 @@ def _ragged_dot_unsupported(cfg: ModelConfig) -> str | None:
                        ("bias_update_rate", 0.0), ("token_rounding", None),
                        ("capacity_factor", None)):
     if getattr(cfg, field) != plain:
-      return f"{field}={getattr(cfg, field)!r} (the baseline takes {plain!r})"
+      takes = "it unset" if plain is None else repr(plain)
+      return f"{field}={getattr(cfg, field)!r} (the baseline takes {takes})"
   return None
 
 

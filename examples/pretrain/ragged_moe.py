@@ -53,7 +53,8 @@ def _grouped_matmul(kind: str):
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise ValueError("ragged_dot='tokamax' needs the tokamax package (pip install tokamax)") from e
+    raise ValueError("moe_impl='tokamax_ragged_dot' needs the tokamax package (pip install "
+                     "tokamax)") from e
   # Output in the operands' dtype (float32 accumulation inside), as tokamax's GPU kernel gives it.
   return lambda a, w, sizes: tokamax.ragged_dot(a, w, sizes).astype(jnp.float32)
 

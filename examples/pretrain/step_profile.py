@@ -66,11 +66,12 @@ def part_of(hlo_op: str | None, kernel: str, names: dict[str, str]) -> str:
 def kernel_events(logdir: str, module: str):
   """[(start_ns, duration_ns, kernel name, hlo_op)] of the first GPU's kernels of the XLA module
   whose name contains `module` (without a GPU: the first CPU device's XLA thunks of it, which run
-  on several threads at once), in start order."""
+  on several threads at once), in start order, from the newest trace under `logdir` (each trace
+  adds a directory of its own there)."""
   paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     return []
-  profile = jax.profiler.ProfileData.from_file(paths[0])
+  profile = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
   planes = list(profile.planes)  # an iterator
   gpus = [p for p in planes if re.match(r"/device:GPU:0\b", p.name)]
   events = []

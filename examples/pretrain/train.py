@@ -23,8 +23,9 @@ rematerialisation (--remat), the model and optimizer buffers donated to each ste
 Every --log_every steps a row of metrics.csv (and TensorBoard scalars under workdir/tb where
 tensorboardX is installed): train loss (nats per token, and per byte of the text it covers, which
 compares across tokenizers), auxiliary loss, gradient norm, learning rate, tokens/s, MFU (6 N_active
-+ 12 L d S FLOPs per token over the device's peak), the MoE layers' TFLOP/s per device, the expert
-load (max/mean over experts; per layer in TensorBoard) and the pairs a capacity dropped; every
++ 12 L d S FLOPs per token over the device's peak), the routed experts' TFLOP/s per device, the
+expert load (max/mean over experts; per layer in TensorBoard) and the pairs a capacity factor
+dropped (summed over the window's steps and the layers); every
 --eval_every steps also the held-out loss. Checkpoints (model, optimizer and the run's
 configuration as separate items) every --checkpoint_every steps and on SIGTERM or SIGINT; a run
 resumes from the latest one in --workdir, and metrics rows past it are dropped first, so a
@@ -83,7 +84,8 @@ def _preset(key):
   return f" (the preset's: {', '.join(f'{k} {v}' for k, v in values.items())})"
 
 flags.DEFINE_string("workdir", "/tmp/sonic_jax_pretrain", "checkpoints, metrics.csv, loss.png")
-flags.DEFINE_integer("steps", None, "training steps" + _preset("steps"))
+flags.DEFINE_integer("steps", None, "training steps, more than --warmup (pass --warmup with a "
+                     "short run)" + _preset("steps"))
 flags.DEFINE_integer("batch_size", None, "sequences per step" + _preset("batch_size"))
 flags.DEFINE_integer("grad_accum", 1, "micro-batches per step, their gradients averaged (the "
                      "batch size a multiple of it)")
@@ -95,7 +97,8 @@ flags.DEFINE_integer("vocab_size", None, "--tokenizer=bpe's target vocabulary, t
                      + _preset("vocab_size"))
 flags.DEFINE_integer("corpus_bytes", None, "corpus size in bytes" + _preset("corpus_bytes"))
 flags.DEFINE_string("corpus_dir", None, "read the corpus from the .py files under this directory "
-                    "(default: the Python standard library)")
+                    "(default: the Python standard library); subdirectories named test, tests, "
+                    "site-packages, __pycache__ and idlelib are skipped")
 flags.DEFINE_string("data_cache", None, "where the trained BPE and the token arrays are cached "
                     "(default: workdir/data_cache); share it between runs")
 flags.DEFINE_float("lr", None, "peak learning rate (AdamW)" + _preset("lr"))
@@ -310,7 +313,8 @@ def profile(model, optimizer, inputs, targets):
   if jax.process_index() == 0:
     with open(os.path.join(FLAGS.workdir, "profile_split.json"), "w") as f:
       json.dump(result, f, indent=1)
-  say(f"step {FLAGS.profile_step}, device time by part (GPU 0, or CPU device 0's XLA thunks):\n"
+  say(f"{chr(10) if sys.stdout.isatty() else ''}step {FLAGS.profile_step}, device time by part "
+      "(GPU 0, or CPU device 0's XLA thunks):\n"
       + step_profile.table(result))
   return out
 
@@ -449,7 +453,8 @@ def tokenize(s, corpus):
   source = FLAGS.corpus_dir or "the standard library"
   if not len(train_bytes):  # before a tokenizer is trained on nothing
     raise app.UsageError(f"no corpus: {len(corpus)} bytes of .py source from {source} (check "
-                         f"--corpus_dir and --corpus_bytes)")
+                         f"--corpus_dir and --corpus_bytes; directories named test, tests, "
+                         f"site-packages, __pycache__ and idlelib are skipped)")
   cache = FLAGS.data_cache or os.path.join(FLAGS.workdir, "data_cache")
 
   def build():
@@ -554,7 +559,7 @@ def run():
     reason = re.sub(r"\b(%s)\b" % "|".join(names), r"--\1", str(e)) if names else str(e)
     raise app.UsageError(f"the model: {reason}") from e
   mesh = make_mesh()
-  for flag in ("fsdp", "distributed"):
+  for flag in ("fsdp", "distributed", "memcpy_p2p"):
     if getattr(FLAGS, flag) and mesh is None:
       raise app.UsageError(f"--{flag} needs a mesh: --expert_parallel=P (1 for data parallelism "
                            "alone)")
@@ -724,8 +729,11 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
     inputs, targets = put(inputs), put(targets)
     if step + 1 == FLAGS.profile_step:
       jax.block_until_ready(window)
+      t0 = time.perf_counter()
       window.append(profile(model, optimizer, inputs, targets))
       window_t0, window_steps = time.perf_counter(), 0  # the window times the steps after it
+      if not compiled:  # the training step compiles at its own first call (next line's log)
+        say(f"step {step + 1} (compiled, profiled) took {window_t0 - t0:.1f} s")
     else:
       t0 = time.perf_counter()
       window.append(train_step(model, optimizer, inputs, targets, accum=FLAGS.grad_accum))
@@ -778,14 +786,14 @@ def _train(s, ckpt, ocp, mesh, attention, lead):
           tb.add_scalar(f"expert_load_max_over_mean/layer_{layer}", v, done)
         tb.flush()
       held = (f", held-out {row['heldout_loss']:.3f} ({row['heldout_nats_per_byte']:.3f} "
-              f"nats/byte; ppl {row['heldout_ppl']:.2f}, unigram {h_unigram:.3f})"
+              f"nats/byte; ppl {row['heldout_ppl']:.2f}; unigram {h_unigram:.3f} nats/token)"
               if "heldout_loss" in row else "")
       mfu = "" if math.isnan(row["mfu"]) else f"MFU {row['mfu']:.3f}, "  # no peak: no MFU
       # A window of the compiling step alone has no rate: it is left out rather than shown as nan.
       speed = "" if math.isnan(rate) else (f"{rate:.0f} tokens/s, {mfu}MoE "
                                            f"{row['moe_tflops']:.3f} TFLOP/s, ")
-      dropped = (f"dropped pairs {row['dropped_pairs']:.0f}, " if s["model"].capacity_factor
-                 is not None else "")
+      dropped = (f"dropped pairs {row['dropped_pairs']:.0f} over {len(stats)} steps, "
+                 if s["model"].capacity_factor is not None else "")
       say(f"{chr(10) if sys.stdout.isatty() else ''}step {done}: train {row['train_loss']:.3f} "
           f"nats/token ({row['train_nats_per_byte']:.3f} nats/byte){held}, "
           f"aux {row['aux_loss']:.4f}, grad norm {row['grad_norm']:.3f}, {speed}{dropped}"
@@ -837,14 +845,12 @@ def plot(csv_path, png_path):
   with open(csv_path) as f:
     rows = list(csv.DictReader(f))
   # Per byte, comparable across tokenizers.
-  per_byte = lambda r, k, old: float(r.get(k) or r[old])
   steps = [int(r["step"]) for r in rows]
-  held = [(int(r["step"]), per_byte(r, "heldout_nats_per_byte", "heldout_loss"))
-          for r in rows if r["heldout_loss"]]
+  held = [(int(r["step"]), float(r["heldout_nats_per_byte"])) for r in rows if r["heldout_loss"]]
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(steps, [per_byte(r, "train_nats_per_byte", "train_loss") for r in rows], label="train")
+  ax.plot(steps, [float(r["train_nats_per_byte"]) for r in rows], label="train")
   ax.plot(*zip(*held), label="held-out")
-  ax.axhline(per_byte(rows[-1], "unigram_nats_per_byte", "unigram_entropy"), ls="--", c="gray",
+  ax.axhline(float(rows[-1]["unigram_nats_per_byte"]), ls="--", c="gray",
              label="unigram entropy")
   ax.set_xlabel("step")
   ax.set_ylabel("nats / byte")
