@@ -480,7 +480,9 @@ def main(argv=None):
       save = np.savez_compressed
     save(os.path.join(args.out, f"{name}.npz"), **arrays)
     if args.keys:
-      print(name, {k[6:]: v.shape for k, v in arrays.items() if k.startswith("param/")})
+      for part in ("param/", "hub/"):
+        print(name, part[:-1], {k[len(part):]: v.shape for k, v in arrays.items()
+                                if k.startswith(part)})
   return 0
 
 

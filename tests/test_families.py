@@ -91,11 +91,12 @@ class References:
     return self.cache[key]
 
   def _from_script(self, case, size):
-    if self.python is None:
-      if os.environ.get("CI"):  # CI must compare every family, not pass by skipping them all
-        pytest.fail(f"no transformers reference under CI: {self.why}")
-      pytest.skip(f"no transformers reference: {self.why}")
     path = os.path.join(self.directory, size, f"{case}.npz")
+    if self.python is None:
+      why = f"no {path}, and {self.why}"
+      if os.environ.get("CI"):  # CI must compare every family, not pass by skipping them all
+        pytest.fail(f"no transformers reference under CI: {why}")
+      pytest.skip(f"no transformers reference: {why}")
     if not os.path.exists(path):
       self._compute(size, path)
     with np.load(path) as z:
