@@ -59,8 +59,8 @@ def inputs(routing, mode):
   b1 = rng.standard_normal((E, 2 * n)) * 0.1
   dy = jnp.asarray(rng.standard_normal((T, d)))
   args = [jnp.asarray(a, jnp.float64) for a in (x, rw, w1, w2, b1)]
-  # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3);
-  # a router input of its own and a trained per-expert scale (Gemma 4), both differentiated
+  # with a family router: a trainable router bias (gpt-oss) and a selection bias (DeepSeek-V3),
+  # a router input of its own and a trained per-expert scale (Gemma 4), all differentiated
   extra, fixed = {}, None
   if mode in ROUTERS:
     extra = dict(router_bias=jnp.asarray(rng.standard_normal(E) * 0.1),
@@ -88,7 +88,9 @@ def reference(mode):
       assert aux.extra_tokens.shape[0] > 0
     return jnp.vdot(y, dy) + aux.load_balance_loss + 0.1 * aux.z_loss, y
 
-  return jax.jit(jax.value_and_grad(loss_single, has_aux=True))
+  # the router and selection biases (`extra`) differentiated too: the selection bias's gradient
+  # is zero on both sides
+  return jax.jit(jax.value_and_grad(loss_single, argnums=(0, 1), has_aux=True))
 
 
 @functools.cache
@@ -121,7 +123,7 @@ def sharded(scheme_name, mode, shards):
 
   place = lambda args: [jax.device_put(a, jax.NamedSharding(mesh, s))
                         for a, s in zip(args, specs)]
-  return jax.jit(jax.value_and_grad(loss_ep, has_aux=True)), place
+  return jax.jit(jax.value_and_grad(loss_ep, argnums=(0, 1), has_aux=True)), place
 
 
 def check(scheme_name, routing, mode=None):
@@ -139,7 +141,8 @@ def check(scheme_name, routing, mode=None):
   for shards in counts:
     run, place = sharded(scheme_name, mode, shards)
     (_, y), g = run(place(args), extra, fixed, dy)
-    errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(g, g_ref)]
+    errs = [rel(y, y_ref)] + [rel(a, b) for a, b in zip(jax.tree.leaves(g),
+                                                         jax.tree.leaves(g_ref))]
     print(scheme_name, routing, mode, shards, ["%.1e" % e for e in errs])
     assert max(errs) < 1e-10, (scheme_name, routing, mode, shards, errs)
 

@@ -166,7 +166,8 @@ def test_gather_sum_bench_cases_and_table():
 
 def test_rounding_select_bench_checks_and_ranks_variants():
   """The selection bench checks each variant against XLA's selection before timing it (here the
-  kernel interpreted at two warp counts, a tiny case), and ranks them against XLA's."""
+  kernel interpreted at two warp counts, a tiny case), and ranks them against XLA's; a variant
+  that selects otherwise is refused."""
   import functools
   from benchmarks import rounding_select_bench as bench
   variants = {f"warps={w}": functools.partial(bench.selection_fn, interpret=True, warps=w)
@@ -177,6 +178,12 @@ def test_rounding_select_bench_checks_and_ranks_variants():
   lines = bench.table(results).splitlines()
   assert len(lines) == 2 + 3 and all(line.startswith("| 300,8,2 | ") for line in lines[2:])
   assert set(bench.default_variants(["16"], ["8192"])) == {"kernel", "warps=16", "chunk=8192"}
+
+  def wrong(*args):  # the kernel's selection with every kept pair dropped: refused untimed
+    select = bench.selection_fn(*args, interpret=True, warps=4)
+    return lambda *a: (lambda keep, added: (~keep, added))(*select(*a))
+  with pytest.raises(AssertionError, match="wrong: keep differs from XLA's selection"):
+    bench.run_case(300, 8, 2, "nearest", 32, 1, {"wrong": wrong})
 
 
 @pytest.mark.slow

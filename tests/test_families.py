@@ -241,7 +241,8 @@ def test_reference_cases_exercise_their_family_features(references, case, featur
     layer = _without(hf.moe_layer(_config(r), _state(r), param_dtype=jnp.float64,
                                   backend="xla"), feature)
     y, *_ = _value_and_grads(layer, jnp.asarray(r["input"]), jnp.asarray(r["cotangent"]), r)
-  assert rel_err(y, r["output"]) > 1e-2
+  err = rel_err(y, r["output"])
+  assert 1e-2 < err < np.inf, err  # a NaN output (rel_err's inf) proves nothing
 
 
 def _first_case_of_each(key) -> list[str]:

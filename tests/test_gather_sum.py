@@ -117,13 +117,17 @@ def test_gather_sum_lowers_for_sm90():
     pytest.param(False, False, id="interpret"),
     pytest.param(True, False, id="compiled", marks=pytest.mark.gpu),
     pytest.param(True, True, id="compiled-extras", marks=pytest.mark.gpu)])
-def test_backend_aggregation_equals_xla(rng, compiled, extras):
+def test_backend_aggregation_equals_xla(rng, compiled, extras, monkeypatch):
   """The mosaic_gpu backend's aggregation equals the XLA gather-sum on a grouped layout (skewed,
   an expert without pairs): weighted, by the kernel (its thresholds lowered), and unweighted (the
   XLA path: the kernel takes weights); with token rounding's extra pairs (a token with several,
   unused entries) folded into each token's slot 0 first."""
   import sonic_jax
   from sonic_jax.mosaic_gpu import backend as mosaic_backend
+  calls = []
+  kernel = mosaic_backend.gs.gather_sum
+  monkeypatch.setattr(mosaic_backend.gs, "gather_sum",
+                      lambda *a: (calls.append(1), kernel(*a))[1])
   config = sonic_jax.Config(gather_sum_kernel_min_slots=1, gather_sum_kernel_min_d=1)
   t, d, e, k = (40, 256, 4, 2) if not compiled else (4000, 1536, 16, 4)
   ids = rng.integers(0, e, (t, k))
@@ -137,9 +141,11 @@ def test_backend_aggregation_equals_xla(rng, compiled, extras):
   scores = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
   extra_scores = jnp.asarray(rng.uniform(0.1, 1.0, 8), jnp.float32) if extras else None
   for w, xw in ((scores, extra_scores), (None, None)):
+    calls.clear()
     with kernel_mode(compiled):
       got = jax.jit(lambda r, lay, w=w, xw=xw: mosaic_backend.gather_sum(
           r, lay, w, jnp.float32, xw, config=config))(rows, layout)
+    assert bool(calls) == (w is not None), calls  # the weighted sum by the kernel, only it
     want = xla_backend.gather_sum(rows, layout, w, jnp.float32, xw)
     assert np.all(np.isfinite(np.asarray(got)))
     # Compiled, the extra pairs are folded into a row of the (bfloat16) buffer first.

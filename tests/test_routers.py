@@ -232,13 +232,14 @@ def test_routed_experts_slots_with_empty_and_repeated_experts(rng):
                                      backend="xla")
       y_own, _ = sonic_jax.routed_experts(a["x"], aux_moe.expert_ids, aux_moe.scores, a["w1"],
                                           a["w2"], backend="xla")
-      return y, aux.expert_counts, ref(scores), g, g_ref, batched, y_moe, y_own
+      return y, aux.expert_counts, ref(scores), g, g_ref, batched, op(2 * a["x"], scores)[0], \
+          y_moe, y_own
 
-    y, counts, y_ref, g, g_ref, batched, y_moe, y_own = run(scores)
+    y, counts, y_ref, g, g_ref, batched, y_twice, y_moe, y_own = run(scores)
     assert rel_err(y, y_ref) < TOL
     assert int(counts.sum()) == int(np.sum(np.asarray(ids) >= 0))
     assert rel_err(g, g_ref) < TOL
-    assert rel_err(batched[0], y) < TOL
+    assert rel_err(batched[0], y) < TOL and rel_err(batched[1], y_twice) < TOL
     assert rel_err(y_own, y_moe) < TOL
 
 
@@ -488,8 +489,8 @@ def test_fixed_selection_weighted_by_the_router(rng):
 def test_gates_that_underflow_keep_finite_weights_and_gradients(rng, router, spec):
   """float32 logits far below zero (sigmoid gates near 1e-20, sqrt-softplus ones underflowing to
   0): the renormalised weights and their gradients match the float64 oracle, and the balance
-  loss's gradient is finite, where dividing by the gates' sum gave NaN. A token's NaN logits give
-  it NaN weights, as a softmax's would, not zeros; the other tokens' stay as they were."""
+  loss's gradient is finite (a plain division by the gates' sum gives NaN). A token's NaN logits
+  give it NaN weights, as a softmax's would, not zeros; the other tokens' stay as they were."""
   logits = (rng.standard_normal((6, 8)) + np.array([[-30], [-45], [-60], [-90], [-110], [0]]))
   cotangent = rng.standard_normal((6, 2))
   ids, weights = route_reference(logits, 2, **spec)
