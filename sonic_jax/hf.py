@@ -47,10 +47,13 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
                 Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
                 V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear,
-                Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, MiMo-V2-Flash, Step-3.7, Bailing-Hybrid,
-                Solar Open, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2, MiniMax-M3, ERNIE 4.5,
-                LFM2-MoE, Hunyuan, Granite (and Granite-SWA, GraniteMoeHybrid), Gemma 4,
-                DeepSeek-V4.)
+                Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, MiMo-V2-Flash, Beam, Kolibri-1, Step-3.7,
+                Bailing-Hybrid, Solar Open, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2,
+                MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3, Granite (and Granite-SWA,
+                GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
+                NemotronH: experts without a gate, experts.up_proj (E, n, d) -> w1 (E, d, n) and
+                down_proj (E, d, n) -> w2 (E, n, d), each transpose(0, 2, 1), no gate/up columns
+                (any gate_up_layout is the same layer).
                 Llama 4, Aria: experts.gate_up_proj is already (E, d, 2n) (x @ W, gate first)
                 and down_proj (E, n, d): taken as they are.
                 gpt-oss: experts.gate_up_proj (E, d, 2n) with gate and up columns *interleaved*
@@ -69,9 +72,11 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
   shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
                 Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2/V4, GLM-4.5,
                 GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
-                EXAONE-MoE, Sarvam, AFMoE, Step-3.7, Bailing-Hybrid, Solar Open, dots.llm1,
-                dots3, DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria; Hunyuan's shared_mlp) ->
-                shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                EXAONE-MoE, Sarvam, AFMoE, Kolibri-1, Step-3.7, Bailing-Hybrid, Solar Open,
+                dots.llm1, dots3, DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria, Hy3; Hunyuan's
+                shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                NemotronH: shared_experts.up_proj.weight (s, d) -> shared_in (d, s) = W^T,
+                down_proj.weight (d, s) -> shared_out (s, d) = W^T (no gate).
                 Granite (granitemoeshared, Granite-SWA, GraniteMoeHybrid): the decoder layer's
                 shared_mlp.input_linear.weight (2s, d), gate rows first, -> shared_in = W^T;
                 output_linear.weight (d, s) -> shared_out = W^T. Its state dict is the decoder
@@ -80,8 +85,9 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 (1, d) -> shared_gate (d, 1): the shared output times sigmoid(x @ shared_gate).
   selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
   bias          GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
-                EXAONE-MoE, Sarvam, MiMo-V2-Flash, Bailing-Hybrid, Solar Open, dots.llm1, dots3,
-                Step-3.7, MiniMax-M3; DeepSeek-V4's top-K layers), MiniMax-M2
+                EXAONE-MoE, Sarvam, MiMo-V2-Flash, Beam, NemotronH, Kolibri-1, Bailing-Hybrid,
+                Solar Open, dots.llm1, dots3, Step-3.7, MiniMax-M3; DeepSeek-V4's top-K layers),
+                MiniMax-M2 and Hy3
                 e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
@@ -98,13 +104,23 @@ The routers (`layer_kwargs`' routing, a `Router`):
       routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
       group_score="max".
   DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
-  EXAONE-MoE, Sarvam, MiMo-V2-Flash (no shared expert), Bailing-Hybrid, Solar Open, dots.llm1,
-  dots3
+  EXAONE-MoE, Sarvam, MiMo-V2-Flash and Beam (no shared expert), Bailing-Hybrid, Solar Open,
+  dots.llm1, dots3, NemotronH
       Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group, topk_group,
       group_score="top2_sum", routed_scaling_factor) with the selection bias (Kimi-Linear's and
       Bailing-Hybrid's fields: moe_renormalize, num_expert_group, num_shared_experts,
-      num_experts_per_token; EXAONE-MoE's and Sarvam's checkpoints: num_shared_experts). AFMoE:
-      the same with one group, always renormalised, route_scale as the factor. MiniMax-M2:
+      num_experts_per_token; EXAONE-MoE's and Sarvam's checkpoints: num_shared_experts; Beam
+      multiplies the summed routed output by the factor, which is the same). AFMoE: the same with
+      one group, always renormalised, route_scale as the factor; Hy3 the same with
+      router_scaling_factor, num_shared_experts shared experts (one of intermediate_size where it
+      is 0, as transformers builds it). NemotronH: experts and one shared expert of
+      moe_shared_expert_intermediate_size without a gate, activation mlp_hidden_act ("relu2":
+      "relu_sq"); its decoder layers whose layers_block_type (a checkpoint's
+      hybrid_override_pattern) is not "moe" have no block; moe_latent_size (experts between two
+      latent projections) is refused. Kolibri-1: Router("sigmoid", renormalize=norm_topk_prob,
+      selection_bias_on="logits"): top-K of the logits plus the selection bias, weights the
+      sigmoids of the selected logits; one shared expert of shared_expert_intermediate_size.
+      MiniMax-M2:
       Router("sigmoid") with its bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob,
       renorm_epsilon=1e-6, routed_scaling_factor), the bias where use_expert_bias.
   GLM-5.3-Flash  DeepSeek-V3's router; the experts and the shared expert compute
@@ -162,9 +178,15 @@ in float32 even for float64 weights, so a float64 comparison agrees to about 1e-
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
 family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
 experts), Switch / NLLB-MoE (capacity-dropping top-1 with their own layouts), Cohere2-MoE's
-"average" shared-expert combination, Inkling 2 (softcapped SwiGLU experts), ERNIE-4.5-VL-MoE
-(each token routed within its modality's own expert set), Step-3.7's layers that clamp after
-the SiLU (refused: see above), dots3's vision-tower MoE (not mapped).
+"average" shared-expert combination, Inkling 2 (softcapped SwiGLU experts), Inkling (its router
+also scores the shared experts: the sigmoids of the K selected and of the shared ones normalised
+together, the shared outputs weighted by theirs, all times route_scale and a trained scalar),
+ZAYA (an MLP router on the block input plus the previous layer's router state, over E + 1
+classes, one a skip expert without compute), JetMoE (a (d,) bias added to the block's output,
+which no layer parameter holds), HY-V4 (its routed experts' SwiGLU is clamped at swiglu_limit,
+its shared expert's is not: the layer gives both one activation), ERNIE-4.5-VL-MoE (each token
+routed within its modality's own expert set), Step-3.7's layers that clamp after the SiLU
+(refused: see above), dots3's vision-tower MoE (not mapped).
 """
 
 from __future__ import annotations
@@ -202,6 +224,11 @@ _AS_THEY_ARE = ("router_bias", "router_scale", "expert_scale")
 GLU_OF_HIDDEN_ACT = types.MappingProxyType({
     "silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
     "gelu_new": "geglu_tanh", "relu": "reglu"})
+
+# transformers' hidden_act -> the layer's activation for experts without a gate (A = act(H)).
+_ACT_OF_HIDDEN_ACT = types.MappingProxyType({
+    "relu2": "relu_sq", "relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"})
 
 _MISSING = object()
 
@@ -245,6 +272,15 @@ def _glu(config: Mapping[str, Any], name: str = "hidden_act") -> str:
     raise ValueError(f"{name}={act!r} has no sonic_jax GLU activation (known: "
                      f"{sorted(GLU_OF_HIDDEN_ACT)})")
   return GLU_OF_HIDDEN_ACT[act]
+
+
+def _act(config: Mapping[str, Any], name: str) -> str:
+  """The activation of experts without a gate, from config[name] (transformers' hidden_act)."""
+  act = config.get(name, "relu2")
+  if act not in _ACT_OF_HIDDEN_ACT:
+    raise ValueError(f"{name}={act!r} has no sonic_jax activation (known: "
+                     f"{sorted(_ACT_OF_HIDDEN_ACT)})")
+  return _ACT_OF_HIDDEN_ACT[act]
 
 
 def _shared(num: int, dim: int, gate: bool = False) -> dict:
@@ -306,19 +342,48 @@ def _deepseek_v2(c, layer):
                **_shared(c.get("n_shared_experts") or 0, n))
 
 
+def _v3_router(c) -> Router:
+  """DeepSeek-V3's router: without a field, one group, not renormalised, factor 1."""
+  n_group = int(c.get("n_group") or 1)
+  return Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
+                renorm_epsilon=1e-20, n_group=n_group,
+                topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
+                group_score="top2_sum",
+                routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+
+
 def _deepseek_v3(c, layer):
   """DeepSeek-V3's router (V3.2, GLM-4.5, GLM-4.7-Flash, dots.llm1, Kimi-K2, Sarvam share it).
   Without a field: one group, not renormalised, factor 1, no shared expert (dots.llm1's defaults;
   the other families' differ: `_families` passes them)."""
-  n_group = int(c.get("n_group") or 1)
-  router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
-                  renorm_epsilon=1e-20, n_group=n_group,
-                  topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
-                  group_score="top2_sum",
-                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   n = _get(c, "moe_intermediate_size")
-  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), _v3_router(c), _glu(c),
                selection_bias=True, **_shared(c.get("n_shared_experts") or 0, n))
+
+
+def _nemotron_h(c, layer):
+  """NemotronH: DeepSeek-V3's router; experts and one shared expert of
+  moe_shared_expert_intermediate_size without a gate, down(act(up(x))), act mlp_hidden_act
+  (ReLU squared)."""
+  if c.get("moe_latent_size") is not None:
+    raise ValueError("NemotronH moe_latent_size: its experts run between two latent projections "
+                     "(fc1_latent_proj, fc2_latent_proj) that the layer does not have")
+  if c.get("mlp_bias"):
+    raise ValueError("NemotronH mlp_bias=True: the layer's shared expert has no biases")
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
+               _get(c, *_K), _v3_router(c), _act(c, "mlp_hidden_act"), selection_bias=True,
+               **_shared(1, _get(c, "moe_shared_expert_intermediate_size")))
+
+
+def _kolibri1(c, layer):
+  """Kolibri-1: top-K of the logits plus the selection bias, each weight the sigmoid of its
+  logit, renormalised (no epsilon) as norm_topk_prob says; one shared expert of
+  shared_expert_intermediate_size."""
+  router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
+                  selection_bias_on="logits")
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
+               _get(c, *_K), router, _glu(c), selection_bias=True,
+               **_shared(1, _get(c, "shared_expert_intermediate_size")))
 
 
 def _glm5_next(c, layer):
@@ -362,8 +427,22 @@ def _afmoe(c, layer):
                selection_bias=True, **_shared(c.get("num_shared_experts") or 0, n))
 
 
+def _hy_v3(c, layer):
+  """Hy3: AFMoE's router, router_scaling_factor as route_scale, with the block's
+  e_score_correction_bias; num_shared_experts shared experts of the experts' width in one MLP,
+  of intermediate_size where num_shared_experts is 0 (transformers' HYV3MLP then falls back to
+  it)."""
+  if c.get("mlp_bias"):
+    raise ValueError("Hy3 mlp_bias=True: the layer's shared experts have no biases")
+  kw = _afmoe({**c, "route_scale": c.get("router_scaling_factor")}, layer)
+  if not c.get("num_shared_experts"):
+    kw.update(_shared(1, _get(c, "intermediate_size")))
+  return kw
+
+
 def _mimo_v2_flash(c, layer):
-  """DeepSeek-V3's router and experts; the block has no shared experts, whatever the config."""
+  """DeepSeek-V3's router and experts; the block has no shared experts, whatever the config
+  (MiMo-V2-Flash; Beam, whose factor multiplies the summed routed output: the same)."""
   return _deepseek_v3({**c, "n_shared_experts": 0}, layer)
 
 
@@ -561,13 +640,15 @@ class Family:
   `block_state_dict` tries too.
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
-  "gpt_oss" (fused_xw with biases, gate/up as natural_layout says: gpt-oss interleaved) or "dbrx"
-  (separate w1, v1, w2).
+  "gpt_oss" (fused_xw with biases, gate/up as natural_layout says: gpt-oss interleaved), "dbrx"
+  (separate w1, v1, w2) or "up" (NemotronH's experts without a gate: (E, n, d) up_proj and
+  (E, d, n) down_proj).
   experts_prefix: the experts' key prefix. router_bias, selection_bias: keys (or None);
   selection_bias_shape: its shape in the state dict ((E,) or (1, E)). shared: the shared MLP's key
   prefix (or None), shared_kind "split" (gate_proj / up_proj / down_proj), "fused" (Granite's
-  input_linear / output_linear) or "gate_up" (MiniMax-M3's gate_up_proj / down_proj: the same
-  (2s, d) and (d, s) Linears); shared_gate: key of the (1, d) shared-expert gate.
+  input_linear / output_linear), "gate_up" (MiniMax-M3's gate_up_proj / down_proj: the same
+  (2s, d) and (d, s) Linears) or "up" (NemotronH's up_proj (s, d) / down_proj (d, s), no gate);
+  shared_gate: key of the (1, d) shared-expert gate.
   natural_layout: the order of a "gpt_oss" storage's gate/up columns, the layer's default layout.
   router_scale, expert_scale: keys of Gemma 4's (d,) router input scale and (E,) per-expert scale.
   lookup: key of a table the caller reads, not a parameter (DeepSeek-V4's hash layers'
@@ -608,6 +689,19 @@ def _leading_dense(count: int):
   return kinds
 
 
+# NemotronH's legacy hybrid_override_pattern: a letter per decoder layer's mixer.
+_NEMOTRON_H_MIXERS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+
+
+def _nemotron_h_layers(c):
+  """NemotronH's layers_block_type as its config class derives it without one: from a
+  checkpoint's hybrid_override_pattern, else the class's four layers."""
+  pattern = c.get("hybrid_override_pattern")
+  if isinstance(pattern, str):
+    return [_NEMOTRON_H_MIXERS.get(ch, ch) for ch in pattern]
+  return ["linear_attention", "moe", "full_attention", "mlp"]
+
+
 # The decoder layers' dense-layer fields as transformers 5.24's config classes default them, by
 # model_type: values, or functions of the config where a class derives the field (mlp_layer_types
 # from a fixed count of dense layers, which first_k_dense_replace does not move there; Step's
@@ -622,6 +716,9 @@ _DENSE_DEFAULTS = {
     "glm5_next_text": dict(mlp_layer_types=_leading_dense(3)),
     "step3p5": dict(moe_layers_enum=lambda c: list(range(3, c.get("num_hidden_layers") or 1027))),
     "bailing_hybrid": dict(first_k_dense_replace=2),
+    "hy_v3": dict(mlp_layer_types=_leading_dense(1)),
+    "beam": dict(mlp_layer_types=_leading_dense(3)),
+    "nemotron_h": dict(layers_block_type=_nemotron_h_layers),
     "afmoe": dict(num_dense_layers=1),
     "lfm2_moe": dict(num_dense_layers=2),
     "jamba": dict(expert_layer_period=2, expert_layer_offset=1),
@@ -720,6 +817,18 @@ def _families():
       Family("mimo_v2_flash", "MiMoV2FlashMoE", mlp,
              _defaults(_mimo_v2_flash, norm_topk_prob=True),
              selection_bias="gate.e_score_correction_bias"),
+      Family("beam", "BeamMoE", mlp,
+             _defaults(_mimo_v2_flash, norm_topk_prob=True, n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5),
+             selection_bias="gate.e_score_correction_bias"),
+      Family("nemotron_h", "NemotronHMoE", "model.layers.{layer}.mixer.",
+             _defaults(_nemotron_h, norm_topk_prob=True, mlp_hidden_act="relu2",
+                       moe_shared_expert_intermediate_size=7688),
+             experts="up", selection_bias="gate.e_score_correction_bias",
+             shared="shared_experts.", shared_kind="up"),
+      Family("kolibri1", "Kolibri1SparseMoeBlock", mlp,
+             _defaults(_kolibri1, shared_expert_intermediate_size=512),
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
       # Step-3.7's text config (model_type "step3p5"), under its multimodal model's keys; its
       # legacy name share_expert_dims sets share_expert_dim, as in transformers
       Family("step3p5", "Step3p7SparseMoeBlock", "model.language_model.layers.{layer}.mlp.",
@@ -763,6 +872,10 @@ def _families():
              selection_bias="expert_bias"),
       Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", mlp, _hunyuan, router="gate.wg.weight",
              shared="shared_mlp."),
+      Family("hy_v3", "HYV3MoE", mlp,
+             _defaults(_hy_v3, num_shared_experts=1, router_scaling_factor=2.826,
+                       intermediate_size=13312),
+             selection_bias="e_score_correction_bias", shared="shared_experts."),
       Family("gpt_oss", "GptOssMLP", mlp, _gpt_oss, router="router.weight", experts="gpt_oss",
              router_bias="router.bias", natural_layout="interleaved"),
       Family("llama4_text", "Llama4TextMoe", "model.layers.{layer}.feed_forward.", _llama4,
@@ -934,6 +1047,11 @@ def _dense_layer(c: Mapping[str, Any], layer: int | None) -> str | None:
   kinds = get("mlp_layer_types")  # where a config has it, transformers reads it alone
   if kinds is not None:
     return "mlp_layer_types says dense" if layer < len(kinds) and kinds[layer] == "dense" else None
+  mixers = get("layers_block_type")  # NemotronH's: a layer's one mixer, "moe" the block's
+  if mixers is not None:
+    if layer < len(mixers) and mixers[layer] != "moe":
+      return f"layers_block_type says {mixers[layer]!r}"
+    return None
   enum = c.get("moe_layers_enum")  # Step's hub configs: its MoE layers, "3,4,..." or a list
   if enum is not None and isinstance(enum, (str, list, tuple)):
     items = enum.split(",") if isinstance(enum, str) else enum
@@ -1026,6 +1144,8 @@ def _check_shapes(params: Mapping[str, Any], want: Mapping[str, tuple[int, ...]]
 # shared_kind -> the names of a shared MLP's (2s, d) gate/up Linear and its (d, s) down Linear
 _FUSED_SHARED = {"fused": ("input_linear", "output_linear"),
                  "gate_up": ("gate_up_proj", "down_proj")}
+# shared_kind -> the names of a shared MLP's (s, d) and (d, s) Linears where it has no gate
+_UP_SHARED = {"up": ("up_proj", "down_proj")}
 
 
 def _shared_keys(fam: Family) -> tuple[str, ...]:
@@ -1033,6 +1153,8 @@ def _shared_keys(fam: Family) -> tuple[str, ...]:
     return ()
   if fam.shared_kind in _FUSED_SHARED:
     return tuple(fam.shared + f"{p}.weight" for p in _FUSED_SHARED[fam.shared_kind])
+  if fam.shared_kind in _UP_SHARED:
+    return tuple(fam.shared + f"{p}.weight" for p in _UP_SHARED[fam.shared_kind])
   return tuple(fam.shared + f"{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
@@ -1042,6 +1164,8 @@ def _expert_keys(fam: Family) -> tuple[str, ...]:
     return (p + "w1", p + "v1", p + "w2")
   if fam.experts == "gpt_oss":
     return (p + "gate_up_proj", p + "gate_up_proj_bias", p + "down_proj", p + "down_proj_bias")
+  if fam.experts == "up":
+    return (p + "up_proj", p + "down_proj")
   return (p + "gate_up_proj", p + "down_proj")
 
 
@@ -1180,6 +1304,9 @@ def _params_of_state(config, fam: Family, sd: Mapping[str, np.ndarray], layout: 
   elif fam.experts == "fused_xw":
     out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), "concat", layout)
     out["w2"] = sd[p + "down_proj"].copy()
+  elif fam.experts == "up":  # no gate: no gate/up columns to order
+    out["w1"] = _t(sd[p + "up_proj"])
+    out["w2"] = _t(sd[p + "down_proj"])
   elif fam.experts == "gpt_oss":
     out["w1"] = _relayout(sd[p + "gate_up_proj"].copy(), fam.natural_layout, layout)
     out["b1"] = _relayout(sd[p + "gate_up_proj_bias"].copy(), fam.natural_layout, layout)
@@ -1199,6 +1326,9 @@ def _params_of_state(config, fam: Family, sd: Mapping[str, np.ndarray], layout: 
     if fam.shared_kind in _FUSED_SHARED:
       w_in, w_out = (sd[k] for k in _shared_keys(fam))
       out["shared_in"] = _relayout(_t(w_in), "concat", layout)
+    elif fam.shared_kind in _UP_SHARED:
+      w_in, w_out = (sd[k] for k in _shared_keys(fam))
+      out["shared_in"] = _t(w_in)
     else:
       gate, up, w_out = (sd[k] for k in _shared_keys(fam))
       out["shared_in"] = _merge(_t(gate), _t(up), layout)
@@ -1255,6 +1385,9 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
   elif fam.experts == "fused_xw":
     sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout, "concat"))
     sd[p + "down_proj"] = prm["w2"].copy()
+  elif fam.experts == "up":
+    sd[p + "up_proj"] = _t(prm["w1"])
+    sd[p + "down_proj"] = _t(prm["w2"])
   elif fam.experts == "gpt_oss":
     sd[p + "gate_up_proj"] = np.ascontiguousarray(_relayout(prm["w1"], layout,
                                                             fam.natural_layout))
@@ -1280,6 +1413,8 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     keys = _shared_keys(fam)
     if fam.shared_kind in _FUSED_SHARED:
       sd[keys[0]] = _t(_relayout(prm["shared_in"], layout, "concat"))
+    elif fam.shared_kind in _UP_SHARED:
+      sd[keys[0]] = _t(prm["shared_in"])
     else:
       gate, up = _split(prm["shared_in"], layout)
       sd[keys[0]], sd[keys[1]] = _t(gate), _t(up)
@@ -1296,9 +1431,9 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
 _HUB_MODULES = (".block_sparse_moe.", ".ffn.")
 # Where released checkpoints root their decoder layers, beside the family's own prefixes: Step-3.7
 # and DeepSeek-OCR-2 under "model.layers.", MiniMax-M3-VL and Kimi-K2.5 under their language
-# model's "language_model.model.layers.", DeepSeek-V4 under "layers." (transformers moves each to
-# the model's own prefix when it loads them).
-_HUB_ROOTS = ("model.", "model.language_model.", "language_model.model.", "")
+# model's "language_model.model.layers.", DeepSeek-V4 under "layers.", NemotronH under
+# "backbone.layers." (transformers moves each to the model's own prefix when it loads them).
+_HUB_ROOTS = ("model.", "model.language_model.", "language_model.model.", "", "backbone.")
 
 
 def _rooted(prefixes: list[str]) -> list[str]:
@@ -1328,10 +1463,20 @@ _HUB_RENAMES = (
     ("shared_experts.w1.weight", "shared_experts.gate_proj.weight"),
     ("shared_experts.w3.weight", "shared_experts.up_proj.weight"),
     ("shared_experts.w2.weight", "shared_experts.down_proj.weight"),
+    ("router.gate.weight", "gate.weight"),  # Hy3's
+    ("expert_bias", "e_score_correction_bias"),
+    ("shared_mlp.gate_proj.weight", "shared_experts.gate_proj.weight"),
+    ("shared_mlp.up_proj.weight", "shared_experts.up_proj.weight"),
+    ("shared_mlp.down_proj.weight", "shared_experts.down_proj.weight"),
 )
 # Experts stored one by one, experts.{e}.<gate>.weight (n, d), <up> (n, d), <down> (d, n): fused
-# as transformers does into gate_up_proj (E, 2n, d), gate rows first, and down_proj (E, d, n).
+# as transformers does into gate_up_proj (E, 2n, d), gate rows first, and down_proj (E, d, n);
+# experts without a gate (NemotronH's) stacked into up_proj (E, n, d) and down_proj (E, d, n).
 _HUB_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_HUB_UP_EXPERT_NAMES = (("up_proj", "down_proj"),)
+# Parts of a block that a Hub checkpoint holds beside it, under its decoder layer: (Hub name
+# relative to the decoder layer, in-memory name relative to the block). Kolibri-1's selection bias.
+_HUB_LAYER_PARTS = {"kolibri1": (("moe.router.expert_bias", "gate.e_score_correction_bias"),)}
 # Step-3.5/3.7's Hub layout holds the block's parts as its decoder layer's: (Hub name relative to
 # the decoder layer, in-memory name relative to the block); its experts' halves moe.gate_proj and
 # moe.up_proj (E, n, d) are concatenated into experts.gate_up_proj (E, 2n, d), gate first.
@@ -1380,10 +1525,10 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set
       out[fused_shared] = np.concatenate([np.asarray(get(k)) for k in halves], axis=0)
       used.update(halves)
   p = fam.experts_prefix
-  fused = (p + "gate_up_proj", p + "down_proj")
-  if fam.experts != "fused" or any(k in present for k in fused):
+  fused = _expert_keys(fam)
+  if fam.experts not in ("fused", "up") or any(k in present for k in fused):
     return out, used
-  for names in _HUB_EXPERT_NAMES:
+  for names in _HUB_UP_EXPERT_NAMES if fam.experts == "up" else _HUB_EXPERT_NAMES:
     per = {name: {} for name in names}
     for k in keys:
       parts = k[len(p):].split(".") if k.startswith(p) else ()
@@ -1403,9 +1548,14 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set
       raise ValueError(f"{fam.model_type} block: experts stored one by one lack "
                        f"{missing[:6]}{' ...' if len(missing) > 6 else ''} (a checkpoint in "
                        f"several files: read them all)")
-    gate, up, down = ([np.asarray(get(per[name][e])) for e in range(count)] for name in names)
-    for name, arrays in zip(names, (gate, up, down)):
-      _check_experts_agree(fam.model_type, [per[name][e] for e in range(count)], arrays)
+    arrays = [[np.asarray(get(per[name][e])) for e in range(count)] for name in names]
+    for name, found in zip(names, arrays):
+      _check_experts_agree(fam.model_type, [per[name][e] for e in range(count)], found)
+    if len(names) == 2:  # no gate
+      out[fused[0]], out[fused[1]] = (np.stack(found) for found in arrays)
+      used.update(k for found in per.values() for k in found.values())
+      break
+    gate, up, down = arrays
     if gate[0].shape[1:] != up[0].shape[1:]:
       raise ValueError(f"{fam.model_type} block: {per[names[0]][0]} {gate[0].shape} and "
                        f"{per[names[1]][0]} {up[0].shape} differ in their input width")
@@ -1448,14 +1598,17 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   read under their in-memory names (Mixtral's, MiniMax's and Kimi-Linear's `block_sparse_moe`,
   DeepSeek-V4's `ffn` and its shared experts' `w1`-`w3`, Granite's `input_linear`,
   `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
-  MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Step-3.5/3.7's decoder-layer `moe.*`
-  and `share_expert.*`). Only the layer's values are read (any Mapping, a lazy one too). A
-  ValueError names keys under the block's modules that are not read (quantization scales, say),
-  an index outside the config's layers, and why a layer has no MoE block (a dense layer).
+  MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Hy3's `router.gate` and `shared_mlp`,
+  Step-3.5/3.7's decoder-layer `moe.*` and `share_expert.*`, Kolibri-1's decoder-layer
+  `moe.router.expert_bias`; NemotronH's experts `experts.{e}.up_proj.weight` and `down_proj` are
+  stacked into `up_proj` and `down_proj`). Only the layer's values are read (any Mapping, a lazy
+  one too). A ValueError names keys under the block's modules that are not read (quantization
+  scales, say), an index outside the config's layers, and why a layer has no MoE block (a dense
+  layer).
   The decoder layers are looked for under the family's prefixes, then under the roots released
   checkpoints use ("model.layers.{i}." for Step-3.7 and DeepSeek-OCR-2,
   "language_model.model.layers.{i}." for MiniMax-M3-VL and Kimi-K2.5, "layers.{i}." for
-  DeepSeek-V4), the first with the block's keys taken."""
+  DeepSeek-V4, "backbone.layers.{i}." for NemotronH), the first with the block's keys taken."""
   if not _names_a_model(config) and _names_a_model(state_dict):
     raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
                     "second")
@@ -1483,6 +1636,11 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
     out = {k: get(k) for k in mine if k in want}
     hub, used = _from_hub(mine, get, fam, want, num_experts)
     out.update(hub)
+    if out and prefix.endswith(".mlp.") and fam.model_type in _HUB_LAYER_PARTS:
+      beside = prefix[:-len("mlp.")]
+      out.update({memory: state_dict[beside + hub_name] for hub_name, memory in
+                  _HUB_LAYER_PARTS[fam.model_type]
+                  if memory in want and memory not in out and beside + hub_name in state_dict})
     if out:
       unread = sorted(k for k in mine if k not in want and k not in used
                       and k.startswith(modules))

@@ -165,6 +165,19 @@ CASES: dict[str, Case] = {
                           fields=_V3_FIELDS,
                           overrides=(("n_group", 4), ("topk_group", 2), ("norm_topk_prob", True),
                                      ("routed_scaling_factor", 2.5))),
+    # mimo_v2_flash's program: DeepSeek-V3's router, no shared expert (the factor on the output)
+    "beam": Case("beam", "beam", "BeamMoE", "gate", fields=_QWEN_FIELDS,
+                 overrides=(("n_group", 4), ("topk_group", 2), ("norm_topk_prob", True),
+                            ("routed_scaling_factor", 2.5))),
+    # DeepSeek-V3's router; ReLU-squared experts and shared expert without a gate
+    "nemotron_h": Case("nemotron_h", "nemotron_h", "NemotronHMoE", "gate", fields=_V3_FIELDS,
+                       overrides=_V3 + (("moe_shared_expert_intermediate_size", "2n"),
+                                        ("layers_block_type", ["moe"]))),
+    # top-K of the logits plus the selection bias, sigmoid weights renormalised
+    "kolibri1": Case("kolibri1", "kolibri1", "Kolibri1SparseMoeBlock", "gate",
+                     fields=_QWEN_FIELDS,
+                     overrides=(("shared_expert_intermediate_size", "2n"),
+                                ("norm_topk_prob", True))),
     "step3p5": Case("step3p5", "step3p7", "Step3p7SparseMoeBlock", "gate", fields=_V3_FIELDS,
                     overrides=(("share_expert_dim", "n"), ("moe_router_scaling_factor", 2.5))),
     # Kimi-Linear's block and field names
@@ -221,6 +234,11 @@ CASES: dict[str, Case] = {
                                 ("routed_scaling_factor", 1.5))),
     "hunyuan_v1_moe": Case("hunyuan_v1_moe", "hunyuan_v1_moe", "HunYuanMoEV1Moe", "gate",
                            fields=("hidden_size", "num_experts", "intermediate_size", "moe_topk")),
+    # AFMoE's program (its router, one shared expert) under Hy3's field names; its one decoder
+    # layer an MoE one (the class makes the first dense)
+    "hy_v3": Case("hy_v3", "hy_v3", "HYV3MoE", "gate", fields=_QWEN_FIELDS,
+                  overrides=(("num_shared_experts", 1), ("router_scaling_factor", 2.5),
+                             ("mlp_layer_types", ["sparse"]))),
     "gpt_oss": Case("gpt_oss", "gpt_oss", "GptOssMLP", "router",
                     # a limit that the random pre-activations cross, so the clamps matter; on the
                     # GPU gpt-oss's own (7): bfloat16 rounding moves values across a clamp, whose
@@ -385,7 +403,8 @@ _LAYER_PREFIX = {"granitemoeshared": "model.layers.0.", "granitemoe_swa": "model
                  "granitemoe": "model.layers.0.block_sparse_moe.",
                  "lfm2_moe": "model.layers.0.feed_forward.",
                  "llama4_text": "model.layers.0.feed_forward.",
-                 "jamba": "model.layers.0.feed_forward.", "dbrx": "transformer.blocks.0.ffn."}
+                 "jamba": "model.layers.0.feed_forward.", "dbrx": "transformer.blocks.0.ffn.",
+                 "nemotron_h": "model.layers.0.mixer."}
 
 
 def hub_checkpoint(case: Case, config, block) -> dict[str, np.ndarray]:

@@ -227,7 +227,10 @@ def _without(layer, feature):
     ("deepseek_v32", "selection bias"), ("kimi_linear", "selection bias"),
     ("glm4_moe_lite", "selection bias"), ("exaone_moe", "selection bias"),
     ("afmoe", "selection bias"), ("mimo_v2_flash", "selection bias"), ("mimo_v2_flash", "groups"),
+    ("beam", "selection bias"), ("beam", "groups"), ("nemotron_h", "selection bias"),
+    ("nemotron_h", "groups"), ("kolibri1", "selection bias"),
     ("step3p5", "selection bias"), ("bailing_hybrid", "groups"), ("solar_open", "selection bias"),
+    ("hy_v3", "selection bias"),
     ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
     ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale"),
@@ -340,10 +343,16 @@ def _expected_kwargs(case):
                                                 topk_group=1, group_score="max",
                                                 routed_scaling_factor=1.5),
                                  num_shared_experts=2, shared_expert_dim=n),
-      "afmoe": dict(routing=Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5),
-                    num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3),
-      "mimo_v2_flash": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
-                            bias_update_rate=1e-3),
+      **dict.fromkeys(("afmoe", "hy_v3"), dict(
+          routing=Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5),
+          num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3)),
+      **dict.fromkeys(("mimo_v2_flash", "beam"), dict(
+          routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5), bias_update_rate=1e-3)),
+      "nemotron_h": dict(activation="relu_sq",
+                         routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
+                         num_shared_experts=1, shared_expert_dim=2 * n, bias_update_rate=1e-3),
+      "kolibri1": dict(routing=Router("sigmoid", selection_bias_on="logits"),
+                       num_shared_experts=1, shared_expert_dim=2 * n, bias_update_rate=1e-3),
       "step3p5": dict(routing=Router("sigmoid", routed_scaling_factor=2.5), num_shared_experts=1,
                       shared_expert_dim=n, bias_update_rate=1e-3),
       "bailing_hybrid": dict(routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5),
@@ -448,10 +457,21 @@ MINIMAL_CONFIGS = {
                              num_experts_per_tok=2, shared_intermediate_size=8),
     "hunyuan_v1_moe": dict(hidden_size=32, num_experts=[4, 6], intermediate_size=16,
                            moe_topk=[2, 3]),
+    # no shared experts: transformers builds one shared MLP of intermediate_size
+    "hy_v3": dict(hidden_size=32, num_experts=4, moe_intermediate_size=16, num_experts_per_tok=2,
+                  num_shared_experts=0, intermediate_size=24),
     "dbrx": dict(d_model=32, ffn_config=dict(moe_num_experts=4, ffn_hidden_size=16, moe_top_k=2)),
     "minimax_m3_vl": dict(text_config=dict(hidden_size=32, num_local_experts=4,
                                            intermediate_size=16, num_experts_per_tok=2,
                                            shared_intermediate_size=8)),
+    # a checkpoint's config.json: the legacy hybrid_override_pattern
+    "nemotron_h": dict(hidden_size=32, n_routed_experts=8, moe_intermediate_size=16,
+                       num_experts_per_tok=2, moe_shared_expert_intermediate_size=24,
+                       mlp_hidden_act="relu2", hybrid_override_pattern="MEM*E"),
+    "kolibri1": dict(hidden_size=32, num_experts=4, moe_intermediate_size=16,
+                     num_experts_per_tok=2, shared_expert_intermediate_size=24),
+    "beam": dict(hidden_size=32, num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
+                 n_group=4, topk_group=2),
 }
 
 
@@ -514,6 +534,31 @@ def test_step3p5_refuses_its_clamped_layers():
   kw = hf.layer_kwargs(config, layer=0)
   assert (kw["activation"], kw["num_experts"], kw["top_k"], kw["shared_expert_dim"]) == (
       "swiglu", 4, 2, 24)
+
+
+def test_nemotron_h_layers_by_their_mixer():
+  """No torch needed: a NemotronH decoder layer has one mixer, the MoE block only where
+  layers_block_type (a checkpoint's hybrid_override_pattern) says "moe"; its experts one by one
+  under a checkpoint's backbone.layers; its latent-space experts refused."""
+  config = dict(MINIMAL_CONFIGS["nemotron_h"], model_type="nemotron_h")
+  for layer in (0, 2, 3):
+    with pytest.raises(ValueError, match=f"decoder layer {layer} .* dense one .layers_block_type"):
+      hf.layer_kwargs(config, layer=layer)
+  typed = {k: v for k, v in config.items() if k != "hybrid_override_pattern"}
+  typed["layers_block_type"] = ["moe", "linear_attention"]
+  assert hf.layer_kwargs(typed, layer=0) == hf.layer_kwargs(config, layer=4)
+  with pytest.raises(ValueError, match="dense one .layers_block_type says 'linear_attention'"):
+    hf.layer_kwargs(typed, layer=1)
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
+  hub = {f"backbone.layers.1.mixer.{k}": v for k, v in state.items()
+         if not k.startswith("experts.")}
+  for e in range(8):
+    hub |= {f"backbone.layers.1.mixer.experts.{e}.{name}.weight": state[f"experts.{name}"][e]
+            for name in ("up_proj", "down_proj")}
+  block = hf.block_state_dict(config, hub, layer=1)
+  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+  with pytest.raises(ValueError, match="moe_latent_size"):
+    hf.layer_kwargs(dict(config, moe_latent_size=8))
 
 
 def test_deepseek_v4_layers_of_both_kinds():
@@ -757,7 +802,11 @@ _HUB_LAYOUTS = {"mixtral": "block_sparse_moe.experts.0.w1.weight",
                 "deepseek_v4": "ffn.shared_experts.w1.weight",
                 "granitemoeshared": "block_sparse_moe.router.layer.weight",
                 "aria_text": "mlp.experts.fc1.weight",
-                "step3p5": "layers.0.moe.gate_proj.weight"}
+                "step3p5": "layers.0.moe.gate_proj.weight",
+                "hy_v3": "mlp.router.gate.weight",
+                "beam": "mlp.experts.0.gate_proj.weight",
+                "nemotron_h": "backbone.layers.0.mixer.experts.0.up_proj.weight",
+                "kolibri1": "layers.0.moe.router.expert_bias"}
 
 
 @pytest.mark.parametrize("case", CASES)
