@@ -24,7 +24,7 @@ A multimodal config holds its language model's as text_config (Llama 4's "llama4
 and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker", GLM-4.5V's "glm4v_moe",
 GLM-5.3-Flash's "glm5_next", DeepSeek-OCR-2's "deepseek_ocr2", Kimi-K2.5's "kimi_k25" (a
 DeepSeek-V3 text config), Step-3.7's "step3p7", MiniMax-M3's "minimax_m3_vl", Aria's "aria",
-dots3's "dots3_note"): every function takes either, and
+dots3's "dots3_note", Mistral Large 4's "mistral_large4"): every function takes either, and
 `block_state_dict` finds a layer under the text model's keys or the multimodal model's. A whole
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
@@ -48,9 +48,9 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
                 V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear,
                 Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, MiMo-V2-Flash, Beam, Kolibri-1, Step-3.7,
-                Bailing-Hybrid, Solar Open, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2,
-                MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3, Granite (and Granite-SWA,
-                GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
+                Bailing-Hybrid, Solar Open, Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3,
+                DeepSeek-OCR-2, MiniMax-M2, MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3,
+                Granite (and Granite-SWA, GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
                 NemotronH: experts without a gate, experts.up_proj (E, n, d) -> w1 (E, d, n) and
                 down_proj (E, d, n) -> w2 (E, n, d), each transpose(0, 2, 1), no gate/up columns
                 (any gate_up_layout is the same layer).
@@ -73,8 +73,9 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2/V4, GLM-4.5,
                 GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
                 EXAONE-MoE, Sarvam, AFMoE, Kolibri-1, Step-3.7, Bailing-Hybrid, Solar Open,
-                dots.llm1, dots3, DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria, Hy3; Hunyuan's
-                shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3, DeepSeek-OCR-2, ERNIE 4.5,
+                Llama 4, Aria, Hy3; Hunyuan's shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T],
+                shared_out (s, d) = down^T.
                 NemotronH: shared_experts.up_proj.weight (s, d) -> shared_in (d, s) = W^T,
                 down_proj.weight (d, s) -> shared_out (s, d) = W^T (no gate).
                 Granite (granitemoeshared, Granite-SWA, GraniteMoeHybrid): the decoder layer's
@@ -86,8 +87,8 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
   selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
   bias          GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
                 EXAONE-MoE, Sarvam, MiMo-V2-Flash, Beam, NemotronH, Kolibri-1, Bailing-Hybrid,
-                Solar Open, dots.llm1, dots3, Step-3.7, MiniMax-M3; DeepSeek-V4's top-K layers),
-                MiniMax-M2 and Hy3
+                Solar Open, dots.llm1, dots3, A.X-K2, Step-3.7, MiniMax-M3; DeepSeek-V4's top-K
+                layers), MiniMax-M2 and Hy3
                 e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
@@ -103,9 +104,13 @@ The routers (`layer_kwargs`' routing, a `Router`):
   DeepSeek-V2, DeepSeek-OCR-2   Router("softmax", renormalize=norm_topk_prob,
       routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
       group_score="max".
+  Mistral 4      Router("softmax", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group,
+      topk_group, group_score="top2_sum", routed_scaling_factor): DeepSeek-V3's group rule on the
+      softmax probabilities, no selection bias; n_shared_experts shared experts. Mistral Large 4:
+      the same, always renormalised (its config has no norm_topk_prob).
   DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
   EXAONE-MoE, Sarvam, MiMo-V2-Flash and Beam (no shared expert), Bailing-Hybrid, Solar Open,
-  dots.llm1, dots3, NemotronH
+  dots.llm1, dots3, NemotronH, A.X-K2 (n_group None: no groups)
       Router("sigmoid", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group, topk_group,
       group_score="top2_sum", routed_scaling_factor) with the selection bias (Kimi-Linear's and
       Bailing-Hybrid's fields: moe_renormalize, num_expert_group, num_shared_experts,
@@ -167,9 +172,10 @@ The routers (`layer_kwargs`' routing, a `Router`):
       pre_feedforward_layernorm_2(h): call the layer as layer(that, router_input=h).
 
 Semantics that differ from transformers only where no real input reaches: group-limited selection
-never picks an expert of a dropped group (DeepSeek-V2's transformers code masks its probabilities
-to 0, which only matters if fewer than K kept experts had a positive probability); ERNIE clamps
-the renormalising sum at moe_norm_min (1e-12), the layer divides by the sum (at least K / E).
+never picks an expert of a dropped group (DeepSeek-V2's, Mistral 4's and Mistral Large 4's
+transformers code masks its probabilities to 0, which only matters if fewer than K kept experts
+had a positive probability); ERNIE clamps the renormalising sum at moe_norm_min (1e-12), the
+layer divides by the sum (at least K / E).
 Training-only noise (Mixtral's router_jitter_noise, DBRX's moe_jitter_eps) is not modelled.
 transformers' DeepSeek-V2 router ignores norm_topk_prob (False in the released checkpoints); the
 layer follows it, as DeepSeek's own code does. Several transformers routers compute the logits
@@ -184,9 +190,12 @@ together, the shared outputs weighted by theirs, all times route_scale and a tra
 ZAYA (an MLP router on the block input plus the previous layer's router state, over E + 1
 classes, one a skip expert without compute), JetMoE (a (d,) bias added to the block's output,
 which no layer parameter holds), HY-V4 (its routed experts' SwiGLU is clamped at swiglu_limit,
-its shared expert's is not: the layer gives both one activation), ERNIE-4.5-VL-MoE (each token
-routed within its modality's own expert set), Step-3.7's layers that clamp after the SiLU
-(refused: see above), dots3's vision-tower MoE (not mapped).
+its shared expert's is not: the layer gives both one activation), A.X-K1 (DeepSeek-V3's block
+with a trained RMSNorm, post_mlp_layernorm, on its output), Muse Spark (experts at
+moe_hidden_size between trained projections from and back to d, with an RMSNorm of their input
+and of each expert's output), ERNIE-4.5-VL-MoE (each token routed within its modality's own
+expert set), Step-3.7's layers that clamp after the SiLU (refused: see above), dots3's
+vision-tower MoE (not mapped).
 """
 
 from __future__ import annotations
@@ -384,6 +393,28 @@ def _kolibri1(c, layer):
   return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
                _get(c, *_K), router, _glu(c), selection_bias=True,
                **_shared(1, _get(c, "shared_expert_intermediate_size")))
+
+
+def _mistral4(c, layer):
+  """Mistral 4: softmax over E, selected within the topk_group best of n_group groups (a group's
+  score the sum of its two best probabilities), renormalised (+1e-20) as norm_topk_prob says,
+  times routed_scaling_factor; n_shared_experts shared experts of the experts' width. Without a
+  field: one group, not renormalised, factor 1, no shared expert (`_families` passes the config
+  class's defaults)."""
+  n_group = int(c.get("n_group") or 1)
+  router = Router("softmax", renormalize=bool(c.get("norm_topk_prob") or False),
+                  renorm_epsilon=1e-20, n_group=n_group,
+                  topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
+                  group_score="top2_sum",
+                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
+  n = _get(c, "moe_intermediate_size")
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
+               **_shared(c.get("n_shared_experts") or 0, n))
+
+
+def _mistral_large4(c, layer):
+  """Mistral 4's block, always renormalised (+1e-20)."""
+  return _mistral4({**c, "norm_topk_prob": True}, layer)
 
 
 def _glm5_next(c, layer):
@@ -702,10 +733,22 @@ def _nemotron_h_layers(c):
   return ["linear_attention", "moe", "full_attention", "mlp"]
 
 
+def _legacy_dense_layers(c):
+  """mlp_layer_types as A.X-K2's config class derives it without one: MoE layers from
+  first_k_dense_replace (1) on, those that moe_layer_freq (1) divides (a config without
+  num_hidden_layers: as many as any index)."""
+  first = c.get("first_k_dense_replace")
+  first = 1 if first is None else first
+  freq = c.get("moe_layer_freq") or 1
+  total = c.get("num_hidden_layers") or first + 1024
+  return ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(total)]
+
+
 # The decoder layers' dense-layer fields as transformers 5.24's config classes default them, by
 # model_type: values, or functions of the config where a class derives the field (mlp_layer_types
-# from a fixed count of dense layers, which first_k_dense_replace does not move there; Step's
-# moe_layers_enum, layers 3 on). The other families' defaults make no layer dense.
+# from a fixed count of dense layers, which first_k_dense_replace does not move there; A.X-K2's
+# from its legacy first_k_dense_replace and moe_layer_freq; Step's moe_layers_enum, layers 3 on).
+# The other families' defaults make no layer dense.
 _DENSE_DEFAULTS = {
     **{t: dict(first_k_dense_replace=1) for t in (
         "dots3_note_text", "exaone_moe", "glm4_moe", "glm4v_moe_text", "kimi_linear",
@@ -714,6 +757,8 @@ _DENSE_DEFAULTS = {
                                                   "glm_moe_dsa")},
     **{t: dict(mlp_layer_types=_leading_dense(1)) for t in ("glm4_moe_lite", "mimo_v2_flash")},
     "glm5_next_text": dict(mlp_layer_types=_leading_dense(3)),
+    "axk2": dict(mlp_layer_types=_legacy_dense_layers),
+    "mistral_large4_text": dict(first_k_dense_replace=1),
     "step3p5": dict(moe_layers_enum=lambda c: list(range(3, c.get("num_hidden_layers") or 1027))),
     "bailing_hybrid": dict(first_k_dense_replace=2),
     "hy_v3": dict(mlp_layer_types=_leading_dense(1)),
@@ -838,6 +883,15 @@ def _families():
       # Ling 3.0: Kimi-Linear's block and field names
       Family("bailing_hybrid", "BailingHybridMoE", mlp,
              _renamed(_defaults(_deepseek_v3, **v3_defaults), **kimi_linear_names), **v3),
+      Family("mistral4", "Mistral4MoE", mlp, _defaults(_mistral4, **one_shared),
+             shared="shared_experts."),
+      # (its only model is the multimodal one)
+      Family("mistral_large4_text", "MistralLarge4TextMoE",
+             "model.language_model.layers.{layer}.mlp.",
+             _defaults(_mistral_large4, n_shared_experts=1), shared="shared_experts."),
+      # DeepSeek-V3.2's block; A.X-K2-Light's config has no groups (n_group None)
+      Family("axk2", "AXK2MoE", mlp,
+             _defaults(_deepseek_v3, **one_shared, routed_scaling_factor=2.5), **v3),
       Family("solar_open", "SolarOpenMoE", mlp, _defaults(_deepseek_v3, **one_shared), **v3),
       Family("minimax_m2", "MiniMaxM2SparseMoeBlock", mlp, _minimax_m2,
              selection_bias="e_score_correction_bias"),
@@ -910,7 +964,8 @@ WRAPPERS = types.MappingProxyType({
     "qwen3_omni_moe_talker": "qwen3_omni_moe_talker_text", "glm5_next": "glm5_next_text",
     "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
     "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
-    "aria": "aria_text", "dots3_note": "dots3_note_text"})
+    "aria": "aria_text", "dots3_note": "dots3_note_text",
+    "mistral_large4": "mistral_large4_text"})
 
 
 def _names_a_model(config) -> bool:
@@ -1429,10 +1484,14 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
 # Module names standing for "mlp" in the block's prefix: Mixtral's, MiniMax's and Kimi-Linear's
 # block_sparse_moe, DeepSeek-V4's ffn.
 _HUB_MODULES = (".block_sparse_moe.", ".ffn.")
+# Families whose Hub checkpoint holds the block's modules as the decoder layer's own (Mistral
+# Large 4's layers.{i}.gate, layers.{i}.experts.{e}.w1, layers.{i}.shared_experts.w1, ...).
+_HUB_IN_LAYER = ("mistral_large4_text",)
 # Where released checkpoints root their decoder layers, beside the family's own prefixes: Step-3.7
 # and DeepSeek-OCR-2 under "model.layers.", MiniMax-M3-VL and Kimi-K2.5 under their language
-# model's "language_model.model.layers.", DeepSeek-V4 under "layers.", NemotronH under
-# "backbone.layers." (transformers moves each to the model's own prefix when it loads them).
+# model's "language_model.model.layers.", DeepSeek-V4 and Mistral Large 4 under "layers.",
+# NemotronH under "backbone.layers." (transformers moves each to the model's own prefix when it
+# loads them).
 _HUB_ROOTS = ("model.", "model.language_model.", "language_model.model.", "", "backbone.")
 
 
@@ -1600,15 +1659,17 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
   MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Hy3's `router.gate` and `shared_mlp`,
   Step-3.5/3.7's decoder-layer `moe.*` and `share_expert.*`, Kolibri-1's decoder-layer
-  `moe.router.expert_bias`; NemotronH's experts `experts.{e}.up_proj.weight` and `down_proj` are
-  stacked into `up_proj` and `down_proj`). Only the layer's values are read (any Mapping, a lazy
-  one too). A ValueError names keys under the block's modules that are not read (quantization
-  scales, say), an index outside the config's layers, and why a layer has no MoE block (a dense
-  layer).
+  `moe.router.expert_bias`, Mistral Large 4's block held by the decoder layer, its experts' and
+  shared experts' `w1`-`w3`; NemotronH's experts `experts.{e}.up_proj.weight` and `down_proj`
+  are stacked into `up_proj` and `down_proj`). Only the layer's values are read (any Mapping, a
+  lazy one too). A ValueError names keys under the block's modules that are not read
+  (quantization scales, say), an index outside the config's layers, and why a layer has no MoE
+  block (a dense layer).
   The decoder layers are looked for under the family's prefixes, then under the roots released
   checkpoints use ("model.layers.{i}." for Step-3.7 and DeepSeek-OCR-2,
   "language_model.model.layers.{i}." for MiniMax-M3-VL and Kimi-K2.5, "layers.{i}." for
-  DeepSeek-V4, "backbone.layers.{i}." for NemotronH), the first with the block's keys taken."""
+  DeepSeek-V4 and Mistral Large 4, "backbone.layers.{i}." for NemotronH), the first with the
+  block's keys taken."""
   if not _names_a_model(config) and _names_a_model(state_dict):
     raise TypeError("block_state_dict takes (config, state_dict, layer=...): the config came "
                     "second")
@@ -1624,8 +1685,9 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
              + tuple(getattr(fam, name) for name in _AS_THEY_ARE) + _shared_keys(fam)) - {None}
   own = [p.format(layer=layer) for p in (fam.prefix, fam.multimodal_prefix) if p]
   rooted = _rooted(own)
+  hub_modules = _HUB_MODULES + ((".",) if fam.model_type in _HUB_IN_LAYER else ())
   prefixes = rooted + [p.replace(".mlp.", hub) for p in rooted if p.endswith(".mlp.")
-                       for hub in _HUB_MODULES]
+                       for hub in hub_modules]
   # The block's modules (experts., gate., shared_expert., ...): a key under one of them that is
   # not read (a quantized checkpoint's scales) is refused, not dropped.
   modules = tuple({k.split(".")[0] + "." for k in want})

@@ -183,6 +183,15 @@ CASES: dict[str, Case] = {
     # Kimi-Linear's block and field names
     "bailing_hybrid": Case("bailing_hybrid", "bailing_hybrid", "BailingHybridMoE", "gate",
                            fields=_KIMI_FIELDS, overrides=_KIMI),
+    # DeepSeek-V3's overrides on a softmax router (top2_sum groups, renormalised + 1e-20)
+    "mistral4": Case("mistral4", "mistral4", "Mistral4MoE", "gate", fields=_V3_FIELDS,
+                     overrides=_V3),
+    # Mistral 4's (its config has no norm_topk_prob: always renormalised)
+    "mistral_large4_text": Case("mistral_large4_text", "mistral_large4", "MistralLarge4TextMoE",
+                                "gate", fields=_V3_FIELDS,
+                                overrides=tuple(o for o in _V3 if o[0] != "norm_topk_prob")),
+    # DeepSeek-V3's
+    "axk2": Case("axk2", "axk2", "AXK2MoE", "gate", fields=_V3_FIELDS, overrides=_V3),
     "solar_open": Case("solar_open", "solar_open", "SolarOpenMoE", "gate", fields=_V3_FIELDS,
                        overrides=_GLM),
     "dots1": Case("dots1", "dots1", "Dots1MoE", "gate", fields=_V3_FIELDS,

@@ -231,7 +231,8 @@ def _without(layer, feature):
     ("nemotron_h", "groups"), ("kolibri1", "selection bias"),
     ("step3p5", "selection bias"), ("bailing_hybrid", "groups"), ("solar_open", "selection bias"),
     ("hy_v3", "selection bias"),
-    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"),
+    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"), ("mistral4", "groups"),
+    ("mistral_large4_text", "groups"), ("axk2", "selection bias"), ("axk2", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
     ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale"),
     ("deepseek_v4", "selection bias"), ("deepseek_v4", "clamp"), ("glm5_next_text", "clamp")])
@@ -329,7 +330,7 @@ def _expected_kwargs(case):
       "deepseek_v2": dict(routing=Router("softmax", renormalize=False, n_group=2, topk_group=1,
                                          group_score="max", routed_scaling_factor=1.5),
                           num_shared_experts=2, shared_expert_dim=n),
-      **dict.fromkeys(("deepseek_v3", "deepseek_v32", "sarvam_mla", "kimi_linear"), dict(
+      **dict.fromkeys(("deepseek_v3", "deepseek_v32", "sarvam_mla", "kimi_linear", "axk2"), dict(
           routing=v3(n_group=4, topk_group=2, routed_scaling_factor=2.5), num_shared_experts=1,
           shared_expert_dim=n, bias_update_rate=1e-3)),
       **dict.fromkeys(("glm4_moe", "glm4_moe_lite", "sarvam_moe", "glm_moe_dsa", "glm4v_moe_text",
@@ -360,6 +361,10 @@ def _expected_kwargs(case):
       **dict.fromkeys(("dots1", "exaone_moe"), dict(
           routing=v3(renormalize=False, routed_scaling_factor=2.5), num_shared_experts=2,
           shared_expert_dim=n, bias_update_rate=1e-3)),
+      **dict.fromkeys(("mistral4", "mistral_large4_text"), dict(
+          routing=Router("softmax", renorm_epsilon=1e-20, n_group=4, topk_group=2,
+                         group_score="top2_sum", routed_scaling_factor=2.5),
+          num_shared_experts=1, shared_expert_dim=n)),
       "minimax_m2": dict(routing=Router("sigmoid"), bias_update_rate=1e-3),
       "minimax_m3_vl_text": dict(activation=clamped_swiglu(alpha=1.702, limit=1.25),
                                  routing=Router("sigmoid", routed_scaling_factor=1.5),
@@ -436,6 +441,16 @@ MINIMAL_CONFIGS = {
     "deepseek_v3": dict(hidden_size=32, n_routed_experts=8, moe_intermediate_size=16,
                         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
                         norm_topk_prob=True, routed_scaling_factor=2.5),
+    "mistral4": dict(hidden_size=32, n_routed_experts=8, moe_intermediate_size=16,
+                     num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                     norm_topk_prob=True, routed_scaling_factor=2.5),
+    "mistral_large4": dict(text_config=dict(model_type="mistral_large4_text", hidden_size=32,
+                                            n_routed_experts=8, moe_intermediate_size=16,
+                                            num_experts_per_tok=2, n_group=4, topk_group=2,
+                                            routed_scaling_factor=2.5)),
+    # A.X-K2-Light's: no groups
+    "axk2": dict(hidden_size=32, n_routed_experts=8, moe_intermediate_size=16,
+                 num_experts_per_tok=2, n_group=None, topk_group=None),
     "ernie4_5_moe": dict(hidden_size=32, moe_num_experts=4, moe_intermediate_size=16, moe_k=2,
                          moe_num_shared_experts=1),
     "gpt_oss": dict(hidden_size=32, num_local_experts=4, intermediate_size=16,
@@ -806,7 +821,9 @@ _HUB_LAYOUTS = {"mixtral": "block_sparse_moe.experts.0.w1.weight",
                 "hy_v3": "mlp.router.gate.weight",
                 "beam": "mlp.experts.0.gate_proj.weight",
                 "nemotron_h": "backbone.layers.0.mixer.experts.0.up_proj.weight",
-                "kolibri1": "layers.0.moe.router.expert_bias"}
+                "kolibri1": "layers.0.moe.router.expert_bias",
+                "mistral_large4_text": "layers.0.experts.0.w1.weight",
+                "axk2": "mlp.experts.0.gate_proj.weight"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -851,6 +868,29 @@ def test_block_state_dict_finds_released_checkpoints_roots(model_type, root, mod
   block = hf.block_state_dict(config, {f"{root}{module}.{k}": v for k, v in state.items()},
                               layer=1)
   assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+
+
+def test_mistral_large4_released_checkpoint_layout():
+  """Mistral Large 4's released checkpoint holds the block as its decoder layer's own modules
+  under "layers.{i}.", its experts one by one and its shared experts as w1 (gate), w3 (up) and
+  w2 (down); its first decoder layer is dense (first_k_dense_replace, 1 by default)."""
+  config = MINIMAL_CONFIGS["mistral_large4"] | {"model_type": "mistral_large4"}
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=1)),
+                                 layer=1)
+  hub = {"layers.1.gate.weight": state["gate.weight"],
+         "layers.1.attention.wq.weight": np.zeros((4, 32))}
+  for name, key in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+    hub[f"layers.1.shared_experts.{name}.weight"] = state[f"shared_experts.{key}.weight"]
+  for e, (gate_up, down) in enumerate(zip(state["experts.gate_up_proj"],
+                                          state["experts.down_proj"])):
+    gate, up = np.split(gate_up, 2)
+    hub |= {f"layers.1.experts.{e}.w1.weight": gate, f"layers.1.experts.{e}.w3.weight": up,
+            f"layers.1.experts.{e}.w2.weight": down}
+  block = hf.block_state_dict(config, hub, layer=1)
+  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+  dense = {"layers.0.feed_forward.w1.weight": np.zeros((16, 32))}
+  with pytest.raises(ValueError, match="dense one .first_k_dense_replace=1"):
+    hf.block_state_dict(config, dense, layer=0)
 
 
 def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():

@@ -147,6 +147,15 @@ def test_absent_dense_layer_fields_read_as_transformers_defaults(model_type):
   assert [_is_dense(minimal, i) for i in range(96)] == [_is_dense(full, i) for i in range(96)]
 
 
+def test_axk2_dense_layers_from_its_legacy_fields():
+  """A.X-K2's config class derives mlp_layer_types, where a config has none, from
+  first_k_dense_replace and moe_layer_freq: MoE from layer 2 on, every third layer (as
+  AXK2Config(first_k_dense_replace=2, moe_layer_freq=3, num_hidden_layers=10) gives them)."""
+  _, minimal = _configs("axk2")
+  config = {**minimal, "first_k_dense_replace": 2, "moe_layer_freq": 3, "num_hidden_layers": 10}
+  assert [i for i in range(10) if not _is_dense(config, i)] == [3, 6, 9]
+
+
 def test_the_registries_are_read_only():
   """A process-wide assignment cannot change what a config converts to."""
   for registry in (hf.FAMILIES, hf.WRAPPERS, hf.GLU_OF_HIDDEN_ACT):
