@@ -24,7 +24,8 @@ A multimodal config holds its language model's as text_config (Llama 4's "llama4
 and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker", GLM-4.5V's "glm4v_moe",
 GLM-5.3-Flash's "glm5_next", DeepSeek-OCR-2's "deepseek_ocr2", Kimi-K2.5's "kimi_k25" (a
 DeepSeek-V3 text config), Step-3.7's "step3p7", MiniMax-M3's "minimax_m3_vl", Aria's "aria",
-dots3's "dots3_note", Mistral Large 4's "mistral_large4"): every function takes either, and
+dots3's "dots3_note", Mistral Large 4's "mistral_large4", Qwen4-Exp's "qwen4_exp"): every
+function takes either, and
 `block_state_dict` finds a layer under the text model's keys or the multimodal model's. A whole
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
@@ -45,12 +46,13 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
   experts       experts.gate_up_proj (E, 2n, d), gate rows first ("concat") -> w1 (E, d, 2n) =
                 transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
-                Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/
-                V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear,
-                Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, MiMo-V2-Flash, Beam, Kolibri-1, Step-3.7,
-                Bailing-Hybrid, Solar Open, Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3,
-                DeepSeek-OCR-2, MiniMax-M2, MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3,
-                Granite (and Granite-SWA, GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
+                Qwen3.5-MoE, Qwen3-VL-MoE, Qwen3-Omni-MoE, Qwen4-Exp, Lara Mini, Mellum, Flint,
+                Laguna, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/V3.2, GLM-4.5, GLM-4.7-Flash,
+                GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5, EXAONE-MoE, Sarvam,
+                AFMoE, MiMo-V2-Flash, Beam, Kolibri-1, Step-3.7, Bailing-Hybrid, Solar Open,
+                Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2,
+                MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3, Granite (and Granite-SWA,
+                GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
                 NemotronH: experts without a gate, experts.up_proj (E, n, d) -> w1 (E, d, n) and
                 down_proj (E, d, n) -> w2 (E, n, d), each transpose(0, 2, 1), no gate/up columns
                 (any gate_up_layout is the same layer).
@@ -70,25 +72,26 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 pass gate_up_layout="interleaved" to convert a concat family for the faster
                 mosaic_gpu up-projection, the same value to every function here.
   shared        shared_expert(s).{gate,up,down}_proj.weight ((s, d), (s, d), (d, s); Qwen2-MoE,
-                Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, DeepSeek-V2/V3/V3.2/V4, GLM-4.5,
-                GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
-                EXAONE-MoE, Sarvam, AFMoE, Kolibri-1, Step-3.7, Bailing-Hybrid, Solar Open,
-                Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3, DeepSeek-OCR-2, ERNIE 4.5,
-                Llama 4, Aria, Hy3; Hunyuan's shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T],
-                shared_out (s, d) = down^T.
+                Qwen3-Next, Qwen3.5-MoE, the Qwen3-Omni talker, Qwen4-Exp, Lara Mini, Flint,
+                Laguna, DeepSeek-V2/V3/V3.2/V4, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash,
+                GLM-4.5V, Kimi-Linear, Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, Kolibri-1, Step-3.7,
+                Bailing-Hybrid, Solar Open, Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3,
+                DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria, Hy3; Hunyuan's shared_mlp) ->
+                shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
                 NemotronH: shared_experts.up_proj.weight (s, d) -> shared_in (d, s) = W^T,
                 down_proj.weight (d, s) -> shared_out (s, d) = W^T (no gate).
                 Granite (granitemoeshared, Granite-SWA, GraniteMoeHybrid): the decoder layer's
                 shared_mlp.input_linear.weight (2s, d), gate rows first, -> shared_in = W^T;
                 output_linear.weight (d, s) -> shared_out = W^T. Its state dict is the decoder
                 layer's MoE part: "block_sparse_moe.*" and "shared_mlp.*".
-  shared gate   Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE / Qwen3-Omni talker shared_expert_gate.weight
-                (1, d) -> shared_gate (d, 1): the shared output times sigmoid(x @ shared_gate).
+  shared gate   Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE / Qwen3-Omni talker / Qwen4-Exp
+                shared_expert_gate.weight (1, d) -> shared_gate (d, 1): the shared output times
+                sigmoid(x @ shared_gate).
   selection     gate.e_score_correction_bias (E,) of DeepSeek-V3's router (DeepSeek-V3.2, GLM-4.5,
   bias          GLM-4.7-Flash, GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5,
                 EXAONE-MoE, Sarvam, MiMo-V2-Flash, Beam, NemotronH, Kolibri-1, Bailing-Hybrid,
-                Solar Open, dots.llm1, dots3, A.X-K2, Step-3.7, MiniMax-M3; DeepSeek-V4's top-K
-                layers), MiniMax-M2 and Hy3
+                Solar Open, dots.llm1, dots3, A.X-K2, Step-3.7, MiniMax-M3, Laguna; DeepSeek-V4's
+                top-K layers), MiniMax-M2 and Hy3
                 e_score_correction_bias (E,), LFM2-MoE and AFMoE expert_bias (E,), ERNIE 4.5
                 gate.moe_statics.e_score_correction_bias (1, E) -> selection_bias (E,) (a
                 `SelectionBias`, float32, no gradient; layer_kwargs sets bias_update_rate).
@@ -99,8 +102,11 @@ The routers (`layer_kwargs`' routing, a `Router`):
       Router("softmax"):
       softmax over E, top-K, renormalised (Granite's softmax over the K selected logits is the
       same; ERNIE selects on the probabilities plus its bias). Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
-      Qwen3-Omni-MoE (thinker and talker), OLMoE, FlexOlmo: renormalised as norm_topk_prob says;
-      Jamba never.
+      Qwen3-Omni-MoE (thinker and talker), Qwen4-Exp, Lara Mini, Mellum, OLMoE, FlexOlmo:
+      renormalised as norm_topk_prob says; Jamba never. Qwen4-Exp's block is Qwen3-Next's (its
+      decoder layer's hyper-connections, which mix its residual streams into the block's input
+      and add the output back to each, are outside it); Mellum's is Qwen3-MoE's; Lara Mini adds
+      one ungated shared expert of shared_expert_intermediate_size.
   DeepSeek-V2, DeepSeek-OCR-2   Router("softmax", renormalize=norm_topk_prob,
       routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
       group_score="max".
@@ -128,6 +134,13 @@ The routers (`layer_kwargs`' routing, a `Router`):
       MiniMax-M2:
       Router("sigmoid") with its bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob,
       renorm_epsilon=1e-6, routed_scaling_factor), the bias where use_expert_bias.
+  Flint          Router("sigmoid", renormalize=norm_topk_prob): sigmoid scores, top-K,
+      renormalised without an epsilon, no selection bias; one ungated shared expert of
+      shared_expert_intermediate_size. Its first layers are dense (mlp_only_layers [0, 1]).
+  Laguna         Router("sigmoid", routed_scaling_factor=moe_routed_scaling_factor) with
+      gate.e_score_correction_bias: always renormalised, no epsilon; one ungated shared expert
+      of shared_expert_intermediate_size. moe_router_logit_softcapping (logits -> c tanh(logit /
+      c)) is refused where it is not 0.
   GLM-5.3-Flash  DeepSeek-V3's router; the experts and the shared expert compute
       clamped_swiglu(alpha=1, limit=swiglu_limit, up_offset=0) (DeepSeek-V4's activation).
   Kimi-K2.5      its text_config is DeepSeek-V3's (model_type "deepseek_v3", or "kimi_k2" as its
@@ -195,7 +208,8 @@ with a trained RMSNorm, post_mlp_layernorm, on its output), Muse Spark (experts 
 moe_hidden_size between trained projections from and back to d, with an RMSNorm of their input
 and of each expert's output), ERNIE-4.5-VL-MoE (each token routed within its modality's own
 expert set), Step-3.7's layers that clamp after the SiLU (refused: see above), dots3's
-vision-tower MoE (not mapped).
+vision-tower MoE (not mapped), Laguna configs whose moe_router_logit_softcapping softcaps the
+router logits (refused: see above).
 """
 
 from __future__ import annotations
@@ -499,6 +513,32 @@ def _step3p5(c, layer):
                router, "swiglu", selection_bias=True, **_shared(1, _get(c, "share_expert_dim")))
 
 
+def _flint(c, layer):
+  """Flint: sigmoid scores, top-K, renormalised (no epsilon) as norm_topk_prob says, no selection
+  bias; one ungated shared expert of shared_expert_intermediate_size."""
+  router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False))
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
+               _get(c, *_K), router, _glu(c),
+               **_shared(1, _get(c, "shared_expert_intermediate_size")))
+
+
+def _laguna(c, layer):
+  """Laguna: sigmoid scores, selected on scores + the bias, always renormalised (no epsilon), times
+  moe_routed_scaling_factor; one ungated shared expert of shared_expert_intermediate_size."""
+  cap = c.get("moe_router_logit_softcapping")
+  if cap:  # logits -> cap * tanh(logits / cap), which no Router computes
+    raise ValueError(f"Laguna moe_router_logit_softcapping={cap!r}: the layer's router does not "
+                     f"softcap its logits (only 0)")
+  if c.get("moe_apply_router_weight_on_input"):  # transformers refuses it too
+    raise ValueError("Laguna moe_apply_router_weight_on_input=True: transformers does not "
+                     "implement it (only False)")
+  router = Router("sigmoid",
+                  routed_scaling_factor=float(c.get("moe_routed_scaling_factor") or 1.0))
+  return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
+               _get(c, *_K), router, _glu(c), selection_bias=True,
+               **_shared(1, _get(c, "shared_expert_intermediate_size")))
+
+
 _SCORINGS = {"sqrtsoftplus": "sqrt_softplus", "sigmoid": "sigmoid", "softmax": "softmax"}
 
 
@@ -755,7 +795,8 @@ _DENSE_DEFAULTS = {
         "sarvam_mla", "sarvam_moe")},
     **{t: dict(first_k_dense_replace=3) for t in ("deepseek_v3", "kimi_k2", "deepseek_v32",
                                                   "glm_moe_dsa")},
-    **{t: dict(mlp_layer_types=_leading_dense(1)) for t in ("glm4_moe_lite", "mimo_v2_flash")},
+    **{t: dict(mlp_layer_types=_leading_dense(1)) for t in ("glm4_moe_lite", "mimo_v2_flash",
+                                                              "laguna")},
     "glm5_next_text": dict(mlp_layer_types=_leading_dense(3)),
     "axk2": dict(mlp_layer_types=_legacy_dense_layers),
     "mistral_large4_text": dict(first_k_dense_replace=1),
@@ -767,6 +808,7 @@ _DENSE_DEFAULTS = {
     "afmoe": dict(num_dense_layers=1),
     "lfm2_moe": dict(num_dense_layers=2),
     "jamba": dict(expert_layer_period=2, expert_layer_offset=1),
+    "flint": dict(mlp_only_layers=[0, 1]),
     "ernie4_5_moe": dict(moe_layer_interval=1, moe_layer_start_index=1, moe_layer_end_index=-1),
 }
 
@@ -817,6 +859,28 @@ def _families():
              "talker.model.layers.{layer}.mlp.",
              _softmax_family("moe_intermediate_size", "norm_topk_prob",
                              "shared_expert_intermediate_size", shared_gate=True), **qwen_shared),
+      # Qwen3-Next's block; the decoder layer's hyper-connections (its streams mixed into the
+      # block's input, the output added back to each) are outside it
+      Family("qwen4_exp_text", "Qwen4ExpTextSparseMoeBlock", mlp,
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob",
+                                       "shared_expert_intermediate_size", shared_gate=True),
+                       norm_topk_prob=True, shared_expert_intermediate_size=512), **qwen_shared,
+             multimodal_prefix="model.language_model.layers.{layer}.mlp."),
+      # softmax over E (logits in float32), top-K; one shared expert without a gate
+      Family("lara_mini", "LaraMiniSparseMoeBlock", mlp,
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob",
+                                       "shared_expert_intermediate_size"),
+                       norm_topk_prob=True, shared_expert_intermediate_size=512),
+             shared="shared_expert."),
+      Family("mellum", "MellumSparseMoeBlock", mlp,
+             _defaults(_softmax_family("moe_intermediate_size", "norm_topk_prob"),
+                       norm_topk_prob=True)),
+      Family("flint", "FlintSparseMoeBlock", mlp,
+             _defaults(_flint, norm_topk_prob=True, shared_expert_intermediate_size=1024),
+             shared="shared_expert."),
+      Family("laguna", "LagunaSparseMoeBlock", mlp,
+             _defaults(_laguna, shared_expert_intermediate_size=512),
+             selection_bias="gate.e_score_correction_bias", shared="shared_experts."),
       Family("olmoe", "OlmoeSparseMoeBlock", mlp,
              _softmax_family("intermediate_size", "norm_topk_prob")),
       Family("flex_olmo", "FlexOlmoSparseMoeBlock", mlp,
@@ -965,7 +1029,7 @@ WRAPPERS = types.MappingProxyType({
     "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
     "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
     "aria": "aria_text", "dots3_note": "dots3_note_text",
-    "mistral_large4": "mistral_large4_text"})
+    "mistral_large4": "mistral_large4_text", "qwen4_exp": "qwen4_exp_text"})
 
 
 def _names_a_model(config) -> bool:
@@ -1507,8 +1571,8 @@ def _rooted(prefixes: list[str]) -> list[str]:
 
 
 # (Hub name, in-memory name), relative to the module that holds the experts: Granite's, Aria's,
-# DeepSeek-V4's and the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE. Each
-# renames only into a key the family reads that the checkpoint lacks.
+# DeepSeek-V4's, the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE, Laguna's
+# bias and shared expert. Each renames only into a key the family reads that the checkpoint lacks.
 _HUB_RENAMES = (
     ("input_linear.weight", "experts.gate_up_proj"),
     ("output_linear.weight", "experts.down_proj"),
@@ -1527,6 +1591,10 @@ _HUB_RENAMES = (
     ("shared_mlp.gate_proj.weight", "shared_experts.gate_proj.weight"),
     ("shared_mlp.up_proj.weight", "shared_experts.up_proj.weight"),
     ("shared_mlp.down_proj.weight", "shared_experts.down_proj.weight"),
+    ("experts.e_score_correction_bias", "gate.e_score_correction_bias"),  # Laguna's
+    ("shared_expert.gate_proj.weight", "shared_experts.gate_proj.weight"),
+    ("shared_expert.up_proj.weight", "shared_experts.up_proj.weight"),
+    ("shared_expert.down_proj.weight", "shared_experts.down_proj.weight"),
 )
 # Experts stored one by one, experts.{e}.<gate>.weight (n, d), <up> (n, d), <down> (d, n): fused
 # as transformers does into gate_up_proj (E, 2n, d), gate rows first, and down_proj (E, d, n);
@@ -1658,13 +1726,13 @@ def block_state_dict(config: Mapping[str, Any], state_dict: Mapping[str, Any], *
   DeepSeek-V4's `ffn` and its shared experts' `w1`-`w3`, Granite's `input_linear`,
   `output_linear` and `router.layer`, Aria's `fc1` and `fc2`, selection biases outside `gate`,
   MiniMax-M3's shared expert's `gate_proj` and `up_proj`, Hy3's `router.gate` and `shared_mlp`,
-  Step-3.5/3.7's decoder-layer `moe.*` and `share_expert.*`, Kolibri-1's decoder-layer
-  `moe.router.expert_bias`, Mistral Large 4's block held by the decoder layer, its experts' and
-  shared experts' `w1`-`w3`; NemotronH's experts `experts.{e}.up_proj.weight` and `down_proj`
-  are stacked into `up_proj` and `down_proj`). Only the layer's values are read (any Mapping, a
-  lazy one too). A ValueError names keys under the block's modules that are not read
-  (quantization scales, say), an index outside the config's layers, and why a layer has no MoE
-  block (a dense layer).
+  Laguna's `shared_expert`, Step-3.5/3.7's decoder-layer `moe.*` and `share_expert.*`,
+  Kolibri-1's decoder-layer `moe.router.expert_bias`, Mistral Large 4's block held by the decoder
+  layer, its experts' and shared experts' `w1`-`w3`; NemotronH's experts
+  `experts.{e}.up_proj.weight` and `down_proj` are stacked into `up_proj` and `down_proj`). Only
+  the layer's values are read (any Mapping, a lazy one too). A ValueError names keys under the
+  block's modules that are not read (quantization scales, say), an index outside the config's
+  layers, and why a layer has no MoE block (a dense layer).
   The decoder layers are looked for under the family's prefixes, then under the roots released
   checkpoints use ("model.layers.{i}." for Step-3.7 and DeepSeek-OCR-2,
   "language_model.model.layers.{i}." for MiniMax-M3-VL and Kimi-K2.5, "layers.{i}." for

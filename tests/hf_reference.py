@@ -119,6 +119,26 @@ CASES: dict[str, Case] = {
                                        fields=_QWEN_FIELDS,
                                        overrides=(("shared_expert_intermediate_size", "2n"),
                                                   ("norm_topk_prob", False))),
+    # Qwen3-Next's block
+    "qwen4_exp_text": Case("qwen4_exp_text", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock", "gate",
+                           fields=_QWEN_FIELDS,
+                           overrides=(("shared_expert_intermediate_size", "n"),
+                                      ("norm_topk_prob", True))),
+    # Granite-with-shared's program (Router("softmax"), an ungated shared MLP of width 2n)
+    "lara_mini": Case("lara_mini", "lara_mini", "LaraMiniSparseMoeBlock", "gate",
+                      fields=_QWEN_FIELDS,
+                      overrides=(("shared_expert_intermediate_size", "2n"),
+                                 ("norm_topk_prob", True))),
+    # Qwen3-MoE's block
+    "mellum": Case("mellum", "mellum", "MellumSparseMoeBlock", "gate", fields=_QWEN_FIELDS,
+                   overrides=(("norm_topk_prob", True),)),
+    "flint": Case("flint", "flint", "FlintSparseMoeBlock", "gate", fields=_QWEN_FIELDS,
+                  overrides=(("shared_expert_intermediate_size", "2n"),
+                             ("norm_topk_prob", True))),
+    # Step-3.7's program (sigmoid, the bias, renormalised without an epsilon, times 2.5)
+    "laguna": Case("laguna", "laguna", "LagunaSparseMoeBlock", "gate", fields=_QWEN_FIELDS,
+                   overrides=(("shared_expert_intermediate_size", "n"),
+                              ("moe_routed_scaling_factor", 2.5))),
     "olmoe": Case("olmoe", "olmoe", "OlmoeSparseMoeBlock", "gate",
                   fields=("hidden_size", "num_experts", "intermediate_size",
                           "num_experts_per_tok")),

@@ -230,7 +230,7 @@ def _without(layer, feature):
     ("beam", "selection bias"), ("beam", "groups"), ("nemotron_h", "selection bias"),
     ("nemotron_h", "groups"), ("kolibri1", "selection bias"),
     ("step3p5", "selection bias"), ("bailing_hybrid", "groups"), ("solar_open", "selection bias"),
-    ("hy_v3", "selection bias"),
+    ("hy_v3", "selection bias"), ("laguna", "selection bias"),
     ("deepseek_v2", "groups"), ("deepseek_v3", "groups"), ("mistral4", "groups"),
     ("mistral_large4_text", "groups"), ("axk2", "selection bias"), ("axk2", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
@@ -323,7 +323,12 @@ def _expected_kwargs(case):
       "qwen3_next": dict(num_shared_experts=1, shared_expert_dim=n, shared_expert_gate=True),
       "qwen3_5_moe_text": dict(num_shared_experts=1, shared_expert_dim=n,
                                shared_expert_gate=True),
-      "qwen3_vl_moe_text": {}, "qwen3_omni_moe_text": {},
+      "qwen3_vl_moe_text": {}, "qwen3_omni_moe_text": {}, "mellum": {},
+      "qwen4_exp_text": dict(num_shared_experts=1, shared_expert_dim=n, shared_expert_gate=True),
+      "lara_mini": dict(num_shared_experts=1, shared_expert_dim=2 * n),
+      "flint": dict(routing=Router("sigmoid"), num_shared_experts=1, shared_expert_dim=2 * n),
+      "laguna": dict(routing=Router("sigmoid", routed_scaling_factor=2.5), num_shared_experts=1,
+                     shared_expert_dim=n, bias_update_rate=1e-3),
       "qwen3_omni_moe_talker_text": dict(routing=raw, num_shared_experts=1,
                                          shared_expert_dim=2 * n, shared_expert_gate=True),
       "olmoe": dict(routing=raw), "flex_olmo": dict(routing=raw), "jamba": dict(routing=raw),
@@ -487,6 +492,11 @@ MINIMAL_CONFIGS = {
                      num_experts_per_tok=2, shared_expert_intermediate_size=24),
     "beam": dict(hidden_size=32, num_experts=8, moe_intermediate_size=16, num_experts_per_tok=2,
                  n_group=4, topk_group=2),
+    "qwen4_exp": dict(text_config=dict(model_type="qwen4_exp_text", hidden_size=32, num_experts=4,
+                                       moe_intermediate_size=16, num_experts_per_tok=2,
+                                       shared_expert_intermediate_size=24)),
+    "laguna": dict(hidden_size=32, num_experts=4, moe_intermediate_size=16, num_experts_per_tok=2,
+                   shared_expert_intermediate_size=24, moe_routed_scaling_factor=2.5),
 }
 
 
@@ -574,6 +584,14 @@ def test_nemotron_h_layers_by_their_mixer():
   assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
   with pytest.raises(ValueError, match="moe_latent_size"):
     hf.layer_kwargs(dict(config, moe_latent_size=8))
+
+
+def test_laguna_refuses_a_softcapped_router():
+  """Laguna's router logits softcapped (c tanh(logit / c)) have no Router: refused by field."""
+  config = dict(MINIMAL_CONFIGS["laguna"], model_type="laguna")
+  assert hf.layer_kwargs(dict(config, moe_router_logit_softcapping=0.0)) == hf.layer_kwargs(config)
+  with pytest.raises(ValueError, match="moe_router_logit_softcapping=30.0"):
+    hf.layer_kwargs(dict(config, moe_router_logit_softcapping=30.0))
 
 
 def test_deepseek_v4_layers_of_both_kinds():
@@ -823,7 +841,8 @@ _HUB_LAYOUTS = {"mixtral": "block_sparse_moe.experts.0.w1.weight",
                 "nemotron_h": "backbone.layers.0.mixer.experts.0.up_proj.weight",
                 "kolibri1": "layers.0.moe.router.expert_bias",
                 "mistral_large4_text": "layers.0.experts.0.w1.weight",
-                "axk2": "mlp.experts.0.gate_proj.weight"}
+                "axk2": "mlp.experts.0.gate_proj.weight",
+                "laguna": "mlp.experts.e_score_correction_bias"}
 
 
 @pytest.mark.parametrize("case", CASES)
