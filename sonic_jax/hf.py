@@ -24,9 +24,12 @@ A multimodal config holds its language model's as text_config (Llama 4's "llama4
 and talker's "qwen3_omni_moe_thinker", "qwen3_omni_moe_talker", GLM-4.5V's "glm4v_moe",
 GLM-5.3-Flash's "glm5_next", DeepSeek-OCR-2's "deepseek_ocr2", Kimi-K2.5's "kimi_k25" (a
 DeepSeek-V3 text config), Step-3.7's "step3p7", MiniMax-M3's "minimax_m3_vl", Aria's "aria",
-dots3's "dots3_note", Mistral Large 4's "mistral_large4", Qwen4-Exp's "qwen4_exp"): every
-function takes either, and
-`block_state_dict` finds a layer under the text model's keys or the multimodal model's. A whole
+dots3's "dots3_note", Mistral Large 4's "mistral_large4", Qwen4-Exp's "qwen4_exp",
+Unlimited-OCR's "unlimited_ocr" (DeepSeek-OCR-2's block; its released config.json's
+language_config read as the text config), DiffusionGemma's "diffusion_gemma" (Gemma 4's MoE part
+in every decoder layer)): every function takes either, and `block_state_dict` finds a layer under
+the text model's keys or the multimodal model's (DiffusionGemma's: its diffusion decoder's, or
+its encoder's, which ties the same weights). A whole
 Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
 
@@ -41,8 +44,8 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
 
   router        gate.weight / router.weight (E, d) (nn.Linear) -> router (d, E) = W^T.
                 DBRX: router.layer.weight; Hunyuan: gate.wg.weight; AFMoE: router.gate.weight;
-                Gemma 4: router.proj.weight, with router.scale (d,) -> router_scale and
-                router.per_expert_scale (E,) -> expert_scale as they are.
+                Gemma 4, DiffusionGemma: router.proj.weight, with router.scale (d,) ->
+                router_scale and router.per_expert_scale (E,) -> expert_scale as they are.
   experts       experts.gate_up_proj (E, 2n, d), gate rows first ("concat") -> w1 (E, d, 2n) =
                 transpose(0, 2, 1), gate columns then up columns; experts.down_proj (E, d, n) ->
                 w2 (E, n, d) = transpose(0, 2, 1). (Mixtral, MiniMax, Qwen2/3-MoE, Qwen3-Next,
@@ -50,9 +53,9 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 Laguna, OLMoE, FlexOlmo, Jamba, DeepSeek-V2/V3/V3.2, GLM-4.5, GLM-4.7-Flash,
                 GLM-5, GLM-5.3-Flash, GLM-4.5V, Kimi-Linear, Kimi-K2.5, EXAONE-MoE, Sarvam,
                 AFMoE, MiMo-V2-Flash, Beam, Kolibri-1, Step-3.7, Bailing-Hybrid, Solar Open,
-                Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3, DeepSeek-OCR-2, MiniMax-M2,
-                MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3, Granite (and Granite-SWA,
-                GraniteMoeHybrid), Gemma 4, DeepSeek-V4.)
+                Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3, DeepSeek-OCR-2,
+                Unlimited-OCR, MiniMax-M2, MiniMax-M3, ERNIE 4.5, LFM2-MoE, Hunyuan, Hy3, Granite
+                (and Granite-SWA, GraniteMoeHybrid), Gemma 4, DiffusionGemma, DeepSeek-V4.)
                 NemotronH: experts without a gate, experts.up_proj (E, n, d) -> w1 (E, d, n) and
                 down_proj (E, d, n) -> w2 (E, n, d), each transpose(0, 2, 1), no gate/up columns
                 (any gate_up_layout is the same layer).
@@ -76,8 +79,8 @@ How the tensors map (HF applies a Linear as x W^T; the layer computes x @ w):
                 Laguna, DeepSeek-V2/V3/V3.2/V4, GLM-4.5, GLM-4.7-Flash, GLM-5, GLM-5.3-Flash,
                 GLM-4.5V, Kimi-Linear, Kimi-K2.5, EXAONE-MoE, Sarvam, AFMoE, Kolibri-1, Step-3.7,
                 Bailing-Hybrid, Solar Open, Mistral 4, Mistral Large 4, A.X-K2, dots.llm1, dots3,
-                DeepSeek-OCR-2, ERNIE 4.5, Llama 4, Aria, Hy3; Hunyuan's shared_mlp) ->
-                shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
+                DeepSeek-OCR-2, Unlimited-OCR, ERNIE 4.5, Llama 4, Aria, Hy3; Hunyuan's
+                shared_mlp) -> shared_in (d, 2s) = [gate^T | up^T], shared_out (s, d) = down^T.
                 NemotronH: shared_experts.up_proj.weight (s, d) -> shared_in (d, s) = W^T,
                 down_proj.weight (d, s) -> shared_out (s, d) = W^T (no gate).
                 Granite (granitemoeshared, Granite-SWA, GraniteMoeHybrid): the decoder layer's
@@ -107,7 +110,7 @@ The routers (`layer_kwargs`' routing, a `Router`):
       decoder layer's hyper-connections, which mix its residual streams into the block's input
       and add the output back to each, are outside it); Mellum's is Qwen3-MoE's; Lara Mini adds
       one ungated shared expert of shared_expert_intermediate_size.
-  DeepSeek-V2, DeepSeek-OCR-2   Router("softmax", renormalize=norm_topk_prob,
+  DeepSeek-V2, DeepSeek-OCR-2, Unlimited-OCR   Router("softmax", renormalize=norm_topk_prob,
       routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
       group_score="max".
   Mistral 4      Router("softmax", renormalize=norm_topk_prob, renorm_epsilon=1e-20, n_group,
@@ -146,6 +149,7 @@ The routers (`layer_kwargs`' routing, a `Router`):
   Kimi-K2.5      its text_config is DeepSeek-V3's (model_type "deepseek_v3", or "kimi_k2" as its
       config.json says: the same family).
   DeepSeek-OCR-2 DeepSeek-V2's router; its config has no norm_topk_prob: never renormalised.
+      Unlimited-OCR's text model: DeepSeek-OCR-2's block (its config's defaults: one group).
   Step-3.7 (its text config, model_type "step3p5")   Router("sigmoid", routed_scaling_factor=
       moe_router_scaling_factor) with gate.e_score_correction_bias: renormalised without an
       epsilon, the routed output times the factor; one shared expert of share_expert_dim; SiLU
@@ -183,6 +187,7 @@ The routers (`layer_kwargs`' routing, a `Router`):
       each weight times router.per_expert_scale (E,) of its expert (use_expert_scale=True);
       GELU-tanh GLU experts. The router sees the decoder layer's residual stream h and the experts
       pre_feedforward_layernorm_2(h): call the layer as layer(that, router_input=h).
+      DiffusionGemma: the same in every decoder layer (no enable_moe_block).
 
 Semantics that differ from transformers only where no real input reaches: group-limited selection
 never picks an expert of a dropped group (DeepSeek-V2's, Mistral 4's and Mistral Large 4's
@@ -197,19 +202,22 @@ in float32 even for float64 weights, so a float64 comparison agrees to about 1e-
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
 family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
 experts), Switch / NLLB-MoE (capacity-dropping top-1 with their own layouts), Cohere2-MoE's
-"average" shared-expert combination, Inkling 2 (softcapped SwiGLU experts), Inkling (its router
-also scores the shared experts: the sigmoids of the K selected and of the shared ones normalised
-together, the shared outputs weighted by theirs, all times route_scale and a trained scalar),
-ZAYA (an MLP router on the block input plus the previous layer's router state, over E + 1
-classes, one a skip expert without compute), JetMoE (a (d,) bias added to the block's output,
-which no layer parameter holds), HY-V4 (its routed experts' SwiGLU is clamped at swiglu_limit,
-its shared expert's is not: the layer gives both one activation), A.X-K1 (DeepSeek-V3's block
-with a trained RMSNorm, post_mlp_layernorm, on its output), Muse Spark (experts at
-moe_hidden_size between trained projections from and back to d, with an RMSNorm of their input
-and of each expert's output), ERNIE-4.5-VL-MoE (each token routed within its modality's own
-expert set), Step-3.7's layers that clamp after the SiLU (refused: see above), dots3's
-vision-tower MoE (not mapped), Laguna configs whose moe_router_logit_softcapping softcaps the
-router logits (refused: see above).
+"average" shared-expert combination, Inkling 2 and Inkling 2 Loop (softcapped SwiGLU experts),
+Inkling (its router also scores the shared experts: the sigmoids of the K selected and of the
+shared ones normalised together, the shared outputs weighted by theirs, all times route_scale and
+a trained scalar), ZAYA (an MLP router on the block input plus the previous layer's router state,
+over E + 1 classes, one a skip expert without compute), JetMoE (a (d,) bias added to the block's
+output, which no layer parameter holds), HY-V4 and HY-V4-VL (their routed experts' SwiGLU is
+clamped at swiglu_limit, their shared expert's is not: the layer gives both one activation),
+A.X-K1 (DeepSeek-V3's block with a trained RMSNorm, post_mlp_layernorm, on its output), Muse
+Spark (experts at moe_hidden_size between trained projections from and back to d, with an RMSNorm
+of their input and of each expert's output), Doge's CDMoE (product keys over sqrt(E) x sqrt(E)
+rank-1 experts, its router reading the (T, 2 sqrt(E)) logits as (2, T, sqrt(E)): a token's scores
+are other tokens'), NeMo SpeechLM (Nemotron 3.5 Transcribe: NemotronH's block, its released
+checkpoint's fused gate_and_up_projs not mapped), ERNIE-4.5-VL-MoE (each token routed within its
+modality's own expert set), Step-3.7's layers that clamp after the SiLU (refused: see above),
+dots3's vision-tower MoE (not mapped), Laguna configs whose moe_router_logit_softcapping softcaps
+the router logits (refused: see above).
 """
 
 from __future__ import annotations
@@ -587,6 +595,11 @@ def _gemma4(c, layer):
   top-K, renormalised, times a trained per-expert scale; GELU-tanh GLU experts."""
   if not c.get("enable_moe_block"):
     raise ValueError("this Gemma 4 config has enable_moe_block=False: no MoE block")
+  return _gemma4_moe(c, layer)
+
+
+def _gemma4_moe(c, layer):
+  """Gemma 4's MoE part, which DiffusionGemma's decoder layers all have."""
   return _base(_get(c, "hidden_size"), _get(c, "num_experts"), _get(c, "moe_intermediate_size"),
                _get(c, "top_k_experts"), Router("softmax"), _glu(c, "hidden_activation"),
                router_norm_eps=float(_get(c, "rms_norm_eps", default=1e-6)),
@@ -708,7 +721,7 @@ class Family:
   builds (for the families with a multimodal model, its text model; Qwen3-VL-MoE's and
   Qwen3-Omni-MoE's multimodal model, the only one they have). multimodal_prefix: the same keys in
   the multimodal model where a family has both (its released checkpoints), which
-  `block_state_dict` tries too.
+  `block_state_dict` tries too (DiffusionGemma: its encoder's, tied to the decoder's).
   router: key of the router weight (E, d). experts: the experts' storage, "fused" ((E, 2n, d)
   gate_up_proj and (E, d, n) down_proj), "fused_xw" (Llama 4: (E, d, 2n) and (E, n, d)),
   "gpt_oss" (fused_xw with biases, gate/up as natural_layout says: gpt-oss interleaved), "dbrx"
@@ -810,6 +823,8 @@ _DENSE_DEFAULTS = {
     "jamba": dict(expert_layer_period=2, expert_layer_offset=1),
     "flint": dict(mlp_only_layers=[0, 1]),
     "ernie4_5_moe": dict(moe_layer_interval=1, moe_layer_start_index=1, moe_layer_end_index=-1),
+    # (mlp_layer_types from first_k_dense_replace, which a config.json may give instead)
+    "unlimited_ocr_text": dict(first_k_dense_replace=1),
 }
 
 
@@ -909,6 +924,11 @@ def _families():
       Family("deepseek_ocr2_text", "DeepseekOcr2TextMoe",
              "model.language_model.layers.{layer}.mlp.",
              _defaults(_deepseek_v2, n_shared_experts=2), shared="shared_experts."),
+      # DeepSeek-OCR-2's block under Unlimited-OCR's text config (one group by default)
+      Family("unlimited_ocr_text", "UnlimitedOcrTextMoe",
+             "model.language_model.layers.{layer}.mlp.",
+             _defaults(_deepseek_v2, n_shared_experts=2, n_group=1, topk_group=1),
+             shared="shared_experts."),
       # Kimi-K2's config.json names DeepSeek-V3's model "kimi_k2" (Kimi-K2.5's text_config too,
       # which transformers reads as a DeepseekV3Config: its defaults)
       Family("kimi_k2", "DeepseekV3MoE", mlp, _defaults(_deepseek_v3, **v3_defaults), **v3,
@@ -1013,6 +1033,15 @@ def _families():
              router="router.proj.weight",
              router_scale="router.scale", expert_scale="router.per_expert_scale",
              multimodal_prefix="model.language_model.layers.{layer}."),
+      # Gemma 4's in every decoder layer of DiffusionGemmaForBlockDiffusion's diffusion decoder,
+      # whose weights its encoder ties to its own (in memory under both; the Hub: the decoder's)
+      Family("diffusion_gemma_text",
+             "DiffusionGemmaTextRouter + DiffusionGemmaTextExperts of the decoder layer",
+             "model.decoder.layers.{layer}.",
+             _defaults(_gemma4_moe, hidden_activation="gelu_pytorch_tanh"),
+             router="router.proj.weight",
+             router_scale="router.scale", expert_scale="router.per_expert_scale",
+             multimodal_prefix="model.encoder.language_model.layers.{layer}."),
   ]
   return {f.model_type: dataclasses.replace(f, dense_layers=_DENSE_DEFAULTS.get(f.model_type, {}))
           for f in fams}
@@ -1029,7 +1058,13 @@ WRAPPERS = types.MappingProxyType({
     "glm4v_moe": "glm4v_moe_text", "deepseek_ocr2": "deepseek_ocr2_text",
     "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
     "aria": "aria_text", "dots3_note": "dots3_note_text",
-    "mistral_large4": "mistral_large4_text", "qwen4_exp": "qwen4_exp_text"})
+    "mistral_large4": "mistral_large4_text", "qwen4_exp": "qwen4_exp_text",
+    "unlimited_ocr": "unlimited_ocr_text", "diffusion_gemma": "diffusion_gemma_text"})
+
+# A multimodal config.json's other name for its text config, read where it has no text_config:
+# Unlimited-OCR's released one holds it as language_config (transformers builds its own text
+# config class from it, whatever model_type it names).
+_LEGACY_TEXT_CONFIGS = {"unlimited_ocr": "language_config"}
 
 
 def _names_a_model(config) -> bool:
@@ -1051,9 +1086,13 @@ def _as_mapping(config) -> Mapping[str, Any]:
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
   """A multimodal config's text config (`WRAPPERS`; its model_type set where a checkpoint's
-  config.json leaves it out); any other config as it is."""
+  config.json leaves it out; `_LEGACY_TEXT_CONFIGS`' where it has no text_config); any other
+  config as it is."""
   config = _as_mapping(config)
   text_type = WRAPPERS.get(config.get("model_type"))
+  legacy = config.get(_LEGACY_TEXT_CONFIGS.get(config.get("model_type"), ""))
+  if text_type is not None and config.get("text_config") is None and isinstance(legacy, Mapping):
+    return {**legacy, "model_type": text_type}
   if text_type is None or not isinstance(config.get("text_config"), Mapping):
     return config
   return {"model_type": text_type, **config["text_config"]}

@@ -175,6 +175,10 @@ CASES: dict[str, Case] = {
     # DeepSeek-V2's block (no norm_topk_prob)
     "deepseek_ocr2_text": Case("deepseek_ocr2_text", "deepseek_ocr2", "DeepseekOcr2TextMoe", "gate",
                                fields=_V3_FIELDS, overrides=_V2),
+    # DeepSeek-OCR-2's block (its one decoder layer an MoE one: the class default makes it dense)
+    "unlimited_ocr_text": Case("unlimited_ocr_text", "unlimited_ocr", "UnlimitedOcrTextMoe", "gate",
+                               fields=_V3_FIELDS,
+                               overrides=_V2 + (("mlp_layer_types", ["sparse"]),)),
     "sarvam_moe": Case("sarvam_moe", "glm4_moe", "Glm4MoeMoE", "gate", fields=_V3_FIELDS,
                        overrides=_GLM),
     # GLM-4.5's router (one group, renormalised) with its own field names
@@ -290,6 +294,11 @@ CASES: dict[str, Case] = {
                         fields=("hidden_size", "num_experts", "moe_intermediate_size",
                                 "top_k_experts"),
                         overrides=(("enable_moe_block", True),)),
+    # Gemma 4's, in every decoder layer
+    "diffusion_gemma_text": Case("diffusion_gemma_text", "diffusion_gemma",
+                                 "DiffusionGemmaTextExperts", "router.proj", logits_index=None,
+                                 fields=("hidden_size", "num_experts", "moe_intermediate_size",
+                                         "top_k_experts")),
     "granitemoe": Case("granitemoe", "granitemoe", "GraniteMoeMoE", "router"),
     "granitemoeshared": Case("granitemoeshared", "granitemoeshared", "GraniteMoeSharedMoE",
                              "block_sparse_moe.router",
@@ -352,14 +361,14 @@ def make_block(case: Case, config):
         return self.block_sparse_moe(x) + self.shared_mlp(x)
 
     return GraniteMoeSharedBlock()
-  if case.model_type == "gemma4_text":
+  if case.model_type in ("gemma4_text", "diffusion_gemma_text"):
     # The decoder layer's MoE part under its attribute names (keys as the layer's): the router
     # and the experts, both on the block's input (the layer feeds the experts another
     # normalisation of it; the MoE layer's router_input).
     class Gemma4Moe(torch.nn.Module):
       def __init__(self):
         super().__init__()
-        self.router = module.Gemma4TextRouter(config)
+        self.router = getattr(module, case.block.replace("Experts", "Router"))(config)
         self.experts = block_cls(config)
 
       def forward(self, x):
@@ -429,6 +438,7 @@ def _randomize(block, rng, d, e_count, router, size):
 # `make_block`'s state dict gives them: Granite's and Gemma 4's are the decoder layer's).
 _LAYER_PREFIX = {"granitemoeshared": "model.layers.0.", "granitemoe_swa": "model.layers.0.",
                  "granitemoehybrid": "model.layers.0.", "gemma4_text": "model.layers.0.",
+                 "diffusion_gemma_text": "model.layers.0.",
                  "granitemoe": "model.layers.0.block_sparse_moe.",
                  "lfm2_moe": "model.layers.0.feed_forward.",
                  "llama4_text": "model.layers.0.feed_forward.",

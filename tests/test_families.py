@@ -235,6 +235,8 @@ def _without(layer, feature):
     ("mistral_large4_text", "groups"), ("axk2", "selection bias"), ("axk2", "groups"),
     ("deepseek_v32", "groups"), ("kimi_linear", "groups"), ("gpt_oss", "clamp"),
     ("dbrx_p2", "p-norm"), ("gemma4_text", "router scale"), ("gemma4_text", "expert scale"),
+    ("diffusion_gemma_text", "router scale"), ("diffusion_gemma_text", "expert scale"),
+    ("unlimited_ocr_text", "groups"),
     ("deepseek_v4", "selection bias"), ("deepseek_v4", "clamp"), ("glm5_next_text", "clamp")])
 def test_reference_cases_exercise_their_family_features(references, case, feature):
   """The random cases are not degenerate: without the feature the layer misses the block. (The
@@ -345,10 +347,10 @@ def _expected_kwargs(case):
       "glm5_next_text": dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
                              routing=v3(routed_scaling_factor=2.5), num_shared_experts=1,
                              shared_expert_dim=n, bias_update_rate=1e-3),
-      "deepseek_ocr2_text": dict(routing=Router("softmax", renormalize=False, n_group=2,
-                                                topk_group=1, group_score="max",
-                                                routed_scaling_factor=1.5),
-                                 num_shared_experts=2, shared_expert_dim=n),
+      **dict.fromkeys(("deepseek_ocr2_text", "unlimited_ocr_text"), dict(
+          routing=Router("softmax", renormalize=False, n_group=2, topk_group=1,
+                         group_score="max", routed_scaling_factor=1.5),
+          num_shared_experts=2, shared_expert_dim=n)),
       **dict.fromkeys(("afmoe", "hy_v3"), dict(
           routing=Router("sigmoid", renorm_epsilon=1e-20, routed_scaling_factor=2.5),
           num_shared_experts=1, shared_expert_dim=n, bias_update_rate=1e-3)),
@@ -392,8 +394,8 @@ def _expected_kwargs(case):
                           num_shared_experts=1, shared_expert_dim=n),
       "granitemoeshared": dict(num_shared_experts=1, shared_expert_dim=2 * n),
       "dbrx": {}, "dbrx_p2": dict(routing=Router("softmax", renorm_p=2.0)),
-      "gemma4_text": dict(activation="geglu_tanh", router_norm_eps=1e-6,
-                          use_expert_scale=True),
+      **dict.fromkeys(("gemma4_text", "diffusion_gemma_text"), dict(
+          activation="geglu_tanh", router_norm_eps=1e-6, use_expert_scale=True)),
       **{name: dict(activation=clamped_swiglu(alpha=1.0, limit=1.25, up_offset=0.0),
                     routing=Router("sqrt_softplus", renorm_epsilon=1e-20,
                                    routed_scaling_factor=1.5),
@@ -497,6 +499,12 @@ MINIMAL_CONFIGS = {
                                        shared_expert_intermediate_size=24)),
     "laguna": dict(hidden_size=32, num_experts=4, moe_intermediate_size=16, num_experts_per_tok=2,
                    shared_expert_intermediate_size=24, moe_routed_scaling_factor=2.5),
+    "diffusion_gemma": dict(text_config=dict(hidden_size=32, num_experts=4,
+                                             moe_intermediate_size=16, top_k_experts=2)),
+    # its released config.json: the text config as language_config, named DeepSeek-V2's
+    "unlimited_ocr": dict(language_config=dict(model_type="deepseek_v2", hidden_size=32,
+                                               n_routed_experts=4, moe_intermediate_size=16,
+                                               num_experts_per_tok=2)),
 }
 
 
@@ -910,6 +918,34 @@ def test_mistral_large4_released_checkpoint_layout():
   dense = {"layers.0.feed_forward.w1.weight": np.zeros((16, 32))}
   with pytest.raises(ValueError, match="dense one .first_k_dense_replace=1"):
     hf.block_state_dict(config, dense, layer=0)
+
+
+def test_unlimited_ocr_and_diffusion_gemma_read_as_their_text_block():
+  """Unlimited-OCR's released config.json holds its text config as language_config, which
+  transformers reads as its own text config whatever model_type it names (dense layers from
+  first_k_dense_replace); its checkpoint roots the layers at model.layers. DiffusionGemma's
+  encoder ties its layers' weights to its decoder's: the block under either."""
+  text = dict(hidden_size=32, n_routed_experts=4, moe_intermediate_size=16,
+              num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=2)
+  config = dict(model_type="unlimited_ocr", language_config=dict(text, model_type="deepseek_v2"))
+  assert hf.family(config).model_type == "unlimited_ocr_text"
+  assert hf.layer_kwargs(config, layer=1) == hf.layer_kwargs(
+      dict(text, model_type="unlimited_ocr_text"), layer=1)
+  with pytest.raises(ValueError, match=r"is a dense one \(first_k_dense_replace=1\)"):
+    hf.layer_kwargs(config, layer=0)
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=1)),
+                                 layer=1)
+  block = hf.block_state_dict(config, {f"model.layers.1.mlp.{k}": v for k, v in state.items()},
+                              layer=1)
+  assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
+  config = dict(MINIMAL_CONFIGS["diffusion_gemma"], model_type="diffusion_gemma")
+  state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config)))
+  decoder, encoder = "model.decoder.layers.0.", "model.encoder.language_model.layers.0."
+  for prefixes in ((decoder, encoder), (decoder,), (encoder,)):
+    model = {f"{p}{k}": v for p in prefixes for k, v in state.items()}
+    model[f"{prefixes[0]}pre_feedforward_layernorm_2.weight"] = np.zeros(3)
+    block = hf.block_state_dict(config, model, layer=0)
+    assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
 
 
 def test_block_state_dict_reads_only_the_layer_and_explains_what_it_cannot():
