@@ -194,9 +194,13 @@ CASES: dict[str, Case] = {
                  overrides=(("n_group", 4), ("topk_group", 2), ("norm_topk_prob", True),
                             ("routed_scaling_factor", 2.5))),
     # DeepSeek-V3's router; ReLU-squared experts and shared expert without a gate
+    # (on a GPU its ungated experts 2n wide: the kernels take widths in multiples of 256)
     "nemotron_h": Case("nemotron_h", "nemotron_h", "NemotronHMoE", "gate", fields=_V3_FIELDS,
                        overrides=_V3 + (("moe_shared_expert_intermediate_size", "2n"),
-                                        ("layers_block_type", ["moe"]))),
+                                        ("layers_block_type", ["moe"])),
+                       gpu_overrides=_V3 + (("moe_intermediate_size", "2n"),
+                                            ("moe_shared_expert_intermediate_size", "2n"),
+                                            ("layers_block_type", ["moe"]))),
     # top-K of the logits plus the selection bias, sigmoid weights renormalised
     "kolibri1": Case("kolibri1", "kolibri1", "Kolibri1SparseMoeBlock", "gate",
                      fields=_QWEN_FIELDS,
