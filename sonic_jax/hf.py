@@ -373,10 +373,11 @@ def _deepseek_v2(c, layer):
                **_shared(c.get("n_shared_experts") or 0, n))
 
 
-def _v3_router(c) -> Router:
-  """DeepSeek-V3's router: without a field, one group, not renormalised, factor 1."""
+def _v3_router(c, scoring: str = "sigmoid") -> Router:
+  """DeepSeek-V3's router (Mistral 4's on softmax scores): without a field, one group, not
+  renormalised, factor 1."""
   n_group = int(c.get("n_group") or 1)
-  return Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False),
+  return Router(scoring, renormalize=bool(c.get("norm_topk_prob") or False),
                 renorm_epsilon=1e-20, n_group=n_group,
                 topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
                 group_score="top2_sum",
@@ -423,15 +424,9 @@ def _mistral4(c, layer):
   times routed_scaling_factor; n_shared_experts shared experts of the experts' width. Without a
   field: one group, not renormalised, factor 1, no shared expert (`_families` passes the config
   class's defaults)."""
-  n_group = int(c.get("n_group") or 1)
-  router = Router("softmax", renormalize=bool(c.get("norm_topk_prob") or False),
-                  renorm_epsilon=1e-20, n_group=n_group,
-                  topk_group=int(c.get("topk_group") or 1) if n_group > 1 else 1,
-                  group_score="top2_sum",
-                  routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
   n = _get(c, "moe_intermediate_size")
-  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), router, _glu(c),
-               **_shared(c.get("n_shared_experts") or 0, n))
+  return _base(_get(c, "hidden_size"), _get(c, *_E), n, _get(c, *_K), _v3_router(c, "softmax"),
+               _glu(c), **_shared(c.get("n_shared_experts") or 0, n))
 
 
 def _mistral_large4(c, layer):
