@@ -27,10 +27,13 @@ DeepSeek-V3 text config), Step-3.7's "step3p7", MiniMax-M3's "minimax_m3_vl", Ar
 dots3's "dots3_note", Mistral Large 4's "mistral_large4", Qwen4-Exp's "qwen4_exp",
 Unlimited-OCR's "unlimited_ocr" (DeepSeek-OCR-2's block; its released config.json's
 language_config read as the text config), DiffusionGemma's "diffusion_gemma" (Gemma 4's MoE part
-in every decoder layer)): every function takes either, and `block_state_dict` finds a layer under
-the text model's keys or the multimodal model's (DiffusionGemma's: its diffusion decoder's, or
-its encoder's, which ties the same weights). A whole
-Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
+in every decoder layer), NemotronH-Omni's "nemotron_h_omni" (its released config.json's
+llm_config read as the text config) and NeMo SpeechLM's "nemo_speechlm" (Nemotron 3.5
+Transcribe; its released checkpoint's names, llm.model.layers.* and experts.gate_and_up_projs,
+are not read: a loaded model's state_dict() is)): every function takes either, and
+`block_state_dict` finds a layer under the text model's keys or the multimodal model's
+(DiffusionGemma's: its diffusion decoder's, or its encoder's, which ties the same weights). A
+whole Qwen3-Omni-MoE config ("qwen3_omni_moe") holds two MoE language models, the thinker's and the
 talker's: pass the one meant (config["thinker_config"]["text_config"], say).
 
 The block state dicts are transformers' in-memory ones (fused experts, `experts.gate_up_proj`).
@@ -109,7 +112,7 @@ The routers (`layer_kwargs`' routing, a `Router`):
       renormalised as norm_topk_prob says; Jamba never. Qwen4-Exp's block is Qwen3-Next's (its
       decoder layer's hyper-connections, which mix its residual streams into the block's input
       and add the output back to each, are outside it); Mellum's is Qwen3-MoE's; Lara Mini adds
-      one ungated shared expert of shared_expert_intermediate_size.
+      one shared expert (no shared_expert_gate) of shared_expert_intermediate_size.
   DeepSeek-V2, DeepSeek-OCR-2, Unlimited-OCR   Router("softmax", renormalize=norm_topk_prob,
       routed_scaling_factor); topk_method "group_limited_greedy": n_group, topk_group,
       group_score="max".
@@ -138,17 +141,19 @@ The routers (`layer_kwargs`' routing, a `Router`):
       Router("sigmoid") with its bias. LFM2-MoE: Router("sigmoid", renormalize=norm_topk_prob,
       renorm_epsilon=1e-6, routed_scaling_factor), the bias where use_expert_bias.
   Flint          Router("sigmoid", renormalize=norm_topk_prob): sigmoid scores, top-K,
-      renormalised without an epsilon, no selection bias; one ungated shared expert of
-      shared_expert_intermediate_size. Its first layers are dense (mlp_only_layers [0, 1]).
+      renormalised without an epsilon, no selection bias; one shared expert (no
+      shared_expert_gate) of shared_expert_intermediate_size. Its first layers are dense
+      (mlp_only_layers [0, 1]).
   Laguna         Router("sigmoid", routed_scaling_factor=moe_routed_scaling_factor) with
-      gate.e_score_correction_bias: always renormalised, no epsilon; one ungated shared expert
-      of shared_expert_intermediate_size. moe_router_logit_softcapping (logits -> c tanh(logit /
-      c)) is refused where it is not 0.
+      gate.e_score_correction_bias: always renormalised, no epsilon; one shared expert (no
+      shared_expert_gate) of shared_expert_intermediate_size. moe_router_logit_softcapping
+      (logits -> c tanh(logit / c)) is refused where it is positive (transformers ignores a cap
+      <= 0).
   GLM-5.3-Flash  DeepSeek-V3's router; the experts and the shared expert compute
       clamped_swiglu(alpha=1, limit=swiglu_limit, up_offset=0) (DeepSeek-V4's activation).
   Kimi-K2.5      its text_config is DeepSeek-V3's (model_type "deepseek_v3", or "kimi_k2" as its
       config.json says: the same family).
-  DeepSeek-OCR-2 DeepSeek-V2's router; its config has no norm_topk_prob: never renormalised.
+  DeepSeek-OCR-2 DeepSeek-V2's router, never renormalised (whatever norm_topk_prob says).
       Unlimited-OCR's text model: DeepSeek-OCR-2's block (its config's defaults: one group).
   Step-3.7 (its text config, model_type "step3p5")   Router("sigmoid", routed_scaling_factor=
       moe_router_scaling_factor) with gate.e_score_correction_bias: renormalised without an
@@ -193,7 +198,10 @@ Semantics that differ from transformers only where no real input reaches: group-
 never picks an expert of a dropped group (DeepSeek-V2's, Mistral 4's and Mistral Large 4's
 transformers code masks its probabilities to 0, which only matters if fewer than K kept experts
 had a positive probability); ERNIE clamps the renormalising sum at moe_norm_min (1e-12), the
-layer divides by the sum (at least K / E).
+layer divides by the sum (at least K / E). One difference a real input can reach: A.X-K2's
+transformers router masks a dropped group's sigmoid + selection bias to 0, not -inf, so where
+fewer than K experts of the kept groups have sigmoid + bias > 0 (a selection bias below minus
+their sigmoids) it picks experts of dropped groups, which the layer never does.
 Training-only noise (Mixtral's router_jitter_noise, DBRX's moe_jitter_eps) is not modelled.
 transformers' DeepSeek-V2 router ignores norm_topk_prob (False in the released checkpoints); the
 layer follows it, as DeepSeek's own code does. Several transformers routers compute the logits
@@ -201,23 +209,23 @@ in float32 even for float64 weights, so a float64 comparison agrees to about 1e-
 
 Not in scope (use `sonic_jax.routed_experts`, the experts on a routing you compute, with the
 family's own router): PhiMoE (the sparsemixer sampling router), LongCat-Flash (zero-compute
-experts), Switch / NLLB-MoE (capacity-dropping top-1 with their own layouts), Cohere2-MoE's
-"average" shared-expert combination, Inkling 2 and Inkling 2 Loop (softcapped SwiGLU experts),
-Inkling (its router also scores the shared experts: the sigmoids of the K selected and of the
-shared ones normalised together, the shared outputs weighted by theirs, all times route_scale and
-a trained scalar), ZAYA (an MLP router on the block input plus the previous layer's router state,
-over E + 1 classes, one a skip expert without compute), JetMoE (a (d,) bias added to the block's
-output, which no layer parameter holds), HY-V4 and HY-V4-VL (their routed experts' SwiGLU is
-clamped at swiglu_limit, their shared expert's is not: the layer gives both one activation),
-A.X-K1 (DeepSeek-V3's block with a trained RMSNorm, post_mlp_layernorm, on its output), Muse
-Spark (experts at moe_hidden_size between trained projections from and back to d, with an RMSNorm
-of their input and of each expert's output), Doge's CDMoE (product keys over sqrt(E) x sqrt(E)
-rank-1 experts, its router reading the (T, 2 sqrt(E)) logits as (2, T, sqrt(E)): a token's scores
-are other tokens'), NeMo SpeechLM (Nemotron 3.5 Transcribe: NemotronH's block, its released
-checkpoint's fused gate_and_up_projs not mapped), ERNIE-4.5-VL-MoE (each token routed within its
-modality's own expert set), Step-3.7's layers that clamp after the SiLU (refused: see above),
-dots3's vision-tower MoE (not mapped), Laguna configs whose moe_router_logit_softcapping softcaps
-the router logits (refused: see above).
+experts), Switch (top-1) / NLLB-MoE (top-2), capacity-dropping with their own layouts,
+Cohere2-MoE's "average" shared-expert combination, Inkling 2 and Inkling 2 Loop (softcapped SwiGLU
+experts), Inkling (its router also scores the shared experts: the sigmoids of the K selected and of
+the shared ones normalised together, the shared outputs weighted by theirs, all times route_scale
+and a trained scalar), ZAYA (an MLP router on the block input plus the previous layer's router
+state, over E + 1 classes, one a skip expert without compute), JetMoE (a (d,) bias added to the
+block's output, which no layer parameter holds), HY-V4 and HY-V4-VL (their routed experts' SwiGLU
+is clamped at swiglu_limit, their shared expert's is not: the layer gives both one activation),
+A.X-K1 (DeepSeek-V3's block with a trained RMSNorm, post_mlp_layernorm, on its output), Muse Spark
+(experts at moe_hidden_size between trained projections from and back to d, with an RMSNorm of
+their input and of each expert's output), Doge's CDMoE (product keys over sqrt(E) x sqrt(E) rank-1
+experts, its router reading the (T, 2 sqrt(E)) logits as (2, T, sqrt(E)): a token's scores are
+other tokens'), ViTPose++'s backbone MoE MLP (experts chosen by a dataset index, their output
+concatenated to a shared part), ERNIE-4.5-VL-MoE (each token routed within its modality's own
+expert set), Step-3.7's layers that clamp after the SiLU (refused: see above), dots3's vision-tower
+MoE (not mapped), Laguna configs whose moe_router_logit_softcapping softcaps the router logits
+(refused: see above).
 """
 
 from __future__ import annotations
@@ -307,7 +315,7 @@ def _glu(config: Mapping[str, Any], name: str = "hidden_act") -> str:
 
 def _act(config: Mapping[str, Any], name: str) -> str:
   """The activation of experts without a gate, from config[name] (transformers' hidden_act)."""
-  act = config.get(name, "relu2")
+  act = config.get(name)
   if act not in _ACT_OF_HIDDEN_ACT:
     raise ValueError(f"{name}={act!r} has no sonic_jax activation (known: "
                      f"{sorted(_ACT_OF_HIDDEN_ACT)})")
@@ -384,6 +392,12 @@ def _v3_router(c, scoring: str = "sigmoid") -> Router:
                 routed_scaling_factor=float(c.get("routed_scaling_factor") or 1.0))
 
 
+def _deepseek_ocr2(c, layer):
+  """DeepSeek-V2's router that never renormalises (DeepSeek-OCR-2's and Unlimited-OCR's
+  transformers routers, whatever a config's norm_topk_prob says)."""
+  return _deepseek_v2({**c, "norm_topk_prob": False}, layer)
+
+
 def _deepseek_v3(c, layer):
   """DeepSeek-V3's router (V3.2, GLM-4.5, GLM-4.7-Flash, dots.llm1, Kimi-K2, Sarvam share it).
   Without a field: one group, not renormalised, factor 1, no shared expert (dots.llm1's defaults;
@@ -395,8 +409,8 @@ def _deepseek_v3(c, layer):
 
 def _nemotron_h(c, layer):
   """NemotronH: DeepSeek-V3's router; experts and one shared expert of
-  moe_shared_expert_intermediate_size without a gate, down(act(up(x))), act mlp_hidden_act
-  (ReLU squared)."""
+  moe_shared_expert_intermediate_size (intermediate_size where it is 0, as transformers builds
+  it) without a gate, down(act(up(x))), act mlp_hidden_act (ReLU squared)."""
   if c.get("moe_latent_size") is not None:
     raise ValueError("NemotronH moe_latent_size: its experts run between two latent projections "
                      "(fc1_latent_proj, fc2_latent_proj) that the layer does not have")
@@ -404,7 +418,8 @@ def _nemotron_h(c, layer):
     raise ValueError("NemotronH mlp_bias=True: the layer's shared expert has no biases")
   return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
                _get(c, *_K), _v3_router(c), _act(c, "mlp_hidden_act"), selection_bias=True,
-               **_shared(1, _get(c, "moe_shared_expert_intermediate_size")))
+               **_shared(1, _get(c, "moe_shared_expert_intermediate_size")
+                         or _get(c, "intermediate_size")))
 
 
 def _kolibri1(c, layer):
@@ -518,7 +533,7 @@ def _step3p5(c, layer):
 
 def _flint(c, layer):
   """Flint: sigmoid scores, top-K, renormalised (no epsilon) as norm_topk_prob says, no selection
-  bias; one ungated shared expert of shared_expert_intermediate_size."""
+  bias; one shared expert (no shared_expert_gate) of shared_expert_intermediate_size."""
   router = Router("sigmoid", renormalize=bool(c.get("norm_topk_prob") or False))
   return _base(_get(c, "hidden_size"), _get(c, *_E), _get(c, "moe_intermediate_size"),
                _get(c, *_K), router, _glu(c),
@@ -527,11 +542,12 @@ def _flint(c, layer):
 
 def _laguna(c, layer):
   """Laguna: sigmoid scores, selected on scores + the bias, always renormalised (no epsilon), times
-  moe_routed_scaling_factor; one ungated shared expert of shared_expert_intermediate_size."""
+  moe_routed_scaling_factor; one shared expert (no shared_expert_gate) of
+  shared_expert_intermediate_size."""
   cap = c.get("moe_router_logit_softcapping")
-  if cap:  # logits -> cap * tanh(logits / cap), which no Router computes
+  if cap and cap > 0:  # logits -> cap * tanh(logits / cap), which no Router computes
     raise ValueError(f"Laguna moe_router_logit_softcapping={cap!r}: the layer's router does not "
-                     f"softcap its logits (only 0)")
+                     f"softcap its logits (only a cap <= 0, which transformers ignores)")
   if c.get("moe_apply_router_weight_on_input"):  # transformers refuses it too
     raise ValueError("Laguna moe_apply_router_weight_on_input=True: transformers does not "
                      "implement it (only False)")
@@ -918,11 +934,11 @@ def _families():
              _defaults(_deepseek_v3, **one_shared), **v3),
       Family("deepseek_ocr2_text", "DeepseekOcr2TextMoe",
              "model.language_model.layers.{layer}.mlp.",
-             _defaults(_deepseek_v2, n_shared_experts=2), shared="shared_experts."),
+             _defaults(_deepseek_ocr2, n_shared_experts=2), shared="shared_experts."),
       # DeepSeek-OCR-2's block under Unlimited-OCR's text config (one group by default)
       Family("unlimited_ocr_text", "UnlimitedOcrTextMoe",
              "model.language_model.layers.{layer}.mlp.",
-             _defaults(_deepseek_v2, n_shared_experts=2, n_group=1, topk_group=1),
+             _defaults(_deepseek_ocr2, n_shared_experts=2, n_group=1, topk_group=1),
              shared="shared_experts."),
       # Kimi-K2's config.json names DeepSeek-V3's model "kimi_k2" (Kimi-K2.5's text_config too,
       # which transformers reads as a DeepseekV3Config: its defaults)
@@ -947,7 +963,7 @@ def _families():
              selection_bias="gate.e_score_correction_bias"),
       Family("nemotron_h", "NemotronHMoE", "model.layers.{layer}.mixer.",
              _defaults(_nemotron_h, norm_topk_prob=True, mlp_hidden_act="relu2",
-                       moe_shared_expert_intermediate_size=7688),
+                       moe_shared_expert_intermediate_size=7688, intermediate_size=21504),
              experts="up", selection_bias="gate.e_score_correction_bias",
              shared="shared_experts.", shared_kind="up"),
       Family("kolibri1", "Kolibri1SparseMoeBlock", mlp,
@@ -1054,12 +1070,13 @@ WRAPPERS = types.MappingProxyType({
     "kimi_k25": "deepseek_v3", "step3p7": "step3p5", "minimax_m3_vl": "minimax_m3_vl_text",
     "aria": "aria_text", "dots3_note": "dots3_note_text",
     "mistral_large4": "mistral_large4_text", "qwen4_exp": "qwen4_exp_text",
-    "unlimited_ocr": "unlimited_ocr_text", "diffusion_gemma": "diffusion_gemma_text"})
+    "unlimited_ocr": "unlimited_ocr_text", "diffusion_gemma": "diffusion_gemma_text",
+    "nemotron_h_omni": "nemotron_h", "nemo_speechlm": "nemotron_h"})
 
 # A multimodal config.json's other name for its text config, read where it has no text_config:
 # Unlimited-OCR's released one holds it as language_config (transformers builds its own text
-# config class from it, whatever model_type it names).
-_LEGACY_TEXT_CONFIGS = {"unlimited_ocr": "language_config"}
+# config class from it, whatever model_type it names), NemotronH-Omni's as llm_config.
+_LEGACY_TEXT_CONFIGS = {"unlimited_ocr": "language_config", "nemotron_h_omni": "llm_config"}
 
 
 def _names_a_model(config) -> bool:
@@ -1180,6 +1197,9 @@ def _check_layer(config: Mapping[str, Any], layer: int | None) -> None:
   if layer is None:
     return
   count = config.get("num_hidden_layers")
+  if count is None:  # NemotronH's is a property of its config class: one mixer a layer
+    mixers = config.get("layers_block_type") or config.get("hybrid_override_pattern")
+    count = len(mixers) if isinstance(mixers, (str, list, tuple)) else None
   mtp = config.get("num_nextn_predict_layers") or 0
   if isinstance(count, numbers.Integral):  # multi-token-prediction layers follow the decoder's
     count += mtp
@@ -1294,20 +1314,18 @@ def _check_shapes(params: Mapping[str, Any], want: Mapping[str, tuple[int, ...]]
                      f"parameter): {bad}")
 
 
-# shared_kind -> the names of a shared MLP's (2s, d) gate/up Linear and its (d, s) down Linear
-_FUSED_SHARED = {"fused": ("input_linear", "output_linear"),
-                 "gate_up": ("gate_up_proj", "down_proj")}
-# shared_kind -> the names of a shared MLP's (s, d) and (d, s) Linears where it has no gate
-_UP_SHARED = {"up": ("up_proj", "down_proj")}
+# shared_kind -> a shared MLP of two Linears: the names of its input Linear ((2s, d) gate rows
+# then up rows, or (s, d) without a gate) and its (d, s) output Linear, and whether it is gated
+_TWO_LINEAR_SHARED = {"fused": ("input_linear", "output_linear", True),
+                      "gate_up": ("gate_up_proj", "down_proj", True),
+                      "up": ("up_proj", "down_proj", False)}
 
 
 def _shared_keys(fam: Family) -> tuple[str, ...]:
   if fam.shared is None:
     return ()
-  if fam.shared_kind in _FUSED_SHARED:
-    return tuple(fam.shared + f"{p}.weight" for p in _FUSED_SHARED[fam.shared_kind])
-  if fam.shared_kind in _UP_SHARED:
-    return tuple(fam.shared + f"{p}.weight" for p in _UP_SHARED[fam.shared_kind])
+  if fam.shared_kind in _TWO_LINEAR_SHARED:
+    return tuple(fam.shared + f"{p}.weight" for p in _TWO_LINEAR_SHARED[fam.shared_kind][:2])
   return tuple(fam.shared + f"{p}_proj.weight" for p in ("gate", "up", "down"))
 
 
@@ -1476,12 +1494,10 @@ def _params_of_state(config, fam: Family, sd: Mapping[str, np.ndarray], layout: 
   if fam.selection_bias and fam.selection_bias in sd:
     out["selection_bias"] = sd[fam.selection_bias].reshape(-1).copy()
   if fam.shared and _shared_keys(fam)[0] in sd:
-    if fam.shared_kind in _FUSED_SHARED:
+    if fam.shared_kind in _TWO_LINEAR_SHARED:
       w_in, w_out = (sd[k] for k in _shared_keys(fam))
-      out["shared_in"] = _relayout(_t(w_in), "concat", layout)
-    elif fam.shared_kind in _UP_SHARED:
-      w_in, w_out = (sd[k] for k in _shared_keys(fam))
-      out["shared_in"] = _t(w_in)
+      gated = _TWO_LINEAR_SHARED[fam.shared_kind][2]
+      out["shared_in"] = _relayout(_t(w_in), "concat", layout) if gated else _t(w_in)
     else:
       gate, up, w_out = (sd[k] for k in _shared_keys(fam))
       out["shared_in"] = _merge(_t(gate), _t(up), layout)
@@ -1564,10 +1580,10 @@ def hf_state_from_layer(config: Mapping[str, Any], params: Mapping[str, Any], *,
     sd[fam.selection_bias] = prm["selection_bias"].reshape(shape).copy()
   if fam.shared and "shared_in" in prm:
     keys = _shared_keys(fam)
-    if fam.shared_kind in _FUSED_SHARED:
-      sd[keys[0]] = _t(_relayout(prm["shared_in"], layout, "concat"))
-    elif fam.shared_kind in _UP_SHARED:
-      sd[keys[0]] = _t(prm["shared_in"])
+    if fam.shared_kind in _TWO_LINEAR_SHARED:
+      gated = _TWO_LINEAR_SHARED[fam.shared_kind][2]
+      sd[keys[0]] = _t(_relayout(prm["shared_in"], layout, "concat") if gated
+                       else prm["shared_in"])
     else:
       gate, up = _split(prm["shared_in"], layout)
       sd[keys[0]], sd[keys[1]] = _t(gate), _t(up)
@@ -1605,8 +1621,9 @@ def _rooted(prefixes: list[str]) -> list[str]:
 
 
 # (Hub name, in-memory name), relative to the module that holds the experts: Granite's, Aria's,
-# DeepSeek-V4's, the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE, Laguna's
-# bias and shared expert. Each renames only into a key the family reads that the checkpoint lacks.
+# DeepSeek-V4's, the selection biases of Sarvam, Bailing, EXAONE, MiniMax-M3 and ERNIE, Hy3's
+# router, bias and shared MLP, Laguna's bias and shared expert. Each renames only into a key the
+# family reads that the checkpoint lacks.
 _HUB_RENAMES = (
     ("input_linear.weight", "experts.gate_up_proj"),
     ("output_linear.weight", "experts.down_proj"),
@@ -1620,12 +1637,12 @@ _HUB_RENAMES = (
     ("shared_experts.w1.weight", "shared_experts.gate_proj.weight"),
     ("shared_experts.w3.weight", "shared_experts.up_proj.weight"),
     ("shared_experts.w2.weight", "shared_experts.down_proj.weight"),
-    ("router.gate.weight", "gate.weight"),  # Hy3's
+    ("router.gate.weight", "gate.weight"),
     ("expert_bias", "e_score_correction_bias"),
     ("shared_mlp.gate_proj.weight", "shared_experts.gate_proj.weight"),
     ("shared_mlp.up_proj.weight", "shared_experts.up_proj.weight"),
     ("shared_mlp.down_proj.weight", "shared_experts.down_proj.weight"),
-    ("experts.e_score_correction_bias", "gate.e_score_correction_bias"),  # Laguna's
+    ("experts.e_score_correction_bias", "gate.e_score_correction_bias"),
     ("shared_expert.gate_proj.weight", "shared_experts.gate_proj.weight"),
     ("shared_expert.up_proj.weight", "shared_experts.up_proj.weight"),
     ("shared_expert.down_proj.weight", "shared_experts.down_proj.weight"),
@@ -1712,16 +1729,15 @@ def _from_hub(keys: list[str], get: Callable[[str], Any], fam: Family, want: set
     arrays = [[np.asarray(get(per[name][e])) for e in range(count)] for name in names]
     for name, found in zip(names, arrays):
       _check_experts_agree(fam.model_type, [per[name][e] for e in range(count)], found)
-    if len(names) == 2:  # no gate
+    if len(names) == 2:  # no gate: up and down as they are
       out[fused[0]], out[fused[1]] = (np.stack(found) for found in arrays)
-      used.update(k for found in per.values() for k in found.values())
-      break
-    gate, up, down = arrays
-    if gate[0].shape[1:] != up[0].shape[1:]:
-      raise ValueError(f"{fam.model_type} block: {per[names[0]][0]} {gate[0].shape} and "
-                       f"{per[names[1]][0]} {up[0].shape} differ in their input width")
-    out[fused[0]] = np.stack([np.concatenate([g, u], axis=0) for g, u in zip(gate, up)])
-    out[fused[1]] = np.stack(down)
+    else:
+      gate, up, down = arrays
+      if gate[0].shape[1:] != up[0].shape[1:]:
+        raise ValueError(f"{fam.model_type} block: {per[names[0]][0]} {gate[0].shape} and "
+                         f"{per[names[1]][0]} {up[0].shape} differ in their input width")
+      out[fused[0]] = np.stack([np.concatenate([g, u], axis=0) for g, u in zip(gate, up)])
+      out[fused[1]] = np.stack(down)
     used.update(k for found in per.values() for k in found.values())
     break
   return out, used

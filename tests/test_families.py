@@ -592,12 +592,29 @@ def test_nemotron_h_layers_by_their_mixer():
   assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
   with pytest.raises(ValueError, match="moe_latent_size"):
     hf.layer_kwargs(dict(config, moe_latent_size=8))
+  # its layer count is its mixers' (the config class has no num_hidden_layers field)
+  with pytest.raises(ValueError, match=r"index in \[0, 5\), got 5"):
+    hf.layer_kwargs(config, layer=5)
+  # a shared expert of width 0 is one of intermediate_size, as transformers builds it
+  zero = hf.layer_kwargs(dict(config, moe_shared_expert_intermediate_size=0, intermediate_size=40),
+                         layer=1)
+  assert (zero["num_shared_experts"], zero["shared_expert_dim"]) == (1, 40)
+  # its multimodal models (NemotronH-Omni's released config.json names its text config llm_config)
+  text = {k: v for k, v in config.items() if k != "model_type"}
+  for wrapper in (dict(model_type="nemotron_h_omni", llm_config=config),
+                  dict(model_type="nemo_speechlm", text_config=text)):
+    assert hf.layer_kwargs(wrapper, layer=1) == hf.layer_kwargs(config, layer=1)
+    model = {f"model.language_model.layers.1.mixer.{k}": v for k, v in state.items()}
+    block = hf.block_state_dict(wrapper, model, layer=1)
+    assert set(block) == set(state) and all(np.array_equal(block[k], state[k]) for k in state)
 
 
 def test_laguna_refuses_a_softcapped_router():
   """Laguna's router logits softcapped (c tanh(logit / c)) have no Router: refused by field."""
   config = dict(MINIMAL_CONFIGS["laguna"], model_type="laguna")
-  assert hf.layer_kwargs(dict(config, moe_router_logit_softcapping=0.0)) == hf.layer_kwargs(config)
+  for cap in (0.0, -1.0):  # transformers softcaps only with a positive cap
+    assert hf.layer_kwargs(dict(config, moe_router_logit_softcapping=cap)) == hf.layer_kwargs(
+        config)
   with pytest.raises(ValueError, match="moe_router_logit_softcapping=30.0"):
     hf.layer_kwargs(dict(config, moe_router_logit_softcapping=30.0))
 
@@ -923,7 +940,8 @@ def test_mistral_large4_released_checkpoint_layout():
 def test_unlimited_ocr_and_diffusion_gemma_read_as_their_text_block():
   """Unlimited-OCR's released config.json holds its text config as language_config, which
   transformers reads as its own text config whatever model_type it names (dense layers from
-  first_k_dense_replace); its checkpoint roots the layers at model.layers. DiffusionGemma's
+  first_k_dense_replace; never renormalised, as DeepSeek-OCR-2, whatever norm_topk_prob says);
+  its checkpoint roots the layers at model.layers. DiffusionGemma's
   encoder ties its layers' weights to its decoder's: the block under either."""
   text = dict(hidden_size=32, n_routed_experts=4, moe_intermediate_size=16,
               num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=2)
@@ -933,6 +951,9 @@ def test_unlimited_ocr_and_diffusion_gemma_read_as_their_text_block():
       dict(text, model_type="unlimited_ocr_text"), layer=1)
   with pytest.raises(ValueError, match=r"is a dense one \(first_k_dense_replace=1\)"):
     hf.layer_kwargs(config, layer=0)
+  for model_type in ("unlimited_ocr_text", "deepseek_ocr2_text"):  # their routers never renormalise
+    renorm = dict(text, model_type=model_type, norm_topk_prob=True)
+    assert not hf.layer_kwargs(renorm, layer=1)["routing"].renormalize
   state = hf.hf_state_from_layer(config, hf.layer_params(_random_layer(config, layer=1)),
                                  layer=1)
   block = hf.block_state_dict(config, {f"model.layers.1.mlp.{k}": v for k, v in state.items()},

@@ -139,12 +139,19 @@ def test_absent_dense_layer_fields_read_as_transformers_defaults(model_type):
   like, which a config saved by transformers leaves out at their defaults) has the dense layers
   of its config class's defaults."""
   full, minimal = _configs(model_type)
-  layers = range(full.get("num_hidden_layers") or 8)
+  # (NemotronH's config class counts its layers by its mixers: no num_hidden_layers field)
+  layers = range(full.get("num_hidden_layers") or len(full.get("layers_block_type") or ()) or 8)
   assert [_is_dense(minimal, i) for i in layers] == [_is_dense(full, i) for i in layers]
-  # At another layer count, where the class derives some of them from it (ERNIE's end index -1)
-  full = {**full, **FAMILIES[model_type]["at_96_layers"]}
-  minimal = {**minimal, "num_hidden_layers": 96}
-  assert [_is_dense(minimal, i) for i in range(96)] == [_is_dense(full, i) for i in range(96)]
+  # At another layer count, where the class derives some of them from it (ERNIE's end index -1;
+  # NemotronH's count is its mixer list's, which the entry gives)
+  at_96 = FAMILIES[model_type]["at_96_layers"]
+  full = {**full, **at_96}
+  if "num_hidden_layers" in at_96 or not at_96:
+    minimal, count = {**minimal, "num_hidden_layers": 96}, 96
+  else:
+    minimal, count = {**minimal, **at_96}, len(full["layers_block_type"])
+  layers = range(count)
+  assert [_is_dense(minimal, i) for i in layers] == [_is_dense(full, i) for i in layers]
 
 
 def test_axk2_dense_layers_from_its_legacy_fields():
